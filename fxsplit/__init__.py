@@ -1,0 +1,26 @@
+"""fxsplit: split a PyTorch model over devices with a declarative graph compiler.
+
+Trace (torch.fx / torch.export) -> partition under per-device memory budgets
+-> generate a ``GraphModule`` with ``.to(device)`` copies at the cut edges.
+"""
+
+from fxsplit.api import fxsplit, plan
+from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError, SpecError, TraceError
+from fxsplit.plan import Cut, Plan
+from fxsplit.units import format_size, parse_size
+
+__all__ = [
+    "BudgetError",
+    "Cut",
+    "FxsplitError",
+    "Plan",
+    "PlanMismatchError",
+    "SpecError",
+    "TraceError",
+    "format_size",
+    "fxsplit",
+    "parse_size",
+    "plan",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,178 @@
+"""The public entry points: wire trace -> cost -> partition -> plan -> codegen."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.fx
+
+from fxsplit.codegen import emit, move_weights
+from fxsplit.cost import GraphCosts, build_problem
+from fxsplit.devices import normalize_budgets, normalize_device
+from fxsplit.errors import FxsplitError, SpecError
+from fxsplit.partition import OBJECTIVES, partition
+from fxsplit.plan import Plan
+from fxsplit.planning import make_plan, weights_by_node
+from fxsplit.trace import TRACE_MODES, Traced, trace
+
+__all__ = ["fxsplit", "plan"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every option ``fxsplit`` and ``plan`` take besides the model and budgets."""
+
+    example_kwargs: Mapping[str, Any] | None = None
+    trace: str = "auto"
+    leaf_modules: Iterable[type | str] = ()
+    concrete_args: Mapping[str, Any] | None = None
+    output_device: Any = None
+    objective: str = "min_transfer"
+    pins: Mapping[str, Any] | None = None
+
+
+_OPTION_NAMES = tuple(Options.__dataclass_fields__)
+
+
+def _options(raw: Mapping[str, Any]) -> Options:
+    for name in raw:
+        if name not in _OPTION_NAMES:
+            close = difflib.get_close_matches(name, _OPTION_NAMES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; options are {', '.join(_OPTION_NAMES)}"
+            raise SpecError(f"unknown option {name!r}{hint}")
+    options = Options(**raw)
+    if options.trace not in TRACE_MODES:
+        raise SpecError(f"trace must be one of {', '.join(TRACE_MODES)} (got {options.trace!r})")
+    if options.objective not in OBJECTIVES:
+        raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)} (got {options.objective!r})")
+    return options
+
+
+@dataclass
+class _Planned:
+    traced: Traced
+    costs: GraphCosts
+    plan: Plan
+
+
+def _plan(model: torch.nn.Module, budgets: Mapping[Any, Any], example_inputs: Any, raw: Mapping[str, Any]) -> _Planned:
+    options = _options(raw)
+    limits = normalize_budgets(budgets)
+    devices = list(limits)
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    traced = trace(
+        model,
+        example_inputs=example_inputs,
+        example_kwargs=options.example_kwargs,
+        mode=options.trace,
+        leaf_modules=options.leaf_modules,
+        concrete_args=options.concrete_args,
+    )
+    pins = {str(k): normalize_device(v) for k, v in (options.pins or {}).items()}
+    index = {d: i for i, d in enumerate(devices)}
+    costs = build_problem(traced.graph_module, model, device_index=index, pins=pins)
+    solution = partition(costs.problem, [limits[d] for d in devices], objective=options.objective, device_names=devices)
+    output_device = normalize_device(options.output_device) if options.output_device is not None else None
+    made = make_plan(costs, traced.graph_module, solution, devices, limits, output_device=output_device,
+                     trace=traced.method, objective=options.objective)
+    return _Planned(traced, costs, made)
+
+
+def plan(model: torch.nn.Module, budgets: Mapping[Any, Any], *, example_inputs: Any = None, **options: Any) -> Plan:
+    """Decide where every op, parameter and buffer of ``model`` goes; run nothing.
+
+    Works on models built on the ``meta`` device (no weights needed). Takes the
+    same arguments as :func:`fxsplit`. The model is not modified.
+
+    Example:
+        >>> import torch, fxsplit
+        >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+        >>> p = fxsplit.plan(model, {"cpu:0": "300KiB", "cpu:1": "300KiB"}, example_inputs=(torch.randn(2, 256),))
+        >>> p.param_devices["0.weight"], p.param_devices["2.weight"]
+        ('cpu:0', 'cpu:1')
+        >>> [(c.producer, c.destination, c.nbytes) for c in p.cuts]
+        [('relu', 'cpu:1', 2048)]
+    """
+    return _plan(model, budgets, example_inputs, options).plan
+
+
+def fxsplit(
+    model: torch.nn.Module,
+    budgets: Mapping[Any, Any],
+    *,
+    example_inputs: Any = None,
+    **options: Any,
+) -> torch.fx.GraphModule:
+    """Split ``model`` over devices under per-device memory budgets.
+
+    Traces the model, assigns every op to a device so that each device's
+    parameters and buffers fit its budget while the bytes copied between
+    devices are as few as possible, and returns a ``GraphModule`` whose
+    ``forward`` runs each op on its device with ``.to(device)`` copies at the
+    cut edges. ``gm.meta["fxsplit_plan"]`` is the :class:`Plan`.
+
+    What happens to ``model``: like ``model.to()``, its parameters and buffers
+    are moved to their planned devices *in place* (the same ``Parameter``
+    objects, so an optimizer built on ``model.parameters()`` keeps working),
+    and the returned module shares them; no second copy of the weights is
+    made. The module's structure, ``forward`` and hooks are not changed.
+
+    Args:
+        model: the module to split.
+        budgets: device -> bytes (int) or a size string (``"20GiB"``, ``"2GB"``).
+            Keys: ``"cuda:1"``, ``"cpu:0"``, ``torch.device`` or an int meaning
+            ``cuda:N``. The mapping's order is the order of the stages.
+        example_inputs: a tuple of positional inputs (real or meta tensors).
+            With them, ``torch.export`` traces the model and every cut knows its
+            bytes; without, ``torch.fx.symbolic_trace`` does.
+        **options: ``example_kwargs`` (keyword inputs for tracing),
+            ``trace`` (``"auto"`` | ``"fx"`` | ``"export"``), ``leaf_modules``
+            (module types or qualified names fx must not trace into),
+            ``concrete_args``, ``output_device`` (default: the device of the
+            last stage that runs ops), ``objective`` (``"min_transfer"``, the
+            default, or ``"balanced"``) and ``pins`` (module path or glob ->
+            device).
+
+    Returns:
+        The split ``torch.fx.GraphModule``. Call it like ``model``.
+
+    Raises:
+        BudgetError: it does not fit; says what, where and by how much.
+        TraceError: the model cannot be traced; says why and what to try.
+        SpecError: a malformed argument.
+
+    Example:
+        >>> import torch, fxsplit
+        >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+        >>> gm = fxsplit.fxsplit(model, {"cpu:0": "300KiB", "cpu:1": "300KiB"}, example_inputs=(torch.randn(2, 256),))
+        >>> print(gm.code.strip())  # doctest: +NORMALIZE_WHITESPACE
+        def forward(self, input):
+            input_1 = input
+            _0 = getattr(self, "0")
+            to = input_1.to('cpu:0');  input_1 = None
+            _0_1 = _0(to);  to = None
+            _1 = getattr(self, "1")
+            relu = _1(_0_1);  _0_1 = None
+            to_1 = relu.to('cpu:1');  relu = None
+            _2 = getattr(self, "2")
+            _2_1 = _2(to_1);  to_1 = None
+            return _2_1
+    """
+    planned = _plan(model, budgets, example_inputs, options)
+    _refuse_meta(model)
+    by_node = weights_by_node(planned.costs)
+    move_weights(planned.traced.graph_module, planned.plan, planned.costs.weights + planned.costs.unused)
+    return emit(planned.traced.graph_module, planned.plan, by_node)
+
+
+def _refuse_meta(model: torch.nn.Module) -> None:
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.device.type == "meta":
+            raise FxsplitError(
+                f"'{name}' is on the meta device, so the split model could not run; use fxsplit.plan() to "
+                "plan a meta model, or load real weights first (model.to_empty(device=...) then load_state_dict)"
+            )

@@ -1,0 +1,211 @@
+"""From a traced graph to a :class:`PartitionProblem`: bytes per value, weights once.
+
+Every parameter and buffer is one *weight*, however many names or graph
+nodes refer to it (tied embeddings, shared layers): it is found by tensor
+identity and counted once. Values whose size is unknown (no shapes) count as
+one byte, so the partitioner then minimises the number of values cut.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.fx
+
+from fxsplit.errors import SpecError
+from fxsplit.graphinfo import NONTENSOR, alias_root, module_path, mutated_inputs, value_bytes, value_kind
+from fxsplit.problem import PartitionProblem, Value
+
+__all__ = ["GraphCosts", "Weight", "build_problem", "model_tensors"]
+
+UNKNOWN_VALUE_BYTES = 1
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One parameter or buffer tensor, with every name it has in the model.
+
+    Attributes:
+        names: qualified names in the user's model (several when tied); the
+            first is the canonical one. Constants that exist only in the traced
+            graph are named by their graph target.
+        nbytes: bytes of the tensor.
+        is_buffer: True for buffers (state), False for parameters.
+        nodes: names of the graph nodes that read it (get_attr and call_module).
+    """
+
+    names: tuple[str, ...]
+    nbytes: int
+    is_buffer: bool
+    nodes: tuple[str, ...]
+
+
+@dataclass
+class GraphCosts:
+    """The problem plus what is needed to turn its solution into a plan."""
+
+    problem: PartitionProblem
+    ops: list[torch.fx.Node]
+    weights: list[Weight]
+    weight_values: list[int]
+    unused: list[Weight] = field(default_factory=list)
+    value_nbytes: dict[str, int | None] = field(default_factory=dict)
+
+
+def model_tensors(model: torch.nn.Module) -> dict[int, tuple[list[str], torch.Tensor, bool]]:
+    """``id(tensor) -> (qualified names, tensor, is_buffer)`` for every parameter and buffer."""
+    found: dict[int, tuple[list[str], torch.Tensor, bool]] = {}
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        found.setdefault(id(tensor), ([], tensor, False))[0].append(name)
+    for name, tensor in model.named_buffers(remove_duplicate=False):
+        if tensor is not None:
+            found.setdefault(id(tensor), ([], tensor, True))[0].append(name)
+    return found
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def build_problem(
+    graph_module: torch.fx.GraphModule,
+    model: torch.nn.Module,
+    *,
+    device_index: Mapping[str, int],
+    pins: Mapping[str, str] | None = None,
+) -> GraphCosts:
+    """Describe the graph's ops, values, weights and constraints for the partitioner."""
+    graph = graph_module.graph
+    modules = dict(graph_module.named_modules())
+    known = model_tensors(model)
+    ops = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    index = {node: i for i, node in enumerate(ops)}
+
+    weight_users: dict[int, set[int]] = {}
+    weight_nodes: dict[int, list[str]] = {}
+    weight_tensor: dict[int, tuple[list[str], torch.Tensor, bool]] = {}
+
+    def add_weight(tensor: torch.Tensor, graph_name: str, is_buffer: bool, node: str, users: set[int]) -> None:
+        key = id(tensor)
+        entry = known.get(key) or weight_tensor.get(key) or ([graph_name], tensor, is_buffer)
+        weight_tensor[key] = entry
+        weight_users.setdefault(key, set()).update(users)
+        weight_nodes.setdefault(key, []).append(node)
+
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            attr = _resolve(graph_module, str(node.target))
+            if isinstance(attr, torch.Tensor):
+                users = {index[u] for u in node.users if u in index}
+                add_weight(attr, str(node.target), not isinstance(attr, torch.nn.Parameter), node.name, users)
+        elif node.op == "call_module":
+            module = modules[str(node.target)]
+            for name, tensor in _module_tensors(module):
+                add_weight(tensor, f"{node.target}.{name}", not isinstance(tensor, torch.nn.Parameter),
+                           node.name, {index[node]})
+
+    mutated_weights: set[int] = set()
+    together: list[tuple[int, ...]] = []
+    for node in ops:
+        for target in mutated_inputs(node, modules):
+            root = alias_root(target)
+            if root.op == "get_attr":
+                attr = _resolve(graph_module, str(root.target))
+                mutated_weights.add(id(attr))
+            else:
+                group = {index[node]} | {index[u] for u in root.users if u in index}
+                if root in index:
+                    group.add(index[root])
+                together.append(tuple(sorted(group)))
+    for node in ops:
+        if node.op == "call_module":
+            for _, tensor in _module_tensors(modules[str(node.target)]):
+                if not isinstance(tensor, torch.nn.Parameter):
+                    mutated_weights.add(id(tensor))
+
+    values: list[Value] = []
+    value_nbytes: dict[str, int | None] = {}
+    for node in graph.nodes:
+        if node.op not in ("placeholder",) and node not in index:
+            continue
+        consumers = sorted({index[u] for u in node.users if u in index})
+        nbytes = value_bytes(node)
+        value_nbytes[node.name] = nbytes
+        if not consumers:
+            continue
+        cost = 0 if value_kind(node) == NONTENSOR else (nbytes if nbytes is not None else UNKNOWN_VALUE_BYTES)
+        start = index[node] if node in index else consumers[0]
+        values.append(Value(node.name, cost, start, tuple(consumers)))
+
+    weights: list[Weight] = []
+    weight_values: list[int] = []
+    for key, (names, tensor, is_buffer) in weight_tensor.items():
+        users = sorted(weight_users[key])
+        weight = Weight(tuple(names), _tensor_bytes(tensor), is_buffer, tuple(weight_nodes[key]))
+        weights.append(weight)
+        if users:
+            weight_values.append(len(values))
+            values.append(Value(names[0], weight.nbytes, users[0], tuple(users), weight=weight.nbytes,
+                                movable=key not in mutated_weights))
+        else:
+            weight_values.append(-1)
+    unused = [Weight(tuple(names), _tensor_bytes(t), b, ()) for key, (names, t, b) in known.items()
+              if key not in weight_tensor]
+
+    labels = tuple(module_path(n) for n in ops)
+    problem = PartitionProblem(
+        op_names=tuple(n.name for n in ops),
+        values=tuple(values),
+        pinned=_resolve_pins(pins or {}, ops, labels, device_index),
+        together=tuple(together),
+        op_labels=labels,
+    )
+    return GraphCosts(problem, ops, weights, weight_values, unused, value_nbytes)
+
+
+def _resolve(graph_module: torch.fx.GraphModule, target: str) -> Any:
+    obj: Any = graph_module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    found = list(module.named_parameters(remove_duplicate=False))
+    found += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
+    return found
+
+
+def _resolve_pins(
+    pins: Mapping[str, str],
+    ops: list[torch.fx.Node],
+    labels: tuple[str, ...],
+    device_index: Mapping[str, int],
+) -> dict[int, int]:
+    """Op index -> device index for every op whose module (or name) matches a pin pattern."""
+    pinned: dict[int, int] = {}
+    for pattern, device in pins.items():
+        if device not in device_index:
+            raise SpecError(f"pin {pattern!r} names device {device!r}, which has no budget; budgets: {sorted(device_index)}")
+        matched = False
+        for i, (node, label) in enumerate(zip(ops, labels)):
+            if _matches(pattern, label) or node.name == pattern:
+                matched = True
+                previous = pinned.get(i)
+                if previous is not None and previous != device_index[device]:
+                    raise SpecError(f"op '{node.name}' (in '{label}') is pinned to two devices by overlapping pins")
+                pinned[i] = device_index[device]
+        if not matched:
+            raise SpecError(f"pin {pattern!r} matches no module or node of the traced graph")
+    return pinned
+
+
+def _matches(pattern: str, path: str) -> bool:
+    if not path:
+        return False
+    return path == pattern or path.startswith(pattern + ".") or fnmatch.fnmatchcase(path, pattern) or (
+        fnmatch.fnmatchcase(path, pattern + ".*")
+    )

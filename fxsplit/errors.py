@@ -1,0 +1,42 @@
+"""The exceptions fxsplit raises.
+
+Every error derives from :class:`FxsplitError`. Errors about bad input that a
+user can fix by changing a value (budgets, specs, plans) are also
+:class:`ValueError`, so code that already catches ``ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BudgetError",
+    "FxsplitError",
+    "PlanMismatchError",
+    "SpecError",
+    "TraceError",
+]
+
+
+class FxsplitError(Exception):
+    """Root of every error fxsplit raises on purpose."""
+
+
+class BudgetError(FxsplitError, ValueError):
+    """The model (or a part of it that cannot be split) does not fit the budgets.
+
+    The message says what does not fit, on which device, and by how many bytes.
+    """
+
+
+class TraceError(FxsplitError):
+    """The model could not be turned into an FX graph.
+
+    The message carries torch's reason and what to try next.
+    """
+
+
+class SpecError(FxsplitError, ValueError):
+    """An argument, option or spec value is malformed or inconsistent."""
+
+
+class PlanMismatchError(FxsplitError, ValueError):
+    """A saved plan does not describe the model it is applied to."""

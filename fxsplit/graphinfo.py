@@ -1,0 +1,178 @@
+"""Facts about FX nodes that the cost model and the code generator share.
+
+What kind of value a node holds (tensor, not a tensor, unknown), how many
+bytes it is, which module it belongs to, and which of its inputs it mutates.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterator
+
+import torch
+import torch.fx
+
+__all__ = [
+    "NONTENSOR",
+    "TENSOR",
+    "UNKNOWN",
+    "alias_root",
+    "module_path",
+    "mutated_inputs",
+    "value_bytes",
+    "value_kind",
+]
+
+TENSOR, NONTENSOR, UNKNOWN = "tensor", "nontensor", "unknown"
+
+_NONTENSOR_METHODS = frozenset(
+    {"size", "dim", "numel", "ndimension", "nelement", "element_size", "item", "tolist", "stride",
+     "is_contiguous", "data_ptr", "get_device", "is_floating_point", "__len__"}
+)
+_NONTENSOR_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_sparse"})
+_VIEW_METHODS = frozenset(
+    {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "squeeze", "unsqueeze", "expand",
+     "expand_as", "narrow", "select", "t", "flatten", "unflatten", "as_strided", "split", "chunk", "unbind",
+     "detach", "movedim", "swapaxes", "diagonal", "unfold", "__getitem__", "T", "mT"}
+)
+_VIEW_FUNCTIONS = {torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze, torch.flatten,
+                   torch.narrow, torch.select, torch.split, torch.chunk, torch.unbind, torch.movedim,
+                   torch.t, torch.detach, operator.getitem}
+_STAT_OPS = ("batch_norm", "instance_norm")
+
+
+def _tensors_in(value: Any) -> Iterator[Any]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+
+
+def _meta_value(node: torch.fx.Node) -> Any:
+    if "val" in node.meta:
+        return node.meta["val"]
+    return node.meta.get("tensor_meta")
+
+
+def value_kind(node: torch.fx.Node) -> str:
+    """TENSOR for a plain tensor, NONTENSOR for data with no tensor inside, else UNKNOWN."""
+    if "val" in node.meta or "tensor_meta" in node.meta:
+        value = _meta_value(node)
+        if isinstance(value, torch.Tensor) or type(value).__name__ == "TensorMetadata":
+            return TENSOR
+        return UNKNOWN if any(True for _ in _tensors_in(value)) else NONTENSOR
+    if node.op == "call_method" and node.target in _NONTENSOR_METHODS:
+        return NONTENSOR
+    if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
+        if node.args[1] in _NONTENSOR_ATTRS:
+            return NONTENSOR
+    if node.op == "call_function" and node.target is len:
+        return NONTENSOR
+    if node.op in ("call_function", "call_method") and node.all_input_nodes:
+        if all(value_kind(n) == NONTENSOR for n in node.all_input_nodes):
+            return NONTENSOR
+    return UNKNOWN
+
+
+def value_bytes(node: torch.fx.Node) -> int | None:
+    """Bytes of the tensors the node's value holds, or None when shapes are unknown."""
+    if "val" not in node.meta and "tensor_meta" not in node.meta:
+        return None
+    value = _meta_value(node)
+    if type(value).__name__ == "TensorMetadata":
+        return _numel(value.shape) * torch.empty((), dtype=value.dtype).element_size()
+    total = 0
+    for tensor in _tensors_in(value):
+        numel = _numel(tensor.shape)
+        if numel is None:
+            return None
+        total += numel * tensor.element_size()
+    return total
+
+
+def _numel(shape: Any) -> Any:
+    count = 1
+    for dim in shape:
+        try:
+            count *= int(dim)
+        except Exception:  # noqa: BLE001 - an unbacked symbolic size
+            return None
+    return count
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """Qualified name of the module the node belongs to ('' for the root)."""
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return str(path)
+    return ""
+
+
+def mutated_inputs(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> list[torch.fx.Node]:
+    """Input nodes that ``node`` writes to in place."""
+    mutated: list[torch.fx.Node] = []
+    target = node.target
+    first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        schema = target._schema
+        for index, argument in enumerate(schema.arguments):
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            if isinstance(value, torch.fx.Node) and argument.alias_info is not None and argument.alias_info.is_write:
+                mutated.append(value)
+        name = schema.name.split("::")[-1]
+        if any(stat in name for stat in _STAT_OPS):
+            mutated.extend(n for n in node.all_input_nodes if n.op == "get_attr")
+        return mutated
+    if node.op == "call_method" and isinstance(target, str):
+        if target.endswith("_") and not target.endswith("__") and first is not None:
+            mutated.append(first)
+    elif node.op == "call_function":
+        name = getattr(target, "__name__", "")
+        if (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True:
+            if first is not None:
+                mutated.append(first)
+        if target is operator.setitem and first is not None:
+            mutated.append(first)
+        if any(stat in name for stat in _STAT_OPS):
+            mutated.extend(n for n in node.all_input_nodes if n.op == "get_attr")
+    elif node.op == "call_module":
+        module = modules.get(str(target))
+        if getattr(module, "inplace", False) is True and first is not None:
+            mutated.append(first)
+    return mutated
+
+
+def alias_root(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow view ops back to the node whose storage ``node`` shares."""
+    while True:
+        base = _view_base(node)
+        if base is None:
+            return node
+        node = base
+
+
+def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    base = node.args[0]
+    if node.op == "call_method" and node.target in _VIEW_METHODS:
+        return base
+    if node.op == "call_function":
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            returns = target._schema.returns
+            if returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write:
+                return base
+            return None
+        if target in _VIEW_FUNCTIONS:
+            return base
+    return None

@@ -1,0 +1,392 @@
+"""Assign every op of a :class:`PartitionProblem` to a device, under budgets.
+
+Pure functions over plain data (no torch). The placement is *contiguous*:
+devices, in the order given, take consecutive runs of ops (a device may take
+none). Among contiguous placements that respect the budgets, pins and
+together-constraints, the default objective minimises the bytes copied
+between devices, then spreads the load (sum of squared budget fractions).
+
+Two dynamic programmes do the work:
+
+* ``_relay_boundaries`` runs over *every* position in O(devices x ops) with a
+  sliding-window minimum. It charges a value once for every boundary it
+  crosses, which equals the true cost on chains and is an upper bound
+  elsewhere (a value that skips a device is really copied once, directly).
+* ``_exact_boundaries`` charges the true cost (one copy per value and
+  destination device) and breaks ties by balance, over a set of candidate
+  positions: all of them for graphs of up to ``EXACT_LIMIT`` ops, else module
+  boundaries, the cheapest cut positions and the relay solution's cuts.
+
+So the result is the exact optimum over contiguous placements for graphs of
+up to ``EXACT_LIMIT`` ops, and never worse than the relay optimum otherwise.
+
+>>> from fxsplit.problem import PartitionProblem, Value
+>>> chain = PartitionProblem(
+...     op_names=("a", "b", "c"),
+...     values=(Value("w_a", 0, 0, (0,), weight=60), Value("w_b", 0, 1, (1,), weight=60),
+...             Value("w_c", 0, 2, (2,), weight=60), Value("a", 8, 0, (1,)), Value("b", 4, 1, (2,))))
+>>> partition(chain, [130, 130]).op_devices
+(0, 0, 1)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from fxsplit.errors import BudgetError, SpecError
+from fxsplit.problem import PartitionProblem
+from fxsplit.units import format_size
+
+__all__ = ["EXACT_LIMIT", "OBJECTIVES", "Partition", "partition", "transfer_bytes"]
+
+EXACT_LIMIT = 480
+OBJECTIVES = ("min_transfer", "balanced")
+_INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A solved placement.
+
+    Attributes:
+        op_devices: device index of every op, in op order.
+        transfer_bytes: bytes copied between devices per forward pass.
+        device_weights: resident bytes (parameters, buffers) per device index.
+    """
+
+    op_devices: tuple[int, ...]
+    transfer_bytes: int
+    device_weights: tuple[int, ...]
+
+
+def transfer_bytes(problem: PartitionProblem, op_devices: Sequence[int]) -> int:
+    """Bytes copied per forward: each value once per device, other than its home, that reads it."""
+    total = 0
+    for value in problem.values:
+        if not value.consumers or not value.nbytes:
+            continue
+        home = op_devices[value.start]
+        destinations = {op_devices[c] for c in value.consumers} - {home}
+        total += value.nbytes * len(destinations)
+    return total
+
+
+def partition(
+    problem: PartitionProblem,
+    budgets: Sequence[int],
+    *,
+    objective: str = "min_transfer",
+    device_names: Sequence[str] | None = None,
+) -> Partition:
+    """Place every op on a device so that each device's resident bytes fit its budget.
+
+    Args:
+        problem: ops, values and constraints.
+        budgets: bytes each device may hold, in stage order.
+        objective: ``"min_transfer"`` (fewest bytes between devices, then
+            balance) or ``"balanced"`` (smallest largest budget fraction, then
+            fewest bytes between devices).
+        device_names: names for error messages (default ``device 0``, ...).
+
+    Raises:
+        BudgetError: no placement fits; the message says what and by how much.
+        SpecError: pins contradict the device order, or the objective is unknown.
+    """
+    if objective not in OBJECTIVES:
+        raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)} (got {objective!r})")
+    if not budgets:
+        raise SpecError("budgets must name at least one device")
+    names = list(device_names) if device_names else [f"device {k}" for k in range(len(budgets))]
+    ctx = _Context(problem, list(budgets))
+    _check_pin_order(problem, names)
+    if problem.num_ops == 0:
+        return _result(problem, ctx, [0, 0] + [0] * (len(budgets) - 1))
+    relay = None if problem.num_ops + 1 <= EXACT_LIMIT else _relay_boundaries(ctx, ctx.budgets)
+    if problem.num_ops + 1 > EXACT_LIMIT and relay is None:
+        _raise_infeasible(problem, ctx, names)
+    candidates = _candidates(ctx, relay)
+    budgets_used = ctx.budgets
+    if objective == "balanced":
+        scale = _min_max_fraction(ctx, candidates)
+        if scale is not None:
+            budgets_used = [min(b, int(b * scale) + 1) for b in ctx.budgets]
+    boundaries = _exact_boundaries(ctx, candidates, budgets_used)
+    if boundaries is None:
+        _raise_infeasible(problem, ctx, names)
+    return _result(problem, ctx, boundaries)
+
+
+class _Context:
+    """Arrays derived once from the problem, shared by the programmes."""
+
+    def __init__(self, problem: PartitionProblem, budgets: list[int]) -> None:
+        self.problem = problem
+        self.budgets = budgets
+        n = problem.num_ops
+        self.n = n
+        self.prefix_weight = np.concatenate([[0], np.cumsum(problem.op_weights(), dtype=np.int64)])
+        self.forbidden = problem.forbidden_cuts()
+        self.crossing = self._crossing()
+        # last_bad[k][t]: 1 + index of the last op before t pinned to a device other than k.
+        self.last_bad: list[list[int]] = []
+        for k in range(len(budgets)):
+            row = [0] * (n + 1)
+            last = 0
+            for t in range(1, n + 1):
+                pin = problem.pinned.get(t - 1)
+                if pin is not None and pin != k:
+                    last = t
+                row[t] = last
+            self.last_bad.append(row)
+
+    def _crossing(self) -> list[int]:
+        diff = [0] * (self.n + 2)
+        for value in self.problem.values:
+            if value.consumers and value.nbytes and value.last > value.start:
+                diff[value.start + 1] += value.nbytes
+                diff[value.last + 1] -= value.nbytes
+        crossing, running = [], 0
+        for t in range(self.n + 1):
+            running += diff[t]
+            crossing.append(running)
+        return crossing
+
+    def weight(self, start: int, stop: int) -> int:
+        return int(self.prefix_weight[stop] - self.prefix_weight[start])
+
+
+def _check_pin_order(problem: PartitionProblem, names: Sequence[str]) -> None:
+    previous: tuple[int, int] | None = None
+    for op in sorted(problem.pinned):
+        device = problem.pinned[op]
+        if not 0 <= device < len(names):
+            raise SpecError(f"op {problem.label(op)} is pinned to device index {device}, which is not among the budgets")
+        if previous is not None and device < previous[1]:
+            raise SpecError(
+                f"pins contradict the device order: {problem.label(previous[0])} is pinned to "
+                f"'{names[previous[1]]}' but the later {problem.label(op)} to the earlier stage "
+                f"'{names[device]}'; devices run in the order the budgets list them, so reorder "
+                "the budgets or change a pin"
+            )
+        previous = (op, device)
+
+
+def _relay_boundaries(ctx: _Context, budgets: Sequence[int]) -> list[int] | None:
+    """Cheapest contiguous placement when a value pays once per boundary it crosses."""
+    n, crossing, forbidden = ctx.n, ctx.crossing, ctx.forbidden
+    prefix = ctx.prefix_weight.tolist()
+    previous = [0.0] + [_INF] * n
+    choices: list[list[int]] = []
+    for k, budget in enumerate(budgets):
+        current = [0.0] + [_INF] * n
+        choice = [-1] * (n + 1)
+        window: deque[int] = deque()
+        left = 0
+        last_bad = ctx.last_bad[k]
+        for t in range(1, n + 1):
+            s = t - 1
+            if previous[s] < _INF and (s == 0 or not forbidden[s]):
+                key = previous[s] + crossing[s]
+                while window and previous[window[-1]] + crossing[window[-1]] >= key:
+                    window.pop()
+                window.append(s)
+            while prefix[t] - prefix[left] > budget:
+                left += 1
+            bound = max(left, last_bad[t])
+            while window and window[0] < bound:
+                window.popleft()
+            best = previous[t]
+            if window:
+                s = window[0]
+                if previous[s] + crossing[s] < best:
+                    best = previous[s] + crossing[s]
+                    choice[t] = s
+            current[t] = best
+        choices.append(choice)
+        previous = current
+    if previous[n] == _INF:
+        return None
+    return _walk_back(choices, n)
+
+
+def _walk_back(choices: list[list[int]], n: int) -> list[int]:
+    boundaries = [0] * (len(choices) + 1)
+    boundaries[-1] = t = n
+    for k in range(len(choices) - 1, -1, -1):
+        s = choices[k][t]
+        if s >= 0:
+            t = s
+        boundaries[k] = t
+    boundaries[0] = 0
+    return boundaries
+
+
+def _candidates(ctx: _Context, relay: list[int] | None) -> np.ndarray:
+    """Positions where the exact programme may put a device boundary."""
+    n = ctx.n
+    if n + 1 <= EXACT_LIMIT:
+        return np.arange(n + 1)
+    allowed = [t for t in range(1, n) if not ctx.forbidden[t]]
+    chosen = {0, n, *(relay or [])}
+    labels = ctx.problem.op_labels
+    if labels:
+        for depth in range(1, 5):
+            level = {t for t in allowed if _prefix(labels[t], depth) != _prefix(labels[t - 1], depth)}
+            if len(chosen | level) > EXACT_LIMIT // 2:
+                break
+            chosen |= level
+    by_cost = sorted(allowed, key=lambda t: (ctx.crossing[t], t))
+    for t in by_cost:
+        if len(chosen) >= EXACT_LIMIT:
+            break
+        chosen.add(t)
+    return np.array(sorted(chosen))
+
+
+def _prefix(label: str, depth: int) -> str:
+    return ".".join(label.split(".")[:depth])
+
+
+def _cut_cost_matrix(ctx: _Context, cands: np.ndarray) -> np.ndarray:
+    """``C[i, j]``: bytes copied into a device that runs ops ``[cands[i], cands[j])``."""
+    m = len(cands)
+    increments = np.zeros((m, m + 1))
+    for value in ctx.problem.values:
+        if not value.nbytes or not value.consumers or value.last <= value.start:
+            continue
+        lo = int(np.searchsorted(cands, value.start, side="right"))
+        hi = int(np.searchsorted(cands, value.last, side="right"))
+        if lo >= hi:
+            continue
+        starts = cands[lo:hi]
+        consumers = np.asarray(value.consumers)
+        next_use = consumers[np.searchsorted(consumers, starts, side="left")]
+        first_j = np.searchsorted(cands, next_use, side="right")
+        np.add.at(increments, (np.arange(lo, hi), first_j), value.nbytes)
+    return np.cumsum(increments, axis=1)[:, :m]
+
+
+def _segment_masks(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    weights = ctx.prefix_weight[cands]
+    seg_weight = (weights[None, :] - weights[:, None]).astype(np.float64)
+    m = len(cands)
+    base = np.triu(np.ones((m, m), dtype=bool), k=1)
+    starts_ok = np.array([t == 0 or not ctx.forbidden[t] for t in cands.tolist()])
+    base &= starts_ok[:, None]
+    masks = []
+    for k, budget in enumerate(budgets):
+        last_bad = np.asarray(ctx.last_bad[k])[cands]
+        pins_ok = last_bad[None, :] <= cands[:, None]
+        masks.append(base & (seg_weight <= budget) & pins_ok)
+    return seg_weight, masks
+
+
+def _exact_boundaries(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> list[int] | None:
+    """Cheapest placement (true copy cost, then balance) with boundaries in ``cands``."""
+    cost = _cut_cost_matrix(ctx, cands)
+    seg_weight, masks = _segment_masks(ctx, cands, budgets)
+    epsilon = 0.5 / len(budgets)
+    m = len(cands)
+    previous = np.full(m, _INF)
+    previous[0] = 0.0
+    choices: list[list[int]] = []
+    for k, budget in enumerate(budgets):
+        fraction = seg_weight / budget if budget > 0 else np.where(seg_weight > 0, _INF, 0.0)
+        total = previous[:, None] + cost + epsilon * fraction**2
+        total = np.where(masks[k], total, _INF)
+        best_start = np.argmin(total, axis=0)
+        best = total[best_start, np.arange(m)]
+        take = best < previous
+        choices.append(np.where(take, best_start, -1).tolist())
+        previous = np.where(take, best, previous)
+    if previous[m - 1] == _INF:
+        return None
+    positions = _walk_back(choices, m - 1)
+    return [int(cands[i]) for i in positions]
+
+
+def _min_max_fraction(ctx: _Context, cands: np.ndarray) -> float | None:
+    """Smallest achievable largest (device bytes / budget) over candidate placements."""
+    seg_weight, masks = _segment_masks(ctx, cands, ctx.budgets)
+    m = len(cands)
+    previous = np.full(m, _INF)
+    previous[0] = 0.0
+    for k, budget in enumerate(ctx.budgets):
+        fraction = seg_weight / budget if budget > 0 else np.where(seg_weight > 0, _INF, 0.0)
+        total = np.where(masks[k], np.maximum(previous[:, None], fraction), _INF)
+        previous = np.minimum(previous, total.min(axis=0))
+    return None if previous[m - 1] == _INF else float(previous[m - 1])
+
+
+def _result(problem: PartitionProblem, ctx: _Context, boundaries: list[int]) -> Partition:
+    op_devices = [0] * problem.num_ops
+    for k in range(len(boundaries) - 1):
+        for op in range(boundaries[k], boundaries[k + 1]):
+            op_devices[op] = k
+    device_weights = [ctx.weight(boundaries[k], boundaries[k + 1]) for k in range(len(boundaries) - 1)]
+    return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(device_weights))
+
+
+def _raise_infeasible(problem: PartitionProblem, ctx: _Context, names: Sequence[str]) -> None:
+    total, capacity = ctx.weight(0, ctx.n), sum(ctx.budgets)
+    budget_list = ", ".join(f"'{d}' {format_size(b)}" for d, b in zip(names, ctx.budgets))
+    if total > capacity:
+        raise BudgetError(
+            f"the model's parameters and buffers need {format_size(total)} ({total} bytes) but the "
+            f"budgets add up to {format_size(capacity)} ({capacity} bytes): short by "
+            f"{format_size(total - capacity)} ({total - capacity} bytes) [{budget_list}]; "
+            "raise the budgets or add a device"
+        )
+    for lo, hi, weight in _indivisible_blocks(ctx):
+        pins = {problem.pinned[op] for op in range(lo, hi + 1) if op in problem.pinned}
+        allowed = sorted(pins) if pins else list(range(len(ctx.budgets)))
+        best = max(allowed, key=lambda k: (ctx.budgets[k], -k))
+        if weight > ctx.budgets[best]:
+            what = problem.label(lo) if lo == hi else f"ops {problem.label(lo)} .. {problem.label(hi)} (they must share a device)"
+            where = f"pinned device '{names[best]}'" if pins else f"every device (the largest, '{names[best]}',"
+            tail = "" if pins else ")"
+            raise BudgetError(
+                f"{what} needs {format_size(weight)} ({weight} bytes) of parameters and buffers, "
+                f"more than the budget of {where} has {format_size(ctx.budgets[best])}{tail}: short by "
+                f"{format_size(weight - ctx.budgets[best])} ({weight - ctx.budgets[best]} bytes); "
+                "raise that budget" + (" or unpin" if pins else "")
+            )
+    _raise_fragmented(problem, ctx, names, total, capacity)
+
+
+def _raise_fragmented(problem: PartitionProblem, ctx: _Context, names: Sequence[str], total: int, capacity: int) -> None:
+    low, high = 1.0, 2.0
+    while _relay_boundaries(ctx, [int(b * high) for b in ctx.budgets]) is None and high < 1e6:
+        low, high = high, high * 2
+    for _ in range(14):
+        middle = (low + high) / 2
+        if _relay_boundaries(ctx, [int(b * middle) for b in ctx.budgets]) is None:
+            low = middle
+        else:
+            high = middle
+    shortfalls = ", ".join(
+        f"'{d}' short by {format_size(int(b * high) - b)}" for d, b in zip(names, ctx.budgets)
+    )
+    raise BudgetError(
+        f"the budgets hold {format_size(capacity)} and the model needs {format_size(total)}, but its "
+        f"{problem.num_ops} ops cannot be packed into the devices in order without exceeding a budget "
+        f"(ops run on consecutive devices and indivisible pieces do not fit the gaps); it fits when "
+        f"every budget is raised by {100 * (high - 1):.1f}% ({shortfalls}); raise the budgets, add a "
+        "device, or remove pins and together-constraints"
+    )
+
+
+def _indivisible_blocks(ctx: _Context) -> list[tuple[int, int, int]]:
+    """Maximal runs of ops with no allowed cut between them, with their resident bytes."""
+    blocks, start = [], 0
+    for t in range(1, ctx.n + 1):
+        if t == ctx.n or not ctx.forbidden[t]:
+            blocks.append((start, t - 1, ctx.weight(start, t)))
+            start = t
+    return blocks
+
+

@@ -1,0 +1,139 @@
+"""The plan: what goes where, as inert data.
+
+A :class:`Plan` names graph nodes and model parameters by strings, holds no
+torch objects, and can be printed, compared, saved and applied later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fxsplit.units import format_size
+
+__all__ = ["CUT_KINDS", "Cut", "Plan"]
+
+CUT_KINDS = ("activation", "input", "parameter", "output")
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One value sent from one device to another (a ``.to(device)`` in the generated code).
+
+    Attributes:
+        producer: the graph node whose value is sent (for parameters, the
+            parameter's qualified name).
+        source: the device the value lives on.
+        destination: the device it is copied to.
+        nbytes: bytes copied per forward, or None when shapes are unknown.
+        kind: ``"activation"``, ``"input"`` (a model input needed on a second
+            device), ``"parameter"`` (a weight used on a device other than its
+            home) or ``"output"`` (a result moved to ``output_device``).
+    """
+
+    producer: str
+    source: str
+    destination: str
+    nbytes: int | None
+    kind: str = "activation"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every node, parameter and buffer of a model goes.
+
+    Attributes:
+        devices: the devices, in stage order (the budgets' order).
+        budgets: bytes each device may hold.
+        placement: graph node name -> device, for every node of the traced
+            graph (inputs: the device of their first use; the output node:
+            ``output_device``).
+        param_devices: qualified name of every parameter and buffer of the
+            original model (tied names included) -> device.
+        device_bytes: device -> bytes of parameters and buffers placed there.
+        cuts: every copy between devices, in the order the forward makes them.
+        output_device: where the outputs are returned.
+        trace: how the graph was traced, ``"fx"`` or ``"export"``.
+        objective: what the partitioner optimised.
+        modules: device -> module paths with ops placed there, in order.
+    """
+
+    devices: tuple[str, ...]
+    budgets: dict[str, int]
+    placement: dict[str, str]
+    param_devices: dict[str, str]
+    device_bytes: dict[str, int]
+    cuts: tuple[Cut, ...]
+    output_device: str
+    trace: str = "fx"
+    objective: str = "min_transfer"
+    modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def transfer_bytes(self) -> int:
+        """Bytes copied between devices per forward, outputs excluded (unknown sizes count 0)."""
+        return sum(c.nbytes or 0 for c in self.cuts if c.kind != "output")
+
+    def cuts_into(self, device: str) -> tuple[Cut, ...]:
+        """The copies whose destination is ``device``."""
+        return tuple(c for c in self.cuts if c.destination == device)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain Python data (dicts, lists, strings, ints)."""
+        return {
+            "devices": list(self.devices),
+            "budgets": dict(self.budgets),
+            "placement": dict(self.placement),
+            "param_devices": dict(self.param_devices),
+            "device_bytes": dict(self.device_bytes),
+            "cuts": [
+                {"producer": c.producer, "source": c.source, "destination": c.destination,
+                 "nbytes": c.nbytes, "kind": c.kind}
+                for c in self.cuts
+            ],
+            "output_device": self.output_device,
+            "trace": self.trace,
+            "objective": self.objective,
+            "modules": {d: list(m) for d, m in self.modules.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            devices=tuple(data["devices"]),
+            budgets=dict(data["budgets"]),
+            placement=dict(data["placement"]),
+            param_devices=dict(data["param_devices"]),
+            device_bytes=dict(data["device_bytes"]),
+            cuts=tuple(Cut(**c) for c in data["cuts"]),
+            output_device=data["output_device"],
+            trace=data.get("trace", "fx"),
+            objective=data.get("objective", "min_transfer"),
+            modules={d: tuple(m) for d, m in data.get("modules", {}).items()},
+        )
+
+    def __str__(self) -> str:
+        rows = [("device", "budget", "used", "%", "modules", "in", "out")]
+        for device in self.devices:
+            budget, used = self.budgets[device], self.device_bytes.get(device, 0)
+            percent = f"{100 * used / budget:.1f}" if budget else "-"
+            incoming = sum(c.nbytes or 0 for c in self.cuts if c.destination == device)
+            outgoing = sum(c.nbytes or 0 for c in self.cuts if c.source == device)
+            rows.append((device, format_size(budget), format_size(used), percent,
+                         _module_summary(self.modules.get(device, ())), format_size(incoming), format_size(outgoing)))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+        lines.append(f"cuts: {len(self.cuts)}, transfer per forward: {format_size(self.transfer_bytes)}; "
+                     f"outputs on {self.output_device}")
+        return "\n".join(lines)
+
+
+def _module_summary(paths: tuple[str, ...], limit: int = 48) -> str:
+    tops: list[str] = []
+    for path in paths:
+        top = path.split(".")[0] if path else "<root>"
+        if not tops or tops[-1] != top:
+            tops.append(top)
+    text = ", ".join(tops) or "-"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

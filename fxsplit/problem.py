@@ -1,0 +1,119 @@
+"""The partitioning problem as plain data: no torch needed.
+
+A model's graph becomes a sequence of *ops* (the compute nodes, in the
+graph's topological order) and a list of *values* that flow between them:
+
+* an op's output (``start`` is the producing op), and
+* free-floating values - inputs and parameters/buffers - whose home is the
+  device of their first consumer (``start`` is that consumer).
+
+Moving a value to another device costs ``nbytes`` once per destination
+device. A value with ``weight > 0`` is resident memory (parameters, buffers)
+charged to the budget of its home device. A value that is not ``movable``
+(state mutated in place) must have every consumer on its home device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+__all__ = ["PartitionProblem", "Value"]
+
+
+@dataclass(frozen=True)
+class Value:
+    """One value of the graph, as the partitioner sees it.
+
+    Attributes:
+        name: the graph node (or parameter) that holds it.
+        nbytes: bytes moved when it is copied to another device.
+        start: index of the producing op, or of the first consumer for inputs
+            and parameters (their home is wherever that op runs).
+        consumers: sorted indices of the ops that read it.
+        weight: bytes of resident memory (parameters and buffers) it charges to
+            its home device's budget.
+        movable: False when the value is mutated in place, so every consumer
+            must run on its home device.
+    """
+
+    name: str
+    nbytes: int
+    start: int
+    consumers: tuple[int, ...]
+    weight: int = 0
+    movable: bool = True
+
+    @property
+    def last(self) -> int:
+        """Index of the last op that reads the value (``start`` if none)."""
+        return self.consumers[-1] if self.consumers else self.start
+
+
+@dataclass(frozen=True)
+class PartitionProblem:
+    """Ops in order, the values between them, and placement constraints.
+
+    Attributes:
+        op_names: one name per op, in execution order.
+        values: every value that ops read.
+        pinned: op index -> device index it must run on.
+        together: groups of op indices that must share one device.
+        op_labels: optional human-readable label per op (module path), for errors.
+    """
+
+    op_names: tuple[str, ...]
+    values: tuple[Value, ...]
+    pinned: Mapping[int, int] = field(default_factory=dict)
+    together: tuple[tuple[int, ...], ...] = ()
+    op_labels: tuple[str, ...] = ()
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.op_names)
+
+    def op_weights(self) -> list[int]:
+        """Resident bytes charged at each op: the weights whose home is that op."""
+        weights = [0] * self.num_ops
+        for value in self.values:
+            if value.weight and self.num_ops:
+                weights[min(value.start, self.num_ops - 1)] += value.weight
+        return weights
+
+    def no_cut_spans(self) -> list[tuple[int, int]]:
+        """Spans ``(a, b)`` of ops that must share a device, from constraints."""
+        spans: list[tuple[int, int]] = []
+        for group in self.together:
+            if len(group) > 1:
+                spans.append((min(group), max(group)))
+        for value in self.values:
+            if not value.movable and value.consumers:
+                lo = min(value.start, value.consumers[0])
+                if value.last > lo:
+                    spans.append((lo, value.last))
+        return spans
+
+    def forbidden_cuts(self) -> list[bool]:
+        """``forbidden[t]``: no device boundary may fall just before op ``t``."""
+        diff = [0] * (self.num_ops + 2)
+        for lo, hi in self.no_cut_spans():
+            diff[lo + 1] += 1
+            diff[hi + 1] -= 1
+        forbidden: list[bool] = []
+        running = 0
+        for t in range(self.num_ops + 1):
+            running += diff[t]
+            forbidden.append(running > 0)
+        return forbidden
+
+    def label(self, op: int) -> str:
+        """The op's name with its module path, for messages."""
+        name = self.op_names[op]
+        if self.op_labels and self.op_labels[op] and self.op_labels[op] != name:
+            return f"'{name}' (in '{self.op_labels[op]}')"
+        return f"'{name}'"
+
+
+def consumers_sorted(indices: Sequence[int]) -> tuple[int, ...]:
+    """Deduplicated, sorted consumer indices."""
+    return tuple(sorted(set(indices)))

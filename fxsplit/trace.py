@@ -1,0 +1,180 @@
+"""Turn a user's ``nn.Module`` into an FX graph, without changing the module.
+
+Two tracers:
+
+* ``"fx"``: :func:`torch.fx.symbolic_trace` semantics with a tracer that
+  honours ``leaf_modules`` and ``concrete_args``; with example inputs, shapes
+  come from fake-tensor propagation (no real compute, no memory for weights).
+* ``"export"``: :func:`torch.export.export` with ``strict=False`` on example
+  inputs; the only route for models with data-dependent Python (Hugging Face
+  transformers 5.x, for instance). Its graph is in ATen ops, and input/output
+  structure (tuples, dicts, ``ModelOutput``) is restored by its codegen.
+
+``"auto"`` uses export when example inputs are given (falling back to fx),
+else fx.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.fx
+
+from fxsplit.errors import TraceError
+
+__all__ = ["TRACE_MODES", "Traced", "trace"]
+
+TRACE_MODES = ("auto", "fx", "export")
+
+
+@dataclass
+class Traced:
+    """An FX graph of the model and how it was obtained.
+
+    Attributes:
+        graph_module: the traced module; its parameters *are* the model's
+            (shared, not copied).
+        method: ``"fx"`` or ``"export"``.
+        has_shapes: whether nodes carry ``meta["val"]`` with shapes and dtypes.
+        notes: what happened on the way (e.g. why export fell back to fx).
+    """
+
+    graph_module: torch.fx.GraphModule
+    method: str
+    has_shapes: bool
+    notes: tuple[str, ...] = ()
+
+
+class _LeafTracer(torch.fx.Tracer):
+    def __init__(self, leaf_types: tuple[type, ...], leaf_names: frozenset[str]) -> None:
+        super().__init__()
+        self._leaf_types = leaf_types
+        self._leaf_names = leaf_names
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self._leaf_names or (self._leaf_types and isinstance(m, self._leaf_types)):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def trace(
+    model: torch.nn.Module,
+    *,
+    example_inputs: tuple[Any, ...] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    mode: str = "auto",
+    leaf_modules: Iterable[type | str] = (),
+    concrete_args: Mapping[str, Any] | None = None,
+) -> Traced:
+    """Trace ``model`` into an FX graph. The model is not modified.
+
+    Raises:
+        TraceError: neither tracer worked; says why and what to try.
+    """
+    if mode not in TRACE_MODES:
+        raise TraceError(f"trace mode must be one of {', '.join(TRACE_MODES)} (got {mode!r})")
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(f"model must be a torch.nn.Module (got {type(model).__name__})")
+    has_examples = example_inputs is not None or bool(example_kwargs)
+    if mode == "export" and not has_examples:
+        raise TraceError("trace mode 'export' needs example_inputs (a tuple of the forward's positional inputs)")
+    leaves = list(leaf_modules)
+    if mode == "export" or (mode == "auto" and has_examples):
+        try:
+            return _export(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
+        except Exception as export_error:  # noqa: BLE001 - torch raises many kinds
+            if mode == "export":
+                raise TraceError(_export_message(export_error)) from export_error
+            try:
+                traced = _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
+            except TraceError as fx_error:
+                raise TraceError(f"{_export_message(export_error)}\n\nfx also failed: {fx_error}") from fx_error
+            note = f"torch.export failed, used torch.fx: {_first_line(export_error)}"
+            return Traced(traced.graph_module, traced.method, traced.has_shapes, (note,))
+    return _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
+
+
+def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
+    exported = torch.export.export(model, args, kwargs or None, strict=False)
+    graph_module = exported.module()
+    if not isinstance(graph_module, torch.fx.GraphModule):  # pragma: no cover - torch internals
+        raise TraceError("torch.export returned an unflattened module; fxsplit needs a flat graph")
+    return Traced(graph_module, "export", True)
+
+
+def _symbolic(
+    model: torch.nn.Module,
+    leaves: list[type | str],
+    concrete_args: Mapping[str, Any] | None,
+    example_inputs: tuple[Any, ...] | None,
+    example_kwargs: Mapping[str, Any] | None,
+) -> Traced:
+    leaf_types = tuple(leaf for leaf in leaves if isinstance(leaf, type))
+    leaf_names = frozenset(leaf for leaf in leaves if isinstance(leaf, str))
+    tracer = _LeafTracer(leaf_types, leaf_names)
+    try:
+        graph = tracer.trace(model, concrete_args=dict(concrete_args) if concrete_args else None)
+    except Exception as error:  # noqa: BLE001 - tracing user code raises anything
+        raise TraceError(_fx_message(error)) from error
+    name = type(model).__name__
+    graph_module = torch.fx.GraphModule(tracer.root, graph, name)
+    has_shapes = False
+    if example_inputs is not None or example_kwargs:
+        has_shapes = _propagate_shapes(graph_module, example_inputs or (), example_kwargs or {})
+    return Traced(graph_module, "fx", has_shapes)
+
+
+def _propagate_shapes(graph_module: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Record ``meta["val"]`` on every node by running on fake tensors; False if that fails."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    flat = list(args) + [kwargs[n.target] for n in placeholders[len(args):] if n.target in kwargs]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
+        FakeTensorProp(graph_module, mode).propagate(*fake)
+    except Exception:  # noqa: BLE001 - shapes are an optimisation; plan without them
+        for node in graph_module.graph.nodes:
+            node.meta.pop("val", None)
+        return False
+    return True
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _user_frame(error: BaseException) -> str:
+    """The innermost frame of the traceback that is not inside torch, as 'file:line: code'."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in reversed(frames):
+        if "/torch/" not in frame.filename and "/fxsplit/" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno}: {frame.line}"
+    return ""
+
+
+def _fx_message(error: BaseException) -> str:
+    where = _user_frame(error)
+    return (
+        f"torch.fx.symbolic_trace could not trace the model: {_first_line(error)}"
+        + (f"\n  at {where}" if where else "")
+        + "\n  fixes: pass example_inputs=(...) so fxsplit can use torch.export, which handles "
+        "data-dependent Python; or declare the module that fails a leaf (leaf_modules=[...]); or fix "
+        "the value of a control-flow argument with concrete_args={...}"
+    )
+
+
+def _export_message(error: BaseException) -> str:
+    where = _user_frame(error)
+    return (
+        f"torch.export could not trace the model on the example inputs: {_first_line(error)}"
+        + (f"\n  at {where}" if where else "")
+        + "\n  fixes: check example_inputs match forward()'s signature (keyword inputs go in "
+        "example_kwargs); try trace='fx' with leaf_modules=[...] around the code torch cannot follow"
+    )

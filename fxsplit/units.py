@@ -1,0 +1,87 @@
+"""Byte sizes: parse ``"1.5GiB"``-style strings and print bytes for people.
+
+>>> parse_size("512MiB")
+536870912
+>>> parse_size("2GB")
+2000000000
+>>> format_size(3 * 2**30)
+'3.00 GiB'
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from fxsplit.errors import SpecError
+
+__all__ = ["format_size", "parse_size"]
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: object, *, what: str = "size") -> int:
+    """Return ``value`` as a whole number of bytes.
+
+    Accepts non-negative ints, floats that are whole numbers, and strings with
+    a decimal (``kB``, ``MB``, ``GB``, ``TB``) or binary (``KiB``, ``MiB``,
+    ``GiB``, ``TiB``; also ``K``, ``M``, ``G``, ``T``) unit, case-insensitive.
+    Fractions of a byte are rounded down.
+
+    Raises:
+        SpecError: the value is negative, not a number, or has an unknown unit.
+    """
+    if isinstance(value, bool):
+        raise SpecError(f"{what} must be a byte count or a string like '20GiB' (got {value!r})")
+    if isinstance(value, int):
+        if value < 0:
+            raise SpecError(f"{what} must not be negative (got {value})")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0:
+            raise SpecError(f"{what} must be a finite, non-negative number (got {value!r})")
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match is None:
+            raise SpecError(
+                f"{what} {value!r} is not a size; write a number with an optional unit, "
+                "like '512MiB', '2GB' or '1.5GiB'"
+            )
+        number, exponent, unit = match.groups()
+        factor = _UNITS.get(unit.lower())
+        if factor is None:
+            valid = "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB"
+            raise SpecError(f"{what} {value!r} has unknown unit {unit!r}; use one of {valid}")
+        amount = float(number) * (10 ** int(exponent) if exponent else 1)
+        return int(amount * factor)
+    raise SpecError(f"{what} must be a byte count or a string like '20GiB' (got {type(value).__name__})")
+
+
+def format_size(nbytes: int | None) -> str:
+    """Format a byte count with a binary unit, for messages and tables."""
+    if nbytes is None:
+        return "unknown"
+    sign = "-" if nbytes < 0 else ""
+    value = float(abs(nbytes))
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{sign}{int(value)} B" if unit == "B" else f"{sign}{value:.2f} {unit}"
+        value /= 1024
+    return f"{sign}{value:.2f} TiB"
