@@ -116,10 +116,11 @@ def build_problem(
                 attr = _resolve(graph_module, str(root.target))
                 mutated_weights.add(id(attr))
             else:
-                group = {index[node]} | {index[u] for u in root.users if u in index}
-                if root in index:
-                    group.add(index[root])
-                together.append(tuple(sorted(group)))
+                # Readers before the write must share the writer's device: a copy taken
+                # earlier would miss the write. Copies taken later carry it.
+                readers = [index[u] for u in root.users if u in index]
+                first = index[root] if root in index else min(readers, default=index[node])
+                together.append((min(first, index[node]), index[node]))
     for node in ops:
         if node.op == "call_module":
             for _, tensor in _module_tensors(modules[str(node.target)]):

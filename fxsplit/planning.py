@@ -77,7 +77,8 @@ def make_plan(
             start = costs.problem.values[value_index].start
             weight_home[weight.names[0]] = devices[solution.op_devices[start]]
     device_bytes = {d: int(solution.device_weights[k]) for k, d in enumerate(devices)}
-    for weight in costs.unused:
+    idle = [w for w, v in zip(costs.weights, costs.weight_values) if v < 0]
+    for weight in idle + costs.unused:
         weight_home[weight.names[0]] = _place_unused(weight, weight_home, device_bytes, budgets)
         device_bytes[weight_home[weight.names[0]]] += weight.nbytes
 

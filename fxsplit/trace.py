@@ -131,18 +131,28 @@ def _propagate_shapes(graph_module: torch.fx.GraphModule, args: tuple[Any, ...],
     """Record ``meta["val"]`` on every node by running on fake tensors; False if that fails."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch.nn.utils.stateless import _reparametrize_module
 
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     flat = list(args) + [kwargs[n.target] for n in placeholders[len(args):] if n.target in kwargs]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
-        FakeTensorProp(graph_module, mode).propagate(*fake)
+        # Run on fake copies of the weights, so in-place updates (BatchNorm's
+        # running stats) never reach the user's tensors.
+        state = {name: mode.from_tensor(t) for name, t in _named_tensors(graph_module)}
+        with _reparametrize_module(graph_module, state, tie_weights=True, strict=False):
+            FakeTensorProp(graph_module, mode).propagate(*fake)
     except Exception:  # noqa: BLE001 - shapes are an optimisation; plan without them
         for node in graph_module.graph.nodes:
             node.meta.pop("val", None)
         return False
     return True
+
+
+def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    found = list(module.named_parameters(remove_duplicate=False))
+    return found + [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
 
 
 def _first_line(error: BaseException) -> str:
