@@ -129,6 +129,9 @@ class _Context:
         n = problem.num_ops
         self.n = n
         self.prefix_weight = np.concatenate([[0], np.cumsum(problem.op_weights(), dtype=np.int64)])
+        self.transient = problem.transients()
+        self.has_transient = any(self.transient)
+        self._sparse = _SparseMax(self.transient) if self.has_transient else None
         self.forbidden = problem.forbidden_cuts()
         self.crossing = self._crossing()
         # last_bad[k][t]: 1 + index of the last op before t pinned to a device other than k.
@@ -156,7 +159,28 @@ class _Context:
         return crossing
 
     def weight(self, start: int, stop: int) -> int:
-        return int(self.prefix_weight[stop] - self.prefix_weight[start])
+        """Bytes a device needs to run ops ``[start, stop)``: resident plus peak transient."""
+        resident = int(self.prefix_weight[stop] - self.prefix_weight[start])
+        if self._sparse is None or stop <= start:
+            return resident
+        return resident + self._sparse.max(start, stop)
+
+
+class _SparseMax:
+    """Range maximum in O(1) after O(n log n) set-up."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.levels = [np.asarray(values, dtype=np.int64)]
+        width = 1
+        while 2 * width <= len(values):
+            previous = self.levels[-1]
+            self.levels.append(np.maximum(previous[:-width], previous[width:]))
+            width *= 2
+
+    def max(self, start: int, stop: int) -> int:
+        level = (stop - start).bit_length() - 1
+        row = self.levels[level]
+        return int(max(row[start], row[stop - (1 << level)]))
 
 
 def _check_pin_order(problem: PartitionProblem, names: Sequence[str]) -> None:
@@ -194,8 +218,14 @@ def _relay_boundaries(ctx: _Context, budgets: Sequence[int]) -> list[int] | None
                 while window and previous[window[-1]] + crossing[window[-1]] >= key:
                     window.pop()
                 window.append(s)
-            while prefix[t] - prefix[left] > budget:
-                left += 1
+            if ctx.has_transient:
+                while left < t and ctx.weight(left, t) > budget:
+                    left += 1
+                if ctx.weight(left, t) > budget:
+                    left = t
+            else:
+                while prefix[t] - prefix[left] > budget:
+                    left += 1
             bound = max(left, last_bad[t])
             while window and window[0] < bound:
                 window.popleft()
@@ -274,6 +304,11 @@ def _segment_masks(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> 
     weights = ctx.prefix_weight[cands]
     seg_weight = (weights[None, :] - weights[:, None]).astype(np.float64)
     m = len(cands)
+    if ctx.has_transient:
+        transient = np.asarray(ctx.transient, dtype=np.float64)
+        block_max = np.array([transient[a:b].max() if b > a else 0.0 for a, b in zip(cands[:-1], cands[1:])])
+        for i in range(m - 1):
+            seg_weight[i, i + 1:] += np.maximum.accumulate(block_max[i:])
     base = np.triu(np.ones((m, m), dtype=bool), k=1)
     starts_ok = np.array([t == 0 or not ctx.forbidden[t] for t in cands.tolist()])
     base &= starts_ok[:, None]

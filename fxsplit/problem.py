@@ -60,6 +60,14 @@ class PartitionProblem:
         pinned: op index -> device index it must run on.
         together: groups of op indices that must share one device.
         op_labels: optional human-readable label per op (module path), for errors.
+        op_extra: optional resident bytes charged to the device that runs each
+            op, on top of the weights (e.g. activations saved for backward).
+        op_transient: optional bytes that must be free on the device while
+            each op runs (e.g. live activations); a device's load adds the
+            largest of these over the ops it runs.
+
+    A device running ops ``[i, j)`` needs the weights whose home is one of
+    those ops, plus ``sum(op_extra[i:j])``, plus ``max(op_transient[i:j])``.
     """
 
     op_names: tuple[str, ...]
@@ -67,18 +75,24 @@ class PartitionProblem:
     pinned: Mapping[int, int] = field(default_factory=dict)
     together: tuple[tuple[int, ...], ...] = ()
     op_labels: tuple[str, ...] = ()
+    op_extra: tuple[int, ...] = ()
+    op_transient: tuple[int, ...] = ()
 
     @property
     def num_ops(self) -> int:
         return len(self.op_names)
 
     def op_weights(self) -> list[int]:
-        """Resident bytes charged at each op: the weights whose home is that op."""
-        weights = [0] * self.num_ops
+        """Resident bytes charged at each op: the weights whose home is that op, plus ``op_extra``."""
+        weights = list(self.op_extra) if self.op_extra else [0] * self.num_ops
         for value in self.values:
             if value.weight and self.num_ops:
                 weights[min(value.start, self.num_ops - 1)] += value.weight
         return weights
+
+    def transients(self) -> list[int]:
+        """``op_transient`` with one entry per op (zeros when not given)."""
+        return list(self.op_transient) if self.op_transient else [0] * self.num_ops
 
     def no_cut_spans(self) -> list[tuple[int, int]]:
         """Spans ``(a, b)`` of ops that must share a device, from constraints."""
