@@ -107,7 +107,8 @@ def _numel(shape: Any) -> Any:
 def module_path(node: torch.fx.Node) -> str:
     """Qualified name of the module the node belongs to ('' for the root)."""
     if node.op == "call_module":
-        return str(node.target)
+        target = str(node.target)
+        return "" if target.startswith("_guards") else target
     if node.op == "get_attr":
         return str(node.target).rpartition(".")[0]
     stack = node.meta.get("nn_module_stack")

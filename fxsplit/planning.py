@@ -83,6 +83,7 @@ def make_plan(
         device_bytes[weight_home[weight.names[0]]] += weight.nbytes
 
     placement: dict[str, str] = {}
+    order = {op.name: i for i, op in enumerate(costs.ops)}
     by_node = weights_by_node(costs)
     for node in graph_module.graph.nodes:
         if node.op == "output":
@@ -92,8 +93,8 @@ def make_plan(
         elif node.op == "get_attr" and node.name in by_node:
             placement[node.name] = weight_home[by_node[node.name][0].names[0]]
         else:
-            readers = [op_device[u.name] for u in node.users if u.name in op_device]
-            placement[node.name] = readers[0] if readers else out_device
+            readers = [order[u.name] for u in node.users if u.name in order]
+            placement[node.name] = op_device[costs.ops[min(readers)].name] if readers else out_device
 
     param_devices = {name: weight_home[w.names[0]] for w in [*costs.weights, *costs.unused] for name in w.names}
     modules: dict[str, list[str]] = {d: [] for d in devices}
