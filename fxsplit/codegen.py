@@ -16,11 +16,12 @@ import torch.fx
 
 from fxsplit import runtime
 from fxsplit.cost import Weight
+from fxsplit.errors import FxsplitError
 from fxsplit.graphinfo import TENSOR, value_kind
 from fxsplit.plan import Plan
 from fxsplit.planning import Read, reads_of
 
-__all__ = ["emit", "move_weights"]
+__all__ = ["ExportedSplit", "emit", "move_weights"]
 
 COPY_META = "fxsplit_copy"
 
@@ -204,11 +205,53 @@ def _is_device_node(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is getattr and len(node.args) > 1 and node.args[1] == "device"
 
 
+class ExportedSplit(torch.fx.GraphModule):
+    """A split of a ``torch.export`` graph, whose train/eval behaviour was fixed when it was traced.
+
+    ``torch.export`` bakes the mode into the graph (dropout on or off, batch
+    norm using batch or running statistics). Switching the mode of a graph
+    that has such ops would silently change nothing, so it raises instead.
+    """
+
+    traced_training: bool = False
+    mode_ops: tuple[str, ...] = ()
+
+    def train(self, mode: bool = True) -> "ExportedSplit":
+        if mode != self.traced_training and self.mode_ops:
+            traced = "training" if self.traced_training else "eval"
+            wanted = "train()" if mode else "eval()"
+            raise FxsplitError(
+                f"this split was traced by torch.export in {traced} mode, which fixed the behaviour of "
+                f"{', '.join(self.mode_ops[:3])} in the graph, so {wanted} cannot change it; call "
+                f"model.{wanted} before fxsplit(...) and split again (or use trace='fx')"
+            )
+        self.training = mode
+        return self
+
+
+_MODE_OPS = ("dropout", "batch_norm", "instance_norm")
+
+
+def _mode_dependent_ops(graph: torch.fx.Graph) -> tuple[str, ...]:
+    found = []
+    for node in graph.nodes:
+        name = node.target._schema.name if isinstance(node.target, torch._ops.OpOverload) else ""
+        if any(op in name for op in _MODE_OPS):
+            found.append(node.name)
+    return tuple(found)
+
+
 def emit(graph_module: torch.fx.GraphModule, plan: Plan, by_node: dict[str, list[Weight]]) -> torch.fx.GraphModule:
     """Build the split ``GraphModule``; it shares (not copies) the traced module's weights."""
     graph = _Emitter(graph_module, plan, by_node).run()
     graph.lint()
-    split = torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
+    if plan.trace == "export":
+        split: torch.fx.GraphModule = ExportedSplit(graph_module, graph, type(graph_module).__name__)
+        split.traced_training = bool(graph_module.training)
+        split.mode_ops = _mode_dependent_ops(graph)
+        split.training = split.traced_training
+    else:
+        split = torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
     split.recompile()
     split.meta["fxsplit_plan"] = plan
     return split

@@ -102,6 +102,7 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     graph_module = exported.module()
     if not isinstance(graph_module, torch.fx.GraphModule):  # pragma: no cover - torch internals
         raise TraceError("torch.export returned an unflattened module; fxsplit needs a flat graph")
+    graph_module.training = model.training  # the mode export baked into the graph
     return Traced(graph_module, "export", True)
 
 
