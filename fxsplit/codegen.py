@@ -236,6 +236,8 @@ def _mode_dependent_ops(graph: torch.fx.Graph) -> tuple[str, ...]:
     found = []
     for node in graph.nodes:
         name = node.target._schema.name if isinstance(node.target, torch._ops.OpOverload) else ""
+        if "dropout" in name and len(node.args) > 1 and node.args[1] == 0:
+            continue  # p=0: the same in both modes
         if any(op in name for op in _MODE_OPS):
             found.append(node.name)
     return tuple(found)
