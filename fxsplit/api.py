@@ -148,19 +148,17 @@ def fxsplit(
     Example:
         >>> import torch, fxsplit
         >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
-        >>> gm = fxsplit.fxsplit(model, {"cpu:0": "300KiB", "cpu:1": "300KiB"}, example_inputs=(torch.randn(2, 256),))
-        >>> print(gm.code.strip())  # doctest: +NORMALIZE_WHITESPACE
+        >>> gm = fxsplit.fxsplit(model, {"cpu:0": "300KiB", "cpu:1": "300KiB"},
+        ...                      example_inputs=(torch.randn(2, 256),), trace="fx")
+        >>> print(gm.code.strip())
         def forward(self, input):
             input_1 = input
-            _0 = getattr(self, "0")
             to = input_1.to('cpu:0');  input_1 = None
-            _0_1 = _0(to);  to = None
-            _1 = getattr(self, "1")
-            relu = _1(_0_1);  _0_1 = None
-            to_1 = relu.to('cpu:1');  relu = None
-            _2 = getattr(self, "2")
-            _2_1 = _2(to_1);  to_1 = None
-            return _2_1
+            _0 = getattr(self, "0")(to);  to = None
+            _1 = getattr(self, "1")(_0);  _0 = None
+            to_1 = _1.to('cpu:1');  _1 = None
+            _2 = getattr(self, "2")(to_1);  to_1 = None
+            return _2
     """
     planned = _plan(model, budgets, example_inputs, options)
     _refuse_meta(model)

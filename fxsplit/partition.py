@@ -333,7 +333,8 @@ def _exact_boundaries(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) 
         fraction = seg_weight / budget if budget > 0 else np.where(seg_weight > 0, _INF, 0.0)
         total = previous[:, None] + cost + epsilon * fraction**2
         total = np.where(masks[k], total, _INF)
-        best_start = np.argmin(total, axis=0)
+        # On ties take the latest start: ops without weights stay with the stage before.
+        best_start = m - 1 - np.argmin(total[::-1], axis=0)
         best = total[best_start, np.arange(m)]
         take = best < previous
         choices.append(np.where(take, best_start, -1).tolist())
