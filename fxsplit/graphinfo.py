@@ -65,6 +65,8 @@ def value_kind(node: torch.fx.Node) -> str:
         if isinstance(value, torch.Tensor) or type(value).__name__ == "TensorMetadata":
             return TENSOR
         return UNKNOWN if any(True for _ in _tensors_in(value)) else NONTENSOR
+    if node.op == "call_module" and _returns_one_tensor(node):
+        return TENSOR
     if node.op == "call_method" and node.target in _NONTENSOR_METHODS:
         return NONTENSOR
     if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
@@ -76,6 +78,31 @@ def value_kind(node: torch.fx.Node) -> str:
         if all(value_kind(n) == NONTENSOR for n in node.all_input_nodes):
             return NONTENSOR
     return UNKNOWN
+
+
+_TENSOR_MODULES = (
+    torch.nn.Linear, torch.nn.Bilinear, torch.nn.modules.conv._ConvNd, torch.nn.modules.batchnorm._NormBase,
+    torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.Embedding, torch.nn.Dropout,
+    torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.Identity, torch.nn.Flatten,
+    torch.nn.Unflatten, torch.nn.ReLU, torch.nn.ReLU6, torch.nn.GELU, torch.nn.SiLU, torch.nn.Tanh,
+    torch.nn.Sigmoid, torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.LeakyReLU, torch.nn.ELU, torch.nn.Mish,
+    torch.nn.Hardswish, torch.nn.Upsample, torch.nn.modules.pooling._AvgPoolNd,
+    torch.nn.modules.pooling._AdaptiveAvgPoolNd,
+)
+
+
+def _returns_one_tensor(node: torch.fx.Node) -> bool:
+    """True for leaf modules from torch.nn whose forward returns a single tensor."""
+    root = node.graph.owning_module
+    if root is None:
+        return False
+    try:
+        module = root.get_submodule(str(node.target))
+    except AttributeError:
+        return False
+    return type(module).forward is not None and isinstance(module, _TENSOR_MODULES) and (
+        type(module).__module__.startswith("torch.nn.")
+    )
 
 
 def value_bytes(node: torch.fx.Node) -> int | None:
