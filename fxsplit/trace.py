@@ -183,9 +183,14 @@ def _fx_message(error: BaseException) -> str:
 
 def _export_message(error: BaseException) -> str:
     where = _user_frame(error)
+    hint = ""
+    if "Cache" in str(error):
+        hint = ("\n  this looks like a Hugging Face model returning its key/value cache: pass "
+                "example_kwargs={'use_cache': False} (and call the split model with use_cache=False)")
     return (
         f"torch.export could not trace the model on the example inputs: {_first_line(error)}"
         + (f"\n  at {where}" if where else "")
+        + hint
         + "\n  fixes: check example_inputs match forward()'s signature (keyword inputs go in "
         "example_kwargs); try trace='fx' with leaf_modules=[...] around the code torch cannot follow"
     )
