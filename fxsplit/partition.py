@@ -386,12 +386,22 @@ def _raise_infeasible(problem: PartitionProblem, ctx: _Context, names: Sequence[
             where = f"pinned device '{names[best]}'" if pins else f"every device (the largest, '{names[best]}',"
             tail = "" if pins else ")"
             raise BudgetError(
-                f"{what} needs {format_size(weight)} ({weight} bytes) of parameters and buffers, "
+                f"{what} needs {format_size(weight)} ({weight} bytes){_heaviest(problem, lo, hi)}, "
                 f"more than the budget of {where} has {format_size(ctx.budgets[best])}{tail}: short by "
                 f"{format_size(weight - ctx.budgets[best])} ({weight - ctx.budgets[best]} bytes); "
                 "raise that budget" + (" or unpin" if pins else "")
             )
     _raise_fragmented(problem, ctx, names, total, capacity)
+
+
+def _heaviest(problem: PartitionProblem, lo: int, hi: int) -> str:
+    """' for its parameters and buffers (a 4.00 KiB, b 128 B)': the largest weights homed at ops lo..hi."""
+    homed = sorted(((v.weight, v.name) for v in problem.values if v.weight and lo <= v.start <= hi), reverse=True)
+    if not homed:
+        return ""
+    listed = ", ".join(f"'{name}' {format_size(size)}" for size, name in homed[:3])
+    more = f" and {len(homed) - 3} more" if len(homed) > 3 else ""
+    return f" for its parameters and buffers ({listed}{more})"
 
 
 def _raise_fragmented(problem: PartitionProblem, ctx: _Context, names: Sequence[str], total: int, capacity: int) -> None:
