@@ -6,6 +6,7 @@ Trace (torch.fx / torch.export) -> partition under per-device memory budgets
 
 from fxsplit.api import fxsplit, plan
 from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError, SpecError, TraceError
+from fxsplit.pipeline import Pipeline, PipelineConfig
 from fxsplit.plan import Cut, Plan
 from fxsplit.units import format_size, parse_size
 
@@ -13,6 +14,8 @@ __all__ = [
     "BudgetError",
     "Cut",
     "FxsplitError",
+    "Pipeline",
+    "PipelineConfig",
     "Plan",
     "PlanMismatchError",
     "SpecError",
