@@ -140,7 +140,7 @@ class Pipeline(torch.nn.Module):
 
     @property
     def split(self) -> torch.fx.GraphModule:
-        """The split model without pipelining (the same weights)."""
+        """The split model without pipelining (the same weights; traced on one micro-batch)."""
         split: torch.fx.GraphModule = self._split
         return split
 

@@ -109,7 +109,7 @@ class StageSplit:
                 return move(values[source], device)
             return values[arg.name]
 
-        flat = torch.fx.node.map_aggregate(self._template, fill)
+        flat = _thaw(torch.fx.node.map_aggregate(self._template, fill))
         if self._out_spec is None:
             return flat
         return pytree.tree_unflatten(list(flat) if isinstance(flat, (tuple, list)) else [flat], self._out_spec)
@@ -325,6 +325,19 @@ class _Cutter:
     def _out_spec(self) -> Any:
         codegen = self.gm.graph._codegen
         return codegen.pytree_info.out_spec if isinstance(codegen, _PyTreeCodeGen) else None
+
+
+def _thaw(value: Any) -> Any:
+    """fx keeps output containers as immutable_dict / immutable_list; the model returned dicts and lists."""
+    if isinstance(value, torch.fx.immutable_collections.immutable_dict):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, torch.fx.immutable_collections.immutable_list):
+        return [_thaw(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_thaw(v) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _thaw(v)) for k, v in value.items())
+    return value
 
 
 def _is_output_move(node: torch.fx.Node, output: torch.fx.Node) -> bool:

@@ -1,0 +1,196 @@
+"""In-process pipelining: outputs and gradients equal the unsplit model's on cpu:N devices."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import fxsplit
+from fxsplit.api import _plan
+from fxsplit.codegen import emit, move_weights
+from fxsplit.pipeline import clock_cycles, pipelined
+from fxsplit.planning import weights_by_node
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_models import MLP, LongSkip, Residual, Tied, TwoHeads, WithBatchNorm, budgets  # noqa: E402
+
+ATOL = 1e-5  # float32; micro-batches only change the order of sums
+
+
+def _inputs(name: str) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(1)
+    if name == "Tied":
+        return (torch.randint(0, 24, (8, 5), generator=gen),)
+    if name == "TwoHeads":
+        return (torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen))
+    return (torch.randn(8, 16, generator=gen),)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    leaves = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+    return sum((leaf.float().sin() * (i + 1)).sum() for i, leaf in enumerate(leaves))  # type: ignore[return-value]
+
+
+def _assert_same(out: Any, expected: Any) -> None:
+    leaves, spec = pytree.tree_flatten(out)
+    want, want_spec = pytree.tree_flatten(expected)
+    assert spec == want_spec
+    for got, ref in zip(leaves, want, strict=True):
+        torch.testing.assert_close(got, ref, atol=ATOL, rtol=1e-5)
+
+
+def _compare(make: Callable[[], torch.nn.Module], chunks: int, devices: int = 3, **options: Any) -> fxsplit.Pipeline:
+    torch.manual_seed(0)
+    model = make()
+    reference = copy.deepcopy(model)
+    inputs = _inputs(type(model).__name__)
+    expected = reference(*inputs)
+    _loss(expected).backward()
+    pipe = fxsplit.fxsplit(model, budgets(model, devices), example_inputs=inputs,
+                           pipeline=fxsplit.PipelineConfig(chunks=chunks, **options.pop("config", {})), **options)
+    assert len(pipe.stages) == devices
+    out = pipe(*inputs)
+    _assert_same(out, expected)
+    _loss(out).backward()
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad, grads[name].grad, atol=ATOL, rtol=1e-5, msg=name)
+    return pipe
+
+
+MODELS = [MLP, Residual, LongSkip, TwoHeads, Tied]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize("make", MODELS, ids=lambda m: m.__name__)
+def test_outputs_and_gradients_equal_unsplit(make: Callable[[], torch.nn.Module], chunks: int) -> None:
+    _compare(make, chunks)
+
+
+@pytest.mark.parametrize("make", [MLP, LongSkip, TwoHeads], ids=lambda m: m.__name__)
+def test_fx_trace_pipelines_too(make: Callable[[], torch.nn.Module]) -> None:
+    _compare(make, 4, trace="fx")
+
+
+@pytest.mark.parametrize("mode", [True, "except_last"])
+def test_checkpointing_gives_the_same_gradients(mode: Any) -> None:
+    pipe = _compare(LongSkip, 4, config={"checkpoint": mode})
+    assert pipe.config.checkpoint == ("always" if mode is True else mode)
+
+
+def test_skip_connection_goes_straight_to_its_reader() -> None:
+    pipe = _compare(LongSkip, 2)
+    first, middle, last = pipe.stage_specs
+    skip = [name for name in last.inputs if name in first.outputs]
+    assert skip and not set(skip) & set(middle.inputs)
+
+
+def test_each_weight_lives_in_exactly_one_stage() -> None:
+    pipe = _compare(Tied, 2)
+    owners: dict[int, list[int]] = {}
+    for index, stage in enumerate(pipe.stages):
+        for tensor in {id(t): t for t in [*stage.parameters(), *stage.buffers()]}.values():
+            owners.setdefault(id(tensor), []).append(index)
+    assert all(len(stages) == 1 for stages in owners.values())
+    model_params = {id(p) for p in pipe.parameters()}
+    assert set(owners) == model_params
+    # the tied weight is sent from its stage to the head's stage as a value
+    assert any("embed" in name for spec in pipe.stage_specs[1:] for name in spec.inputs)
+
+
+def test_outputs_land_on_output_device_and_plan_is_kept() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    pipe = fxsplit.fxsplit(model, budgets(model, 2), example_inputs=_inputs("MLP"), output_device="cpu:0",
+                           pipeline={"chunks": 2})
+    plan = pipe.meta["fxsplit_plan"]
+    assert isinstance(plan, fxsplit.Plan) and plan.output_device == "cpu:0"
+    (x,) = _inputs("MLP")
+    torch.testing.assert_close(pipe(x)[:4], pipe.split(x[:4]))  # export traced one micro-batch of 4 rows
+    assert "# stage 0 on cpu:0" in pipe.code and "# stage 1 on cpu:1" in pipe.code
+    assert pipe.stages[1].code in pipe.code
+
+
+def test_batchnorm_warns_errors_or_is_allowed() -> None:
+    model = WithBatchNorm()
+    x = torch.randn(8, 16)
+    for trace in ("fx", "export"):
+        pipe = fxsplit.fxsplit(copy.deepcopy(model), budgets(model, 2), example_inputs=(x,), trace=trace,
+                               pipeline={"chunks": 2})
+        with pytest.warns(UserWarning, match="batch statistics"):
+            pipe(x)
+    strict = fxsplit.fxsplit(copy.deepcopy(model), budgets(model, 2), example_inputs=(x,), trace="fx",
+                             pipeline={"chunks": 2, "batch_stats": "error"})
+    with pytest.raises(fxsplit.FxsplitError, match=r"batch statistics.*batch_stats='allow'"):
+        strict(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strict.eval()(x)  # running statistics: nothing differs
+        allowed = fxsplit.fxsplit(copy.deepcopy(model), budgets(model, 2), example_inputs=(x,), trace="fx",
+                                  pipeline={"chunks": 2, "batch_stats": "allow"})
+        allowed(x)
+
+
+def test_plan_that_sends_a_value_back_cannot_be_staged() -> None:
+    model = MLP()
+    x = _inputs("MLP")
+    planned = _plan(model, budgets(model, 2), x, {})
+    swap = {"cpu:0": "cpu:1", "cpu:1": "cpu:0"}
+    plan = dataclasses.replace(
+        planned.plan,
+        placement={k: swap[v] for k, v in planned.plan.placement.items()},
+        param_devices={k: swap[v] for k, v in planned.plan.param_devices.items()},
+        output_device="cpu:0",
+    )
+    move_weights(planned.traced.graph_module, plan, planned.costs.weights)
+    split = emit(planned.traced.graph_module, plan, weights_by_node(planned.costs))
+    torch.testing.assert_close(split(*x), model(*x))  # the plain split still runs
+    with pytest.raises(fxsplit.FxsplitError) as error:
+        pipelined(split, fxsplit.PipelineConfig(chunks=2))
+    message = str(error.value)
+    assert "comes from cpu:1 (stage 1)" in message and "on cpu:0 (stage 0)" in message
+    assert "list cpu:1 before cpu:0 in the budgets" in message and "pins=" in message
+
+
+def test_export_pipeline_refuses_other_micro_batch_sizes() -> None:
+    model = MLP()
+    pipe = fxsplit.fxsplit(model, budgets(model, 2), example_inputs=(torch.randn(8, 16),), pipeline={"chunks": 4})
+    assert pipe(torch.randn(8, 16)).shape == (8, 16)
+    with pytest.raises(fxsplit.FxsplitError, match=r"micro-batches of 2 rows.*batches of 8 rows"):
+        pipe(torch.randn(6, 16))
+    fx = fxsplit.fxsplit(model, budgets(model, 2), example_inputs=(torch.randn(8, 16),), trace="fx",
+                         pipeline={"chunks": 4})
+    assert fx(torch.randn(6, 16)).shape == (6, 16)  # fx graphs take any size
+
+
+def test_example_batch_must_split_evenly() -> None:
+    with pytest.raises(fxsplit.SpecError, match="does not split evenly into 4 micro-batches"):
+        fxsplit.fxsplit(MLP(), budgets(MLP(), 2), example_inputs=(torch.randn(6, 16),), pipeline={"chunks": 4})
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(fxsplit.SpecError, match="chunks must be an int >= 1"):
+        fxsplit.PipelineConfig(chunks=0)
+    with pytest.raises(fxsplit.SpecError, match="checkpoint must be"):
+        fxsplit.PipelineConfig(chunks=2, checkpoint="sometimes")
+    with pytest.raises(fxsplit.SpecError, match="unknown pipeline option.*'chunk'"):
+        fxsplit.PipelineConfig.coerce({"chunk": 2})
+    assert fxsplit.PipelineConfig.coerce(3) == fxsplit.PipelineConfig(chunks=3)
+    assert fxsplit.PipelineConfig(chunks=2, checkpoint=False).checkpoint == "never"
+
+
+def test_clock_cycles_fill_and_drain() -> None:
+    ticks = clock_cycles(4, 3)
+    assert len(ticks) == 4 + 3 - 1
+    assert sorted(pair for tick in ticks for pair in tick) == [(m, s) for m in range(4) for s in range(3)]
+    for t, tick in enumerate(ticks):
+        assert all(m == t - s for m, s in tick)
