@@ -5,6 +5,7 @@ Trace (torch.fx / torch.export) -> partition under per-device memory budgets
 """
 
 from fxsplit.api import fxsplit, plan
+from fxsplit.distributed import PipelineStages, pipeline_stages
 from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError, SpecError, TraceError
 from fxsplit.pipeline import Pipeline, PipelineConfig
 from fxsplit.plan import Cut, Plan
@@ -16,6 +17,7 @@ __all__ = [
     "FxsplitError",
     "Pipeline",
     "PipelineConfig",
+    "PipelineStages",
     "Plan",
     "PlanMismatchError",
     "SpecError",
@@ -23,6 +25,7 @@ __all__ = [
     "format_size",
     "fxsplit",
     "parse_size",
+    "pipeline_stages",
     "plan",
 ]
 
