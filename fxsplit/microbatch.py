@@ -45,36 +45,39 @@ def scatter(
         >>> [p[0].tolist() for p in parts], [p[1] for p in parts], rows
         ([[0, 1, 2], [3, 4]], [2.0, 2.0], [3, 2])
     """
-    paths, spec = pytree.tree_flatten_with_path(list(inputs))
+    flat = [pytree.tree_flatten_with_path(value) for value in inputs]
     rows: int | None = None
     first = ""
-    split: list[int] = []
-    for index, (path, leaf) in enumerate(paths):
-        name = names[path[0].idx] + pytree.keystr(path[1:])
-        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or names[path[0].idx] in broadcast:
-            continue
-        if rows is None:
-            rows, first = leaf.size(0), name
-        elif leaf.size(0) != rows:
-            raise FxsplitError(
-                f"input '{name}' has {leaf.size(0)} rows along dim 0 but '{first}' has {rows}; pipelining splits "
-                f"every tensor input along dim 0 into micro-batches; to give every micro-batch the whole of "
-                f"'{names[path[0].idx]}', pass PipelineConfig(broadcast=({names[path[0].idx]!r},))"
-            )
-        split.append(index)
+    split: dict[tuple[int, int], Any] = {}
+    for position, (paths, _) in enumerate(flat):
+        top = names[position]
+        for index, (path, leaf) in enumerate(paths):
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or top in broadcast:
+                continue
+            name = top + pytree.keystr(path)
+            if rows is None:
+                rows, first = leaf.size(0), name
+            elif leaf.size(0) != rows:
+                raise FxsplitError(
+                    f"input '{name}' has {leaf.size(0)} rows along dim 0 but '{first}' has {rows}; pipelining "
+                    f"splits every tensor input along dim 0 into micro-batches; to give every micro-batch the whole "
+                    f"of '{top}', pass PipelineConfig(broadcast=({top!r},))"
+                )
+            split[position, index] = torch.tensor_split(leaf, chunks)
     if rows is None:
         raise FxsplitError(f"no tensor input has a batch dimension to split into micro-batches (inputs: "
                            f"{', '.join(names) or 'none'}); pipelining needs one")
     if rows < chunks:
         raise FxsplitError(f"a batch of {rows} rows (in '{first}') cannot be split into {chunks} micro-batches; "
                            f"pass at least {chunks} rows or use fewer chunks")
-    leaves = [leaf for _, leaf in paths]
-    pieces = {i: torch.tensor_split(leaves[i], chunks) for i in split}
-    sizes = [int(p.size(0)) for p in pieces[split[0]]]
+    sizes = [int(piece.size(0)) for piece in next(iter(split.values()))]
     parts = []
     for c in range(chunks):
-        chunk = [pieces[i][c] if i in pieces else leaf for i, leaf in enumerate(leaves)]
-        parts.append(list(pytree.tree_unflatten(chunk, spec)))
+        part = []
+        for position, (paths, spec) in enumerate(flat):
+            leaves = [split[position, i][c] if (position, i) in split else leaf for i, (_, leaf) in enumerate(paths)]
+            part.append(pytree.tree_unflatten(leaves, spec))
+        parts.append(part)
     return parts, sizes
 
 

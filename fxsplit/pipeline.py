@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Union, cast
 
 import torch
 import torch.fx
@@ -71,7 +71,7 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
             raise SpecError(f"pipeline chunks must be an int >= 1 (got {self.chunks!r})")
-        mode = {True: "always", False: "never"}.get(self.checkpoint, self.checkpoint)  # type: ignore[call-overload]
+        mode = "always" if self.checkpoint is True else "never" if self.checkpoint is False else self.checkpoint
         if mode not in CHECKPOINT_MODES:
             raise SpecError(f"pipeline checkpoint must be True, False or one of {', '.join(CHECKPOINT_MODES)} "
                             f"(got {self.checkpoint!r})")
@@ -141,14 +141,13 @@ class Pipeline(torch.nn.Module):
     @property
     def split(self) -> torch.fx.GraphModule:
         """The split model without pipelining (the same weights; traced on one micro-batch)."""
-        split: torch.fx.GraphModule = self._split
-        return split
+        return cast(torch.fx.GraphModule, self.__dict__["_split"])
 
     @property
     def code(self) -> str:
         """The generated code of every stage, each under a comment naming its device and values."""
         parts = []
-        for spec, module in zip(self.stage_specs, self.stages, strict=True):
+        for spec, module in zip(self.stage_specs, self._layout.modules, strict=True):
             parts.append(f"# stage {spec.index} on {spec.device}: takes ({', '.join(spec.inputs)}), "
                          f"returns ({', '.join(spec.outputs)})" + module.code)
         return "\n".join(parts)
@@ -185,7 +184,7 @@ class Pipeline(torch.nn.Module):
     def _check_batch_stats(self) -> None:
         if self.config.batch_stats == "allow" or self.config.chunks == 1:
             return
-        found = [name for module in self.stages for name in batch_stat_ops(module)]
+        found = [name for module in self._layout.modules for name in batch_stat_ops(module)]
         if not found:
             return
         message = (f"ops {', '.join(found[:3])}{' ...' if len(found) > 3 else ''} normalise with batch statistics "

@@ -201,7 +201,7 @@ class _Cutter:
             input_names=tuple(p.name for p in self.placeholders),
             input_targets=tuple(str(p.target) for p in self.placeholders),
             relay=self.relay, release=release, _binder=self._binder(),
-            _template=torch.fx.node.map_arg(self.output.args[0], lambda n: _Ref(n.name)),
+            _template=torch.fx.node.map_arg(self.output.args[0], lambda n: _Ref(n.name)),  # type: ignore[arg-type,return-value]
             _moves={name: (self._source(n).name, n.meta[COPY_META][2]) for name, n in self.moves.items()},
             _out_spec=self._out_spec(),
         )

@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 import fxsplit
 from fxsplit.api import _plan
 from fxsplit.codegen import emit, move_weights
+from fxsplit.microbatch import gather, scatter
 from fxsplit.pipeline import clock_cycles, pipelined
 from fxsplit.planning import weights_by_node
 
@@ -194,3 +195,48 @@ def test_clock_cycles_fill_and_drain() -> None:
     assert sorted(pair for tick in ticks for pair in tick) == [(m, s) for m in range(4) for s in range(3)]
     for t, tick in enumerate(ticks):
         assert all(m == t - s for m, s in tick)
+
+
+def test_scatter_splits_batched_tensors_and_broadcasts_the_rest() -> None:
+    x, mask = torch.arange(10).reshape(5, 2), torch.ones(3)
+    parts, rows = scatter([{"x": x, "n": 3}, mask, None], ["inputs", "mask", "extra"], 2, broadcast=("mask",))
+    assert rows == [3, 2]
+    assert torch.equal(torch.cat([p[0]["x"] for p in parts]), x)
+    assert all(p[0]["n"] == 3 and p[1] is mask and p[2] is None for p in parts)
+    with pytest.raises(fxsplit.FxsplitError, match=r"'mask' has 3 rows.*'inputs\['x'\]' has 5.*broadcast=\('mask',\)"):
+        scatter([{"x": x}, mask], ["inputs", "mask"], 2)
+    with pytest.raises(fxsplit.FxsplitError, match="batch of 5 rows .* cannot be split into 8 micro-batches"):
+        scatter([x], ["x"], 8)
+    with pytest.raises(fxsplit.FxsplitError, match="no tensor input has a batch dimension"):
+        scatter([2.0], ["scale"], 2)
+
+
+def test_gather_concatenates_and_averages_scalars_by_rows() -> None:
+    outs = [{"y": torch.ones(2, 1), "loss": torch.tensor(1.0), "k": "a"},
+            {"y": torch.zeros(1, 1), "loss": torch.tensor(4.0), "k": "a"}]
+    with pytest.warns(UserWarning, match="0-dim tensor"):
+        merged = gather(outs, [2, 1])
+    assert merged["y"].tolist() == [[1.0], [1.0], [0.0]] and merged["k"] == "a"
+    assert merged["loss"].item() == pytest.approx(2.0)
+    with pytest.raises(fxsplit.FxsplitError, match="different output structures"):
+        gather([(torch.ones(1),), [torch.ones(1)]], [1, 1])
+
+
+def test_hugging_face_model_output_comes_back_whole() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=4, n_head=2, use_cache=False,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(config)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(2))
+    pipe = fxsplit.fxsplit(model, budgets(model, 3, slack=1.3), example_inputs=(ids,), pipeline={"chunks": 2})
+    assert len(pipe.stages) == 3
+    out, expected = pipe(ids), reference(ids)
+    assert type(out) is type(expected) and list(out.keys()) == list(expected.keys())
+    torch.testing.assert_close(out.logits, expected.logits, atol=ATOL, rtol=1e-5)
+    out.logits.sin().sum().backward()
+    expected.logits.sin().sum().backward()
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, atol=1e-4, rtol=1e-4, msg=name)
