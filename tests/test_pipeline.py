@@ -240,3 +240,18 @@ def test_hugging_face_model_output_comes_back_whole() -> None:
     grads = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, grads[name].grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_fx_without_example_inputs_and_uneven_micro_batches() -> None:
+    torch.manual_seed(0)
+    model = TwoHeads()
+    reference = copy.deepcopy(model)
+    pipe = fxsplit.fxsplit(model, budgets(model, 3), pipeline=3)  # traced by fx, no shapes; 8 rows -> 3, 3, 2
+    inputs = _inputs("TwoHeads")
+    out, expected = pipe(*inputs), reference(*inputs)
+    _assert_same(out, expected)
+    _loss(out).backward()
+    _loss(expected).backward()
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, atol=ATOL, rtol=1e-5, msg=name)
