@@ -64,6 +64,8 @@ def scatter(
                     f"of '{top}', pass PipelineConfig(broadcast=({top!r},))"
                 )
             split[position, index] = torch.tensor_split(leaf, chunks)
+    if rows is None and chunks == 1:
+        return [list(inputs)], [0]  # nothing to split, and no need to
     if rows is None:
         raise FxsplitError(f"no tensor input has a batch dimension to split into micro-batches (inputs: "
                            f"{', '.join(names) or 'none'}); pipelining needs one")
@@ -103,14 +105,15 @@ def gather(outputs: Sequence[Any], rows: Sequence[int]) -> Any:
         head = values[0]
         if not isinstance(head, torch.Tensor):
             merged.append(head)
+        elif len(values) == 1:
+            merged.append(head)
         elif head.dim() > 0:
-            merged.append(torch.cat(values) if len(values) > 1 else head)
+            merged.append(torch.cat(values))
         elif head.is_floating_point() or head.is_complex():
-            if len(values) > 1:
-                warnings.warn(
-                    f"output leaf {index} is a 0-dim tensor (a loss computed in the model?); pipelining averages "
-                    "it over micro-batches weighted by rows, which equals the full-batch value only when the model "
-                    "averages over samples", stacklevel=3)
+            warnings.warn(
+                f"output leaf {index} is a 0-dim tensor (a loss computed in the model?); pipelining averages "
+                "it over micro-batches weighted by rows, which equals the full-batch value only when the model "
+                "averages over samples", stacklevel=3)
             merged.append(sum(v * (n / total) for v, n in zip(values, rows, strict=True)))
         else:
             raise FxsplitError(f"output leaf {index} is a 0-dim {head.dtype} tensor; pipelining cannot combine it "

@@ -124,7 +124,10 @@ class Pipeline(torch.nn.Module):
     ``stage_specs[i]`` says which values it takes and returns. ``code`` is
     every stage's code, one after the other; ``split`` is the same model
     without pipelining (shares the weights). The weights are the model's own,
-    on their planned devices, each in exactly one stage.
+    on their planned devices, each in exactly one stage: a weight that another
+    stage reads (a tied one) is sent to it as a stage input, and autograd sums
+    its gradients. Save and load weights through the model (``model.state_dict()``);
+    this module's own keys are prefixed by ``stages.<i>.``.
     """
 
     def __init__(self, split: torch.fx.GraphModule, stages: StageSplit, config: PipelineConfig) -> None:
