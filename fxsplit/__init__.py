@@ -5,7 +5,9 @@ Trace (torch.fx / torch.export) -> partition under per-device memory budgets
 """
 
 from fxsplit.api import fxsplit, plan
+from fxsplit.distributed import PipelineStages, pipeline_stages
 from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError, SpecError, TraceError
+from fxsplit.pipeline import Pipeline, PipelineConfig
 from fxsplit.plan import Cut, Plan
 from fxsplit.units import format_size, parse_size
 
@@ -13,6 +15,9 @@ __all__ = [
     "BudgetError",
     "Cut",
     "FxsplitError",
+    "Pipeline",
+    "PipelineConfig",
+    "PipelineStages",
     "Plan",
     "PlanMismatchError",
     "SpecError",
@@ -20,6 +25,7 @@ __all__ = [
     "format_size",
     "fxsplit",
     "parse_size",
+    "pipeline_stages",
     "plan",
 ]
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, overload
 
 import torch
 import torch.fx
@@ -13,7 +14,9 @@ from fxsplit.codegen import emit, move_weights
 from fxsplit.cost import GraphCosts, build_problem
 from fxsplit.devices import normalize_budgets, normalize_device
 from fxsplit.errors import FxsplitError, SpecError
+from fxsplit.microbatch import first_microbatch
 from fxsplit.partition import OBJECTIVES, partition
+from fxsplit.pipeline import Pipeline, PipelineConfig, pipelined
 from fxsplit.plan import Plan
 from fxsplit.planning import make_plan, weights_by_node
 from fxsplit.trace import TRACE_MODES, Traced, trace
@@ -32,6 +35,7 @@ class Options:
     output_device: Any = None
     objective: str = "min_transfer"
     pins: Mapping[str, Any] | None = None
+    pipeline: PipelineConfig | Mapping[str, Any] | int | None = None
 
 
 _OPTION_NAMES = tuple(Options.__dataclass_fields__)
@@ -44,6 +48,8 @@ def _options(raw: Mapping[str, Any]) -> Options:
             hint = f"; did you mean {close[0]!r}?" if close else f"; options are {', '.join(_OPTION_NAMES)}"
             raise SpecError(f"unknown option {name!r}{hint}")
     options = Options(**raw)
+    if options.pipeline is not None:
+        options = dataclasses.replace(options, pipeline=PipelineConfig.coerce(options.pipeline))
     if options.trace not in TRACE_MODES:
         raise SpecError(f"trace must be one of {', '.join(TRACE_MODES)} (got {options.trace!r})")
     if options.objective not in OBJECTIVES:
@@ -56,6 +62,7 @@ class _Planned:
     traced: Traced
     costs: GraphCosts
     plan: Plan
+    options: Options | None = None
 
 
 def _plan(model: torch.nn.Module, budgets: Mapping[Any, Any], example_inputs: Any, raw: Mapping[str, Any]) -> _Planned:
@@ -64,10 +71,13 @@ def _plan(model: torch.nn.Module, budgets: Mapping[Any, Any], example_inputs: An
     devices = list(limits)
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    example_kwargs = options.example_kwargs
+    if isinstance(options.pipeline, PipelineConfig):  # trace one micro-batch: export fixes shapes
+        example_inputs, example_kwargs = first_microbatch(example_inputs, example_kwargs, options.pipeline.chunks)
     traced = trace(
         model,
         example_inputs=example_inputs,
-        example_kwargs=options.example_kwargs,
+        example_kwargs=example_kwargs,
         mode=options.trace,
         leaf_modules=options.leaf_modules,
         concrete_args=options.concrete_args,
@@ -79,7 +89,7 @@ def _plan(model: torch.nn.Module, budgets: Mapping[Any, Any], example_inputs: An
     output_device = normalize_device(options.output_device) if options.output_device is not None else None
     made = make_plan(costs, traced.graph_module, solution, devices, limits, output_device=output_device,
                      trace=traced.method, objective=options.objective)
-    return _Planned(traced, costs, made)
+    return _Planned(traced, costs, made, options)
 
 
 def plan(model: torch.nn.Module, budgets: Mapping[Any, Any], *, example_inputs: Any = None, **options: Any) -> Plan:
@@ -100,13 +110,23 @@ def plan(model: torch.nn.Module, budgets: Mapping[Any, Any], *, example_inputs: 
     return _plan(model, budgets, example_inputs, options).plan
 
 
+@overload
+def fxsplit(model: torch.nn.Module, budgets: Mapping[Any, Any], *, example_inputs: Any = None,
+            pipeline: None = None, **options: Any) -> torch.fx.GraphModule: ...
+
+
+@overload
+def fxsplit(model: torch.nn.Module, budgets: Mapping[Any, Any], *, example_inputs: Any = None,
+            pipeline: PipelineConfig | Mapping[str, Any] | int, **options: Any) -> Pipeline: ...
+
+
 def fxsplit(
     model: torch.nn.Module,
     budgets: Mapping[Any, Any],
     *,
     example_inputs: Any = None,
     **options: Any,
-) -> torch.fx.GraphModule:
+) -> torch.fx.GraphModule | Pipeline:
     """Split ``model`` over devices under per-device memory budgets.
 
     Traces the model, assigns every op to a device so that each device's
@@ -134,11 +154,17 @@ def fxsplit(
             (module types or qualified names fx must not trace into),
             ``concrete_args``, ``output_device`` (default: the device of the
             last stage that runs ops), ``objective`` (``"min_transfer"``, the
-            default, or ``"balanced"``) and ``pins`` (module path or glob ->
-            device).
+            default, or ``"balanced"``), ``pins`` (module path or glob ->
+            device) and ``pipeline`` (a :class:`~fxsplit.PipelineConfig`, or
+            ``{"chunks": k, ...}``: run micro-batches through the stages in
+            a pipeline; the model is then traced on one micro-batch of the
+            example inputs).
 
     Returns:
-        The split ``torch.fx.GraphModule``. Call it like ``model``.
+        The split ``torch.fx.GraphModule``. Call it like ``model``. With
+        ``pipeline=...``, a :class:`~fxsplit.Pipeline` (an ``nn.Module``
+        with the same ``meta["fxsplit_plan"]``; its ``code`` is the code of
+        each stage, ``stages[i].code`` that of stage ``i``).
 
     Raises:
         BudgetError: it does not fit; says what, where and by how much.
@@ -164,7 +190,10 @@ def fxsplit(
     _refuse_meta(model)
     by_node = weights_by_node(planned.costs)
     move_weights(planned.traced.graph_module, planned.plan, planned.costs.weights + planned.costs.unused)
-    return emit(planned.traced.graph_module, planned.plan, by_node)
+    split = emit(planned.traced.graph_module, planned.plan, by_node)
+    if planned.options is not None and isinstance(planned.options.pipeline, PipelineConfig):
+        return pipelined(split, planned.options.pipeline)
+    return split
 
 
 def _refuse_meta(model: torch.nn.Module) -> None:

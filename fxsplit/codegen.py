@@ -21,9 +21,11 @@ from fxsplit.graphinfo import TENSOR, value_kind
 from fxsplit.plan import Plan
 from fxsplit.planning import Read, reads_of
 
-__all__ = ["ExportedSplit", "emit", "move_weights"]
+__all__ = ["COPY_META", "DEVICE_META", "ExportedSplit", "emit", "move_weights"]
 
 COPY_META = "fxsplit_copy"
+DEVICE_META = "fxsplit_device"
+"""``node.meta`` key: the device an emitted op, copy or weight read runs on (placeholders have none)."""
 
 
 def move_weights(graph_module: torch.fx.GraphModule, plan: Plan, weights: list[Weight]) -> None:
@@ -77,6 +79,8 @@ class _Emitter:
         for node in self.source.graph.nodes:
             if node.op in ("placeholder", "get_attr"):
                 self.env[node.name] = self.graph.node_copy(node, self._lookup_env)
+                if node.op == "get_attr" and node.name in self.plan.placement:
+                    self.env[node.name].meta[DEVICE_META] = self.plan.placement[node.name]
                 continue
             device = self.plan.placement[node.name]
             replaced: dict[str, torch.fx.Node] = {}
@@ -90,6 +94,8 @@ class _Emitter:
                 elif read.weight is not None:
                     foreign[read.key] = (read.weight, fetched)
             new = self._copy_node(node, replaced, foreign, device)
+            if node.op != "output":
+                new.meta[DEVICE_META] = device
             self.env[node.name] = new
         return self.graph
 
@@ -118,6 +124,7 @@ class _Emitter:
             if id(tensor) in copies:
                 local[name] = copies[id(tensor)]
         module_node = self.graph.get_attr(str(node.target))
+        module_node.meta[DEVICE_META] = self.plan.placement[node.name]
         args = torch.fx.map_arg(node.args, remap)
         kwargs = torch.fx.map_arg(node.kwargs, remap)
         new = self.graph.call_function(torch.func.functional_call, (module_node, local, tuple(args), dict(kwargs)))
@@ -148,6 +155,7 @@ class _Emitter:
         else:
             copy = self.graph.call_function(runtime.move, (source, device))
         copy.meta[COPY_META] = (read.key, None if is_input and home == device else home, device)
+        copy.meta[DEVICE_META] = device
         if read.node is not None and "val" in read.node.meta:
             copy.meta["val"] = read.node.meta["val"]
         self.copies[(read.key, device)] = copy
@@ -157,10 +165,15 @@ class _Emitter:
         assert read.weight is not None
         for path in read.weight.names:
             if isinstance(_lookup(self.source, path), torch.Tensor):
-                return self.graph.get_attr(path)
+                return self._home_attr(path, read.key)
         for path in _node_targets(self.source, read.weight):
-            return self.graph.get_attr(path)
+            return self._home_attr(path, read.key)
         raise AssertionError(f"no attribute path reaches weight {read.key!r}")  # pragma: no cover
+
+    def _home_attr(self, path: str, key: str) -> torch.fx.Node:
+        attr = self.graph.get_attr(path)
+        attr.meta[DEVICE_META] = self.plan.param_devices[key]
+        return attr
 
 
 def _pin_device_arguments(node: torch.fx.Node, device: str) -> None:

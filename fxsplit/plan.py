@@ -78,6 +78,15 @@ class Plan:
         """The copies whose destination is ``device``."""
         return tuple(c for c in self.cuts if c.destination == device)
 
+    def to_pipeline_stages(self, model: Any, *, example_inputs: Any, chunks: int = 1, **options: Any) -> Any:
+        """Per-stage modules of ``model`` under this plan for ``torch.distributed.pipelining``.
+
+        Same as ``fxsplit.pipeline_stages(model, self, ...)`` (imports torch on call).
+        """
+        from fxsplit.distributed import pipeline_stages
+
+        return pipeline_stages(model, self, example_inputs=example_inputs, chunks=chunks, **options)
+
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain Python data (dicts, lists, strings, ints)."""
         return {

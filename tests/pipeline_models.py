@@ -1,0 +1,88 @@
+"""Tiny models for the pipelining tests (in-process and torchrun workers import them)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def budgets(model: nn.Module, devices: int, slack: float = 1.25) -> dict[str, int]:
+    """Per-device budgets tight enough that ``devices`` devices are all needed."""
+    total = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
+    total += sum(b.numel() * b.element_size() for b in model.buffers())
+    return {f"cpu:{i}": int(total / devices * slack) for i in range(devices)}
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+class LongSkip(nn.Module):
+    """``first``'s output is read again by the last layer: a value that crosses two stages."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.first = nn.Linear(width, width)
+        self.middle = nn.Sequential(*[m for _ in range(4) for m in (nn.Tanh(), nn.Linear(width, width))])
+        self.last = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        return self.last(self.middle(h)) * h
+
+
+class TwoHeads(nn.Module):
+    """Two inputs, a dict output holding a tuple; one output is made on the first stage."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.c = nn.Linear(width, width)
+        self.d = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, object]:
+        h = torch.tanh(self.a(x)) + y
+        g = torch.tanh(self.c(torch.tanh(self.b(h))))
+        return {"logits": self.d(g), "extra": (h.sum(-1), g)}
+
+
+class Tied(nn.Module):
+    """Embedding and output head share one weight."""
+
+    def __init__(self, vocab: int = 24, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.body = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh())
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(ids)))
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.b = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(self.a(x)))

@@ -1,0 +1,86 @@
+"""torchrun worker for tests/test_distributed.py: train with fxsplit.pipeline_stages, save losses and weights.
+
+    torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port PORT tests/pipeline_worker.py OUT_DIR
+
+Each case trains a few SGD steps with a torch.distributed.pipelining schedule
+and saves, per rank, the losses (last rank) and the stage's parameters.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+import fxsplit
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_models import MLP, LongSkip, Tied, budgets  # noqa: E402
+
+CHUNKS, STEPS, LR = 4, 3, 0.1
+CASES = [("MLP", "gpipe"), ("MLP", "1f1b"), ("LongSkip", "1f1b"), ("Tied", "gpipe")]
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {"MLP": MLP, "LongSkip": LongSkip, "Tied": Tied}
+
+
+def batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same data on every rank and in the single-process reference."""
+    gen = torch.Generator().manual_seed(7)
+    if name == "Tied":
+        return [(torch.randint(0, 24, (8, 5), generator=gen), torch.randint(0, 24, (8, 5), generator=gen))
+                for _ in range(STEPS)]
+    return [(torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)) for _ in range(STEPS)]
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if target.dtype == torch.long:
+        return torch.nn.functional.cross_entropy(output.flatten(0, -2), target.flatten())
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def make(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def train(name: str, kind: str, rank: int, world: int) -> dict[str, Any]:
+    model = make(name)
+    data = batches(name)
+    stages = fxsplit.pipeline_stages(model, budgets(model, world), example_inputs=(data[0][0],), chunks=CHUNKS)
+    stage = stages.build_stage(rank)
+    schedule_type = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+    schedule = schedule_type(stage, n_microbatches=CHUNKS, loss_fn=loss_fn)
+    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=LR)
+    losses: list[float] = []
+    for x, y in data:
+        optimizer.zero_grad()
+        micro: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=y, losses=micro)
+            losses.append(torch.stack(micro).mean().item())
+        else:
+            schedule.step()
+        stages.reduce_tied_grads(rank)
+        optimizer.step()
+    params = {path: p.detach().clone() for path, p in stage.submod.named_parameters(remove_duplicate=False)}
+    return {"losses": losses, "params": params, "tied": stages.tied, "stages": len(stages)}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    results = {f"{name}-{kind}": train(name, kind, rank, world) for name, kind in CASES}
+    torch.save(results, out / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Stages for torch.distributed.pipelining: relayed values, replicated tied weights, and 2 real gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import fxsplit
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import pipeline_worker  # noqa: E402
+from pipeline_models import LongSkip, Tied, TwoHeads, budgets  # noqa: E402
+
+
+def _inputs(name: str) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(3)
+    if name == "Tied":
+        return (torch.randint(0, 24, (4, 5), generator=gen),)
+    if name == "TwoHeads":
+        return (torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen))
+    return (torch.randn(4, 16, generator=gen),)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    return sum((leaf.sin() * (i + 1)).sum() for i, leaf in enumerate(pytree.tree_leaves(out)))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("trace", ["export", "fx"])
+@pytest.mark.parametrize("make", [LongSkip, TwoHeads, Tied], ids=lambda m: m.__name__)
+def test_stages_chained_by_hand_equal_the_model(make: Callable[[], torch.nn.Module], trace: str) -> None:
+    torch.manual_seed(0)
+    model = make()
+    reference = copy.deepcopy(model)
+    inputs = _inputs(type(model).__name__)
+    stages = fxsplit.pipeline_stages(model, budgets(model, 3), example_inputs=inputs, trace=trace)
+    assert len(stages) == 3
+    out = stages[0](*inputs)  # stage 0 takes the model's inputs, the others the previous stage's tuple
+    for module in stages.modules[1:]:
+        assert isinstance(out, tuple) and all(isinstance(v, torch.Tensor) for v in out)
+        out = module(*out)
+    expected = reference(*inputs)
+    assert pytree.tree_structure(out) == pytree.tree_structure(expected)  # the last stage returns the model's output
+    for got, want in zip(pytree.tree_leaves(out), pytree.tree_leaves(expected), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    _loss(out).backward()
+    _loss(expected).backward()
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_skip_connection_is_relayed_through_the_middle_stage() -> None:
+    stages = fxsplit.pipeline_stages(LongSkip(), budgets(LongSkip(), 3), example_inputs=_inputs("LongSkip"))
+    first, middle, last = stages.specs
+    skip = [name for name in first.outputs if name in last.inputs]
+    assert skip and set(skip) <= set(middle.inputs) and set(skip) <= set(middle.outputs)
+
+
+def test_tied_weight_is_replicated_on_the_stages_that_read_it() -> None:
+    model = Tied()
+    stages = fxsplit.pipeline_stages(model, budgets(model, 3), example_inputs=_inputs("Tied"))
+    assert stages.tied == {"embed.weight": (0, 2)}
+    assert not any(t is model.embed.weight for t in stages[1].parameters())
+    assert stages.plan.param_devices["embed.weight"] == "cpu:0"
+
+
+def test_plan_method_and_a_plan_that_cannot_be_staged() -> None:
+    model = LongSkip()
+    x = _inputs("LongSkip")
+    plan = fxsplit.plan(model, budgets(model, 2), example_inputs=x, pipeline={"chunks": 2})
+    stages = plan.to_pipeline_stages(model, example_inputs=x, chunks=2)
+    assert [s.device for s in stages.specs] == ["cpu:0", "cpu:1"] and stages.plan is plan
+    swap = {"cpu:0": "cpu:1", "cpu:1": "cpu:0"}
+    backwards = dataclasses.replace(plan, placement={k: swap[v] for k, v in plan.placement.items()},
+                                    param_devices={k: swap[v] for k, v in plan.param_devices.items()})
+    with pytest.raises(fxsplit.FxsplitError, match="cannot run as a pipeline.*list cpu:1 before cpu:0"):
+        fxsplit.pipeline_stages(model, backwards, example_inputs=x, chunks=2)
+    with pytest.raises(fxsplit.PlanMismatchError, match="does not describe this model's graph"):
+        fxsplit.pipeline_stages(Tied(), plan, example_inputs=_inputs("Tied"), chunks=2)
+
+
+class _SizeAcross(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.a(x).size(0)
+        return self.b(x).reshape(rows, 4, 4)
+
+
+def test_non_tensor_crossing_processes_is_refused() -> None:
+    model = _SizeAcross()
+    with pytest.raises(fxsplit.FxsplitError, match="exchange tensors only"):
+        fxsplit.pipeline_stages(model, budgets(model, 2), example_inputs=(torch.randn(4, 16),), trace="fx",
+                                pins={"a": "cpu:0", "b": "cpu:1"})
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _single_process(name: str) -> tuple[list[float], torch.nn.Module]:
+    model = pipeline_worker.make(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=pipeline_worker.LR)
+    losses = []
+    for x, y in pipeline_worker.batches(name):
+        optimizer.zero_grad()
+        loss = pipeline_worker.loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+def test_two_gloo_ranks_train_like_one_process(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(_free_port()), str(HERE / "pipeline_worker.py"), str(tmp_path)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for name, kind in pipeline_worker.CASES:
+        case = f"{name}-{kind}"
+        losses, model = _single_process(name)
+        assert all(r[case]["stages"] == 2 for r in ranks)
+        assert ranks[1][case]["losses"] == pytest.approx(losses, abs=1e-5), case
+        seen = set()
+        for rank in ranks:
+            for path, value in rank[case]["params"].items():
+                torch.testing.assert_close(value, model.get_parameter(path).detach(), atol=1e-5, rtol=1e-5,
+                                           msg=f"{case}: {path}")
+                seen.add(id(model.get_parameter(path)))
+        assert seen == {id(p) for p in model.parameters()}, case  # every weight was trained somewhere
+    assert ranks[0]["Tied-gpipe"]["tied"] == {"embed.weight": (0, 1)}

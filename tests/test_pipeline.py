@@ -1,0 +1,257 @@
+"""In-process pipelining: outputs and gradients equal the unsplit model's on cpu:N devices."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import fxsplit
+from fxsplit.api import _plan
+from fxsplit.codegen import emit, move_weights
+from fxsplit.microbatch import gather, scatter
+from fxsplit.pipeline import clock_cycles, pipelined
+from fxsplit.planning import weights_by_node
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_models import MLP, LongSkip, Residual, Tied, TwoHeads, WithBatchNorm, budgets  # noqa: E402
+
+ATOL = 1e-5  # float32; micro-batches only change the order of sums
+
+
+def _inputs(name: str) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(1)
+    if name == "Tied":
+        return (torch.randint(0, 24, (8, 5), generator=gen),)
+    if name == "TwoHeads":
+        return (torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen))
+    return (torch.randn(8, 16, generator=gen),)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    leaves = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+    return sum((leaf.float().sin() * (i + 1)).sum() for i, leaf in enumerate(leaves))  # type: ignore[return-value]
+
+
+def _assert_same(out: Any, expected: Any) -> None:
+    leaves, spec = pytree.tree_flatten(out)
+    want, want_spec = pytree.tree_flatten(expected)
+    assert spec == want_spec
+    for got, ref in zip(leaves, want, strict=True):
+        torch.testing.assert_close(got, ref, atol=ATOL, rtol=1e-5)
+
+
+def _compare(make: Callable[[], torch.nn.Module], chunks: int, devices: int = 3, **options: Any) -> fxsplit.Pipeline:
+    torch.manual_seed(0)
+    model = make()
+    reference = copy.deepcopy(model)
+    inputs = _inputs(type(model).__name__)
+    expected = reference(*inputs)
+    _loss(expected).backward()
+    pipe = fxsplit.fxsplit(model, budgets(model, devices), example_inputs=inputs,
+                           pipeline=fxsplit.PipelineConfig(chunks=chunks, **options.pop("config", {})), **options)
+    assert len(pipe.stages) == devices
+    out = pipe(*inputs)
+    _assert_same(out, expected)
+    _loss(out).backward()
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad, grads[name].grad, atol=ATOL, rtol=1e-5, msg=name)
+    return pipe
+
+
+MODELS = [MLP, Residual, LongSkip, TwoHeads, Tied]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize("make", MODELS, ids=lambda m: m.__name__)
+def test_outputs_and_gradients_equal_unsplit(make: Callable[[], torch.nn.Module], chunks: int) -> None:
+    _compare(make, chunks)
+
+
+@pytest.mark.parametrize("make", [MLP, LongSkip, TwoHeads], ids=lambda m: m.__name__)
+def test_fx_trace_pipelines_too(make: Callable[[], torch.nn.Module]) -> None:
+    _compare(make, 4, trace="fx")
+
+
+@pytest.mark.parametrize("mode", [True, "except_last"])
+def test_checkpointing_gives_the_same_gradients(mode: Any) -> None:
+    pipe = _compare(LongSkip, 4, config={"checkpoint": mode})
+    assert pipe.config.checkpoint == ("always" if mode is True else mode)
+
+
+def test_skip_connection_goes_straight_to_its_reader() -> None:
+    pipe = _compare(LongSkip, 2)
+    first, middle, last = pipe.stage_specs
+    skip = [name for name in last.inputs if name in first.outputs]
+    assert skip and not set(skip) & set(middle.inputs)
+
+
+def test_each_weight_lives_in_exactly_one_stage() -> None:
+    pipe = _compare(Tied, 2)
+    owners: dict[int, list[int]] = {}
+    for index, stage in enumerate(pipe.stages):
+        for tensor in {id(t): t for t in [*stage.parameters(), *stage.buffers()]}.values():
+            owners.setdefault(id(tensor), []).append(index)
+    assert all(len(stages) == 1 for stages in owners.values())
+    model_params = {id(p) for p in pipe.parameters()}
+    assert set(owners) == model_params
+    # the tied weight is sent from its stage to the head's stage as a value
+    assert any("embed" in name for spec in pipe.stage_specs[1:] for name in spec.inputs)
+
+
+def test_outputs_land_on_output_device_and_plan_is_kept() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    pipe = fxsplit.fxsplit(model, budgets(model, 2), example_inputs=_inputs("MLP"), output_device="cpu:0",
+                           pipeline={"chunks": 2})
+    plan = pipe.meta["fxsplit_plan"]
+    assert isinstance(plan, fxsplit.Plan) and plan.output_device == "cpu:0"
+    (x,) = _inputs("MLP")
+    torch.testing.assert_close(pipe(x)[:4], pipe.split(x[:4]))  # export traced one micro-batch of 4 rows
+    assert "# stage 0 on cpu:0" in pipe.code and "# stage 1 on cpu:1" in pipe.code
+    assert pipe.stages[1].code in pipe.code
+
+
+def test_batchnorm_warns_errors_or_is_allowed() -> None:
+    model = WithBatchNorm()
+    x = torch.randn(8, 16)
+    for trace in ("fx", "export"):
+        pipe = fxsplit.fxsplit(copy.deepcopy(model), budgets(model, 2), example_inputs=(x,), trace=trace,
+                               pipeline={"chunks": 2})
+        with pytest.warns(UserWarning, match="batch statistics"):
+            pipe(x)
+    strict = fxsplit.fxsplit(copy.deepcopy(model), budgets(model, 2), example_inputs=(x,), trace="fx",
+                             pipeline={"chunks": 2, "batch_stats": "error"})
+    with pytest.raises(fxsplit.FxsplitError, match=r"batch statistics.*batch_stats='allow'"):
+        strict(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strict.eval()(x)  # running statistics: nothing differs
+        allowed = fxsplit.fxsplit(copy.deepcopy(model), budgets(model, 2), example_inputs=(x,), trace="fx",
+                                  pipeline={"chunks": 2, "batch_stats": "allow"})
+        allowed(x)
+
+
+def test_plan_that_sends_a_value_back_cannot_be_staged() -> None:
+    model = MLP()
+    x = _inputs("MLP")
+    planned = _plan(model, budgets(model, 2), x, {})
+    swap = {"cpu:0": "cpu:1", "cpu:1": "cpu:0"}
+    plan = dataclasses.replace(
+        planned.plan,
+        placement={k: swap[v] for k, v in planned.plan.placement.items()},
+        param_devices={k: swap[v] for k, v in planned.plan.param_devices.items()},
+        output_device="cpu:0",
+    )
+    move_weights(planned.traced.graph_module, plan, planned.costs.weights)
+    split = emit(planned.traced.graph_module, plan, weights_by_node(planned.costs))
+    torch.testing.assert_close(split(*x), model(*x))  # the plain split still runs
+    with pytest.raises(fxsplit.FxsplitError) as error:
+        pipelined(split, fxsplit.PipelineConfig(chunks=2))
+    message = str(error.value)
+    assert "comes from cpu:1 (stage 1)" in message and "on cpu:0 (stage 0)" in message
+    assert "list cpu:1 before cpu:0 in the budgets" in message and "pins=" in message
+
+
+def test_export_pipeline_refuses_other_micro_batch_sizes() -> None:
+    model = MLP()
+    pipe = fxsplit.fxsplit(model, budgets(model, 2), example_inputs=(torch.randn(8, 16),), pipeline={"chunks": 4})
+    assert pipe(torch.randn(8, 16)).shape == (8, 16)
+    with pytest.raises(fxsplit.FxsplitError, match=r"micro-batches of 2 rows.*batches of 8 rows"):
+        pipe(torch.randn(6, 16))
+    fx = fxsplit.fxsplit(model, budgets(model, 2), example_inputs=(torch.randn(8, 16),), trace="fx",
+                         pipeline={"chunks": 4})
+    assert fx(torch.randn(6, 16)).shape == (6, 16)  # fx graphs take any size
+
+
+def test_example_batch_must_split_evenly() -> None:
+    with pytest.raises(fxsplit.SpecError, match="does not split evenly into 4 micro-batches"):
+        fxsplit.fxsplit(MLP(), budgets(MLP(), 2), example_inputs=(torch.randn(6, 16),), pipeline={"chunks": 4})
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(fxsplit.SpecError, match="chunks must be an int >= 1"):
+        fxsplit.PipelineConfig(chunks=0)
+    with pytest.raises(fxsplit.SpecError, match="checkpoint must be"):
+        fxsplit.PipelineConfig(chunks=2, checkpoint="sometimes")
+    with pytest.raises(fxsplit.SpecError, match="unknown pipeline option.*'chunk'"):
+        fxsplit.PipelineConfig.coerce({"chunk": 2})
+    assert fxsplit.PipelineConfig.coerce(3) == fxsplit.PipelineConfig(chunks=3)
+    assert fxsplit.PipelineConfig(chunks=2, checkpoint=False).checkpoint == "never"
+
+
+def test_clock_cycles_fill_and_drain() -> None:
+    ticks = clock_cycles(4, 3)
+    assert len(ticks) == 4 + 3 - 1
+    assert sorted(pair for tick in ticks for pair in tick) == [(m, s) for m in range(4) for s in range(3)]
+    for t, tick in enumerate(ticks):
+        assert all(m == t - s for m, s in tick)
+
+
+def test_scatter_splits_batched_tensors_and_broadcasts_the_rest() -> None:
+    x, mask = torch.arange(10).reshape(5, 2), torch.ones(3)
+    parts, rows = scatter([{"x": x, "n": 3}, mask, None], ["inputs", "mask", "extra"], 2, broadcast=("mask",))
+    assert rows == [3, 2]
+    assert torch.equal(torch.cat([p[0]["x"] for p in parts]), x)
+    assert all(p[0]["n"] == 3 and p[1] is mask and p[2] is None for p in parts)
+    with pytest.raises(fxsplit.FxsplitError, match=r"'mask' has 3 rows.*'inputs\['x'\]' has 5.*broadcast=\('mask',\)"):
+        scatter([{"x": x}, mask], ["inputs", "mask"], 2)
+    with pytest.raises(fxsplit.FxsplitError, match="batch of 5 rows .* cannot be split into 8 micro-batches"):
+        scatter([x], ["x"], 8)
+    with pytest.raises(fxsplit.FxsplitError, match="no tensor input has a batch dimension"):
+        scatter([2.0], ["scale"], 2)
+
+
+def test_gather_concatenates_and_averages_scalars_by_rows() -> None:
+    outs = [{"y": torch.ones(2, 1), "loss": torch.tensor(1.0), "k": "a"},
+            {"y": torch.zeros(1, 1), "loss": torch.tensor(4.0), "k": "a"}]
+    with pytest.warns(UserWarning, match="0-dim tensor"):
+        merged = gather(outs, [2, 1])
+    assert merged["y"].tolist() == [[1.0], [1.0], [0.0]] and merged["k"] == "a"
+    assert merged["loss"].item() == pytest.approx(2.0)
+    with pytest.raises(fxsplit.FxsplitError, match="different output structures"):
+        gather([(torch.ones(1),), [torch.ones(1)]], [1, 1])
+
+
+def test_hugging_face_model_output_comes_back_whole() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=4, n_head=2, use_cache=False,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(config)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(2))
+    pipe = fxsplit.fxsplit(model, budgets(model, 3, slack=1.3), example_inputs=(ids,), pipeline={"chunks": 2})
+    assert len(pipe.stages) == 3
+    out, expected = pipe(ids), reference(ids)
+    assert type(out) is type(expected) and list(out.keys()) == list(expected.keys())
+    torch.testing.assert_close(out.logits, expected.logits, atol=ATOL, rtol=1e-5)
+    out.logits.sin().sum().backward()
+    expected.logits.sin().sum().backward()
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_fx_without_example_inputs_and_uneven_micro_batches() -> None:
+    torch.manual_seed(0)
+    model = TwoHeads()
+    reference = copy.deepcopy(model)
+    pipe = fxsplit.fxsplit(model, budgets(model, 3), pipeline=3)  # traced by fx, no shapes; 8 rows -> 3, 3, 2
+    inputs = _inputs("TwoHeads")
+    out, expected = pipe(*inputs), reference(*inputs)
+    _assert_same(out, expected)
+    _loss(out).backward()
+    _loss(expected).backward()
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, atol=ATOL, rtol=1e-5, msg=name)
