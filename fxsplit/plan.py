@@ -158,7 +158,7 @@ class Plan:
         return plan_to_yaml(self)
 
     @classmethod
-    def from_yaml(cls, text: str) -> "Plan":
+    def from_yaml(cls, text: str) -> Plan:
         """Read a plan written by :meth:`to_yaml` (safe YAML only; never runs code).
 
         Raises:

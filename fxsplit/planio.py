@@ -111,9 +111,11 @@ def plan_to_yaml(plan: Plan) -> str:
         lines.append(f"    used: {k(used)}  # {format_size(used)}{share}")
         summary = summarize_modules(plan.modules.get(device, ()))
         lines.append(f"    modules: {_flow_list(summary)}  # summary, for reading")
-    lines.append(f"cuts:  # {len(plan.cuts)}, {format_size(plan.transfer_bytes)} per forward" if plan.cuts else "cuts: []")
+    transfer = f"{len(plan.cuts)}, {format_size(plan.transfer_bytes)} per forward"
+    lines.append(f"cuts:  # {transfer}" if plan.cuts else "cuts: []")
     for cut in plan.cuts:
-        entry = {"value": cut.producer, "from": cut.source, "to": cut.destination, "bytes": cut.nbytes, "kind": cut.kind}
+        entry = {"value": cut.producer, "from": cut.source, "to": cut.destination, "bytes": cut.nbytes,
+                 "kind": cut.kind}
         lines.append(f"- {_flow_map(entry)}  # {format_size(cut.nbytes)}")
     lines.append("tied:" if plan.tied else "tied: []")
     for group in plan.tied:
@@ -141,7 +143,8 @@ def _check_devices(plan: Plan) -> None:
         if set(mapping) != known:
             raise ValueError(f"plan.{what} must have one entry per device {list(plan.devices)} (got {list(mapping)})")
     if not set(plan.reserved) <= known:
-        raise ValueError(f"plan.reserved names devices not in {list(plan.devices)}: {sorted(set(plan.reserved) - known)}")
+        extra = sorted(set(plan.reserved) - known)
+        raise ValueError(f"plan.reserved names devices not in {list(plan.devices)}: {extra}")
 
 
 def plan_from_yaml(text: str) -> Plan:
@@ -188,7 +191,7 @@ class _Reader:
             self.problems.append(f"format: must be {FORMAT!r} (got {found!r}); is this a plan file made by fxsplit?")
             return None
         get = self.field
-        devices_data = get(data, "devices", lambda v: isinstance(v, dict) and v, "a mapping of device -> budget/used") or {}
+        devices_data = get(data, "devices", lambda v: isinstance(v, dict) and v, "device -> budget and used") or {}
         budgets: dict[str, int] = {}
         used: dict[str, int] = {}
         reserved: dict[str, int] = {}
