@@ -44,7 +44,8 @@ from fxsplit.trace import TRACE_MODES
 from fxsplit.units import format_size, parse_size
 
 __all__ = [
-    "DTYPES", "Headroom", "Problem", "Spec", "SpecProblems", "load_spec", "merge_spec", "parse_headroom", "spec_device",
+    "DTYPES", "Headroom", "Problem", "Spec", "SpecProblems", "load_spec", "merge_spec", "parse_headroom",
+    "planning_dtype", "reserve_bytes", "spec_device",
 ]
 
 YamlPath = tuple[Any, ...]
@@ -178,6 +179,47 @@ class Spec:
             if getattr(self, name) is not None:
                 found[name] = getattr(self, name)
         return found
+
+
+def reserve_bytes(reserve: Any, budgets: Mapping[str, int]) -> dict[str, int]:
+    """Bytes to hold back on each device: ``reserve`` is a size, ``"N%"`` or a mapping device -> either.
+
+    Raises:
+        SpecError: a bad size, a device without a budget, or a reserve that
+            leaves nothing of a budget.
+    """
+    if reserve is None:
+        return {}
+    if isinstance(reserve, Mapping):
+        rooms: dict[str, Headroom] = {}
+        for key, value in reserve.items():
+            device = normalize_device(key)
+            if device not in budgets:
+                raise SpecError(f"reserve names '{device}', which has no budget (devices: {', '.join(budgets)})")
+            rooms[device] = parse_headroom(value, what=f"reserve of '{device}'")
+    else:
+        room = parse_headroom(reserve)
+        rooms = {device: room for device in budgets}
+    held = {device: rooms[device].of(budget) if device in rooms else 0 for device, budget in budgets.items()}
+    for device, nbytes in held.items():
+        if budgets[device] and nbytes >= budgets[device]:
+            raise SpecError(f"reserve {rooms[device]} of '{device}' leaves nothing of its budget "
+                            f"{format_size(budgets[device])}; reserve less or raise the budget")
+    return held
+
+
+def planning_dtype(value: Any) -> str | None:
+    """Canonical name of a planning dtype: ``"bf16"`` or ``torch.bfloat16`` -> ``"bfloat16"``.
+
+    Raises:
+        SpecError: not a floating dtype fxsplit plans for.
+    """
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    if name not in DTYPES:
+        raise SpecError(f"dtype must be one of {', '.join(DTYPES)} (got {value!r})")
+    return DTYPES[name]
 
 
 def merge_spec(spec: Spec, budgets: Any, options: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
