@@ -124,7 +124,10 @@ def plan_to_yaml(plan: Plan) -> str:
         note = "copied each forward" if copies else "kept together"
         lines.append(f"- {_flow_map(entry)}  # {note}")
     lines.append("# ---- full placement (exact; the summary above is derived from it) ----")
-    lines.extend(_block_map("modules", {d: _flow_list(m) for d, m in plan.modules.items()}))
+    lines.append("modules:" if plan.modules else "modules: {}")
+    for device, paths in plan.modules.items():
+        lines.append(f"  {k(device)}:" + ("" if paths else " []"))
+        lines.extend(f"  - {k(path)}" for path in paths)
     lines.extend(_block_map("placement", {n: k(d) for n, d in plan.placement.items()}))
     lines.extend(_block_map("param_devices", {n: k(d) for n, d in plan.param_devices.items()}))
     lines.extend(_block_map("tensors", {n: k(t) for n, t in plan.tensors.items()}))

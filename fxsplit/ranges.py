@@ -5,6 +5,8 @@ so that a device's share of a 48-layer model reads as one line.
 
 >>> summarize_modules(["embed", "layers.0.attn", "layers.0.mlp", "layers.1.attn", "layers.2", "norm"])
 ['embed', 'layers.0-2', 'norm']
+>>> summarize_modules(["model.embed_tokens", "model.layers.0.up", "model.layers.1.up", "model.norm", "lm_head"])
+['model.embed_tokens', 'model.layers.0-1', 'model.norm', 'lm_head']
 >>> summarize_modules(["0", "1", "2", "4"])
 ['0-2', '4']
 """
@@ -20,8 +22,9 @@ def module_block(path: str) -> str:
     """The part of a module path that names one repeated block.
 
     Everything up to and including the first numeric component
-    (``encoder.layers.3.mlp`` -> ``encoder.layers.3``), else the first
-    component (``lm_head.proj`` -> ``lm_head``). The root module is ``<root>``.
+    (``encoder.layers.3.mlp`` -> ``encoder.layers.3``), else the first two
+    components (``model.embed_tokens.x`` -> ``model.embed_tokens``). The root
+    module is ``<root>``.
     """
     if not path:
         return "<root>"
@@ -29,7 +32,7 @@ def module_block(path: str) -> str:
     for index, part in enumerate(parts):
         if part.isdigit():
             return ".".join(parts[: index + 1])
-    return parts[0]
+    return ".".join(parts[:2])
 
 
 def summarize_modules(paths: Iterable[str]) -> list[str]:
