@@ -65,10 +65,13 @@ def _dump(value: Any, **style: Any) -> str:
     return text[: -len("\n...")] if text.endswith("\n...") else text
 
 
+_BREAKS = ("\n", "\r", "\x85", "\u2028", "\u2029")  # what YAML reads as line breaks
+
+
 def _one_line(value: Any) -> str:
-    """``value`` as YAML on one line, double-quoting strings when plain style would break lines."""
+    """``value`` as YAML on one line: double-quoted (breaks escaped) when another style would break lines."""
     text = _dump(value)
-    return text if "\n" not in text else _dump(value, default_style='"')
+    return text if not any(b in text for b in _BREAKS) else _dump(value, default_style='"')
 
 
 def _flow_list(items: Iterable[Any]) -> str:

@@ -256,6 +256,8 @@ class _LineLoader(yaml.SafeLoader):
 
     def build(self, node: yaml.Node, path: YamlPath) -> Any:
         self.lines.setdefault(path, node.start_mark.line + 1)
+        if node.tag not in (self.DEFAULT_MAPPING_TAG, self.DEFAULT_SEQUENCE_TAG):
+            return self.construct_object(node, deep=True)  # scalars, and tagged nodes: the safe constructor decides
         if isinstance(node, yaml.MappingNode):
             self.flatten_mapping(node)
             result: dict[Any, Any] = {}
@@ -296,7 +298,10 @@ def load_spec(source: str | os.PathLike[str] | Mapping[str, Any] | Spec) -> Spec
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         line = mark.line + 1 if mark else None
-        raise SpecProblems(name, [Problem((), line, f"not valid YAML: {error.problem or error}")]) from None
+        problem = str(error.problem or error)
+        if "could not determine a constructor" in problem:
+            problem += " (specs are read with a safe loader: no Python objects, no code)"
+        raise SpecProblems(name, [Problem((), line, f"not valid YAML: {problem}")]) from None
     except yaml.YAMLError as error:
         raise SpecProblems(name, [Problem((), None, f"not valid YAML: {error}")]) from None
     finally:
@@ -388,8 +393,8 @@ def spec_device(value: Any) -> str:
     """
     try:
         return normalize_device(value)
-    except SpecError:
-        if not isinstance(value, str):
+    except SpecError as error:
+        if not isinstance(value, str) or "is not a device" not in str(error):
             raise
     kind, colon, index = value.strip().partition(":")
     kind = kind.lower()
