@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,12 +14,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxsplit
+from fxsplit.factory import load_model
 from fxsplit.plan import CUT_KINDS, Cut, Plan
 from fxsplit.ranges import summarize_modules
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-from models import TinyLM  # noqa: E402
+TinyLM = load_model(f"{Path(__file__).resolve().parents[1] / 'examples' / 'models.py'}:factory").model.__class__
 
 # Any text but lone surrogates (which no file encoding can hold).
 names = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)

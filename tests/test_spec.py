@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import glob
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,12 +11,11 @@ import torch
 from torch import nn
 
 import fxsplit
+from fxsplit.factory import load_model
 from fxsplit.spec import Headroom, SpecProblems, load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-
-from models import TinyLM  # noqa: E402
+TinyLM = load_model(f"{ROOT / 'examples' / 'models.py'}:factory").model.__class__
 
 # (spec text, [(line, path, message fragment), ...]): every expected problem, and nothing else.
 BAD_SPECS = [
