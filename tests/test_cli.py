@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,13 @@ def test_argument_errors_exit_2() -> None:
     with pytest.raises(SystemExit) as caught:
         main(["code", MODEL], out=io.StringIO(), err=io.StringIO())
     assert caught.value.code == 2
+
+
+def test_spec_driven_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    runpy.run_path(str(ROOT / "examples" / "spec_driven.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "re-applied from the file without solving: same generated code, same outputs" in out
+    assert "to_3 = lm_head_weight.to('cpu:2')" in out
 
 
 def test_progress_only_on_a_terminal() -> None:
