@@ -104,8 +104,26 @@ def _no_match(pattern: str, model: torch.nn.Module) -> str:
         return (f"module {pattern!r} runs no op of the traced graph (is it called in forward? a module traced "
                 "as part of a leaf has no ops of its own)")
     tops = sorted({p.split(".")[0] for p in paths})
-    hint = _suggest(pattern, paths) or (f"; top-level modules: {', '.join(tops[:12])}" if tops else "")
+    hint = _suggest(pattern, _glob_candidates(pattern, paths)) or (
+        f"; top-level modules: {', '.join(tops[:12])}" if tops else "")
     return f"no module of the model matches {pattern!r}{hint}"
+
+
+def _glob_candidates(pattern: str, paths: list[str]) -> list[str]:
+    """Module paths, or for a glob, the model's paths cut to its depth with its wildcard parts kept.
+
+    ``model.layer.*`` against ``model.layers.3.up`` gives ``model.layers.*``.
+    """
+    parts = pattern.split(".")
+    wild = [any(c in part for c in "*?[") for part in parts]
+    if not any(wild):
+        return paths
+    found = []
+    for path in paths:
+        pieces = path.split(".")
+        if len(pieces) >= len(parts):
+            found.append(".".join(p if w else q for p, q, w in zip(parts, pieces, wild, strict=False)))
+    return list(dict.fromkeys(found))
 
 
 def check_constraints(

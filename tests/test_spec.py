@@ -245,7 +245,7 @@ def test_pin_naming_a_missing_module_suggests_close_names() -> None:
     text = str(caught.value)
     assert "2 problems" in text
     assert "<spec>:3: pin['haed']: no module of the model matches 'haed'; did you mean 'head'?" in text
-    assert "<spec>:4: pin['layer.*']: no module of the model matches 'layer.*'; did you mean 'layers." in text
+    assert "<spec>:4: pin['layer.*']: no module of the model matches 'layer.*'; did you mean 'layers.*'?" in text
 
 
 def test_conflicting_pins_are_reported() -> None:
