@@ -117,8 +117,8 @@ def plan_to_yaml(plan: Plan) -> str:
     transfer = f"{len(plan.cuts)}, {format_size(plan.transfer_bytes)} per forward"
     lines.append(f"cuts:  # {transfer}" if plan.cuts else "cuts: []")
     for cut in plan.cuts:
-        entry = {"value": cut.producer, "from": cut.source, "to": cut.destination, "bytes": cut.nbytes,
-                 "kind": cut.kind}
+        entry: dict[str, Any] = {"value": cut.producer, "from": cut.source, "to": cut.destination,
+                                 "bytes": cut.nbytes, "kind": cut.kind}
         lines.append(f"- {_flow_map(entry)}  # {format_size(cut.nbytes)}")
     lines.append("tied:" if plan.tied else "tied: []")
     for group in plan.tied:
@@ -197,7 +197,7 @@ class _Reader:
             self.problems.append(f"format: must be {FORMAT!r} (got {found!r}); is this a plan file made by fxsplit?")
             return None
         get = self.field
-        devices_data = get(data, "devices", lambda v: isinstance(v, dict) and v, "device -> budget and used") or {}
+        devices_data = get(data, "devices", lambda v: isinstance(v, dict) and bool(v), "device -> budget, used") or {}
         budgets: dict[str, int] = {}
         used: dict[str, int] = {}
         reserved: dict[str, int] = {}

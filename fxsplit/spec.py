@@ -32,6 +32,7 @@ import difflib
 import os
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -454,7 +455,7 @@ def _devices(check: _Checker, value: Any, present: bool) -> tuple[dict[str, int]
         return budgets, reserve
     for key, entry in value.items():
         path: YamlPath = ("devices", key)
-        name = check.attempt(path, lambda key=key: spec_device(key))
+        name = check.attempt(path, partial(spec_device, key))
         if name is None:
             continue
         if name in budgets:
@@ -468,11 +469,11 @@ def _devices(check: _Checker, value: Any, present: bool) -> tuple[dict[str, int]
                 continue
             budget = entry["budget"]
             if "reserve" in entry:
-                room = check.attempt((*path, "reserve"), lambda e=entry: parse_headroom(e["reserve"]))
+                room = check.attempt((*path, "reserve"), partial(parse_headroom, entry["reserve"]))
                 if room is not None:
                     reserve[name] = room
             path = (*path, "budget")
-        size = check.attempt(path, lambda b=budget: parse_size(b, what="budget"))
+        size = check.attempt(path, partial(parse_size, budget, what="budget"))
         if size is not None:
             budgets[name] = size
             if name in reserve and reserve[name].of(size) >= size and size:
@@ -494,7 +495,7 @@ def _pins(check: _Checker, value: Any, devices: dict[str, int]) -> dict[str, str
             check.problem(path, f"a pin's key must be a module path or glob; quote paths that look like numbers "
                           f"(got {key!r})")
             continue
-        name = check.attempt(path, lambda d=device: spec_device(d))
+        name = check.attempt(path, partial(spec_device, device))
         if name is None:
             continue
         if devices and name not in devices:

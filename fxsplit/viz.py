@@ -138,7 +138,7 @@ def _weight_readers(graph_module: torch.fx.GraphModule, plan: Plan, cut: Any,
     """Groups reading a copied weight: one on its home device, one on the destination."""
     names = next((set(g) for g in plan.tied if cut.producer in g), {cut.producer})
     modules = {name.rpartition(".")[0] for name in names}
-    readers = []
+    readers: list[torch.fx.Node] = []
     for node in graph_module.graph.nodes:
         if node.op == "get_attr" and str(node.target) in names:
             readers.extend(u for u in node.users if u.name in of)
