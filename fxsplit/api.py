@@ -11,7 +11,13 @@ import torch
 import torch.fx
 
 from fxsplit.codegen import emit, move_weights
-from fxsplit.constraints import check_constraints, explain_infeasible_pins, locator, resolve_leaf_modules
+from fxsplit.constraints import (
+    check_constraints,
+    explain_infeasible_pins,
+    locator,
+    resolve_leaf_modules,
+    together_groups,
+)
 from fxsplit.cost import GraphCosts, build_problem
 from fxsplit.devices import normalize_budgets, normalize_device
 from fxsplit.errors import BudgetError, FxsplitError, SpecError
@@ -92,7 +98,7 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
         concrete_args=options.concrete_args,
     )
     pins = {str(k): normalize_device(v) for k, v in (options.pins or {}).items()}
-    together = [tuple(group) for group in options.together]
+    together = together_groups(options.together)
     check_constraints(traced.graph_module, model, devices, pins, together, locate)
     index = {d: i for i, d in enumerate(devices)}
     costs = build_problem(traced.graph_module, model, device_index=index, pins=pins, together=together,
