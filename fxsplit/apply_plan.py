@@ -65,9 +65,13 @@ def retrace(
     _check_structure(model, plan)
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    if plan.trace == "export" and example_inputs is None and not example_kwargs:
-        raise FxsplitError("this plan was traced with torch.export; pass example_inputs=(...) (same shapes as when "
-                           "planning) so that the graph can be traced again")
+    if example_inputs is None and not example_kwargs:
+        if plan.trace == "export":
+            raise FxsplitError("this plan was traced with torch.export; pass example_inputs=(...) (same shapes as "
+                               "when planning) so that the graph can be traced again")
+        if any(cut.nbytes is not None for cut in plan.cuts if cut.kind != "parameter"):
+            raise FxsplitError("this plan was made with example inputs (its cuts have sizes); pass the same "
+                               "example_inputs=(...) so that the generated code is the same")
     leaves = resolve_leaf_modules(model, [*plan.leaf_modules, *leaf_modules], locator(None, ()))
     traced = trace(model, example_inputs=example_inputs, example_kwargs=example_kwargs, mode=plan.trace,
                    leaf_modules=leaves, concrete_args=concrete_args)

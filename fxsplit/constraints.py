@@ -24,7 +24,9 @@ from fxsplit.problem import PartitionProblem
 from fxsplit.spec import Spec, format_path
 from fxsplit.units import format_size
 
-__all__ = ["Locate", "check_constraints", "explain_infeasible_pins", "locator", "resolve_leaf_modules"]
+__all__ = [
+    "Locate", "check_constraints", "explain_infeasible_pins", "locator", "resolve_leaf_modules", "together_groups",
+]
 
 Locate = Callable[..., str]
 _SPEC_KEYS = {"pins": "pin"}
@@ -88,6 +90,26 @@ def _short(classes: dict[str, type]) -> dict[str, type]:
         if kind.__module__.startswith("torch.nn.modules"):
             found[f"torch.nn.{kind.__qualname__}"] = kind
     return found
+
+
+def together_groups(together: Any) -> list[tuple[str, ...]]:
+    """``together`` as a list of groups of module patterns, checking its shape.
+
+    Raises:
+        SpecError: not a list of lists of strings.
+    """
+    example = "like [['model.norm', 'lm_head']]"
+    if isinstance(together, (str, bytes)) or not isinstance(together, Iterable):
+        raise SpecError(f"together must be a list of groups of module paths or globs, {example} (got {together!r})")
+    groups = []
+    for group in together:
+        if isinstance(group, str) or not isinstance(group, Iterable):
+            raise SpecError(f"each together-group must be a list of module paths or globs, {example} (got {group!r})")
+        items = tuple(group)
+        if not items or not all(isinstance(item, str) and item for item in items):
+            raise SpecError(f"a together-group must list module paths or globs as strings, {example} (got {items!r})")
+        groups.append(items)
+    return groups
 
 
 def _ops(graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:

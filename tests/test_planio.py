@@ -219,3 +219,12 @@ def test_check_plan_validates_budgets_and_consistency() -> None:
 def test_plans_are_deterministic() -> None:
     first = fxsplit.plan(tiny(), BUDGETS, example_inputs=(X,)).to_yaml()
     assert fxsplit.plan(tiny(), BUDGETS, example_inputs=(X,)).to_yaml() == first
+
+
+def test_fx_plans_made_with_shapes_need_the_inputs_again() -> None:
+    model = tiny()
+    gm = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace="fx")
+    plan = Plan.from_yaml(gm.meta["fxsplit_plan"].to_yaml())
+    with pytest.raises(fxsplit.FxsplitError, match="made with example inputs"):
+        fxsplit.apply(tiny(), plan)
+    assert fxsplit.apply(tiny(), plan, example_inputs=(X,)).code == gm.code

@@ -306,3 +306,9 @@ def test_spec_objects_and_mappings_are_accepted() -> None:
     assert plan_with(spec).devices == ("cpu:0",)
     assert os.fspath(ROOT)  # path-like sources go through load_spec(Path)
     assert load_spec(ROOT / "specs" / "two_gpus.yaml").devices["cuda:1"] == 24 * 2**30
+
+
+@pytest.mark.parametrize("together", ["embed", ["embed", "head"], [[]], [["embed", 3]]])
+def test_malformed_together_keyword(together: object) -> None:
+    with pytest.raises(fxsplit.SpecError, match="together"):
+        fxsplit.plan(Chain(), {"cpu:0": "1MiB"}, example_inputs=X, together=together)
