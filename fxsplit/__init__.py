@@ -5,10 +5,12 @@ Trace (torch.fx / torch.export) -> partition under per-device memory budgets
 """
 
 from fxsplit.api import fxsplit, plan
+from fxsplit.apply_plan import apply, check_plan
 from fxsplit.distributed import PipelineStages, pipeline_stages
 from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError, SpecError, TraceError
 from fxsplit.pipeline import Pipeline, PipelineConfig
 from fxsplit.plan import Cut, Plan
+from fxsplit.spec import Spec, load_spec
 from fxsplit.units import format_size, parse_size
 
 __all__ = [
@@ -20,10 +22,14 @@ __all__ = [
     "PipelineStages",
     "Plan",
     "PlanMismatchError",
+    "Spec",
     "SpecError",
     "TraceError",
+    "apply",
+    "check_plan",
     "format_size",
     "fxsplit",
+    "load_spec",
     "parse_size",
     "pipeline_stages",
     "plan",

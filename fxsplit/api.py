@@ -11,14 +11,23 @@ import torch
 import torch.fx
 
 from fxsplit.codegen import emit, move_weights
+from fxsplit.constraints import (
+    check_constraints,
+    explain_infeasible_pins,
+    locator,
+    resolve_leaf_modules,
+    together_groups,
+)
 from fxsplit.cost import GraphCosts, build_problem
 from fxsplit.devices import normalize_budgets, normalize_device
-from fxsplit.errors import FxsplitError, SpecError
+from fxsplit.errors import BudgetError, FxsplitError, SpecError
+from fxsplit.fingerprint import describe
 from fxsplit.microbatch import first_microbatch
 from fxsplit.partition import OBJECTIVES, partition
 from fxsplit.pipeline import Pipeline, PipelineConfig, pipelined
 from fxsplit.plan import Plan
 from fxsplit.planning import make_plan, weights_by_node
+from fxsplit.spec import load_spec, merge_spec, planning_dtype, reserve_bytes
 from fxsplit.trace import TRACE_MODES, Traced, trace
 
 __all__ = ["fxsplit", "plan"]
@@ -36,6 +45,10 @@ class Options:
     objective: str = "min_transfer"
     pins: Mapping[str, Any] | None = None
     pipeline: PipelineConfig | Mapping[str, Any] | int | None = None
+    together: Iterable[Iterable[str]] = ()
+    reserve: Any = None
+    dtype: Any = None
+    spec: Any = None
 
 
 _OPTION_NAMES = tuple(Options.__dataclass_fields__)
@@ -65,10 +78,21 @@ class _Planned:
     options: Options | None = None
 
 
-def _plan(model: torch.nn.Module, budgets: Mapping[Any, Any], example_inputs: Any, raw: Mapping[str, Any]) -> _Planned:
+def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mapping[str, Any]) -> _Planned:
+    explicit = set(raw) - {"spec"}
+    spec = load_spec(raw["spec"]) if raw.get("spec") is not None else None
+    if spec is not None:
+        budgets, raw = merge_spec(spec, budgets, {k: v for k, v in raw.items() if k != "spec"})
     options = _options(raw)
+    if budgets is None:
+        raise SpecError("no budgets: pass budgets={'cuda:0': '20GiB', 'cuda:1': '20GiB'} or a spec with devices")
     limits = normalize_budgets(budgets)
+    reserved = reserve_bytes(options.reserve, limits)
+    usable = {d: b - reserved.get(d, 0) for d, b in limits.items()}
     devices = list(limits)
+    dtype = planning_dtype(options.dtype)
+    locate = locator(spec, explicit)
+    leaves = list(options.leaf_modules)
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     example_kwargs = options.example_kwargs
@@ -79,20 +103,41 @@ def _plan(model: torch.nn.Module, budgets: Mapping[Any, Any], example_inputs: An
         example_inputs=example_inputs,
         example_kwargs=example_kwargs,
         mode=options.trace,
-        leaf_modules=options.leaf_modules,
+        leaf_modules=resolve_leaf_modules(model, leaves, locate),
         concrete_args=options.concrete_args,
     )
     pins = {str(k): normalize_device(v) for k, v in (options.pins or {}).items()}
+    together = together_groups(options.together)
+    check_constraints(traced.graph_module, model, devices, pins, together, locate)
     index = {d: i for i, d in enumerate(devices)}
-    costs = build_problem(traced.graph_module, model, device_index=index, pins=pins)
-    solution = partition(costs.problem, [limits[d] for d in devices], objective=options.objective, device_names=devices)
+    costs = build_problem(traced.graph_module, model, device_index=index, pins=pins, together=together,
+                          dtype=getattr(torch, dtype) if dtype else None)
+    budget_list = [usable[d] for d in devices]
+    try:
+        solution = partition(costs.problem, budget_list, objective=options.objective, device_names=devices)
+    except BudgetError as error:
+        better = explain_infeasible_pins(error, costs.problem, budget_list, devices, pins, len(together), locate)
+        if better is None:
+            raise
+        raise better from error
     output_device = normalize_device(options.output_device) if options.output_device is not None else None
-    made = make_plan(costs, traced.graph_module, solution, devices, limits, output_device=output_device,
+    made = make_plan(costs, traced.graph_module, solution, devices, usable, output_device=output_device,
                      trace=traced.method, objective=options.objective)
-    return _Planned(traced, costs, made, options)
+    return _Planned(traced, costs, _record(made, model, limits, reserved, dtype, leaves), options)
 
 
-def plan(model: torch.nn.Module, budgets: Mapping[Any, Any], *, example_inputs: Any = None, **options: Any) -> Plan:
+def _record(made: Plan, model: torch.nn.Module, budgets: dict[str, int], reserved: dict[str, int],
+            dtype: str | None, leaves: list[type | str]) -> Plan:
+    """The plan with what it was made from: the full budgets, reserves, the model's structure, how to re-trace."""
+    fingerprint, tensors, tied = describe(model)
+    names = tuple(leaf if isinstance(leaf, str) else f"{leaf.__module__}.{leaf.__qualname__}" for leaf in leaves)
+    return dataclasses.replace(made, budgets=dict(budgets), reserved=reserved, fingerprint=fingerprint,
+                               tensors=tensors, tied=tied, dtype=dtype, leaf_modules=names)
+
+
+def plan(
+    model: torch.nn.Module, budgets: Mapping[Any, Any] | None = None, *, example_inputs: Any = None, **options: Any
+) -> Plan:
     """Decide where every op, parameter and buffer of ``model`` goes; run nothing.
 
     Works on models built on the ``meta`` device (no weights needed). Takes the
@@ -111,18 +156,18 @@ def plan(model: torch.nn.Module, budgets: Mapping[Any, Any], *, example_inputs: 
 
 
 @overload
-def fxsplit(model: torch.nn.Module, budgets: Mapping[Any, Any], *, example_inputs: Any = None,
+def fxsplit(model: torch.nn.Module, budgets: Mapping[Any, Any] | None = None, *, example_inputs: Any = None,
             pipeline: None = None, **options: Any) -> torch.fx.GraphModule: ...
 
 
 @overload
-def fxsplit(model: torch.nn.Module, budgets: Mapping[Any, Any], *, example_inputs: Any = None,
+def fxsplit(model: torch.nn.Module, budgets: Mapping[Any, Any] | None = None, *, example_inputs: Any = None,
             pipeline: PipelineConfig | Mapping[str, Any] | int, **options: Any) -> Pipeline: ...
 
 
 def fxsplit(
     model: torch.nn.Module,
-    budgets: Mapping[Any, Any],
+    budgets: Mapping[Any, Any] | None = None,
     *,
     example_inputs: Any = None,
     **options: Any,
@@ -145,7 +190,8 @@ def fxsplit(
         model: the module to split.
         budgets: device -> bytes (int) or a size string (``"20GiB"``, ``"2GB"``).
             Keys: ``"cuda:1"``, ``"cpu:0"``, ``torch.device`` or an int meaning
-            ``cuda:N``. The mapping's order is the order of the stages.
+            ``cuda:N``. The mapping's order is the order of the stages. May be
+            None when a ``spec`` names the devices.
         example_inputs: a tuple of positional inputs (real or meta tensors).
             With them, ``torch.export`` traces the model and every cut knows its
             bytes; without, ``torch.fx.symbolic_trace`` does.
@@ -155,10 +201,17 @@ def fxsplit(
             ``concrete_args``, ``output_device`` (default: the device of the
             last stage that runs ops), ``objective`` (``"min_transfer"``, the
             default, or ``"balanced"``), ``pins`` (module path or glob ->
-            device) and ``pipeline`` (a :class:`~fxsplit.PipelineConfig`, or
+            device), ``together`` (groups of module patterns that must share
+            a device), ``reserve`` (headroom kept free: a size, ``"10%"`` of
+            the budget, or a mapping device -> either), ``dtype`` (plan as if
+            floating tensors were ``"bfloat16"``/``"float16"``/``"float32"``;
+            the model is not cast, cast it yourself before running),
+            ``pipeline`` (a :class:`~fxsplit.PipelineConfig`, or
             ``{"chunks": k, ...}``: run micro-batches through the stages in
             a pipeline; the model is then traced on one micro-batch of the
-            example inputs).
+            example inputs) and ``spec`` (a :class:`~fxsplit.spec.Spec`, a spec file or YAML
+            text; its devices are the budgets when ``budgets`` is None, and
+            explicit keyword arguments override its fields).
 
     Returns:
         The split ``torch.fx.GraphModule``. Call it like ``model``. With

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx
 
 from fxsplit.errors import SpecError
-from fxsplit.graphinfo import NONTENSOR, alias_root, module_path, mutated_inputs, value_bytes, value_kind
+from fxsplit.graphinfo import NONTENSOR, alias_root, element_size, module_path, mutated_inputs, value_bytes, value_kind
 from fxsplit.problem import PartitionProblem, Value
 
 __all__ = ["GraphCosts", "Weight", "build_problem", "model_tensors"]
@@ -66,8 +66,8 @@ def model_tensors(model: torch.nn.Module) -> dict[int, tuple[list[str], torch.Te
     return found
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def _tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    return tensor.numel() * element_size(tensor.dtype, dtype)
 
 
 def build_problem(
@@ -76,8 +76,20 @@ def build_problem(
     *,
     device_index: Mapping[str, int],
     pins: Mapping[str, str] | None = None,
+    together: Sequence[Sequence[str]] = (),
+    dtype: torch.dtype | None = None,
 ) -> GraphCosts:
-    """Describe the graph's ops, values, weights and constraints for the partitioner."""
+    """Describe the graph's ops, values, weights and constraints for the partitioner.
+
+    Args:
+        graph_module: the traced graph.
+        model: the user's model (for the names of its parameters and buffers).
+        device_index: device name -> stage index.
+        pins: module path, glob or node name -> device name.
+        together: groups of module patterns whose ops must all share a device.
+        dtype: plan as if floating-point parameters, buffers and activations
+            had this dtype (None: as they are).
+    """
     graph = graph_module.graph
     modules = dict(graph_module.named_modules())
     known = model_tensors(model)
@@ -108,7 +120,7 @@ def build_problem(
                            node.name, {index[node]})
 
     mutated_weights: set[int] = set()
-    together: list[tuple[int, ...]] = []
+    write_spans: list[tuple[int, ...]] = []
     for node in ops:
         for target in mutated_inputs(node, modules):
             root = alias_root(target)
@@ -120,7 +132,7 @@ def build_problem(
                 # earlier would miss the write. Copies taken later carry it.
                 readers = [index[u] for u in root.users if u in index]
                 first = index[root] if root in index else min(readers, default=index[node])
-                together.append((min(first, index[node]), index[node]))
+                write_spans.append((min(first, index[node]), index[node]))
     for node in ops:
         if node.op == "call_module":
             for _, tensor in _module_tensors(modules[str(node.target)]):
@@ -133,7 +145,7 @@ def build_problem(
         if node.op not in ("placeholder",) and node not in index:
             continue
         consumers = sorted({index[u] for u in node.users if u in index})
-        nbytes = value_bytes(node)
+        nbytes = value_bytes(node, float_dtype=dtype)
         value_nbytes[node.name] = nbytes
         if not consumers:
             continue
@@ -145,7 +157,7 @@ def build_problem(
     weight_values: list[int] = []
     for key, (names, tensor, is_buffer) in weight_tensor.items():
         users = sorted(weight_users[key])
-        weight = Weight(tuple(names), _tensor_bytes(tensor), is_buffer, tuple(weight_nodes[key]))
+        weight = Weight(tuple(names), _tensor_bytes(tensor, dtype), is_buffer, tuple(weight_nodes[key]))
         weights.append(weight)
         if users:
             weight_values.append(len(values))
@@ -153,7 +165,7 @@ def build_problem(
                                 movable=key not in mutated_weights))
         else:
             weight_values.append(-1)
-    unused = [Weight(tuple(names), _tensor_bytes(t), b, ()) for key, (names, t, b) in known.items()
+    unused = [Weight(tuple(names), _tensor_bytes(t, dtype), b, ()) for key, (names, t, b) in known.items()
               if key not in weight_tensor]
 
     labels = tuple(module_path(n) for n in ops)
@@ -161,7 +173,7 @@ def build_problem(
         op_names=tuple(n.name for n in ops),
         values=tuple(values),
         pinned=_resolve_pins(pins or {}, ops, labels, device_index),
-        together=tuple(together),
+        together=tuple(write_spans) + _resolve_together(together, ops, labels),
         op_labels=labels,
     )
     return GraphCosts(problem, ops, weights, weight_values, unused, value_nbytes)
@@ -202,6 +214,22 @@ def _resolve_pins(
         if not matched:
             raise SpecError(f"pin {pattern!r} matches no module or node of the traced graph")
     return pinned
+
+
+def _resolve_together(
+    groups: Sequence[Sequence[str]], ops: list[torch.fx.Node], labels: tuple[str, ...]
+) -> tuple[tuple[int, ...], ...]:
+    """One group of op indices per group of module patterns: every op of every matching module."""
+    resolved: list[tuple[int, ...]] = []
+    for group in groups:
+        members: list[int] = []
+        for pattern in group:
+            found = [i for i, node in enumerate(ops) if _matches(pattern, labels[i]) or node.name == pattern]
+            if not found:
+                raise SpecError(f"together-pattern {pattern!r} matches no module or node of the traced graph")
+            members.extend(found)
+        resolved.append(tuple(sorted(set(members))))
+    return tuple(resolved)
 
 
 def _matches(pattern: str, path: str) -> bool:

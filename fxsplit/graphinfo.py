@@ -17,6 +17,7 @@ __all__ = [
     "TENSOR",
     "UNKNOWN",
     "alias_root",
+    "element_size",
     "module_path",
     "mutated_inputs",
     "value_bytes",
@@ -105,20 +106,32 @@ def _returns_one_tensor(node: torch.fx.Node) -> bool:
     )
 
 
-def value_bytes(node: torch.fx.Node) -> int | None:
-    """Bytes of the tensors the node's value holds, or None when shapes are unknown."""
+def value_bytes(node: torch.fx.Node, *, float_dtype: torch.dtype | None = None) -> int | None:
+    """Bytes of the tensors the node's value holds, or None when shapes are unknown.
+
+    With ``float_dtype``, floating-point tensors count as if they had that
+    dtype (planning a float32 model as if cast to bfloat16).
+    """
     if "val" not in node.meta and "tensor_meta" not in node.meta:
         return None
     value = _meta_value(node)
     if type(value).__name__ == "TensorMetadata":
-        return _numel(value.shape) * torch.empty((), dtype=value.dtype).element_size()
+        numel = _numel(value.shape)
+        return None if numel is None else numel * element_size(value.dtype, float_dtype)
     total = 0
     for tensor in _tensors_in(value):
         numel = _numel(tensor.shape)
         if numel is None:
             return None
-        total += numel * tensor.element_size()
+        total += numel * element_size(tensor.dtype, float_dtype)
     return total
+
+
+def element_size(dtype: torch.dtype, float_dtype: torch.dtype | None = None) -> int:
+    """Bytes per element of ``dtype``, or of ``float_dtype`` when given and ``dtype`` is floating."""
+    if float_dtype is not None and dtype.is_floating_point:
+        dtype = float_dtype
+    return dtype.itemsize
 
 
 def _numel(shape: Any) -> Any:

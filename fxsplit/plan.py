@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fxsplit.ranges import summarize_modules
 from fxsplit.units import format_size
 
 __all__ = ["CUT_KINDS", "Cut", "Plan"]
@@ -56,6 +57,20 @@ class Plan:
         trace: how the graph was traced, ``"fx"`` or ``"export"``.
         objective: what the partitioner optimised.
         modules: device -> module paths with ops placed there, in order.
+        fingerprint: hash of the model's structure (names, shapes and dtypes
+            of its parameters and buffers, and which are tied), or None.
+        tensors: qualified name -> ``"float32[256, 256]"`` for every parameter
+            and buffer: what the fingerprint hashes, kept so that a mismatch
+            can say what differs.
+        tied: groups of names that are one tensor (tied embeddings, shared
+            layers); each group lives on one device, copied where the plan's
+            ``"parameter"`` cuts say.
+        reserved: device -> bytes held back from its budget (``reserve``);
+            planning used ``budgets[d] - reserved[d]``.
+        dtype: the floating dtype planned for (``"bfloat16"``), or None for
+            the model's own dtypes.
+        leaf_modules: module paths or class names traced as leaves, so that
+            the plan can be applied to a fresh trace.
     """
 
     devices: tuple[str, ...]
@@ -68,6 +83,12 @@ class Plan:
     trace: str = "fx"
     objective: str = "min_transfer"
     modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    fingerprint: str | None = None
+    tensors: dict[str, str] = field(default_factory=dict)
+    tied: tuple[tuple[str, ...], ...] = ()
+    reserved: dict[str, int] = field(default_factory=dict)
+    dtype: str | None = None
+    leaf_modules: tuple[str, ...] = ()
 
     @property
     def transfer_bytes(self) -> int:
@@ -104,6 +125,12 @@ class Plan:
             "trace": self.trace,
             "objective": self.objective,
             "modules": {d: list(m) for d, m in self.modules.items()},
+            "fingerprint": self.fingerprint,
+            "tensors": dict(self.tensors),
+            "tied": [list(group) for group in self.tied],
+            "reserved": dict(self.reserved),
+            "dtype": self.dtype,
+            "leaf_modules": list(self.leaf_modules),
         }
 
     @classmethod
@@ -120,29 +147,70 @@ class Plan:
             trace=data.get("trace", "fx"),
             objective=data.get("objective", "min_transfer"),
             modules={d: tuple(m) for d, m in data.get("modules", {}).items()},
+            fingerprint=data.get("fingerprint"),
+            tensors=dict(data.get("tensors", {})),
+            tied=tuple(tuple(group) for group in data.get("tied", ())),
+            reserved=dict(data.get("reserved", {})),
+            dtype=data.get("dtype"),
+            leaf_modules=tuple(data.get("leaf_modules", ())),
         )
 
+    def to_yaml(self) -> str:
+        """The plan as a YAML document a person can read and a program can load exactly.
+
+        Per device its budget, bytes used and modules (ranges like
+        ``layers.0-11``), then the cuts with their bytes, then the full
+        placement. ``Plan.from_yaml(plan.to_yaml()) == plan``.
+        """
+        from fxsplit.planio import plan_to_yaml
+
+        return plan_to_yaml(self)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> Plan:
+        """Read a plan written by :meth:`to_yaml` (safe YAML only; never runs code).
+
+        Raises:
+            SpecError: the text is not a plan file, naming what is wrong.
+        """
+        from fxsplit.planio import plan_from_yaml
+
+        return plan_from_yaml(text)
+
     def __str__(self) -> str:
-        rows = [("device", "budget", "used", "%", "modules", "in", "out")]
+        reserving = any(self.reserved.values())
+        header = ("device", "budget", *(("reserve",) if reserving else ()), "used", "%", "modules", "in", "out")
+        rows = [header]
         for device in self.devices:
             budget, used = self.budgets[device], self.device_bytes.get(device, 0)
             percent = f"{100 * used / budget:.1f}" if budget else "-"
             incoming = sum(c.nbytes or 0 for c in self.cuts if c.destination == device)
             outgoing = sum(c.nbytes or 0 for c in self.cuts if c.source == device)
-            rows.append((device, format_size(budget), format_size(used), percent,
+            reserve = (format_size(self.reserved.get(device, 0)),) if reserving else ()
+            rows.append((device, format_size(budget), *reserve, format_size(used), percent,
                          _module_summary(self.modules.get(device, ())), format_size(incoming), format_size(outgoing)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
         lines.append(f"cuts: {len(self.cuts)}, transfer per forward: {format_size(self.transfer_bytes)}; "
-                     f"outputs on {self.output_device}")
+                     f"outputs on {self.output_device}" + (f"; planned as {self.dtype}" if self.dtype else ""))
+        lines.extend(self.tied_summary())
         return "\n".join(lines)
+
+    def tied_summary(self) -> list[str]:
+        """One line per group of tied names: where the tensor lives and where it is copied."""
+        lines = []
+        for group in self.tied:
+            home = self.param_devices.get(group[0], "?")
+            copies = [c for c in self.cuts if c.kind == "parameter" and c.producer in group]
+            if copies:
+                where = ", ".join(f"{c.destination} ({format_size(c.nbytes)})" for c in copies)
+                how = f"on {home}, copied to {where} each forward"
+            else:
+                how = f"on {home}, kept together (no copy)"
+            lines.append(f"tied: {' = '.join(group)}: {how}")
+        return lines
 
 
 def _module_summary(paths: tuple[str, ...], limit: int = 48) -> str:
-    tops: list[str] = []
-    for path in paths:
-        top = path.split(".")[0] if path else "<root>"
-        if not tops or tops[-1] != top:
-            tops.append(top)
-    text = ", ".join(tops) or "-"
+    text = ", ".join(summarize_modules(paths)) or "-"
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -14,7 +14,7 @@ from fxsplit.partition import Partition
 from fxsplit.plan import Cut, Plan
 from fxsplit.units import format_size
 
-__all__ = ["Read", "make_plan", "reads_of", "weights_by_node"]
+__all__ = ["Read", "cuts_for", "make_plan", "reads_of", "weights_by_node"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,16 @@ def _place_unused(weight: Weight, home: dict[str, str], device_bytes: dict[str, 
         f"parameter '{weight.names[0]}' ({format_size(weight.nbytes)}, read by no op of the graph) fits no "
         f"device's remaining budget; raise a budget by {format_size(weight.nbytes)} or delete the unused tensor"
     )
+
+
+def cuts_for(
+    costs: GraphCosts,
+    graph_module: torch.fx.GraphModule,
+    placement: dict[str, str],
+    weight_home: dict[str, str],
+) -> list[Cut]:
+    """The copies a placement implies, in forward order (for checking a saved plan)."""
+    return _cuts(costs, graph_module, placement, weight_home)
 
 
 def _cuts(

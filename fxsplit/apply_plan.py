@@ -1,0 +1,204 @@
+"""Use a saved plan: re-trace the model, check the plan describes it, emit the split without solving.
+
+:func:`apply` rebuilds the ``GraphModule`` a plan was made with (the same
+generated code), on this or another machine. :func:`check_plan` validates a
+plan against a model and budgets without touching the weights (a ``meta``
+model works). Both fail with :class:`PlanMismatchError` saying what differs:
+parameters missing, extra or changed, graph nodes the plan does not place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.fx
+
+from fxsplit.api import _refuse_meta
+from fxsplit.codegen import emit, move_weights
+from fxsplit.constraints import locator, resolve_leaf_modules
+from fxsplit.cost import GraphCosts, build_problem
+from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError
+from fxsplit.fingerprint import describe, differences
+from fxsplit.plan import Cut, Plan
+from fxsplit.planning import cuts_for, weights_by_node
+from fxsplit.trace import Traced, trace
+from fxsplit.units import format_size
+
+__all__ = ["PlanCheck", "apply", "check_plan", "retrace"]
+
+_SHOWN = 12
+
+
+def _listing(title: str, lines: list[str]) -> str:
+    shown = lines[:_SHOWN] + ([f"... and {len(lines) - _SHOWN} more"] if len(lines) > _SHOWN else [])
+    return title + "\n  " + "\n  ".join(shown)
+
+
+def _check_structure(model: torch.nn.Module, plan: Plan) -> None:
+    if not plan.tensors:
+        return
+    found = differences(plan.tensors, plan.tied, model, dtype=plan.dtype)
+    if found:
+        ours = describe(model)[0]
+        raise PlanMismatchError(_listing(
+            f"the plan was made for another model (fingerprint {plan.fingerprint} in the plan, {ours} for this "
+            f"model); {len(found)} difference(s):", found))
+
+
+def retrace(
+    model: torch.nn.Module,
+    plan: Plan,
+    *,
+    example_inputs: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    concrete_args: Mapping[str, Any] | None = None,
+    leaf_modules: Iterable[type | str] = (),
+) -> tuple[Traced, GraphCosts]:
+    """Trace ``model`` the way ``plan`` was made and check that the plan places exactly its nodes.
+
+    Raises:
+        PlanMismatchError: the model's parameters or graph differ from the plan's.
+        TraceError: the model cannot be traced.
+    """
+    _check_structure(model, plan)
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    if example_inputs is None and not example_kwargs:
+        if plan.trace == "export":
+            raise FxsplitError("this plan was traced with torch.export; pass example_inputs=(...) (same shapes as "
+                               "when planning) so that the graph can be traced again")
+        if any(cut.nbytes is not None for cut in plan.cuts if cut.kind != "parameter"):
+            raise FxsplitError("this plan was made with example inputs (its cuts have sizes); pass the same "
+                               "example_inputs=(...) so that the generated code is the same")
+    leaves = resolve_leaf_modules(model, [*plan.leaf_modules, *leaf_modules], locator(None, ()))
+    traced = trace(model, example_inputs=example_inputs, example_kwargs=example_kwargs, mode=plan.trace,
+                   leaf_modules=leaves, concrete_args=concrete_args)
+    _check_nodes(traced.graph_module, plan)
+    dtype = getattr(torch, plan.dtype) if plan.dtype else None
+    index = {d: i for i, d in enumerate(plan.devices)}
+    costs = build_problem(traced.graph_module, model, device_index=index, dtype=dtype)
+    missing = [n for w in [*costs.weights, *costs.unused] for n in w.names if n not in plan.param_devices]
+    if missing:
+        raise PlanMismatchError(_listing("the plan does not say where these tensors of the graph go:", missing))
+    return traced, costs
+
+
+def _check_nodes(graph_module: torch.fx.GraphModule, plan: Plan) -> None:
+    names = [n.name for n in graph_module.graph.nodes]
+    extra = [n for n in names if n not in plan.placement]
+    missing = [n for n in plan.placement if n not in set(names)]
+    if extra or missing:
+        lines = [f"not in the plan: node '{n}'" for n in extra] + [f"not in the graph: node '{n}'" for n in missing]
+        how = f"trace={plan.trace!r}" + (f", leaf_modules={list(plan.leaf_modules)}" if plan.leaf_modules else "")
+        raise PlanMismatchError(_listing(
+            f"the traced graph has {len(extra)} node(s) the plan does not place and the plan places {len(missing)} "
+            f"node(s) the graph does not have; was the model's code changed? (the plan was made with {how})",
+            lines))
+    known = set(plan.devices) | {plan.output_device}
+    wrong = [f"'{n}' -> '{d}'" for n, d in [*plan.placement.items(), *plan.param_devices.items()] if d not in known]
+    if wrong:
+        raise PlanMismatchError(_listing(f"the plan places these on devices it has no budget for ({', '.join(known)}):",
+                                         wrong))
+
+
+def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, **options: Any) -> torch.fx.GraphModule:
+    """Split ``model`` as ``plan`` says, without solving again: same plan, same generated code.
+
+    The model is traced again (as the plan was: ``plan.trace``, its leaf
+    modules) and must have the parameters, buffers and graph nodes the plan
+    names. As with :func:`fxsplit.fxsplit`, the model's parameters and buffers
+    are moved to their devices in place.
+
+    Args:
+        model: the module the plan was made for (or one with the same structure).
+        plan: a :class:`Plan`, e.g. ``Plan.from_yaml(open("plan.yaml").read())``.
+        example_inputs: positional inputs, needed when the plan was traced with
+            ``torch.export``.
+        **options: ``example_kwargs``, ``concrete_args``, ``leaf_modules`` (added
+            to the plan's), as for :func:`fxsplit.fxsplit`.
+
+    Raises:
+        PlanMismatchError: the plan does not describe this model; says what differs.
+
+    Example:
+        >>> import torch, fxsplit
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+        >>> plan = fxsplit.plan(model, {"cpu:0": "20KiB", "cpu:1": "20KiB"}, trace="fx")
+        >>> saved = plan.to_yaml()
+        >>> gm = fxsplit.apply(model, fxsplit.Plan.from_yaml(saved))
+        >>> gm.meta["fxsplit_plan"] == plan
+        True
+        >>> fxsplit.apply(torch.nn.Sequential(torch.nn.Linear(64, 32)), plan)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        fxsplit.errors.PlanMismatchError: the plan was made for another model (fingerprint ...); 4 difference(s):
+          missing: the plan has '2.weight' (float32[64, 64]), the model does not
+          missing: the plan has '2.bias' (float32[64]), the model does not
+          changed: '0.weight' is float32[32, 64] in the model, float32[64, 64] in the plan
+          changed: '0.bias' is float32[32] in the model, float32[64] in the plan
+    """
+    traced, costs = retrace(model, plan, example_inputs=example_inputs, **options)
+    _refuse_meta(model)
+    move_weights(traced.graph_module, plan, costs.weights + costs.unused)
+    return emit(traced.graph_module, plan, weights_by_node(costs))
+
+
+def _cut_text(cut: Cut) -> str:
+    return f"{cut.producer}: {cut.source} -> {cut.destination} ({format_size(cut.nbytes)}, {cut.kind})"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCheck:
+    """What :func:`check_plan` verified: per device ``(device, limit, bytes placed)``, and notes."""
+
+    devices: tuple[tuple[str, int, int], ...]
+    nodes: int
+    notes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        rows = [f"  {d}: {format_size(used)} of {format_size(limit)} usable" for d, limit, used in self.devices]
+        return "\n".join([f"plan matches the model ({self.nodes} graph nodes placed); budgets held:", *rows,
+                          *(f"note: {n}" for n in self.notes)])
+
+
+def check_plan(
+    model: torch.nn.Module,
+    plan: Plan,
+    budgets: Mapping[str, int] | None = None,
+    *,
+    example_inputs: Any = None,
+    **options: Any,
+) -> PlanCheck:
+    """Check that ``plan`` fits ``model`` and ``budgets`` (default: the plan's own, less its reserve).
+
+    Verifies the structure and graph (as :func:`apply`), that every parameter
+    and buffer's bytes, counted once per tensor at the plan's dtype, fit each
+    device, and that the plan's cuts are those its placement implies (one copy
+    per value and destination, none to the same device). Moves nothing.
+
+    Raises:
+        PlanMismatchError: the plan does not describe the model, or contradicts itself.
+        BudgetError: a device holds more than its budget; says which and by how much.
+    """
+    traced, costs = retrace(model, plan, example_inputs=example_inputs, **options)
+    limits = dict(budgets) if budgets is not None else {d: b - plan.reserved.get(d, 0) for d, b in plan.budgets.items()}
+    held = {d: 0 for d in plan.devices}
+    for weight in [*costs.weights, *costs.unused]:
+        held[plan.param_devices[weight.names[0]]] += weight.nbytes
+    notes = [f"plan.device_bytes says {format_size(plan.device_bytes.get(d))} on '{d}', the placement puts "
+             f"{format_size(n)} there" for d, n in held.items() if plan.device_bytes.get(d) != n]
+    over = [f"'{d}' holds {format_size(n)} ({n} bytes) but may hold {format_size(limits.get(d, 0))}: over by "
+            f"{format_size(n - limits.get(d, 0))}" for d, n in held.items() if n > limits.get(d, 0)]
+    if over:
+        raise BudgetError("the plan does not fit the budgets: " + "; ".join(over) + "; plan again with these budgets")
+    weight_home = {w.names[0]: plan.param_devices[w.names[0]] for w in costs.weights}
+    expected = cuts_for(costs, traced.graph_module, plan.placement, weight_home)
+    if tuple(expected) != plan.cuts:
+        stale = [f"plan lists {_cut_text(c)}" for c in plan.cuts if c not in expected]
+        stale += [f"placement implies {_cut_text(c)}" for c in expected if c not in plan.cuts]
+        raise PlanMismatchError(_listing("the plan's cuts are not those its placement implies (was it edited?):",
+                                         stale or ["same cuts, different order"]))
+    rows = tuple((d, limits.get(d, 0), held[d]) for d in plan.devices)
+    return PlanCheck(rows, len(plan.placement), tuple(notes))

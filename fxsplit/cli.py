@@ -1,0 +1,236 @@
+"""The ``fxsplit`` command: plan a split from a spec, print its code, draw it, check a saved plan.
+
+    fxsplit plan  MODEL --spec SPEC [-o plan.yaml]
+    fxsplit code  MODEL (--spec SPEC | --plan PLAN)
+    fxsplit show  MODEL (--spec SPEC | --plan PLAN) -o split.svg|.png|.dot
+    fxsplit check MODEL --plan PLAN [--spec SPEC | --budget DEVICE=SIZE ...]
+
+MODEL is ``path/to/file.py:factory`` or ``package.module:factory``: a callable
+returning the model, optionally with example inputs (see :mod:`fxsplit.factory`).
+
+Exit codes: 0 ok; 1 infeasible (the model does not fit the budgets); 2 bad
+input (spec, plan, model reference, arguments, a model that cannot be traced);
+3 an internal error (a bug: please report it with ``--debug`` output). Errors
+are printed as one message; ``--debug`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence, TextIO
+
+from fxsplit.errors import BudgetError, FxsplitError
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+class _Progress:
+    """Elapsed time on one stderr line while a stage runs, on a terminal only."""
+
+    def __init__(self, stream: TextIO | None = None, interval: float = 0.1) -> None:
+        self.stream = stream or sys.stderr
+        self.interval = interval
+        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    @contextmanager
+    def stage(self, label: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        start = time.monotonic()
+        done = threading.Event()
+
+        def tick() -> None:
+            frames = "|/-\\"
+            count = 0
+            while not done.wait(self.interval):
+                count += 1
+                self.stream.write(f"\r{frames[count % 4]} {label} ... {time.monotonic() - start:.1f}s")
+                self.stream.flush()
+
+        thread = threading.Thread(target=tick, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+            self.stream.write(f"\r{label}: {time.monotonic() - start:.1f}s\033[K\n")
+            self.stream.flush()
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory")
+    common.add_argument("--debug", action="store_true", help="show the traceback of errors")
+    common.add_argument("--budget", action="append", default=[], metavar="DEVICE=SIZE",
+                        help="a device budget, e.g. cuda:0=20GiB; repeat in stage order (replaces the spec's devices)")
+    overrides = argparse.ArgumentParser(add_help=False)
+    overrides.add_argument("--trace", choices=("auto", "fx", "export"), help="override the spec's trace mode")
+    overrides.add_argument("--objective", choices=("min_transfer", "balanced"), help="override the spec's objective")
+    overrides.add_argument("--dtype", help="plan as if floating tensors had this dtype (bf16, fp16, fp32)")
+    overrides.add_argument("--output-device", help="where outputs are returned")
+
+    parser = argparse.ArgumentParser(prog="fxsplit", description="Split a PyTorch model over devices under memory "
+                                     "budgets: plan it from a YAML spec, print the generated code, draw it, check it.")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of errors")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    plan = commands.add_parser("plan", parents=[common, overrides], help="solve, print the table, save the plan")
+    plan.add_argument("--spec", help="a partition spec (YAML)")
+    plan.add_argument("-o", "--output", help="write the plan here (YAML)")
+    code = commands.add_parser("code", parents=[common, overrides], help="print the generated forward")
+    show = commands.add_parser("show", parents=[common, overrides], help="draw the split (needs graphviz)")
+    for sub in (code, show):
+        source = sub.add_mutually_exclusive_group(required=True)
+        source.add_argument("--spec", help="plan from this spec (YAML)")
+        source.add_argument("--plan", help="use this saved plan (YAML) without solving")
+    show.add_argument("-o", "--output", required=True, help="picture to write: .svg, .png, .pdf or .dot")
+    show.add_argument("--depth", type=int, default=None,
+                      help="draw one box per module at this depth of the module path (default: automatic)")
+    check = commands.add_parser("check", parents=[common], help="validate a saved plan against a model and budgets")
+    check.add_argument("--plan", required=True, help="the saved plan (YAML)")
+    check.add_argument("--spec", help="check against this spec's budgets (default: the plan's own)")
+    return parser
+
+
+def _budgets(pairs: Sequence[str]) -> dict[str, str] | None:
+    if not pairs:
+        return None
+    budgets: dict[str, str] = {}
+    for pair in pairs:
+        device, equals, size = pair.partition("=")
+        if not equals or not device or not size:
+            raise FxsplitError(f"--budget {pair!r} must look like DEVICE=SIZE, e.g. cuda:0=20GiB")
+        budgets[device] = size
+    return budgets
+
+
+def _options(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if loaded.example_kwargs:
+        options["example_kwargs"] = loaded.example_kwargs
+    for name in ("trace", "objective", "dtype", "output_device"):
+        value = getattr(args, name, None)
+        if value is not None:
+            options[name] = value
+    if getattr(args, "spec", None):
+        options["spec"] = args.spec
+    return options
+
+
+def _read_plan(path: str) -> Any:
+    from fxsplit.plan import Plan
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise FxsplitError(f"cannot read plan file '{path}': {error.strerror or error}") from None
+    return Plan.from_yaml(text)
+
+
+def _planned(args: argparse.Namespace, loaded: Any, progress: _Progress) -> tuple[Any, Any, Any]:
+    """``(traced graph module, costs, plan)`` from --spec (solving) or --plan (re-tracing); moves no weights."""
+    from fxsplit.api import _plan
+    from fxsplit.apply_plan import retrace
+
+    if getattr(args, "plan", None):
+        plan = _read_plan(args.plan)
+        with progress.stage("tracing"):
+            traced, costs = retrace(loaded.model, plan, example_inputs=loaded.example_inputs,
+                                    example_kwargs=loaded.example_kwargs)
+        return traced.graph_module, costs, plan
+    with progress.stage("tracing and planning"):
+        planned = _plan(loaded.model, _budgets(args.budget), loaded.example_inputs, _options(args, loaded))
+    return planned.traced.graph_module, planned.costs, planned.plan
+
+
+def _run(args: argparse.Namespace, out: TextIO, progress: _Progress) -> int:
+    from fxsplit.factory import load_model
+
+    with progress.stage("loading the model"):
+        loaded = load_model(args.model)
+    if args.command == "plan":
+        if not args.spec and not args.budget:
+            raise FxsplitError("fxsplit plan needs --spec SPEC or --budget DEVICE=SIZE (one per device)")
+        from fxsplit.api import plan as make_plan
+
+        with progress.stage("tracing and planning"):
+            made = make_plan(loaded.model, _budgets(args.budget), example_inputs=loaded.example_inputs,
+                             **_options(args, loaded))
+        print(made, file=out)
+        if args.output:
+            Path(args.output).write_text(made.to_yaml(), encoding="utf-8")
+            print(f"wrote {args.output}", file=out)
+    elif args.command == "code":
+        from fxsplit.codegen import emit
+        from fxsplit.planning import weights_by_node
+
+        traced, costs, plan = _planned(args, loaded, progress)
+        print(emit(traced, plan, weights_by_node(costs)).code.strip(), file=out)
+    elif args.command == "show":
+        from fxsplit.viz import auto_depth, render
+
+        traced, _, plan = _planned(args, loaded, progress)
+        depth = args.depth if args.depth is not None else auto_depth(traced, plan)
+        with progress.stage("rendering"):
+            target = render(traced, plan, args.output, depth=depth, title=f"{args.model}: {len(plan.devices)} devices")
+        print(f"wrote {target}" + (f" (one box per module at depth {depth})" if depth else ""), file=out)
+    else:
+        from fxsplit.apply_plan import check_plan
+        from fxsplit.devices import normalize_budgets
+        from fxsplit.spec import load_spec, reserve_bytes
+
+        plan = _read_plan(args.plan)
+        limits = None
+        if args.spec:
+            spec = load_spec(args.spec)
+            limits = dict(spec.devices)
+            held = reserve_bytes({d: spec.reserve_for(d) for d in limits}, limits)
+            limits = {d: b - held.get(d, 0) for d, b in limits.items()}
+        if args.budget:
+            limits = normalize_budgets(_budgets(args.budget) or {})
+        with progress.stage("tracing and checking"):
+            report = check_plan(loaded.model, plan, limits, example_inputs=loaded.example_inputs,
+                                **({"example_kwargs": loaded.example_kwargs} if loaded.example_kwargs else {}))
+        print(report, file=out)
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run the command line; returns the exit code (see the module docstring)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    args = _parser().parse_args(argv)
+    progress = _Progress(err)
+    try:
+        return _run(args, out, progress)
+    except BudgetError as error:
+        return _fail(args, err, error, EXIT_INFEASIBLE, "does not fit")
+    except FxsplitError as error:
+        return _fail(args, err, error, EXIT_BAD_INPUT, "error")
+    except OSError as error:
+        return _fail(args, err, error, EXIT_BAD_INPUT, "error")
+    except KeyboardInterrupt:
+        print("fxsplit: interrupted", file=err)
+        return 130
+    except Exception as error:  # noqa: BLE001 - a bug: say so, one line unless --debug
+        return _fail(args, err, error, EXIT_INTERNAL, f"internal error ({type(error).__name__}; please report it)")
+
+
+def _fail(args: argparse.Namespace, err: TextIO, error: BaseException, code: int, what: str) -> int:
+    if args.debug:
+        traceback.print_exception(type(error), error, error.__traceback__, file=err)
+    hint = "" if args.debug else " (--debug shows the traceback)" if code == EXIT_INTERNAL else ""
+    print(f"fxsplit: {what}: {error}{hint}", file=err)
+    return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

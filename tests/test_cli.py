@@ -1,0 +1,150 @@
+"""The fxsplit command: exit codes, one-line errors, --debug, and each subcommand on the example model."""
+
+from __future__ import annotations
+
+import io
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fxsplit
+from fxsplit.cli import _Progress, main
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = f"{ROOT / 'examples' / 'models.py'}:factory"
+SPEC = str(ROOT / "examples" / "spec_example.yaml")
+
+
+def run_module(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m fxsplit ARGS`` with this checkout first on the path."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "fxsplit", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(args), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def saved_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plan written by ``python -m fxsplit plan``: exit 0, the table, the file."""
+    path = tmp_path_factory.mktemp("cli") / "plan.yaml"
+    done = run_module("plan", MODEL, "--spec", SPEC, "-o", str(path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].split() == ["device", "budget", "reserve", "used", "%", "modules", "in", "out"]
+    assert "tied: model.embed_tokens.weight = lm_head.weight: on cpu:0, copied to cpu:2" in done.stdout
+    assert f"wrote {path}" in done.stdout
+    assert fxsplit.Plan.from_yaml(path.read_text()).devices == ("cpu:0", "cpu:1", "cpu:2")
+    return path
+
+
+def test_infeasible_exits_1_with_one_line(saved_plan: Path) -> None:
+    done = run_module("plan", MODEL, "--budget", "cpu:0=300KiB", "--budget", "cpu:1=300KiB")
+    assert done.returncode == 1
+    assert done.stderr.startswith("fxsplit: does not fit: ") and "budget" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_bad_spec_exits_2_listing_problems_and_debug_shows_the_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("devices:\n  cpu:0: 10 GiBs\n  gpu:1: 1GiB\npinn: {}\n")
+    done = run_module("plan", MODEL, "--spec", str(bad))
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"fxsplit: error: {bad}: 3 problems:")
+    assert f"{bad}:2: devices['cpu:0']: budget '10 GiBs' has unknown unit 'GiBs'" in done.stderr
+    assert "Traceback" not in done.stderr
+    debug = run_module("plan", MODEL, "--spec", str(bad), "--debug")
+    assert debug.returncode == 2
+    assert "Traceback (most recent call last)" in debug.stderr and "SpecProblems" in debug.stderr
+
+
+def test_code_from_a_saved_plan_equals_code_from_the_spec(saved_plan: Path) -> None:
+    code, from_plan, err = run("code", MODEL, "--plan", str(saved_plan))
+    assert code == 0, err
+    assert from_plan.startswith("def forward(self, ids):")
+    assert ".to('cpu:1')" in from_plan and ".to('cpu:2')" in from_plan
+    code, from_spec, _ = run("code", MODEL, "--spec", SPEC)
+    assert code == 0 and from_spec == from_plan
+
+
+def test_check_a_saved_plan(saved_plan: Path) -> None:
+    code, out, err = run("check", MODEL, "--plan", str(saved_plan))
+    assert code == 0, err
+    assert "plan matches the model" in out and "cpu:2: " in out and "460.80 KiB usable" in out
+    code, out, err = run("check", MODEL, "--plan", str(saved_plan), "--spec", SPEC)
+    assert code == 0, err
+    code, _, err = run("check", MODEL, "--plan", str(saved_plan), "--budget", "cpu:0=100KiB",
+                       "--budget", "cpu:1=1MiB", "--budget", "cpu:2=1MiB")
+    assert code == 1 and "fxsplit: does not fit: the plan does not fit the budgets: 'cpu:0' holds" in err
+    untied = f"{ROOT / 'examples' / 'models.py'}:untied"
+    code, _, err = run("check", untied, "--plan", str(saved_plan))
+    assert code == 2
+    assert "tied: the plan ties ['lm_head.weight', 'model.embed_tokens.weight'], the model does not" in err
+
+
+def test_show_writes_a_dot_file(tmp_path: Path) -> None:
+    pytest.importorskip("graphviz")
+    target = tmp_path / "split.dot"
+    code, out, err = run("show", MODEL, "--spec", SPEC, "-o", str(target), "--depth", "3")
+    assert code == 0, err
+    assert f"wrote {target} (one box per module at depth 3)" in out
+    source = target.read_text()
+    assert "cluster_2" in source and "model.layers.7" in source and "128.00 KiB (model.embed_tokens.weight)" in source
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (("plan", "examples/models.py"), "must be 'path/to/file.py:factory' or 'package.module:factory'"),
+    (("plan", "examples/nope.py:factory", "--spec", SPEC), "no such file: 'examples/nope.py'"),
+    (("plan", f"{ROOT / 'examples' / 'models.py'}:factroy", "--spec", SPEC), "has no callable 'factroy'; did you "
+                                                                             "mean 'factory'?"),
+    (("plan", "fxsplit.nonexistent:f", "--spec", SPEC), "cannot import module 'fxsplit.nonexistent'"),
+    (("plan", MODEL), "needs --spec SPEC or --budget DEVICE=SIZE"),
+    (("plan", MODEL, "--budget", "cpu:0"), "--budget 'cpu:0' must look like DEVICE=SIZE"),
+    (("code", MODEL, "--plan", "/nonexistent/plan.yaml"), "cannot read plan file '/nonexistent/plan.yaml'"),
+    (("code", MODEL, "--plan", SPEC), "format: must be 'fxsplit-plan/1'"),
+    (("show", MODEL, "--spec", SPEC, "-o", "split.gif"), "cannot tell the picture format"),
+    (("plan", MODEL, "--spec", SPEC, "--budget", "gpu:0=1GiB"), "is not a device"),
+])
+def test_bad_input_exits_2_with_a_clear_message(args: tuple[str, ...], fragment: str) -> None:
+    code, _, err = run(*args)
+    assert code == 2
+    assert err.startswith("fxsplit: error: ") and fragment in err, err
+    assert "Traceback" not in err
+
+
+def test_argument_errors_exit_2() -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["code", MODEL], out=io.StringIO(), err=io.StringIO())
+    assert caught.value.code == 2
+
+
+def test_spec_driven_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    runpy.run_path(str(ROOT / "examples" / "spec_driven.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "re-applied from the file without solving: same generated code, same outputs" in out
+    assert "to_3 = lm_head_weight.to('cpu:2')" in out
+
+
+def test_progress_only_on_a_terminal() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    progress = _Progress(screen, interval=0.01)
+    with progress.stage("tracing"):
+        import time
+
+        time.sleep(0.05)
+    assert "tracing ..." in screen.getvalue() and "\rtracing: 0." in screen.getvalue()
+    quiet = io.StringIO()
+    with _Progress(quiet).stage("tracing"):
+        pass
+    assert quiet.getvalue() == ""
