@@ -30,7 +30,7 @@ def module_block(path: str) -> str:
         return "<root>"
     parts = path.split(".")
     for index, part in enumerate(parts):
-        if part.isdigit():
+        if (part.isascii() and part.isdigit()):
             return ".".join(parts[: index + 1])
     return ".".join(parts[:2])
 
@@ -46,7 +46,7 @@ def summarize_modules(paths: Iterable[str]) -> list[str]:
     run: tuple[str, int, int] | None = None  # (prefix, first, last)
     for block in blocks:
         prefix, _, last = block.rpartition(".")
-        number = int(last) if last.isdigit() else None
+        number = int(last) if (last.isascii() and last.isdigit()) else None
         if run is not None and number is not None and prefix == run[0] and number == run[2] + 1:
             run = (prefix, run[1], number)
             continue
