@@ -41,6 +41,7 @@ import yaml
 from fxsplit.devices import normalize_device
 from fxsplit.errors import SpecError
 from fxsplit.partition import OBJECTIVES
+from fxsplit.pipeline import PipelineConfig
 from fxsplit.trace import TRACE_MODES
 from fxsplit.units import format_size, parse_size
 
@@ -56,7 +57,8 @@ DTYPES = {
     "float16": "float16", "fp16": "float16", "half": "float16",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
 }  # fmt: skip
-SPEC_KEYS = ("devices", "reserve", "pin", "together", "leaf_modules", "trace", "output_device", "objective", "dtype")
+SPEC_KEYS = ("devices", "reserve", "pin", "together", "leaf_modules", "trace", "output_device", "objective", "dtype",
+             "pipeline")
 DEVICE_KEYS = ("budget", "reserve")
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
 
@@ -141,6 +143,7 @@ class Spec:
         output_device: where outputs are returned.
         objective: ``"min_transfer"`` or ``"balanced"``.
         dtype: plan as if floating tensors had this dtype (``"bfloat16"``).
+        pipeline: micro-batch pipelining (``{chunks: 4, checkpoint: except_last}``), or None.
         source: the file name, for messages.
         lines: YAML path -> line number, for messages that come later.
     """
@@ -155,6 +158,7 @@ class Spec:
     output_device: str | None = None
     objective: str | None = None
     dtype: str | None = None
+    pipeline: PipelineConfig | None = None
     source: str = "<spec>"
     lines: dict[YamlPath, int] = field(default_factory=dict, compare=False, repr=False)
 
@@ -176,7 +180,7 @@ class Spec:
             found["together"] = self.together
         if self.leaf_modules:
             found["leaf_modules"] = self.leaf_modules
-        for name in ("trace", "output_device", "objective", "dtype"):
+        for name in ("trace", "output_device", "objective", "dtype", "pipeline"):
             if getattr(self, name) is not None:
                 found[name] = getattr(self, name)
         return found
@@ -434,6 +438,9 @@ def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list
     if "dtype" in data:
         name = check.choice(data["dtype"], DTYPES, ("dtype",))
         dtype = DTYPES[name] if name else None
+    pipeline = None
+    if "pipeline" in data:
+        pipeline = check.attempt(("pipeline",), partial(PipelineConfig.coerce, data["pipeline"]))
     output = None
     if "output_device" in data:
         output = check.attempt(("output_device",), lambda: spec_device(data["output_device"]))
@@ -441,7 +448,7 @@ def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list
         raise SpecProblems(source, sorted(check.problems, key=lambda p: (p.line or 0, format_path(p.path))))
     return Spec(devices=devices, reserve=reserve, default_reserve=default_reserve, pins=pins, together=together,
                 leaf_modules=leaves, trace=trace, output_device=output, objective=objective, dtype=dtype,
-                source=source, lines=dict(lines))
+                pipeline=pipeline, source=source, lines=dict(lines))
 
 
 def _devices(check: _Checker, value: Any, present: bool) -> tuple[dict[str, int], dict[str, Headroom]]:

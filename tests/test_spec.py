@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
 from pathlib import Path
@@ -312,3 +313,20 @@ def test_spec_objects_and_mappings_are_accepted() -> None:
 def test_malformed_together_keyword(together: object) -> None:
     with pytest.raises(fxsplit.SpecError, match="together"):
         fxsplit.plan(Chain(), {"cpu:0": "1MiB"}, example_inputs=X, together=together)
+
+
+def test_spec_pipeline_key_becomes_the_pipeline_option() -> None:
+    spec = fxsplit.load_spec("devices: {cpu:0: 1MiB, cpu:1: 1MiB}\npipeline: {chunks: 2}\n")
+    assert spec.pipeline == fxsplit.PipelineConfig(chunks=2)
+    assert spec.options()["pipeline"] == fxsplit.PipelineConfig(chunks=2)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    piped = fxsplit.fxsplit(model, spec=spec, example_inputs=(x,))
+    assert isinstance(piped, fxsplit.Pipeline)
+    torch.testing.assert_close(piped(x), reference(x))
+
+
+def test_spec_pipeline_key_is_validated_with_its_line() -> None:
+    with pytest.raises(fxsplit.SpecError, match=r"<spec>:2: pipeline: .*chunks"):
+        fxsplit.load_spec("devices: {cpu:0: 1MiB}\npipeline: {chunk: 2}\n")
