@@ -57,7 +57,7 @@ _OPTION_NAMES = tuple(Options.__dataclass_fields__)
 def _options(raw: Mapping[str, Any]) -> Options:
     for name in raw:
         if name not in _OPTION_NAMES:
-            close = difflib.get_close_matches(name, _OPTION_NAMES, n=1)
+            close = difflib.get_close_matches(name, (*_OPTION_NAMES, "example_inputs"), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; options are {', '.join(_OPTION_NAMES)}"
             raise SpecError(f"unknown option {name!r}{hint}")
     options = Options(**raw)
