@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from fxsplit.codegen import COPY_META
+from fxsplit.codegen import COPY_META, DEVICE_META
 from fxsplit.errors import FxsplitError
 from fxsplit.graphinfo import NONTENSOR, value_kind
 from fxsplit.plan import CUT_KINDS, Plan
@@ -136,7 +136,8 @@ def check_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
 
     Devices are followed through the graph: a weight is where
     ``plan.param_devices`` puts it, a copy is at its destination, an op is
-    where its tensor inputs are (or where its ``device=`` argument says).
+    where its tensor inputs are (or where its ``device=`` argument says);
+    that must agree with the device the emitter recorded on the node.
 
     Args:
         gm: the module :func:`fxsplit.fxsplit` returned.
@@ -163,6 +164,9 @@ def check_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
                          for d in sorted(found - {plan.output_device})]
         else:
             where[node] = _op_device(gm, plan, node, where, problems)
+        claimed = node.meta.get(DEVICE_META)
+        if claimed is not None and where.get(node) is not None and claimed != where[node]:
+            problems.append(f"'{node.name}' is marked to run on '{claimed}' but its values are on '{where[node]}'")
     cut_pairs = {(c.producer, c.destination) for c in plan.cuts}
     copy_pairs = {pair for pair, source in copies.items() if source != "?"}
     problems += [f"the plan cuts '{p}' to '{d}' but the code makes no such copy"

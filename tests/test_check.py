@@ -11,7 +11,7 @@ import torch.nn as nn
 import fxsplit
 from fxsplit.api import _plan
 from fxsplit.check import DeviceChecker, InvariantError, check_plan, check_split
-from fxsplit.codegen import COPY_META
+from fxsplit.codegen import COPY_META, DEVICE_META
 from fxsplit.plan import Cut
 
 BUDGETS = {"cpu:0": 300, "cpu:1": 300}
@@ -179,3 +179,12 @@ def test_device_checker_tags_weights_from_the_plan() -> None:
         assert checker.device_of(m[4].weight) == plan.param_devices["4.weight"]
         with pytest.raises(InvariantError, match="mixes"):
             m[4](torch.randn(2, 4).to(plan.param_devices["0.weight"]))
+
+
+def test_a_node_marked_for_another_device_is_caught() -> None:
+    _, gm = split()
+    node = next(n for n in gm.graph.nodes if n.op == "call_module" and n.meta.get(DEVICE_META) == "cpu:1")
+    node.meta[DEVICE_META] = "cpu:0"
+    expected = f"'{node.name}' is marked to run on 'cpu:0' but its values are on 'cpu:1'"
+    with pytest.raises(InvariantError, match=expected):
+        check_split(gm)
