@@ -188,3 +188,29 @@ def test_a_node_marked_for_another_device_is_caught() -> None:
     expected = f"'{node.name}' is marked to run on 'cpu:0' but its values are on 'cpu:1'"
     with pytest.raises(InvariantError, match=expected):
         check_split(gm)
+
+
+def test_check_option_runs_the_checkers(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(2, 4)
+    fxsplit.fxsplit(model(), BUDGETS, example_inputs=(x,), check=True)
+    fxsplit.plan(model(), BUDGETS, example_inputs=(x,), check=True)
+    emit = fxsplit.api.emit
+
+    def emit_without_a_copy(*args: object) -> torch.fx.GraphModule:
+        gm = emit(*args)
+        _erase_copy(gm, next(c for c in gm.meta["fxsplit_plan"].cuts if c.kind == "activation").producer)
+        return gm
+
+    monkeypatch.setattr(fxsplit.api, "emit", emit_without_a_copy)
+    fxsplit.fxsplit(model(), BUDGETS, example_inputs=(x,))  # unchecked: goes unnoticed
+    with pytest.raises(InvariantError, match="makes no such copy"):
+        fxsplit.fxsplit(model(), BUDGETS, example_inputs=(x,), check=True)
+    make_plan = fxsplit.api.make_plan
+
+    def over_budget(*args: object, **kwargs: object) -> fxsplit.Plan:
+        made = make_plan(*args, **kwargs)
+        return dataclasses.replace(made, device_bytes={d: 10**6 for d in made.device_bytes})
+
+    monkeypatch.setattr(fxsplit.api, "make_plan", over_budget)
+    with pytest.raises(InvariantError, match="over its budget"):
+        fxsplit.plan(model(), BUDGETS, example_inputs=(x,), check=True)
