@@ -253,3 +253,20 @@ def test_public_names() -> None:
         assert hasattr(fxsplit, name), name
     assert issubclass(fxsplit.BudgetError, ValueError) and issubclass(fxsplit.BudgetError, fxsplit.FxsplitError)
     assert issubclass(fxsplit.SpecError, ValueError) and issubclass(fxsplit.TraceError, fxsplit.FxsplitError)
+
+
+def test_hugging_face_causal_lm_with_labels() -> None:
+    """A transformers 5.x GPT-2 (tied head) via export: the ModelOutput, its loss and every gradient match."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=4, n_head=2, use_cache=False,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (2, 8))
+    gm = split_and_compare(model, budgets_for(model, 3), (ids,), kwargs={"labels": ids}, trace="export",
+                           loss=lambda out: out.loss, min_devices=3)
+    out = gm(ids, labels=ids)
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions" and out.loss.dim() == 0
+    plan = gm.meta["fxsplit_plan"]
+    assert plan.param_devices["lm_head.weight"] == plan.param_devices["transformer.wte.weight"]
