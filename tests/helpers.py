@@ -91,12 +91,14 @@ def split_and_compare(
     used = {plan.placement[n] for n in plan.placement if n != "output"} | set(plan.param_devices.values())
     assert len(used) >= min_devices, f"expected a split over >= {min_devices} devices, got {plan}"
     assert {n: p for n, p in model.named_parameters()} == params_before  # same Parameter objects
-    for _ in range(steps):
+    for step in range(steps):
+        torch.manual_seed(step)  # the same random numbers (dropout) for both
         with DeviceChecker(plan, gm, model) as checker:
             out = gm(*inputs, **kwargs)
         assert checker.ops_checked > 0
         for t in _floats(out):
             assert checker.device_of(t) in (plan.output_device, None)
+        torch.manual_seed(step)
         expected = reference(*inputs, **kwargs)
         assert_same_structure(out, expected)
         if any(t.requires_grad for t in _floats(expected)):
@@ -277,3 +279,87 @@ class HardCodedDevices(nn.Module):
         h = self.l2(h + positions)
         h = h.to("cpu") * torch.ones(h.shape[-1], device="cpu")
         return self.l3(h) + torch.zeros_like(h)
+
+
+class SharedModule(nn.Module):
+    """One Linear called first and last: its weights are needed on two stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(self.c(self.b(self.a(x))))
+
+
+class DirectParameter(nn.Module):
+    """A bare Parameter used by two ops far apart (a get_attr read twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(x @ self.w)) @ self.w.t()
+
+
+class Dropouts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.drop(self.b(self.drop(self.a(x)))))
+
+
+class Passthrough(nn.Module):
+    """Returns an input, one tensor twice, a size and None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[Any, ...]:
+        h = self.b(self.a(x))
+        return h, x, h, x.shape[0], None
+
+
+class SizeLater(nn.Module):
+    """A size read at the start and used at the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.size(0)
+        return self.c(self.b(self.a(x))).view(n, 2, 4).sum(1) * n
+
+
+class Unused(nn.Module):
+    """A module never called, a None buffer and a buffer no op reads: all still get a device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.spare = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("nothing", None)
+        self.register_buffer("idle", torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class RunningSum(nn.Module):
+    """A buffer updated in place by forward, then read at the end (not a BatchNorm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("total", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.total.add_(h.detach().mean(0))
+        return self.c(self.b(h)) + self.total
