@@ -284,7 +284,9 @@ class DeviceChecker(TorchDispatchMode):
     Use it around forward passes: autograd on the CPU skips the copy back in
     backward (source and destination are the same memory), so gradients do
     not keep their logical device. ``torch.tensor(data, device=...)`` reaches
-    the mode without its device, so such a tensor is taken to be on the host.
+    the mode without its device, so such a tensor is taken to be on the host;
+    and ``.to("cpu")`` of a CPU tensor returns the tensor itself without an
+    op, so a copy to the plain ``"cpu"`` device goes unseen.
 
     Args:
         plan: whose ``param_devices`` say where weights live.

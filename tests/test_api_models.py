@@ -140,6 +140,53 @@ def test_output_device_option(trace: str) -> None:
     assert any(c.kind == "output" and c.destination == "cpu:0" for c in plan.cuts)
 
 
+@pytest.mark.parametrize("trace", TRACES)
+def test_output_device_without_a_budget(trace: str) -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    gm = split_and_compare(model, budgets_for(model, 3), (torch.randn(4, 16),), trace=trace, output_device="cpu:7")
+    assert gm.meta["fxsplit_plan"].cuts[-1].destination == "cpu:7"
+
+
+class DictInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, batch: dict[str, torch.Tensor], alpha: float = 1.0) -> torch.Tensor:
+        return self.c(self.b(self.a(batch["x"]))) * batch["scale"] * alpha + batch["y"]
+
+
+@pytest.mark.parametrize("trace", TRACES)
+def test_dict_and_float_inputs(trace: str) -> None:
+    torch.manual_seed(0)
+    model = DictInput()
+    batch = {"x": torch.randn(4, 8), "y": torch.randn(4, 8), "scale": torch.tensor(3.0)}
+    split_and_compare(model, budgets_for(model, 3), (batch, 2.5), trace=trace)
+
+
+@pytest.mark.parametrize("trace", TRACES)
+def test_gradient_reaches_the_input(trace: str) -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    gm = fxsplit.fxsplit(model, budgets_for(model, 3), example_inputs=(x.detach(),), trace=trace)
+    gm(x).square().sum().backward()
+    reference(x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_a_device_with_no_budget_in_the_middle() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    each = budgets_for(model, 2)["cpu:0"]
+    gm = split_and_compare(model, {"cpu:0": each, "cpu:1": 0, "cpu:2": each}, (torch.randn(4, 16),))
+    plan = gm.meta["fxsplit_plan"]
+    assert plan.device_bytes["cpu:1"] == 0 and "cpu:1" not in plan.param_devices.values()
+
+
 def test_default_output_device_is_the_last_stage_that_runs_ops() -> None:
     torch.manual_seed(0)
     model = mlp()
