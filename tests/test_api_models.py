@@ -74,13 +74,9 @@ def test_split_matches_unsplit(case: str, trace: str) -> None:
         assert plan.cuts
 
 
-@pytest.mark.parametrize("trace", [
-    pytest.param("fx", marks=pytest.mark.xfail(strict=True, raises=fxsplit.BudgetError, reason=(
-        "core bug: fx marks a buffer written in place as unmovable, so every reader, even one after "
-        "the write, must share its device; a copy taken after the last write would be correct"))),
-    "export",
-])
+@pytest.mark.parametrize("trace", TRACES)
 def test_buffer_updated_in_forward_and_read_later(trace: str) -> None:
+    """The budgets need the read after the write on another stage: a copy taken after the write."""
     torch.manual_seed(0)
     model = RunningSum()
     split_and_compare(model, budgets_for(model, 3), (torch.randn(4, 8),), trace=trace, steps=2)
