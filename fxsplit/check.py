@@ -159,7 +159,7 @@ def check_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
         elif node.op == "get_attr":
             where[node] = plan.param_devices.get(str(node.target)) if _is_tensor(gm, node) else None
         elif node.op == "output":
-            found = {where[n] for n in node.all_input_nodes if where.get(n) and value_kind(n) != NONTENSOR}
+            found = {d for n in node.all_input_nodes if (d := where.get(n)) and value_kind(n) != NONTENSOR}
             problems += [f"an output is returned on '{d}', not on output_device '{plan.output_device}'"
                          for d in sorted(found - {plan.output_device})]
         else:
