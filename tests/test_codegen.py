@@ -110,6 +110,7 @@ def test_same_input_same_code_and_plan() -> None:
         one = fxsplit.plan(Small(), BUDGETS, example_inputs=inputs(), trace=trace)
         two = fxsplit.plan(Small(), BUDGETS, example_inputs=inputs(), trace=trace)
         assert one == two and one.to_dict() == two.to_dict()
+        assert fxsplit.Plan.from_dict(json.loads(json.dumps(one.to_dict()))) == one  # plain data, round trip
 
 
 _SCRIPT = textwrap.dedent(
