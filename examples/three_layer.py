@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 import fxsplit
-from fxsplit.check import DeviceChecker, check_split
+from fxsplit.check import DeviceChecker, verify_split
 
 
 class ToyModel(nn.Module):
@@ -48,7 +48,7 @@ def main() -> None:
     plan = gm.meta["fxsplit_plan"]
     print(plan)
     print(gm.code)
-    check_split(gm)
+    verify_split(gm)
 
     if gpus:
         out = gm(x)

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping, overload
 import torch
 import torch.fx
 
-from fxsplit.check import check_plan, check_split
+from fxsplit.check import verify_plan, verify_split
 from fxsplit.codegen import emit, move_weights
 from fxsplit.constraints import (
     check_constraints,
@@ -127,7 +127,7 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
                      trace=traced.method, objective=options.objective)
     made = _record(made, model, limits, reserved, dtype, leaves)
     if options.check:
-        check_plan(made, traced.graph_module, model)
+        verify_plan(made, traced.graph_module, model)
     return _Planned(traced, costs, made, options)
 
 
@@ -253,7 +253,7 @@ def fxsplit(
     move_weights(planned.traced.graph_module, planned.plan, planned.costs.weights + planned.costs.unused)
     split = emit(planned.traced.graph_module, planned.plan, by_node)
     if planned.options is not None and planned.options.check:
-        check_split(split)
+        verify_split(split)
     if planned.options is not None and isinstance(planned.options.pipeline, PipelineConfig):
         return pipelined(split, planned.options.pipeline)
     return split

@@ -1,8 +1,8 @@
 """Invariants of plans and split modules, checked by tests and on request.
 
-* :func:`check_plan`: every node placed once on a known device, every
+* :func:`verify_plan`: every node placed once on a known device, every
   parameter and buffer placed, budgets held, cuts that go somewhere, once.
-* :func:`check_split`: the generated graph copies each value once per
+* :func:`verify_split`: the generated graph copies each value once per
   destination device, never to where it already lives, exactly at the plan's
   cuts, and no op reads values from two devices (found by following devices
   through the graph, not by trusting the plan).
@@ -12,13 +12,15 @@
   mixes two, as it would fail on two GPUs.
 
 Each checker raises :class:`InvariantError` listing every violation it found.
+(``fxsplit.check_plan`` is another thing: it checks a *saved* plan against a
+model and budgets, for users.)
 
 >>> import torch, fxsplit
->>> from fxsplit.check import DeviceChecker, check_plan, check_split
+>>> from fxsplit.check import DeviceChecker, verify_plan, verify_split
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
 >>> gm = fxsplit.fxsplit(model, {"cpu:0": 100, "cpu:1": 100}, trace="fx")
 >>> plan = gm.meta["fxsplit_plan"]
->>> check_plan(plan, model=model); check_split(gm)
+>>> verify_plan(plan, model=model); verify_split(gm)
 >>> with DeviceChecker(plan, gm) as checker:
 ...     out = gm(torch.randn(2, 4))
 >>> checker.device_of(out)
@@ -41,7 +43,7 @@ from fxsplit.errors import FxsplitError
 from fxsplit.graphinfo import NONTENSOR, value_kind
 from fxsplit.plan import CUT_KINDS, Plan
 
-__all__ = ["DeviceChecker", "InvariantError", "check_plan", "check_split"]
+__all__ = ["DeviceChecker", "InvariantError", "verify_plan", "verify_split"]
 
 
 class InvariantError(FxsplitError, AssertionError):
@@ -53,7 +55,7 @@ def _raise(what: str, problems: list[str]) -> None:
         raise InvariantError(f"{what} breaks {len(problems)} invariant(s):\n  " + "\n  ".join(problems))
 
 
-def check_plan(plan: Plan, graph_module: torch.fx.GraphModule | None = None,
+def verify_plan(plan: Plan, graph_module: torch.fx.GraphModule | None = None,
                model: torch.nn.Module | None = None) -> None:
     """Check a plan on its own, and against the traced graph and model when given.
 
@@ -131,7 +133,7 @@ def _param_problems(plan: Plan, model: torch.nn.Module) -> list[str]:
     return problems
 
 
-def check_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
+def verify_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
     """Check the copies of a split module and that no op reads values from two devices.
 
     Devices are followed through the graph: a weight is where

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
 import fxsplit
-from fxsplit.check import DeviceChecker, check_plan, check_split
+from fxsplit.check import DeviceChecker, verify_plan, verify_split
 
 CPUS = ("cpu:0", "cpu:1", "cpu:2", "cpu:3")
 
@@ -86,8 +86,8 @@ def split_and_compare(
                          example_kwargs=kwargs or None, **options)
     plan = gm.meta["fxsplit_plan"]
     assert plan.trace == trace
-    check_plan(plan, model=model)
-    check_split(gm)
+    verify_plan(plan, model=model)
+    verify_split(gm)
     used = {plan.placement[n] for n in plan.placement if n != "output"} | set(plan.param_devices.values())
     assert len(used) >= min_devices, f"expected a split over >= {min_devices} devices, got {plan}"
     assert {n: p for n, p in model.named_parameters()} == params_before  # same Parameter objects

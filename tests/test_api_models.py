@@ -36,7 +36,7 @@ from helpers import (
 )
 
 import fxsplit
-from fxsplit.check import DeviceChecker, check_split
+from fxsplit.check import DeviceChecker, verify_split
 
 TRACES = ["fx", "export"]
 
@@ -304,7 +304,7 @@ def test_copies_at_cuts_only_once_per_destination() -> None:
     plan = gm.meta["fxsplit_plan"]
     first = [c for c in plan.cuts if c.producer == "first"]
     assert len(first) == len({c.destination for c in first}) >= 1
-    check_split(gm)
+    verify_split(gm)
 
 
 def test_inputs_on_another_device_are_moved_in() -> None:

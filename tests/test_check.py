@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import fxsplit
 from fxsplit.api import _plan
-from fxsplit.check import DeviceChecker, InvariantError, check_plan, check_split
+from fxsplit.check import DeviceChecker, InvariantError, verify_plan, verify_split
 from fxsplit.codegen import COPY_META, DEVICE_META
 from fxsplit.plan import Cut
 
@@ -30,9 +30,9 @@ def split() -> tuple[nn.Module, torch.fx.GraphModule]:
 def test_valid_split_passes_every_check() -> None:
     m = model()
     planned = _plan(m, BUDGETS, (torch.randn(2, 4),), {"trace": "fx"})
-    check_plan(planned.plan, planned.traced.graph_module, m)
+    verify_plan(planned.plan, planned.traced.graph_module, m)
     gm = fxsplit.fxsplit(m, BUDGETS, example_inputs=(torch.randn(2, 4),), trace="fx")
-    check_split(gm)
+    verify_split(gm)
     with DeviceChecker(gm.meta["fxsplit_plan"], gm) as checker:
         out = gm(torch.randn(3, 4))
     assert checker.device_of(out) == "cpu:1"
@@ -53,7 +53,7 @@ def test_check_plan_lists_every_violation() -> None:
               Cut("x", "cpu:0", "cpu:1", 1, "weird")),
     )
     with pytest.raises(InvariantError) as info:
-        check_plan(broken, planned.traced.graph_module, m)
+        verify_plan(broken, planned.traced.graph_module, m)
     message = str(info.value)
     for expected in ["node '_0' is not placed", "'ghost', which is not a node", "'ghost' is placed on 'cpu:7'",
                      "'0.bias' of the model has no device", "'cpu:0' holds 301 bytes, over its budget of 300",
@@ -67,7 +67,7 @@ def test_check_plan_device_bytes_must_cover_the_weights_placed() -> None:
     m = model()
     plan = fxsplit.plan(m, BUDGETS, example_inputs=(torch.randn(2, 4),))
     with pytest.raises(InvariantError, match="'cpu:1' holds .* bytes of parameters and buffers but device_bytes says"):
-        check_plan(dataclasses.replace(plan, device_bytes={**plan.device_bytes, "cpu:1": 0}), model=m)
+        verify_plan(dataclasses.replace(plan, device_bytes={**plan.device_bytes, "cpu:1": 0}), model=m)
 
 
 def _erase_copy(gm: torch.fx.GraphModule, key: str) -> None:
@@ -83,7 +83,7 @@ def test_a_missing_copy_is_caught_statically_and_at_run_time() -> None:
     activation = next(c for c in plan.cuts if c.kind == "activation")
     _erase_copy(gm, activation.producer)
     with pytest.raises(InvariantError) as info:
-        check_split(gm)
+        verify_split(gm)
     assert f"the plan cuts '{activation.producer}' to 'cpu:1' but the code makes no such copy" in str(info.value)
     assert "reads values on ['cpu:0', 'cpu:1']" in str(info.value)
     with pytest.raises(InvariantError, match=r"mixes tensors on devices \['cpu:0', 'cpu:1'\]"):
@@ -105,10 +105,10 @@ def test_a_copy_made_twice_or_to_its_own_device_is_caught() -> None:
         first = gm.graph.call_method("to", (again.args[0], destination))
     first.meta[COPY_META] = (key, source, destination)
     with pytest.raises(InvariantError, match=f"'{key}' is copied to '{destination}' twice"):
-        check_split(gm)
+        verify_split(gm)
     first.meta[COPY_META] = (key, destination, destination)
     with pytest.raises(InvariantError, match="where it already lives"):
-        check_split(gm)
+        verify_split(gm)
 
 
 def test_a_copy_that_lies_about_its_source_is_caught() -> None:
@@ -117,7 +117,7 @@ def test_a_copy_that_lies_about_its_source_is_caught() -> None:
     key, _, destination = copy.meta[COPY_META]
     copy.meta[COPY_META] = (key, "cpu:2", destination)
     with pytest.raises(InvariantError, match="from 'cpu:2' but the value is on 'cpu:0'"):
-        check_split(gm)
+        verify_split(gm)
 
 
 def test_a_cut_the_code_does_not_make_is_caught() -> None:
@@ -125,14 +125,14 @@ def test_a_cut_the_code_does_not_make_is_caught() -> None:
     plan = gm.meta["fxsplit_plan"]
     extra = dataclasses.replace(plan, cuts=(*plan.cuts, Cut("_4", "cpu:1", "cpu:0", 16, "activation")))
     with pytest.raises(InvariantError, match="the plan cuts '_4' to 'cpu:0' but the code makes no such copy"):
-        check_split(gm, extra)
+        verify_split(gm, extra)
 
 
 def test_an_output_left_on_the_wrong_device_is_caught() -> None:
     _, gm = split()
     plan = gm.meta["fxsplit_plan"]
     with pytest.raises(InvariantError, match="returned on 'cpu:1', not on output_device 'cpu:0'"):
-        check_split(gm, dataclasses.replace(plan, output_device="cpu:0"))
+        verify_split(gm, dataclasses.replace(plan, output_device="cpu:0"))
 
 
 def test_a_hard_coded_device_left_in_place_is_caught() -> None:
@@ -146,7 +146,7 @@ def test_a_hard_coded_device_left_in_place_is_caught() -> None:
     last.replace_all_uses_with(added, delete_user_cb=lambda user: user is not added)
     gm.recompile()
     with pytest.raises(InvariantError, match=r"reads values on \['cpu', 'cpu:1'\]"):
-        check_split(gm)
+        verify_split(gm)
     with pytest.raises(InvariantError, match=r"mixes tensors on devices \['cpu', 'cpu:1'\]"):
         with DeviceChecker(plan, gm):
             gm(torch.randn(2, 4))
@@ -187,7 +187,7 @@ def test_a_node_marked_for_another_device_is_caught() -> None:
     node.meta[DEVICE_META] = "cpu:0"
     expected = f"'{node.name}' is marked to run on 'cpu:0' but its values are on 'cpu:1'"
     with pytest.raises(InvariantError, match=expected):
-        check_split(gm)
+        verify_split(gm)
 
 
 def test_check_option_runs_the_checkers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxsplit
-from fxsplit.check import DeviceChecker, check_split
+from fxsplit.check import DeviceChecker, verify_split
 from fxsplit.codegen import COPY_META, ExportedSplit
 
 BUDGETS = {"cpu:0": 80, "cpu:1": 80, "cpu:2": 80}  # one Linear(4, 4) (80 bytes) per device
@@ -88,7 +88,7 @@ def test_expected_code_without_shapes() -> None:
     gm = fxsplit.fxsplit(Small(), BUDGETS, trace="fx")
     assert gm.code.strip() == EXPECTED_WITHOUT_SHAPES.strip()
     assert all(c.nbytes is None for c in gm.meta["fxsplit_plan"].cuts)
-    check_split(gm)
+    verify_split(gm)
 
 
 def test_plan_table() -> None:
@@ -169,7 +169,7 @@ def test_an_input_read_on_two_devices_is_copied_from_its_first_device() -> None:
     copies = [n.meta[COPY_META] for n in gm.graph.nodes if COPY_META in n.meta]
     assert copies == [("x", None, "cpu:0"), ("a", "cpu:0", "cpu:1"), ("x", "cpu:0", "cpu:1")]
     assert [(c.producer, c.kind) for c in gm.meta["fxsplit_plan"].cuts] == [("a", "activation"), ("x", "input")]
-    check_split(gm)
+    verify_split(gm)
 
 
 @pytest.mark.xfail(strict=True, reason="core bug: export's _guards_fn reads every input on the first stage, "
@@ -207,7 +207,7 @@ def test_hard_coded_devices_are_rewritten_to_the_stage() -> None:
     assert "torch.ones(4, device = device(type='cpu', index=1))" in gm.code
     assert "cuda = a.to('cpu:0')" in gm.code  # .cuda() on the first stage
     assert "to = add.to(device = 'cpu:1')" in gm.code  # .to(device="cpu") on the second
-    check_split(gm)
+    verify_split(gm)
     x = torch.randn(2, 4)
     with DeviceChecker(gm.meta["fxsplit_plan"], gm):
         out = gm(x)
@@ -218,7 +218,7 @@ def test_export_split_is_an_exported_split_and_lints() -> None:
     gm = fxsplit.fxsplit(Small(), BUDGETS, example_inputs=inputs(), trace="export")
     assert isinstance(gm, ExportedSplit)
     gm.graph.lint()
-    check_split(gm)
+    verify_split(gm)
     fx_gm = fxsplit.fxsplit(Small(), BUDGETS, example_inputs=inputs(), trace="fx")
     assert isinstance(fx_gm, torch.fx.GraphModule) and not isinstance(fx_gm, ExportedSplit)
     assert fx_gm.meta["fxsplit_plan"].param_devices == gm.meta["fxsplit_plan"].param_devices
