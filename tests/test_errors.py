@@ -96,9 +96,9 @@ def test_bad_budgets(budgets: dict[object, object], message: str) -> None:
         ({"zzz": 1}, "unknown option 'zzz'; options are example_kwargs, trace, leaf_modules"),
         ({"trace": "jit"}, "trace must be one of auto, fx, export (got 'jit')"),
         ({"objective": "fast"}, "objective must be one of min_transfer, balanced (got 'fast')"),
-        ({"pins": {"0": "cpu:5"}}, "pin '0' names device 'cpu:5', which has no budget"),
-        ({"pins": {"nope": "cpu:0"}}, "pin 'nope' matches no module or node of the traced graph"),
-        ({"pins": {"0": "cpu:1", "3": "cpu:0"}}, "pins contradict the device order"),
+        ({"pins": {"0": "cpu:5"}}, "pins['0']: pins to 'cpu:5', which has no budget (devices: cpu:0, cpu:1)"),
+        ({"pins": {"nope": "cpu:0"}}, "pins['nope']: no module of the model matches 'nope'; top-level modules: 0, 1"),
+        ({"pins": {"0": "cpu:1", "3": "cpu:0"}}, "devices run in the order the budgets list them"),
     ],
 )
 def test_bad_options(options: dict[str, object], message: str) -> None:
