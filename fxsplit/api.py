@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping, overload
 import torch
 import torch.fx
 
+from fxsplit.check import verify_plan, verify_split
 from fxsplit.codegen import emit, move_weights
 from fxsplit.constraints import (
     check_constraints,
@@ -49,6 +50,7 @@ class Options:
     reserve: Any = None
     dtype: Any = None
     spec: Any = None
+    check: bool = False
 
 
 _OPTION_NAMES = tuple(Options.__dataclass_fields__)
@@ -57,7 +59,7 @@ _OPTION_NAMES = tuple(Options.__dataclass_fields__)
 def _options(raw: Mapping[str, Any]) -> Options:
     for name in raw:
         if name not in _OPTION_NAMES:
-            close = difflib.get_close_matches(name, _OPTION_NAMES, n=1)
+            close = difflib.get_close_matches(name, (*_OPTION_NAMES, "example_inputs"), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; options are {', '.join(_OPTION_NAMES)}"
             raise SpecError(f"unknown option {name!r}{hint}")
     options = Options(**raw)
@@ -123,7 +125,10 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
     output_device = normalize_device(options.output_device) if options.output_device is not None else None
     made = make_plan(costs, traced.graph_module, solution, devices, usable, output_device=output_device,
                      trace=traced.method, objective=options.objective)
-    return _Planned(traced, costs, _record(made, model, limits, reserved, dtype, leaves), options)
+    made = _record(made, model, limits, reserved, dtype, leaves)
+    if options.check:
+        verify_plan(made, traced.graph_module, model)
+    return _Planned(traced, costs, made, options)
 
 
 def _record(made: Plan, model: torch.nn.Module, budgets: dict[str, int], reserved: dict[str, int],
@@ -211,7 +216,10 @@ def fxsplit(
             a pipeline; the model is then traced on one micro-batch of the
             example inputs) and ``spec`` (a :class:`~fxsplit.spec.Spec`, a spec file or YAML
             text; its devices are the budgets when ``budgets`` is None, and
-            explicit keyword arguments override its fields).
+            explicit keyword arguments override its fields). ``check=True``
+            verifies the invariants of the plan and of the generated graph
+            (:mod:`fxsplit.check`), raising ``InvariantError`` on a
+            violation; for debugging fxsplit.
 
     Returns:
         The split ``torch.fx.GraphModule``. Call it like ``model``. With
@@ -244,6 +252,8 @@ def fxsplit(
     by_node = weights_by_node(planned.costs)
     move_weights(planned.traced.graph_module, planned.plan, planned.costs.weights + planned.costs.unused)
     split = emit(planned.traced.graph_module, planned.plan, by_node)
+    if planned.options is not None and planned.options.check:
+        verify_split(split)
     if planned.options is not None and isinstance(planned.options.pipeline, PipelineConfig):
         return pipelined(split, planned.options.pipeline)
     return split

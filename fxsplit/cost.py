@@ -120,13 +120,15 @@ def build_problem(
                            node.name, {index[node]})
 
     mutated_weights: set[int] = set()
+    last_write: dict[int, int] = {}
     write_spans: list[tuple[int, ...]] = []
     for node in ops:
         for target in mutated_inputs(node, modules):
             root = alias_root(target)
             if root.op == "get_attr":
-                attr = _resolve(graph_module, str(root.target))
-                mutated_weights.add(id(attr))
+                # Written at home; readers up to the last write share its device, later ones may copy it.
+                key = id(_resolve(graph_module, str(root.target)))
+                last_write[key] = max(last_write.get(key, 0), index[node])
             else:
                 # Readers before the write must share the writer's device: a copy taken
                 # earlier would miss the write. Copies taken later carry it.
@@ -163,6 +165,8 @@ def build_problem(
             weight_values.append(len(values))
             values.append(Value(names[0], weight.nbytes, users[0], tuple(users), weight=weight.nbytes,
                                 movable=key not in mutated_weights))
+            if key in last_write and last_write[key] > users[0]:
+                write_spans.append((users[0], last_write[key]))
         else:
             weight_values.append(-1)
     unused = [Weight(tuple(names), _tensor_bytes(t, dtype), b, ()) for key, (names, t, b) in known.items()

@@ -1,0 +1,355 @@
+"""Invariants of plans and split modules, checked by tests and on request.
+
+* :func:`verify_plan`: every node placed once on a known device, every
+  parameter and buffer placed, budgets held, cuts that go somewhere, once.
+* :func:`verify_split`: the generated graph copies each value once per
+  destination device, never to where it already lives, exactly at the plan's
+  cuts, and no op reads values from two devices (found by following devices
+  through the graph, not by trusting the plan).
+* :class:`DeviceChecker`: a dispatch mode that makes logical devices
+  (``"cpu:0"``, ``"cpu:1"``, which torch runs on one CPU) *real*: it tags each
+  tensor with the device it was made on or copied to, and fails an op that
+  mixes two, as it would fail on two GPUs.
+
+Each checker raises :class:`InvariantError` listing every violation it found.
+(``fxsplit.check_plan`` is another thing: it checks a *saved* plan against a
+model and budgets, for users.)
+
+>>> import torch, fxsplit
+>>> from fxsplit.check import DeviceChecker, verify_plan, verify_split
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+>>> gm = fxsplit.fxsplit(model, {"cpu:0": 100, "cpu:1": 100}, trace="fx")
+>>> plan = gm.meta["fxsplit_plan"]
+>>> verify_plan(plan, model=model); verify_split(gm)
+>>> with DeviceChecker(plan, gm) as checker:
+...     out = gm(torch.randn(2, 4))
+>>> checker.device_of(out)
+'cpu:1'
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+import torch.fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from fxsplit.codegen import COPY_META, DEVICE_META
+from fxsplit.errors import FxsplitError
+from fxsplit.graphinfo import NONTENSOR, value_kind
+from fxsplit.plan import CUT_KINDS, Plan
+
+__all__ = ["DeviceChecker", "InvariantError", "verify_plan", "verify_split"]
+
+
+class InvariantError(FxsplitError, AssertionError):
+    """A plan or a split module breaks an invariant; the message lists every violation."""
+
+
+def _raise(what: str, problems: list[str]) -> None:
+    if problems:
+        raise InvariantError(f"{what} breaks {len(problems)} invariant(s):\n  " + "\n  ".join(problems))
+
+
+def verify_plan(plan: Plan, graph_module: torch.fx.GraphModule | None = None,
+               model: torch.nn.Module | None = None) -> None:
+    """Check a plan on its own, and against the traced graph and model when given.
+
+    Args:
+        plan: the plan.
+        graph_module: the traced graph the plan was made from; each of its
+            nodes must be placed, and nothing else (not the split module: its
+            copies and the nodes they displace have other names).
+        model: the model; every parameter and buffer name must be placed, and
+            each device's ``device_bytes`` must cover the tensors placed there.
+
+    Raises:
+        InvariantError: listing every violation.
+    """
+    problems: list[str] = []
+    known = set(plan.devices) | {plan.output_device}
+    for name, device in plan.placement.items():
+        if device not in known:
+            problems.append(f"node '{name}' is placed on '{device}', which is neither a budget device nor the output")
+    for name, device in plan.param_devices.items():
+        if device not in plan.devices:
+            problems.append(f"'{name}' is placed on '{device}', which has no budget")
+    for device, used in plan.device_bytes.items():
+        if device not in plan.budgets:
+            problems.append(f"device_bytes names '{device}', which has no budget")
+        elif used > plan.budgets[device]:
+            problems.append(f"'{device}' holds {used} bytes, over its budget of {plan.budgets[device]}")
+    problems += _cut_problems(plan, known)
+    if graph_module is not None:
+        names = [n.name for n in graph_module.graph.nodes]
+        problems += [f"node '{n}' is not placed" for n in names if n not in plan.placement]
+        problems += [f"placement names '{n}', which is not a node of the graph"
+                     for n in sorted(set(plan.placement) - set(names))]
+    if model is not None:
+        problems += _param_problems(plan, model)
+    _raise("the plan", problems)
+
+
+def _cut_problems(plan: Plan, known: set[str]) -> list[str]:
+    problems: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    for cut in plan.cuts:
+        if cut.source == cut.destination:
+            problems.append(f"cut of '{cut.producer}' goes from '{cut.source}' to itself")
+        if (cut.producer, cut.destination) in seen:
+            problems.append(f"'{cut.producer}' is cut to '{cut.destination}' more than once")
+        seen.add((cut.producer, cut.destination))
+        if cut.source not in known or cut.destination not in known:
+            problems.append(f"cut of '{cut.producer}' names an unknown device ({cut.source} -> {cut.destination})")
+        if cut.kind not in CUT_KINDS:
+            problems.append(f"cut of '{cut.producer}' has unknown kind {cut.kind!r}")
+        if cut.nbytes is not None and cut.nbytes < 0:
+            problems.append(f"cut of '{cut.producer}' has negative size {cut.nbytes}")
+    return problems
+
+
+def _param_problems(plan: Plan, model: torch.nn.Module) -> list[str]:
+    problems: list[str] = []
+    held: dict[str, int] = defaultdict(int)
+    seen: set[int] = set()
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        if tensor is None:
+            continue
+        device = plan.param_devices.get(name)
+        if device is None:
+            problems.append(f"'{name}' of the model has no device in param_devices")
+        elif id(tensor) not in seen:
+            seen.add(id(tensor))
+            held[device] += tensor.numel() * tensor.element_size()
+    for device, nbytes in held.items():
+        if plan.device_bytes.get(device, 0) < nbytes:
+            problems.append(f"'{device}' holds {nbytes} bytes of parameters and buffers but device_bytes says "
+                            f"{plan.device_bytes.get(device, 0)}")
+    return problems
+
+
+def verify_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
+    """Check the copies of a split module and that no op reads values from two devices.
+
+    Devices are followed through the graph: a weight is where
+    ``plan.param_devices`` puts it, a copy is at its destination, an op is
+    where its tensor inputs are (or where its ``device=`` argument says);
+    that must agree with the device the emitter recorded on the node.
+
+    Args:
+        gm: the module :func:`fxsplit.fxsplit` returned.
+        plan: its plan (default: ``gm.meta["fxsplit_plan"]``).
+
+    Raises:
+        InvariantError: listing every violation.
+    """
+    plan = plan if plan is not None else gm.meta["fxsplit_plan"]
+    problems: list[str] = []
+    where: dict[torch.fx.Node, str | None] = {}
+    copies: dict[tuple[str, str], str] = {}
+    for node in gm.graph.nodes:
+        if COPY_META in node.meta:
+            problems += _copy_problems(node, where, copies)
+            where[node] = node.meta[COPY_META][2]
+        elif node.op == "placeholder":
+            where[node] = None
+        elif node.op == "get_attr":
+            where[node] = plan.param_devices.get(str(node.target)) if _is_tensor(gm, node) else None
+        elif node.op == "output":
+            found = {d for n in node.all_input_nodes if (d := where.get(n)) and value_kind(n) != NONTENSOR}
+            problems += [f"an output is returned on '{d}', not on output_device '{plan.output_device}'"
+                         for d in sorted(found - {plan.output_device})]
+        else:
+            where[node] = _op_device(gm, plan, node, where, problems)
+        claimed = node.meta.get(DEVICE_META)
+        if claimed is not None and where.get(node) is not None and claimed != where[node]:
+            problems.append(f"'{node.name}' is marked to run on '{claimed}' but its values are on '{where[node]}'")
+    cut_pairs = {(c.producer, c.destination) for c in plan.cuts}
+    copy_pairs = {pair for pair, source in copies.items() if source != "?"}
+    problems += [f"the plan cuts '{p}' to '{d}' but the code makes no such copy"
+                 for p, d in sorted(cut_pairs - copy_pairs)]
+    problems += [f"the code copies '{p}' to '{d}' but the plan has no such cut"
+                 for p, d in sorted(copy_pairs - cut_pairs)]
+    _raise("the split module", problems)
+
+
+def _copy_problems(node: torch.fx.Node, where: dict[torch.fx.Node, str | None],
+                   copies: dict[tuple[str, str], str]) -> list[str]:
+    key, source, destination = node.meta[COPY_META]
+    problems: list[str] = []
+    if (key, destination) in copies:
+        problems.append(f"'{key}' is copied to '{destination}' twice (again by '{node.name}')")
+    if source == destination:
+        problems.append(f"'{node.name}' copies '{key}' to '{destination}', where it already lives")
+    arg = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    actual = where.get(arg) if arg is not None else None
+    if actual is not None and actual != source:
+        problems.append(f"'{node.name}' says it copies '{key}' from '{source}' but the value is on '{actual}'")
+    if source is None and arg is not None and arg.op != "placeholder":
+        problems.append(f"'{node.name}' copies '{key}' from an unknown device but it is not a model input")
+    copies[(key, destination)] = "?" if source is None else source
+    return problems
+
+
+def _is_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    obj: Any = gm
+    for part in str(node.target).split("."):
+        obj = getattr(obj, part, None)
+    return isinstance(obj, torch.Tensor)
+
+
+_MOVES = frozenset({"to", "_to_copy", "cuda", "cpu"})
+_WRITES_ACROSS = frozenset({"copy_"})
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+def _op_device(gm: torch.fx.GraphModule, plan: Plan, node: torch.fx.Node,
+               where: dict[torch.fx.Node, str | None], problems: list[str]) -> str | None:
+    """The device ``node`` runs on, from its inputs; records a problem if they disagree."""
+    reads = {n: where.get(n) for n in node.all_input_nodes if value_kind(n) != NONTENSOR}
+    devices = {d for d in reads.values() if d}
+    devices |= set(_module_weight_devices(gm, plan, node))
+    name = _op_name(node)
+    target = _device_argument(node)
+    if name in _MOVES and target is not None:
+        return target
+    if target is not None and devices and target not in devices:
+        problems.append(f"'{node.name}' names device '{target}' but reads values on {sorted(devices)}")
+    if len(devices) > 1 and name not in _WRITES_ACROSS:
+        listed = ", ".join(f"'{n.name}' on '{d}'" for n, d in reads.items() if d)
+        problems.append(f"'{node.name}' reads values on {sorted(devices)} ({listed})")
+    if name in _WRITES_ACROSS and reads:
+        return next(iter(reads.values()))
+    if devices:
+        return min(devices)
+    return target
+
+
+def _module_weight_devices(gm: torch.fx.GraphModule, plan: Plan, node: torch.fx.Node) -> Iterable[str]:
+    """Devices of the parameters and buffers a module call reads in place (not passed in as copies)."""
+    if node.op == "call_module":
+        path, replaced = str(node.target), set()
+    elif node.op == "call_function" and node.target is torch.func.functional_call:
+        path, replaced = str(node.args[0].target), set(node.args[1])  # type: ignore[union-attr,arg-type]
+    else:
+        return []
+    module = gm.get_submodule(path)
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    found = (plan.param_devices.get(f"{path}.{name}") for name, _ in tensors if name not in replaced)
+    return [d for d in found if d]
+
+
+def _device_argument(node: torch.fx.Node) -> str | None:
+    """The device a node's arguments name (``device=...`` or the target of ``.to(...)``), canonical."""
+    candidates = [node.kwargs.get("device")]
+    if _op_name(node) in _MOVES:
+        candidates += list(node.args[1:])
+    for value in candidates:
+        if isinstance(value, torch.device):
+            return str(value)
+        if isinstance(value, str):
+            try:
+                return str(torch.device(value))
+            except RuntimeError:
+                continue
+    return None
+
+
+def _logical(device: Any) -> str:
+    return str(torch.device(device))
+
+
+class DeviceChecker(TorchDispatchMode):
+    """Run code with logical devices made real: fail any op that mixes two of them.
+
+    Torch runs ``"cpu:0"`` and ``"cpu:1"`` on the same CPU, so a split model
+    that forgets a copy still works there and would only fail on real GPUs.
+    Inside this mode every tensor carries the logical device it was created
+    on (``device=`` of factory ops) or copied to (``.to(device)``); results
+    of other ops carry their inputs' device. Parameters and buffers carry the
+    device ``plan.param_devices`` gives them. Tensors made outside the mode
+    (model inputs) may go anywhere, and so may 0-dim tensors on the host
+    (as CUDA accepts CPU scalars); a 0-dim tensor on ``"cpu:1"`` may not.
+    ``copy_`` may write across devices, as it can on GPUs.
+
+    Use it around forward passes: autograd on the CPU skips the copy back in
+    backward (source and destination are the same memory), so gradients do
+    not keep their logical device. ``torch.tensor(data, device=...)`` reaches
+    the mode without its device, so such a tensor is taken to be on the host;
+    and ``.to("cpu")`` of a CPU tensor returns the tensor itself without an
+    op, so a copy to the plain ``"cpu"`` device goes unseen.
+
+    Args:
+        plan: whose ``param_devices`` say where weights live.
+        *modules: modules whose tensors, looked up by those names, get tagged
+            (the split module; the original model too, if it is used).
+
+    Raises:
+        InvariantError: from the op that mixes devices, naming them.
+    """
+
+    def __init__(self, plan: Plan | None = None, *modules: torch.nn.Module) -> None:
+        super().__init__()
+        self._tags: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        for module in modules:
+            for name, device in (plan.param_devices.items() if plan else ()):
+                tensor = _resolve(module, name)
+                if isinstance(tensor, torch.Tensor):
+                    self._tags[tensor] = device
+        self.ops_checked = 0
+
+    def tag(self, tensor: torch.Tensor, device: str) -> None:
+        """Say that ``tensor`` lives on ``device``."""
+        self._tags[tensor] = _logical(device)
+
+    def device_of(self, tensor: torch.Tensor) -> str | None:
+        """The logical device of ``tensor`` (None: made outside the mode, fits anywhere)."""
+        return self._tags.get(tensor)
+
+    def _is_wildcard(self, tensor: torch.Tensor) -> bool:
+        device = self._tags.get(tensor)
+        return device is None or (tensor.dim() == 0 and torch.device(device).index is None)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        name = func._schema.name.split("::")[-1]
+        seen = {self._tags[t] for t in tensors if not self._is_wildcard(t)}
+        if len(seen) > 1 and name not in _WRITES_ACROSS and name != "_to_copy":
+            described = ", ".join(f"{tuple(t.shape)} on '{self._tags.get(t) or 'anywhere'}'" for t in tensors)
+            raise InvariantError(f"{func} mixes tensors on devices {sorted(seen)}: {described}; on real devices "
+                                 "this op would fail (a copy is missing)")
+        self.ops_checked += 1
+        out = func(*args, **kwargs)
+        device = kwargs.get("device")
+        if device is not None:
+            result: str | None = _logical(device)
+        elif name in _WRITES_ACROSS:
+            result = self._tags.get(tensors[0]) if tensors else None
+        else:
+            result = min(seen) if seen else next((self._tags[t] for t in tensors if t in self._tags), None)
+        if result is not None:
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and not (name in _WRITES_ACROSS and tensor in self._tags):
+                    self._tags[tensor] = result
+        return out
+
+
+def _resolve(root: Any, path: str) -> Any:
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj

@@ -1,0 +1,149 @@
+"""Errors say what is wrong, with the numbers, and what to do: their messages are part of the contract."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxsplit
+
+X = (torch.randn(2, 16),)
+LINEAR = (16 * 16 + 16) * 4  # bytes of one Linear(16, 16)
+
+
+def three_linears() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 16))
+
+
+def test_total_over_the_sum_of_budgets_says_by_how_much() -> None:
+    with pytest.raises(fxsplit.BudgetError) as info:
+        fxsplit.plan(three_linears(), {"cpu:0": 1000, "cpu:1": 1000}, example_inputs=X)
+    message = str(info.value)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, fxsplit.FxsplitError)
+    assert "budget" in message
+    assert f"need 3.19 KiB ({3 * LINEAR} bytes)" in message
+    assert "add up to 1.95 KiB (2000 bytes)" in message
+    assert f"short by 1.23 KiB ({3 * LINEAR - 2000} bytes)" in message
+    assert "['cpu:0' 1000 B, 'cpu:1' 1000 B]" in message and "raise the budgets or add a device" in message
+
+
+def test_one_parameter_larger_than_every_device_is_named() -> None:
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 64))
+    big = (16 * 64 + 64) * 4
+    with pytest.raises(fxsplit.BudgetError) as info:
+        fxsplit.plan(model, {"cpu:0": 3000, "cpu:1": 4000, "cpu:2": 2000}, example_inputs=X)
+    message = str(info.value)
+    assert "'2.weight' 4.00 KiB" in message and "'2.bias' 256 B" in message
+    assert f"needs 4.25 KiB ({big} bytes)" in message
+    assert "more than the budget of every device (the largest, 'cpu:1', has 3.91 KiB)" in message
+    assert f"short by 352 B ({big - 4000} bytes)" in message
+
+
+def test_same_errors_from_fxsplit_and_from_fx_tracing() -> None:
+    for kwargs in ({"example_inputs": X}, {"trace": "fx"}):
+        with pytest.raises(fxsplit.BudgetError, match=rf"short by .* \({3 * LINEAR - 2000} bytes\)"):
+            fxsplit.fxsplit(three_linears(), {"cpu:0": 1000, "cpu:1": 1000}, **kwargs)
+
+
+def test_pinned_piece_too_big_for_its_device() -> None:
+    with pytest.raises(fxsplit.BudgetError) as info:
+        fxsplit.plan(three_linears(), {"cpu:0": 2 * LINEAR, "cpu:1": LINEAR - 8, "cpu:2": 2 * LINEAR},
+                     example_inputs=X, pins={"3": "cpu:1"})
+    message = str(info.value)
+    assert "budget of pinned device 'cpu:1'" in message and "short by 8 B (8 bytes)" in message
+    assert "raise that budget or unpin" in message
+
+
+def test_fragmentation_says_how_much_more_would_fit() -> None:
+    # 3 equal layers, 2 devices of 1.5 layers: the total fits, no order of layers does.
+    with pytest.raises(fxsplit.BudgetError) as info:
+        fxsplit.plan(three_linears(), {"cpu:0": 3 * LINEAR // 2, "cpu:1": 3 * LINEAR // 2}, example_inputs=X)
+    message = str(info.value)
+    assert "cannot be packed into the devices in order without exceeding a budget" in message
+    percent = float(re.search(r"raised by ([0-9.]+)%", message).group(1))  # type: ignore[union-attr]
+    assert 30 <= percent <= 36  # 2 layers per device needed: +33.3%
+    assert "'cpu:0' short by" in message and "'cpu:1' short by" in message
+
+
+@pytest.mark.parametrize(
+    ("budgets", "message"),
+    [
+        ({"cpu:0": "10 GiBs"}, "budget of 'cpu:0' '10 GiBs' has unknown unit 'GiBs'; use one of B, kB, MB"),
+        ({"cpu:0": -1}, "budget of 'cpu:0' must not be negative (got -1)"),
+        ({0: "1GiB", "cuda:0": "1GiB"}, "budgets name device 'cuda:0' twice"),
+        ({"cuda1": "1GiB"}, "'cuda1' is not a device; write 'cuda:0', 'cpu', 'cpu:1', or an int"),
+        ({"meta": "1GiB"}, "'meta' holds no data"),
+        ({}, "budgets must name at least one device"),
+    ],
+)
+def test_bad_budgets(budgets: dict[object, object], message: str) -> None:
+    with pytest.raises(fxsplit.SpecError) as info:
+        fxsplit.plan(three_linears(), budgets, example_inputs=X)
+    assert message in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"objectve": "balanced"}, "unknown option 'objectve'; did you mean 'objective'?"),
+        ({"output_devices": "cpu:0"}, "did you mean 'output_device'?"),
+        ({"example_input": X}, "unknown option 'example_input'; did you mean 'example_inputs'?"),
+        ({"example_kwarg": {}}, "did you mean 'example_kwargs'?"),
+        ({"zzz": 1}, "unknown option 'zzz'; options are example_kwargs, trace, leaf_modules"),
+        ({"trace": "jit"}, "trace must be one of auto, fx, export (got 'jit')"),
+        ({"objective": "fast"}, "objective must be one of min_transfer, balanced (got 'fast')"),
+        ({"pins": {"0": "cpu:5"}}, "pins['0']: pins to 'cpu:5', which has no budget (devices: cpu:0, cpu:1)"),
+        ({"pins": {"nope": "cpu:0"}}, "pins['nope']: no module of the model matches 'nope'; top-level modules: 0, 1"),
+        ({"pins": {"0": "cpu:1", "3": "cpu:0"}}, "devices run in the order the budgets list them"),
+    ],
+)
+def test_bad_options(options: dict[str, object], message: str) -> None:
+    with pytest.raises(fxsplit.SpecError) as info:
+        fxsplit.plan(three_linears(), {"cpu:0": 10**6, "cpu:1": 10**6}, **options)
+    assert message in str(info.value)
+
+
+class Untraceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # the offending line
+            return self.layer(x)
+        return x
+
+
+def test_untraceable_model_says_why_where_and_what_to_do() -> None:
+    with pytest.raises(fxsplit.TraceError) as info:
+        fxsplit.plan(Untraceable(), {"cpu:0": 10**6})
+    message = str(info.value)
+    assert "symbolically traced variables cannot be used as inputs to control flow" in message
+    assert f"{__file__}:" in message and "if x.sum() > 0:  # the offending line" in message
+    for fix in ("example_inputs=", "leaf_modules=", "concrete_args="):
+        assert fix in message
+
+
+def test_untraceable_by_both_tracers_reports_both() -> None:
+    with pytest.raises(fxsplit.TraceError) as info:
+        fxsplit.plan(Untraceable(), {"cpu:0": 10**6}, example_inputs=(torch.randn(2, 4),))
+    message = str(info.value)
+    assert message.startswith("torch.export could not trace the model on the example inputs")
+    assert "fx also failed: torch.fx.symbolic_trace could not trace the model" in message
+    assert message.count("if x.sum() > 0:") == 2
+
+
+def test_export_with_wrong_inputs() -> None:
+    with pytest.raises(fxsplit.TraceError, match="check example_inputs match forward"):
+        fxsplit.plan(three_linears(), {"cpu:0": 10**6}, example_inputs=(torch.randn(2, 3),), trace="export")
+
+
+def test_meta_model_cannot_be_split() -> None:
+    with torch.device("meta"):
+        model = three_linears()
+    with pytest.raises(fxsplit.FxsplitError, match=r"'0.weight' is on the meta device.*use fxsplit.plan\(\)"):
+        fxsplit.fxsplit(model, {"cpu:0": 10**6})

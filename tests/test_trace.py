@@ -1,0 +1,126 @@
+"""Tracing: fx and export, automatic choice and fallback, leaf modules, concrete_args, no mutation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import WithBatchNorm, split_and_compare
+
+import fxsplit
+from fxsplit.errors import TraceError
+from fxsplit.trace import trace
+
+
+class DataDependent(nn.Module):
+    """Python control flow on a tensor's shape: fx cannot trace it; export specialises it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.gate = Gate()
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.gate(self.a(x)))
+
+
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((4,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1000:
+            return x
+        return x * self.scale
+
+
+class Flagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, double: bool = False) -> torch.Tensor:
+        h = self.a(x)
+        if double:
+            h = h * 2
+        return self.b(h)
+
+
+def test_fx_without_examples_has_no_shapes() -> None:
+    traced = trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    assert traced.method == "fx" and traced.has_shapes is False and traced.notes == ()
+    assert [n.op for n in traced.graph_module.graph.nodes] == ["placeholder", "call_module", "call_module", "output"]
+
+
+def test_fx_with_examples_propagates_shapes() -> None:
+    traced = trace(nn.Sequential(nn.Linear(4, 6), nn.ReLU()), example_inputs=(torch.randn(3, 4),), mode="fx")
+    assert traced.method == "fx" and traced.has_shapes
+    shapes = [tuple(n.meta["val"].shape) for n in traced.graph_module.graph.nodes if n.op == "call_module"]
+    assert shapes == [(3, 6), (3, 6)]
+
+
+def test_auto_picks_export_with_examples() -> None:
+    traced = trace(nn.Sequential(nn.Linear(4, 4)), example_inputs=(torch.randn(2, 4),))
+    assert traced.method == "export" and traced.has_shapes
+
+
+def test_auto_falls_back_to_fx_with_a_note() -> None:
+    traced = trace(WithBatchNorm(cumulative=True), example_inputs=(torch.randn(4, 8),))
+    assert traced.method == "fx"
+    assert len(traced.notes) == 1 and traced.notes[0].startswith("torch.export failed, used torch.fx:")
+
+
+def test_trace_never_mutates_the_model() -> None:
+    model = WithBatchNorm().train()
+    before = copy.deepcopy(model.state_dict())
+    params = dict(model.named_parameters())
+    for mode in ("fx", "export"):
+        traced = trace(model, example_inputs=(torch.randn(4, 8),), mode=mode)
+        assert {id(p) for p in traced.graph_module.parameters()} <= {id(p) for p in params.values()}
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert dict(model.named_parameters()) == params and model.training
+
+
+def test_leaf_module_by_type_and_by_name() -> None:
+    torch.manual_seed(0)
+    for leaves in ([Gate], ["gate"]):
+        traced = trace(DataDependent(), leaf_modules=leaves)
+        calls = [str(n.target) for n in traced.graph_module.graph.nodes if n.op == "call_module"]
+        assert calls == ["a", "gate", "b"]
+    model = DataDependent()
+    gm = split_and_compare(model, {"cpu:0": 80, "cpu:1": 96}, (torch.randn(2, 4),), leaf_modules=[Gate])
+    assert gm.meta["fxsplit_plan"].param_devices["gate.scale"] in ("cpu:0", "cpu:1")
+
+
+def test_shape_dependent_model_exports_and_not_fx() -> None:
+    with pytest.raises(TraceError, match="leaf_modules"):
+        trace(DataDependent())
+    torch.manual_seed(0)
+    split_and_compare(DataDependent(), {"cpu:0": 80, "cpu:1": 96}, (torch.randn(2, 4),), trace="export")
+
+
+def test_concrete_args_fix_control_flow() -> None:
+    torch.manual_seed(0)
+    with pytest.raises(TraceError):
+        trace(Flagged())
+    model = Flagged()
+    reference = copy.deepcopy(model)
+    gm = fxsplit.fxsplit(model, {"cpu:0": 80, "cpu:1": 80}, concrete_args={"double": True})
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(gm(x, True), reference(x, True))  # fx: pass the value it was traced with
+    assert len(set(gm.meta["fxsplit_plan"].param_devices.values())) == 2
+
+
+def test_bad_mode_and_bad_model() -> None:
+    with pytest.raises(TraceError, match="trace mode must be one of auto, fx, export"):
+        trace(nn.Linear(2, 2), mode="jit")
+    with pytest.raises(TraceError, match=r"model must be a torch.nn.Module \(got function\)"):
+        trace(lambda x: x)  # type: ignore[arg-type]
+    with pytest.raises(TraceError, match="trace mode 'export' needs example_inputs"):
+        trace(nn.Linear(2, 2), mode="export")
