@@ -16,7 +16,16 @@ import torch
 import torch.fx
 
 from fxsplit.errors import SpecError
-from fxsplit.graphinfo import NONTENSOR, alias_root, element_size, module_path, mutated_inputs, value_bytes, value_kind
+from fxsplit.graphinfo import (
+    NONTENSOR,
+    alias_root,
+    element_size,
+    is_guard,
+    module_path,
+    mutated_inputs,
+    value_bytes,
+    value_kind,
+)
 from fxsplit.problem import PartitionProblem, Value
 
 __all__ = ["GraphCosts", "Weight", "build_problem", "model_tensors"]
@@ -93,7 +102,7 @@ def build_problem(
     graph = graph_module.graph
     modules = dict(graph_module.named_modules())
     known = model_tensors(model)
-    ops = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    ops = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output") and not is_guard(n)]
     index = {node: i for i, node in enumerate(ops)}
 
     weight_users: dict[int, set[int]] = {}

@@ -17,6 +17,7 @@ __all__ = [
     "TENSOR",
     "UNKNOWN",
     "alias_root",
+    "is_guard",
     "element_size",
     "module_path",
     "mutated_inputs",
@@ -142,6 +143,14 @@ def _numel(shape: Any) -> Any:
         except Exception:  # noqa: BLE001 - an unbacked symbolic size
             return None
     return count
+
+
+def is_guard(node: torch.fx.Node) -> bool:
+    """True for torch.export's input-checking call (``_guards_fn``): no compute, no placement.
+
+    It reads the inputs as the caller passed them, so it never causes a copy.
+    """
+    return node.op == "call_module" and str(node.target).startswith("_guards")
 
 
 def module_path(node: torch.fx.Node) -> str:

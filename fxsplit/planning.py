@@ -9,7 +9,7 @@ import torch.fx
 
 from fxsplit.cost import GraphCosts, Weight
 from fxsplit.errors import BudgetError
-from fxsplit.graphinfo import NONTENSOR, value_kind
+from fxsplit.graphinfo import NONTENSOR, is_guard, value_kind
 from fxsplit.partition import Partition
 from fxsplit.plan import Cut, Plan
 from fxsplit.units import format_size
@@ -35,6 +35,8 @@ class Read:
 def reads_of(node: torch.fx.Node, by_node: dict[str, list[Weight]]) -> list[Read]:
     """The values ``node`` reads that may have to be copied to its device, in argument order."""
     found: list[Read] = []
+    if is_guard(node):
+        return found
     for arg in node.all_input_nodes:
         if arg.op == "get_attr":
             found.extend(Read(w.names[0], arg, w, "parameter") for w in by_node.get(arg.name, ()))

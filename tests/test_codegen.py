@@ -172,8 +172,6 @@ def test_an_input_read_on_two_devices_is_copied_from_its_first_device() -> None:
     verify_split(gm)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: export's _guards_fn reads every input on the first stage, "
-                   "so an input used only later is copied there and then copied again")
 def test_export_input_goes_straight_to_the_device_of_its_first_real_use() -> None:
     plan = fxsplit.plan(Small(), BUDGETS, example_inputs=inputs(), trace="export")
     fx_plan = fxsplit.plan(Small(), BUDGETS, example_inputs=inputs(), trace="fx")
