@@ -46,6 +46,7 @@ class Options:
     objective: str = "min_transfer"
     pins: Mapping[str, Any] | None = None
     pipeline: PipelineConfig | Mapping[str, Any] | int | None = None
+    contiguous: bool = False
     together: Iterable[Iterable[str]] = ()
     reserve: Any = None
     dtype: Any = None
@@ -116,7 +117,9 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
                           dtype=getattr(torch, dtype) if dtype else None)
     budget_list = [usable[d] for d in devices]
     try:
-        solution = partition(costs.problem, budget_list, objective=options.objective, device_names=devices)
+        contiguous = options.contiguous or options.pipeline is not None
+        solution = partition(costs.problem, budget_list, objective=options.objective, device_names=devices,
+                             contiguous=contiguous)
     except BudgetError as error:
         better = explain_infeasible_pins(error, costs.problem, budget_list, devices, pins, len(together), locate)
         if better is None:
@@ -214,7 +217,11 @@ def fxsplit(
             ``pipeline`` (a :class:`~fxsplit.PipelineConfig`, or
             ``{"chunks": k, ...}``: run micro-batches through the stages in
             a pipeline; the model is then traced on one micro-batch of the
-            example inputs) and ``spec`` (a :class:`~fxsplit.spec.Spec`, a spec file or YAML
+            example inputs; implies ``contiguous=True``), ``contiguous``
+            (keep every device's ops one consecutive run of the graph, in
+            device order; by default single ops may then move out of order
+            where that copies fewer bytes, e.g. a tied head beside its
+            embedding) and ``spec`` (a :class:`~fxsplit.spec.Spec`, a spec file or YAML
             text; its devices are the budgets when ``budgets`` is None, and
             explicit keyword arguments override its fields). ``check=True``
             verifies the invariants of the plan and of the generated graph

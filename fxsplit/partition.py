@@ -39,6 +39,7 @@ import numpy as np
 
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.problem import PartitionProblem
+from fxsplit.refine import device_loads, improve
 from fxsplit.units import format_size
 
 __all__ = ["EXACT_LIMIT", "OBJECTIVES", "Partition", "partition", "transfer_bytes"]
@@ -81,6 +82,7 @@ def partition(
     *,
     objective: str = "min_transfer",
     device_names: Sequence[str] | None = None,
+    contiguous: bool = False,
 ) -> Partition:
     """Place every op on a device so that each device's resident bytes fit its budget.
 
@@ -91,6 +93,10 @@ def partition(
             balance) or ``"balanced"`` (smallest largest budget fraction, then
             fewest bytes between devices).
         device_names: names for error messages (default ``device 0``, ...).
+        contiguous: keep the placement contiguous (devices take consecutive
+            runs of ops, in order), as a pipeline of stages needs. When False
+            (the default), single ops may then move out of order wherever that
+            lowers the bytes copied (see :mod:`fxsplit.refine`).
 
     Raises:
         BudgetError: no placement fits; the message says what and by how much.
@@ -117,7 +123,12 @@ def partition(
     boundaries = _exact_boundaries(ctx, candidates, budgets_used)
     if boundaries is None:
         _raise_infeasible(problem, ctx, names)
-    return _result(problem, ctx, boundaries)
+    result = _result(problem, ctx, boundaries)
+    if contiguous:
+        return result
+    op_devices = improve(problem, result.op_devices, budgets_used)
+    loads = device_loads(problem, op_devices, len(budgets))
+    return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(loads))
 
 
 class _Context:

@@ -85,7 +85,7 @@ def test_buffer_updated_in_forward_and_read_later(trace: str) -> None:
 def test_tied_weight_is_one_tensor_placed_once() -> None:
     torch.manual_seed(0)
     model = Tied()
-    gm = split_and_compare(model, budgets_for(model, 2), (torch.randint(0, 40, (3, 7)),))
+    gm = split_and_compare(model, budgets_for(model, 2), (torch.randint(0, 40, (3, 7)),), contiguous=True)
     plan = gm.meta["fxsplit_plan"]
     assert plan.param_devices["emb.weight"] == plan.param_devices["head.weight"]
     assert model.head.weight is model.emb.weight
@@ -95,6 +95,19 @@ def test_tied_weight_is_one_tensor_placed_once() -> None:
     # The head runs away from the embedding, so the shared weight travels once, as a parameter copy.
     parameter_cuts = [c for c in plan.cuts if c.kind == "parameter"]
     assert [(c.producer, c.nbytes) for c in parameter_cuts] == [("emb.weight", weight_bytes)]
+
+
+def test_tied_head_runs_beside_its_embedding_when_that_copies_less() -> None:
+    torch.manual_seed(0)
+    model = Tied()
+    inputs = (torch.randint(0, 40, (3, 7)),)
+    contiguous = fxsplit.plan(copy.deepcopy(model), budgets_for(model, 2), example_inputs=inputs, trace="fx",
+                              contiguous=True)
+    gm = split_and_compare(model, budgets_for(model, 2), inputs)
+    plan = gm.meta["fxsplit_plan"]
+    assert plan.placement["head"] == plan.param_devices["emb.weight"]
+    assert not [c for c in plan.cuts if c.kind == "parameter"]
+    assert plan.transfer_bytes < contiguous.transfer_bytes
 
 
 @pytest.mark.parametrize("trace", TRACES)

@@ -1,0 +1,182 @@
+"""Improve a placement by moving single ops between devices (pure; no torch).
+
+The dynamic programmes in :mod:`fxsplit.partition` only consider *contiguous*
+placements: devices take consecutive runs of ops, in order. Some models are
+cheaper to run with an op placed out of order. The classic case is a tied
+output head: GPT-2's ``lm_head`` reads the token embedding, which lives on the
+first device; moving that one op back to the first device copies the final
+hidden state there (kilobytes) instead of copying the whole embedding to the
+last device on every forward (megabytes).
+
+:func:`improve` walks the ops that read a value from another device and moves
+one whenever that strictly lowers the bytes copied per forward and every
+budget still holds. Ops under a constraint (pinned, in a together-group, or
+between a write and the reads it must precede) stay where they are. A value's
+home stays "the device of its producer, or of its first reader" so the plan
+code that names homes keeps working.
+
+>>> from fxsplit.problem import PartitionProblem, Value
+>>> tied = PartitionProblem(
+...     op_names=("embed", "body", "head"),
+...     values=(Value("wte", 1000, 0, (0, 2), weight=1000), Value("w_body", 0, 1, (1,), weight=900),
+...             Value("embed", 10, 0, (1,)), Value("body", 10, 1, (2,))))
+>>> improve(tied, [0, 1, 1], [1500, 1500])
+[0, 1, 0]
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from typing import Sequence
+
+from fxsplit.problem import PartitionProblem
+
+__all__ = ["device_loads", "improve"]
+
+
+class _State:
+    """Consumer counts per value and device, and device loads, kept up to date as ops move."""
+
+    def __init__(self, problem: PartitionProblem, op_devices: list[int], budgets: Sequence[int]) -> None:
+        self.problem = problem
+        self.devices = op_devices
+        self.budgets = list(budgets)
+        n = problem.num_ops
+        self.reads: list[list[int]] = [[] for _ in range(n)]
+        self.starts: list[list[int]] = [[] for _ in range(n)]
+        self.counts: list[dict[int, int]] = []
+        for index, value in enumerate(problem.values):
+            counts: dict[int, int] = {}
+            for op in value.consumers:
+                self.reads[op].append(index)
+                counts[op_devices[op]] = counts.get(op_devices[op], 0) + 1
+            if value.consumers or value.weight:
+                self.starts[min(value.start, n - 1)].append(index)
+            self.counts.append(counts)
+        self.resident = problem.op_weights()
+        self.transient = problem.transients()
+        self.load = [0] * len(self.budgets)
+        self.transients: list[list[int]] = [[] for _ in self.budgets]
+        for op, device in enumerate(op_devices):
+            self.load[device] += self.resident[op]
+            bisect.insort(self.transients[device], self.transient[op])
+
+    def total(self, device: int, add_resident: int = 0, add_transient: int | None = None,
+              drop_transient: int | None = None) -> int:
+        """Bytes ``device`` needs, optionally with one op added or removed."""
+        peaks = self.transients[device]
+        peak = peaks[-1] if peaks else 0
+        if drop_transient is not None and peaks and peaks[-1] == drop_transient:
+            peak = peaks[-2] if len(peaks) > 1 else 0
+        if add_transient is not None:
+            peak = max(peak, add_transient)
+        return self.load[device] + add_resident + peak
+
+    def value_cost(self, index: int, home: int, counts: dict[int, int]) -> int:
+        value = self.problem.values[index]
+        if not value.nbytes:
+            return 0
+        return value.nbytes * sum(1 for d, c in counts.items() if c > 0 and d != home)
+
+    def move_delta(self, op: int, target: int) -> int:
+        """Change in bytes copied per forward if ``op`` ran on ``target``."""
+        source = self.devices[op]
+        delta = 0
+        for index in set(self.reads[op]) | set(self.starts[op]):
+            value = self.problem.values[index]
+            home = self.devices[value.start]
+            counts = self.counts[index]
+            before = self.value_cost(index, home, counts)
+            moved = dict(counts)
+            uses = value.consumers.count(op) if op in value.consumers else 0
+            if uses:
+                moved[source] -= uses
+                moved[target] = moved.get(target, 0) + uses
+            new_home = target if value.start == op else home
+            delta += self.value_cost(index, new_home, moved) - before
+        return delta
+
+    def fits(self, op: int, target: int) -> bool:
+        return self.total(target, self.resident[op], self.transient[op]) <= self.budgets[target]
+
+    def apply(self, op: int, target: int) -> None:
+        source = self.devices[op]
+        for index in set(self.reads[op]):
+            uses = self.problem.values[index].consumers.count(op)
+            counts = self.counts[index]
+            counts[source] -= uses
+            counts[target] = counts.get(target, 0) + uses
+        self.load[source] -= self.resident[op]
+        self.load[target] += self.resident[op]
+        peaks = self.transients[source]
+        del peaks[bisect.bisect_left(peaks, self.transient[op])]
+        bisect.insort(self.transients[target], self.transient[op])
+        self.devices[op] = target
+
+    def neighbours(self, op: int) -> set[int]:
+        found: set[int] = set()
+        for index in self.reads[op]:
+            found.add(self.problem.values[index].start)
+        for index in self.starts[op]:
+            found.update(self.problem.values[index].consumers)
+        found.discard(op)
+        return found
+
+
+def _frozen(problem: PartitionProblem) -> set[int]:
+    """Ops that constraints tie to their neighbours or to a device."""
+    frozen = set(problem.pinned)
+    for lo, hi in problem.no_cut_spans():
+        frozen.update(range(lo, hi + 1))
+    return frozen
+
+
+def device_loads(problem: PartitionProblem, op_devices: Sequence[int], num_devices: int) -> list[int]:
+    """Bytes each device needs for a placement: resident bytes plus its largest transient."""
+    resident, transient = problem.op_weights(), problem.transients()
+    loads, peaks = [0] * num_devices, [0] * num_devices
+    for op, device in enumerate(op_devices):
+        loads[device] += resident[op]
+        peaks[device] = max(peaks[device], transient[op])
+    return [load + peak for load, peak in zip(loads, peaks, strict=True)]
+
+
+def improve(problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequence[int],
+            *, max_moves: int | None = None) -> list[int]:
+    """Move single ops to other devices while that strictly lowers the bytes copied per forward.
+
+    Every move keeps every budget. Deterministic: ops are visited in index
+    order from a work list, devices in order, and ties keep the op in place.
+    """
+    if problem.num_ops == 0 or len(budgets) < 2:
+        return list(op_devices)
+    state = _State(problem, list(op_devices), budgets)
+    frozen = _frozen(problem)
+    pending = sorted({op for op in range(problem.num_ops) if _reads_remote(state, op)} - frozen)
+    queue: deque[int] = deque(pending)
+    queued = set(pending)
+    moves, limit = 0, max_moves if max_moves is not None else 4 * problem.num_ops
+    while queue and moves < limit:
+        op = queue.popleft()
+        queued.discard(op)
+        best_delta, best_target = 0, -1
+        for target in range(len(budgets)):
+            if target == state.devices[op] or not state.fits(op, target):
+                continue
+            delta = state.move_delta(op, target)
+            if delta < best_delta:
+                best_delta, best_target = delta, target
+        if best_target < 0:
+            continue
+        state.apply(op, best_target)
+        moves += 1
+        for neighbour in sorted(state.neighbours(op) - frozen - queued):
+            queue.append(neighbour)
+            queued.add(neighbour)
+    return state.devices
+
+
+def _reads_remote(state: _State, op: int) -> bool:
+    device = state.devices[op]
+    return any(state.devices[state.problem.values[i].start] != device for i in state.reads[op])
