@@ -57,9 +57,10 @@ same hooks all on `"cpu"` with `force_hooks=True`, so `.to` is a no-op: the hook
 copies, a lower bound of Accelerate on real devices. `eager`: the unsplit model. `hand-again`: a second,
 identical hand-written copy (an A/A control: its distance from 1.000 is the resolution of the
 measurement on this machine). `fxsplit-fx`: the
-same split traced with `trace="fx"` (only where torch.fx can trace the model). Timing interleaves the
-variants call by call (order rotated between rounds); a round's time is the median of its calls, and
-the ratio is the median over rounds of variant time / hand time in that round. The optional
+same split traced with `trace="fx"` (only where torch.fx can trace the model). All variants compute
+with the very same weight tensors (the ones fxsplit placed), so memory placement cannot favour one.
+Timing interleaves the variants call by call, in a random order each turn; a round's time is the
+median of its calls, and the ratio is the median over rounds of variant time / hand time in that round. The optional
 `cuda:0` + `cpu` comparison is not part of the suite: no GPU was available where it was written."""
 
 

@@ -12,20 +12,21 @@ copies of the model with the same weights:
   where ``.to`` is a no-op: the hooks' own cost with no copies at all, a lower
   bound of Accelerate's cost on real devices;
 * ``eager``: the unsplit model on one device, for scale;
-* ``hand-again``: a second, identical hand-written copy: its ratio to ``hand``
+* ``hand-again``: a second, identical hand-written module: its ratio to ``hand``
   shows how finely this machine can resolve a difference (an A/A test);
 * ``fxsplit-fx``: fxsplit with ``trace="fx"`` where ``torch.fx`` can trace the
   model (not Hugging Face models), to show what the export graph costs.
 
 Every variant's output is checked against the unsplit model. Timing is
-interleaved call by call (one forward of each variant in turn, ``calls`` times
-per round, the order rotated between rounds), so load on a shared machine hits
-all alike; a round's time for a variant is the median of its calls, and its
+interleaved call by call (one forward of each variant in turn, in a random
+order each turn, ``calls`` turns per round), so load on a shared machine hits
+all alike and no variant always follows the same one; a round's time for a variant is the median of its calls, and its
 ratio is the median over rounds of (its time / hand's time in that round).
 """
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any, Callable, Sequence
 
@@ -61,24 +62,48 @@ def plan_device_map(plan: Plan) -> dict[str, Any]:
     return dict(clean_device_map(dict(sorted(leaf.items()))))
 
 
+def share_weights(target: torch.nn.Module, source: torch.nn.Module) -> torch.nn.Module:
+    """Make ``target`` (the same architecture) hold ``source``'s very parameter and buffer objects."""
+    tensors = [*source.named_parameters(remove_duplicate=False), *source.named_buffers(remove_duplicate=False)]
+    for name, tensor in tensors:
+        owner_path, _, leaf = name.rpartition(".")
+        owner = target.get_submodule(owner_path)
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = tensor  # type: ignore[assignment]
+        else:
+            owner._buffers[leaf] = tensor
+    return target
+
+
 def build_variants(case: Case, n: int) -> tuple[dict[str, Callable[[], Any]], Plan]:
-    """The variants' callables, each running one forward on the case's inputs."""
+    """The variants' callables, each running one forward on the case's inputs.
+
+    Every variant computes with the very same weight tensors (those fxsplit
+    placed), so where they sit in memory cannot favour one variant: only the
+    code paths differ. The hand-written placements reuse the split model's
+    modules without moving them again (on logical CPU devices a move is only a
+    copy); Accelerate gets its own module objects, for its hooks, holding the
+    same tensors.
+    """
     inputs = case.inputs()
     model = case.build()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     budgets = {f"cpu:{k}": int(1.1 * total / n) for k in range(n)}
-    split = fxsplit.fxsplit(model, budgets, example_inputs=inputs)
+    split = fxsplit.fxsplit(model, budgets, example_inputs=inputs)  # moves the model's weights in place
     plan: Plan = split.meta["fxsplit_plan"]
-    hand = hand_placed(case.name, case.build(), plan)
     device_map = plan_device_map(plan)
-    accelerated = dispatch(case.build(), device_map)
-    hooks_only = dispatch(case.build(), {k: "cpu" for k in device_map}, force_hooks=True)
-    eager = case.build()
-    control = hand_placed(case.name, case.build(), plan)
-    modules = {"fxsplit": split, "hand": hand, "accelerate": accelerated, "accelerate-hooks": hooks_only,
-               "eager": eager, "hand-again": control}
+    modules = {
+        "fxsplit": split,
+        "hand": hand_placed(case.name, model, plan, move=False),
+        "accelerate": dispatch(share_weights(case.build(), model), device_map),
+        "accelerate-hooks": dispatch(share_weights(case.build(), model), {k: "cpu" for k in device_map},
+                                     force_hooks=True),
+        "eager": model,
+        "hand-again": hand_placed(case.name, model, plan, move=False),
+    }
     try:  # for the record: the same split from a torch.fx trace, where the model allows one
-        modules["fxsplit-fx"] = fxsplit.fxsplit(case.build(), budgets, example_inputs=inputs, trace="fx")
+        modules["fxsplit-fx"] = fxsplit.fxsplit(share_weights(case.build(), model), budgets, example_inputs=inputs,
+                                                trace="fx")
     except FxsplitError:
         pass
 
@@ -98,17 +123,18 @@ def _check(variants: dict[str, Callable[[], Any]]) -> dict[str, bool]:
 
 
 def _time_rounds(variants: dict[str, Callable[[], Any]], rounds: int, calls: int) -> dict[str, list[float]]:
-    """Per round and variant, the median of ``calls`` forwards, the variants taking turns call by call."""
+    """Per round and variant, the median of ``calls`` forwards; the variants take turns call by call,
+    in a fresh random order each turn (seeded), so none always follows the same neighbour."""
     names = list(variants)
+    rng = random.Random(0)
     for call in variants.values():
         for _ in range(3):
             call()
     seconds: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+    for _ in range(rounds):
         taken: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(calls):
-            for name in order:
+            for name in rng.sample(names, len(names)):
                 start = time.perf_counter()
                 variants[name]()
                 taken[name].append(time.perf_counter() - start)
