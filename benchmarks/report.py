@@ -314,7 +314,8 @@ def write_report(results: dict[str, Any], out: Path) -> list[Path]:
     written = [out / "results.json"]
     written[0].write_text(json.dumps(results, indent=1) + "\n")
     md: list[str] = [f"# fxsplit benchmark results\n\nWritten by `{results['settings']['command']}` "
-                     f"on {results['started']} in {results['duration_s']:.0f} s"
+                     f"on {results['started']} in {results['duration_s']:.0f} s ("
+                     + ", ".join(f"{k} {v:.0f} s" for k, v in results.get("part_durations_s", {}).items()) + ")"
                      + (" (**--quick**: fewer repeats and sizes)" if results["settings"]["quick"] else "")
                      + ". Numbers: medians; ratios measured side by side in the same process.\n"]
     m = results["machine"]

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, parts: list[str]) -> int:
-    from benchmarks.measure import load_average, machine
+    from benchmarks.measure import load_average, machine, time_call
     from benchmarks.models import CASES, case_by_name
     from benchmarks.planning_speed import run_planning
     from benchmarks.quality import run_quality
@@ -77,28 +77,30 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
     results: dict[str, Any] = {
         "settings": {"quick": args.quick, "threads": args.threads, "parts": parts,
                      "models": [c.name for c in cases], "llama_layers": layers,
-                     "command": "python benchmarks/run.py " + " ".join(args.argv)},
+                     "command": " ".join(["python benchmarks/run.py", *args.argv])},
         "machine": machine(args.threads),
         "started": started.strftime("%Y-%m-%d %H:%M UTC"),
     }
-    samples = [load_start[0]]
+    samples, durations = [load_start[0]], {}
     if "quality" in parts:
         print("[fxsplit-bench] placement quality ...", flush=True)
-        results["quality"] = run_quality(cases)
+        durations["quality"], results["quality"] = time_call(lambda: run_quality(cases))
         samples.append(load_average()[0])
     if "planning" in parts:
         print("[fxsplit-bench] planning speed ...", flush=True)
-        results["planning"] = run_planning(cases, quick=args.quick, threads=args.threads, llama_layers=layers)
+        durations["planning"], results["planning"] = time_call(
+            lambda: run_planning(cases, quick=args.quick, threads=args.threads, llama_layers=layers))
         samples.append(load_average()[0])
     if "runtime" in parts:
         print("[fxsplit-bench] runtime overhead ...", flush=True)
         models = [c.name for c in cases if c.name in RUNTIME_MODELS]
-        results["runtime"] = run_runtime(models, quick=args.quick)
+        durations["runtime"], results["runtime"] = time_call(lambda: run_runtime(models, quick=args.quick))
     load_end = load_average()
     samples.append(load_end[0])
     results["load"] = {"start": list(load_start), "end": list(load_end), "samples_1min": samples}
     results["load_caveat"] = _caveat(samples, args.threads, results["machine"]["cores"] or 1)
     results["duration_s"] = time.perf_counter() - clock
+    results["part_durations_s"] = durations
     results["bars"] = {name: bar for part in ("quality", "planning", "runtime") if results.get(part)
                        for name, bar in results[part]["bars"].items()}
     written = write_report(results, args.out)
