@@ -55,7 +55,8 @@ def _git_commit() -> str:
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10, check=False)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "fxsplit", "benchmarks"],
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                "fxsplit", "benchmarks"],
                                capture_output=True, text=True, timeout=10, check=False)
         return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
