@@ -1,0 +1,88 @@
+"""Timing helpers and the description of the machine a run happened on."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+__all__ = ["fit_slope", "load_average", "machine", "median", "time_call"]
+
+
+def median(values: Sequence[float]) -> float:
+    """The median (the mean of the middle two for an even count)."""
+    return float(statistics.median(values))
+
+
+def time_call(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds ``fn()`` took, and what it returned."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def fit_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ``log(y)`` against ``log(x)``: 1.0 is linear scaling."""
+    import numpy as np
+
+    return float(np.polyfit(np.log(np.asarray(xs, float)), np.log(np.asarray(ys, float)), 1)[0])
+
+
+def load_average() -> tuple[float, float, float]:
+    """The 1, 5 and 15 minute load averages (zeros where the OS has none)."""
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (0.0, 0.0, 0.0)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=False)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                "fxsplit", "benchmarks"],
+                               capture_output=True, text=True, timeout=10, check=False)
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine(threads: int) -> dict[str, Any]:
+    """CPU, cores, memory, torch threads and library versions."""
+    import accelerate
+    import torch
+    import transformers
+
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        memory = round(pages * size / 2**30, 1)
+    except (ValueError, OSError):
+        memory = None
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gib": memory,
+        "torch_threads": threads,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "fxsplit_commit": _git_commit(),
+    }

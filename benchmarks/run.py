@@ -1,0 +1,115 @@
+"""Run the benchmark suite and write RESULTS.md, results.json and the plots.
+
+Usage (from the repository root)::
+
+    python benchmarks/run.py            # the full suite, ~10-15 min on 2 cores
+    python benchmarks/run.py --quick    # fewer repeats and sizes, Llama-70B shape with 8 layers
+
+See ``benchmarks/README.md`` for each part and its options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` and this checkout's `fxsplit` importable
+    sys.path.insert(0, str(ROOT))
+
+PARTS = ("quality", "planning", "runtime")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="fxsplit vs Accelerate vs the block-level optimum")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes (a few minutes)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks", help="where RESULTS.md etc. go")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
+    parser.add_argument("--models", default="", help="comma-separated model names (default: all)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--llama-layers", type=int, default=None,
+                        help="layers of the Llama-70B-shaped model (default 80, --quick 8; 0 skips it)")
+    args = parser.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
+    return args
+
+
+def _caveat(samples: list[float], threads: int, cores: int) -> str:
+    busiest = max(samples)
+    if busiest > threads + 0.5:  # the suite itself keeps `threads` cores busy
+        return (f"**Load caveat:** the machine was shared with other work (1-minute load up to {busiest:.2f} on "
+                f"{cores} cores while this run used {threads} thread(s)), so absolute times are noisy; the "
+                "ratios come from interleaved, side-by-side measurements in one process.")
+    return "The machine was otherwise idle."
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    import torch
+
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise SystemExit(f"unknown part(s) {unknown}; parts are {', '.join(PARTS)}")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args, parts)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(args: argparse.Namespace, parts: list[str]) -> int:
+    from benchmarks.measure import load_average, machine, time_call
+    from benchmarks.models import CASES, case_by_name
+    from benchmarks.planning_speed import run_planning
+    from benchmarks.quality import run_quality
+    from benchmarks.report import write_report
+    from benchmarks.runtime_overhead import RUNTIME_MODELS, run_runtime
+
+    cases = [case_by_name(n) for n in args.models.split(",") if n] if args.models else list(CASES)
+    layers = args.llama_layers if args.llama_layers is not None else (8 if args.quick else 80)
+    started, load_start, clock = datetime.now(timezone.utc), load_average(), time.perf_counter()
+    results: dict[str, Any] = {
+        "settings": {"quick": args.quick, "threads": args.threads, "parts": parts,
+                     "models": [c.name for c in cases], "llama_layers": layers,
+                     "command": " ".join(["python benchmarks/run.py", *args.argv])},
+        "machine": machine(args.threads),
+        "started": started.strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    samples, durations = [load_start[0]], {}
+    if "quality" in parts:
+        print("[fxsplit-bench] placement quality ...", flush=True)
+        durations["quality"], results["quality"] = time_call(lambda: run_quality(cases))
+        samples.append(load_average()[0])
+    if "planning" in parts:
+        print("[fxsplit-bench] planning speed ...", flush=True)
+        durations["planning"], results["planning"] = time_call(
+            lambda: run_planning(cases, quick=args.quick, threads=args.threads, llama_layers=layers))
+        samples.append(load_average()[0])
+    if "runtime" in parts:
+        print("[fxsplit-bench] runtime overhead ...", flush=True)
+        models = [c.name for c in cases if c.name in RUNTIME_MODELS]
+        durations["runtime"], results["runtime"] = time_call(lambda: run_runtime(models, quick=args.quick))
+    load_end = load_average()
+    samples.append(load_end[0])
+    results["load"] = {"start": list(load_start), "end": list(load_end), "samples_1min": samples}
+    results["load_caveat"] = _caveat(samples, args.threads, results["machine"]["cores"] or 1)
+    results["duration_s"] = time.perf_counter() - clock
+    results["part_durations_s"] = durations
+    results["bars"] = {name: bar for part in ("quality", "planning", "runtime") if results.get(part)
+                       for name, bar in results[part]["bars"].items()}
+    written = write_report(results, args.out)
+    for name, bar in results["bars"].items():
+        verdict = ("yes " if bar["pass"] else "no  ") if bar.get("info") else ("PASS" if bar["pass"] else "FAIL")
+        print(f"  {verdict}  {name}  {bar.get('value', '')}")
+    print("[fxsplit-bench] wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
