@@ -39,7 +39,7 @@ import numpy as np
 
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.problem import PartitionProblem
-from fxsplit.refine import device_loads, improve
+from fxsplit.refine import device_loads, improve, pack
 from fxsplit.units import format_size
 
 __all__ = ["EXACT_LIMIT", "OBJECTIVES", "Partition", "partition", "transfer_bytes"]
@@ -113,7 +113,7 @@ def partition(
         return _result(problem, ctx, [0, 0] + [0] * (len(budgets) - 1))
     relay = None if problem.num_ops + 1 <= EXACT_LIMIT else _relay_boundaries(ctx, ctx.budgets)
     if problem.num_ops + 1 > EXACT_LIMIT and relay is None:
-        _raise_infeasible(problem, ctx, names)
+        return _folded(problem, ctx, names, contiguous)
     candidates = _candidates(ctx, relay)
     budgets_used = ctx.budgets
     if objective == "balanced":
@@ -122,12 +122,22 @@ def partition(
             budgets_used = [min(b, int(b * scale) + 1) for b in ctx.budgets]
     boundaries = _exact_boundaries(ctx, candidates, budgets_used)
     if boundaries is None:
-        _raise_infeasible(problem, ctx, names)
+        return _folded(problem, ctx, names, contiguous)
     result = _result(problem, ctx, boundaries)
     if contiguous:
         return result
     op_devices = improve(problem, result.op_devices, budgets_used)
     loads = device_loads(problem, op_devices, len(budgets))
+    return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(loads))
+
+
+def _folded(problem: PartitionProblem, ctx: _Context, names: Sequence[str], contiguous: bool) -> Partition:
+    """No contiguous placement fits: pack out of order (unless forbidden), then lower the copies."""
+    packed = None if contiguous else pack(problem, ctx.budgets)
+    if packed is None:
+        _raise_infeasible(problem, ctx, names, contiguous)
+    op_devices = improve(problem, packed, ctx.budgets)
+    loads = device_loads(problem, op_devices, len(ctx.budgets))
     return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(loads))
 
 
@@ -378,7 +388,7 @@ def _result(problem: PartitionProblem, ctx: _Context, boundaries: list[int]) -> 
     return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(device_weights))
 
 
-def _raise_infeasible(problem: PartitionProblem, ctx: _Context, names: Sequence[str]) -> None:
+def _raise_infeasible(problem: PartitionProblem, ctx: _Context, names: Sequence[str], contiguous: bool = True) -> None:
     total, capacity = ctx.weight(0, ctx.n), sum(ctx.budgets)
     budget_list = ", ".join(f"'{d}' {format_size(b)}" for d, b in zip(names, ctx.budgets))
     if total > capacity:
@@ -402,7 +412,7 @@ def _raise_infeasible(problem: PartitionProblem, ctx: _Context, names: Sequence[
                 f"{format_size(weight - ctx.budgets[best])} ({weight - ctx.budgets[best]} bytes); "
                 "raise that budget" + (" or unpin" if pins else "")
             )
-    _raise_fragmented(problem, ctx, names, total, capacity)
+    _raise_fragmented(problem, ctx, names, total, capacity, contiguous)
 
 
 def _heaviest(problem: PartitionProblem, lo: int, hi: int) -> str:
@@ -415,7 +425,8 @@ def _heaviest(problem: PartitionProblem, lo: int, hi: int) -> str:
     return f" for its parameters and buffers ({listed}{more})"
 
 
-def _raise_fragmented(problem: PartitionProblem, ctx: _Context, names: Sequence[str], total: int, capacity: int) -> None:
+def _raise_fragmented(problem: PartitionProblem, ctx: _Context, names: Sequence[str], total: int, capacity: int,
+                      contiguous: bool) -> None:
     low, high = 1.0, 2.0
     while _relay_boundaries(ctx, [int(b * high) for b in ctx.budgets]) is None and high < 1e6:
         low, high = high, high * 2
@@ -426,12 +437,14 @@ def _raise_fragmented(problem: PartitionProblem, ctx: _Context, names: Sequence[
         else:
             high = middle
     shortfalls = ", ".join(
-        f"'{d}' short by {format_size(int(b * high) - b)}" for d, b in zip(names, ctx.budgets)
+        f"'{d}' short by {format_size(int(b * high) - b)}" for d, b in zip(names, ctx.budgets, strict=True)
     )
+    how = ("in order without exceeding a budget (contiguous=True: ops run on consecutive devices, and "
+           "indivisible pieces do not fit the gaps)") if contiguous else (
+           "without exceeding a budget, in order or out of order (indivisible pieces do not fit the gaps)")
     raise BudgetError(
         f"the budgets hold {format_size(capacity)} and the model needs {format_size(total)}, but its "
-        f"{problem.num_ops} ops cannot be packed into the devices in order without exceeding a budget "
-        f"(ops run on consecutive devices and indivisible pieces do not fit the gaps); it fits when "
+        f"{problem.num_ops} ops cannot be packed into the devices {how}; it fits in order when "
         f"every budget is raised by {100 * (high - 1):.1f}% ({shortfalls}); raise the budgets, add a "
         "device, or remove pins and together-constraints"
     )

@@ -180,3 +180,59 @@ def improve(problem: PartitionProblem, op_devices: Sequence[int], budgets: Seque
 def _reads_remote(state: _State, op: int) -> bool:
     device = state.devices[op]
     return any(state.devices[state.problem.values[i].start] != device for i in state.reads[op])
+
+
+def _blocks(problem: PartitionProblem) -> list[list[int]]:
+    """Runs of ops that constraints keep on one device (single ops where none do)."""
+    forbidden = problem.forbidden_cuts()
+    blocks: list[list[int]] = [[0]] if problem.num_ops else []
+    for op in range(1, problem.num_ops):
+        if forbidden[op]:
+            blocks[-1].append(op)
+        else:
+            blocks.append([op])
+    return blocks
+
+
+def pack(problem: PartitionProblem, budgets: Sequence[int]) -> list[int] | None:
+    """A placement that fits when no contiguous one does, or None: first fit, in graph order, then by size.
+
+    Walks the indivisible runs of ops in order and puts each on the current
+    device when it fits, else on the next device with room, else back on an
+    earlier one (a fold: the data flow returns to a device it left). If that
+    fails, first fit by decreasing size. Pins are honoured. The result is a
+    starting point for :func:`improve`, which lowers its copies.
+    """
+    blocks = _blocks(problem)
+    resident, transient = problem.op_weights(), problem.transients()
+    sized = [(sum(resident[op] for op in block), max(transient[op] for op in block), block) for block in blocks]
+    in_order = _first_fit(problem, sized, budgets, walk=True)
+    if in_order is not None:
+        return in_order
+    by_size = sorted(sized, key=lambda item: (-(item[0] + item[1]), item[2][0]))
+    return _first_fit(problem, by_size, budgets, walk=False)
+
+
+def _first_fit(problem: PartitionProblem, items: list[tuple[int, int, list[int]]], budgets: Sequence[int],
+               *, walk: bool) -> list[int] | None:
+    loads, peaks = [0] * len(budgets), [0] * len(budgets)
+    placement = [0] * problem.num_ops
+    current = 0
+    for resident, transient, block in items:
+        pins = {problem.pinned[op] for op in block if op in problem.pinned}
+        if len(pins) > 1:
+            return None
+        order = list(range(current, len(budgets))) + list(range(current)) if walk else list(range(len(budgets)))
+        choices = sorted(pins) if pins else order
+        for device in choices:
+            if loads[device] + resident + max(peaks[device], transient) <= budgets[device]:
+                loads[device] += resident
+                peaks[device] = max(peaks[device], transient)
+                for op in block:
+                    placement[op] = device
+                if walk and device > current:
+                    current = device
+                break
+        else:
+            return None
+    return placement

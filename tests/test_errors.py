@@ -62,7 +62,7 @@ def test_fragmentation_says_how_much_more_would_fit() -> None:
     with pytest.raises(fxsplit.BudgetError) as info:
         fxsplit.plan(three_linears(), {"cpu:0": 3 * LINEAR // 2, "cpu:1": 3 * LINEAR // 2}, example_inputs=X)
     message = str(info.value)
-    assert "cannot be packed into the devices in order without exceeding a budget" in message
+    assert "cannot be packed into the devices without exceeding a budget, in order or out of order" in message
     percent = float(re.search(r"raised by ([0-9.]+)%", message).group(1))  # type: ignore[union-attr]
     assert 30 <= percent <= 36  # 2 layers per device needed: +33.3%
     assert "'cpu:0' short by" in message and "'cpu:1' short by" in message
