@@ -58,7 +58,7 @@ DTYPES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
 }  # fmt: skip
 SPEC_KEYS = ("devices", "reserve", "pin", "together", "leaf_modules", "trace", "output_device", "objective", "dtype",
-             "pipeline")
+             "pipeline", "contiguous")
 DEVICE_KEYS = ("budget", "reserve")
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
 
@@ -144,6 +144,7 @@ class Spec:
         objective: ``"min_transfer"`` or ``"balanced"``.
         dtype: plan as if floating tensors had this dtype (``"bfloat16"``).
         pipeline: micro-batch pipelining (``{chunks: 4, checkpoint: except_last}``), or None.
+        contiguous: keep each device's ops one consecutive run, in device order (None: the default, False).
         source: the file name, for messages.
         lines: YAML path -> line number, for messages that come later.
     """
@@ -159,6 +160,7 @@ class Spec:
     objective: str | None = None
     dtype: str | None = None
     pipeline: PipelineConfig | None = None
+    contiguous: bool | None = None
     source: str = "<spec>"
     lines: dict[YamlPath, int] = field(default_factory=dict, compare=False, repr=False)
 
@@ -180,7 +182,7 @@ class Spec:
             found["together"] = self.together
         if self.leaf_modules:
             found["leaf_modules"] = self.leaf_modules
-        for name in ("trace", "output_device", "objective", "dtype", "pipeline"):
+        for name in ("trace", "output_device", "objective", "dtype", "pipeline", "contiguous"):
             if getattr(self, name) is not None:
                 found[name] = getattr(self, name)
         return found
@@ -438,6 +440,10 @@ def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list
     if "dtype" in data:
         name = check.choice(data["dtype"], DTYPES, ("dtype",))
         dtype = DTYPES[name] if name else None
+    contiguous = data.get("contiguous")
+    if contiguous is not None and not isinstance(contiguous, bool):
+        check.problem(("contiguous",), f"must be true or false (got {contiguous!r})")
+        contiguous = None
     pipeline = None
     if "pipeline" in data:
         pipeline = check.attempt(("pipeline",), partial(PipelineConfig.coerce, data["pipeline"]))
@@ -448,7 +454,7 @@ def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list
         raise SpecProblems(source, sorted(check.problems, key=lambda p: (p.line or 0, format_path(p.path))))
     return Spec(devices=devices, reserve=reserve, default_reserve=default_reserve, pins=pins, together=together,
                 leaf_modules=leaves, trace=trace, output_device=output, objective=objective, dtype=dtype,
-                pipeline=pipeline, source=source, lines=dict(lines))
+                pipeline=pipeline, contiguous=contiguous, source=source, lines=dict(lines))
 
 
 def _devices(check: _Checker, value: Any, present: bool) -> tuple[dict[str, int], dict[str, Headroom]]:

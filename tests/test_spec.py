@@ -276,16 +276,19 @@ def test_together_group_pinned_to_two_devices() -> None:
 
 
 def test_pins_that_make_budgets_infeasible_name_the_pin() -> None:
-    text = f"devices: {{cpu:0: {3 * LAYER}, cpu:1: {3 * LAYER}}}\npin:\n  embed: cpu:1\n"
+    text = f"devices: {{cpu:0: {3 * LAYER}, cpu:1: {3 * LAYER}}}\ncontiguous: true\npin:\n  embed: cpu:1\n"
+    folded = plan_with(text.replace("contiguous: true", "contiguous: false"))  # out of order it fits
+    assert folded.placement["embed"] == "cpu:1" and folded.placement["head"] == "cpu:0"  # runs cpu:1 -> cpu:0
     with pytest.raises(fxsplit.BudgetError) as caught:
         plan_with(text)
     message = str(caught.value)
     assert isinstance(caught.value, ValueError)
-    assert "it fits without <spec>:3: pin['embed'] -> 'cpu:1'" in message
+    assert "it fits without <spec>:4: pin['embed'] -> 'cpu:1'" in message
     assert "Everything after 'embed' (pinned to 'cpu:1') needs 5.31 KiB, but 'cpu:1' and the devices after it have " \
            "2.12 KiB left" in message
     with pytest.raises(fxsplit.BudgetError, match=r"it fits without pins\['embed'\] -> 'cpu:1'"):
-        fxsplit.plan(Chain(), {"cpu:0": 3 * LAYER, "cpu:1": 3 * LAYER}, example_inputs=X, pins={"embed": "cpu:1"})
+        fxsplit.plan(Chain(), {"cpu:0": 3 * LAYER, "cpu:1": 3 * LAYER}, example_inputs=X, pins={"embed": "cpu:1"},
+                     contiguous=True)
 
 
 def test_together_that_makes_budgets_infeasible_is_named() -> None:
