@@ -56,6 +56,11 @@ class Plan:
         trace: how the graph was traced, ``"fx"`` or ``"export"``.
         objective: what the partitioner optimised.
         modules: device -> module paths with ops placed there, in order.
+        memory: device -> bytes per component of memory the device needs:
+            ``params``, ``buffers``, ``grads``, ``optimizer``,
+            ``activations_peak`` (absent when activations were not counted)
+            and ``total`` (what the budget holds); see :mod:`fxsplit.memory`.
+            Empty for plans made without a memory model.
     """
 
     devices: tuple[str, ...]
@@ -68,6 +73,7 @@ class Plan:
     trace: str = "fx"
     objective: str = "min_transfer"
     modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    memory: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def transfer_bytes(self) -> int:
@@ -104,6 +110,7 @@ class Plan:
             "trace": self.trace,
             "objective": self.objective,
             "modules": {d: list(m) for d, m in self.modules.items()},
+            "memory": {d: dict(row) for d, row in self.memory.items()},
         }
 
     @classmethod
@@ -120,6 +127,7 @@ class Plan:
             trace=data.get("trace", "fx"),
             objective=data.get("objective", "min_transfer"),
             modules={d: tuple(m) for d, m in data.get("modules", {}).items()},
+            memory={d: dict(row) for d, row in data.get("memory", {}).items()},
         )
 
     def __str__(self) -> str:
@@ -135,7 +143,25 @@ class Plan:
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
         lines.append(f"cuts: {len(self.cuts)}, transfer per forward: {format_size(self.transfer_bytes)}; "
                      f"outputs on {self.output_device}")
+        if self.memory:
+            lines.extend(self._memory_table())
         return "\n".join(lines)
+
+    def _memory_table(self) -> list[str]:
+        """One row per device: each component of memory, the total and its share of the budget."""
+        keys = [k for k in ("params", "buffers", "grads", "optimizer", "activations_peak")
+                if any(k in row and (row[k] or k in ("params", "activations_peak")) for row in self.memory.values())]
+        titles = {"params": "params", "buffers": "buffers", "grads": "grads", "optimizer": "optimizer",
+                  "activations_peak": "activations"}
+        rows = [("memory", *(titles[k] for k in keys), "total", "%")]
+        for device in self.devices:
+            row = self.memory.get(device, {})
+            budget, total = self.budgets.get(device, 0), row.get("total", 0)
+            percent = f"{100 * total / budget:.1f}" if budget else "-"
+            cells = (format_size(row[k]) if k in row else "-" for k in keys)
+            rows.append((device, *cells, format_size(total), percent))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
 def _module_summary(paths: tuple[str, ...], limit: int = 48) -> str:
