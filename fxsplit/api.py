@@ -5,15 +5,18 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, overload
+from typing import Any, Iterable, Mapping, Sequence, overload
 
 import torch
 import torch.fx
 
+from fxsplit.activations import profile_activations
+from fxsplit.autobudget import auto_budgets
 from fxsplit.codegen import emit, move_weights
 from fxsplit.cost import GraphCosts, build_problem
 from fxsplit.devices import normalize_budgets, normalize_device
 from fxsplit.errors import FxsplitError, SpecError
+from fxsplit.memory import MemoryModel, MemorySpec, fit_budgets
 from fxsplit.microbatch import first_microbatch
 from fxsplit.partition import OBJECTIVES, partition
 from fxsplit.pipeline import Pipeline, PipelineConfig, pipelined
@@ -36,6 +39,8 @@ class Options:
     objective: str = "min_transfer"
     pins: Mapping[str, Any] | None = None
     pipeline: PipelineConfig | Mapping[str, Any] | int | None = None
+    mode: str = "inference"
+    optimizer: str | int | None = None
 
 
 _OPTION_NAMES = tuple(Options.__dataclass_fields__)
@@ -54,6 +59,7 @@ def _options(raw: Mapping[str, Any]) -> Options:
         raise SpecError(f"trace must be one of {', '.join(TRACE_MODES)} (got {options.trace!r})")
     if options.objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)} (got {options.objective!r})")
+    MemorySpec.coerce(options.mode, options.optimizer)
     return options
 
 
@@ -67,7 +73,7 @@ class _Planned:
 
 def _plan(model: torch.nn.Module, budgets: Mapping[Any, Any], example_inputs: Any, raw: Mapping[str, Any]) -> _Planned:
     options = _options(raw)
-    limits = normalize_budgets(budgets)
+    limits = normalize_budgets(auto_budgets() if isinstance(budgets, str) and budgets == "auto" else budgets)
     devices = list(limits)
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
@@ -85,11 +91,28 @@ def _plan(model: torch.nn.Module, budgets: Mapping[Any, Any], example_inputs: An
     pins = {str(k): normalize_device(v) for k, v in (options.pins or {}).items()}
     index = {d: i for i, d in enumerate(devices)}
     costs = build_problem(traced.graph_module, model, device_index=index, pins=pins)
-    solution = partition(costs.problem, [limits[d] for d in devices], objective=options.objective, device_names=devices)
+    memory = _memory_model(MemorySpec.coerce(options.mode, options.optimizer), traced, costs, model)
+    problem = memory.problem()
     output_device = normalize_device(options.output_device) if options.output_device is not None else None
-    made = make_plan(costs, traced.graph_module, solution, devices, limits, output_device=output_device,
-                     trace=traced.method, objective=options.objective)
+
+    def solve(budgets_now: Sequence[int]) -> Plan:
+        solution = partition(problem, budgets_now, objective=options.objective, device_names=devices)
+        return make_plan(costs, traced.graph_module, solution, devices, dict(zip(devices, budgets_now, strict=True)),
+                         output_device=output_device, trace=traced.method, objective=options.objective)
+
+    made = fit_budgets(memory, limits, solve)
     return _Planned(traced, costs, made, options)
+
+
+def _memory_model(spec: MemorySpec, traced: Traced, costs: GraphCosts, model: torch.nn.Module) -> MemoryModel:
+    """What the plan charges: trainable parameters and, with shapes, the activation profile."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    trainable = {w.names[0]: named[w.names[0]].numel() for w in costs.weights
+                 if w.names[0] in named and named[w.names[0]].requires_grad}
+    profile = None
+    if spec.counts_activations and traced.has_shapes:
+        profile = profile_activations(traced.graph_module, costs, training=spec.training)
+    return MemoryModel(spec, costs, trainable, profile)
 
 
 def plan(model: torch.nn.Module, budgets: Mapping[Any, Any], *, example_inputs: Any = None, **options: Any) -> Plan:
