@@ -133,6 +133,13 @@ class _Recorder(torch.fx.Interpreter):
         self.internal: dict[int, int] = {}
         self.saved: dict[int, list[int]] = {}
 
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is torch.ops.aten.scaled_dot_product_attention.default:
+            fused = _fused_attention(args, kwargs)
+            if fused is not None:
+                return fused
+        return super().call_function(target, args, kwargs)
+
     def run_node(self, n: torch.fx.Node) -> Any:
         self.current = self.op_index.get(n.name, -1)
         self.allocations.start()
@@ -247,6 +254,25 @@ def _fake_input(value: Any, mode: Any) -> Any:
     if getattr(value, "fake_mode", None) is mode:
         return value
     return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+
+def _fused_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``scaled_dot_product_attention`` on meta tensors as a fused kernel would run it; None if it cannot.
+
+    On ``meta`` torch takes the math path, which materialises the attention
+    matrix (and saves it for backward) where every real device's fused
+    kernel keeps only the output and a log-sum-exp per row; plan for the
+    latter.
+    """
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    query = bound.get("query")
+    if not isinstance(query, torch.Tensor) or query.device.type != "meta" or bound.get("enable_gqa"):
+        return None
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+        query, bound["key"], bound["value"], float(bound.get("dropout_p", 0.0)), bool(bound.get("is_causal", False)),
+        attn_mask=bound.get("attn_mask"), scale=bound.get("scale"))
+    return out[0]
 
 
 def _resolve(root: Any, target: str) -> Any:

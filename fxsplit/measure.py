@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections import defaultdict
 from typing import Any, Callable, Iterator
 
@@ -242,16 +243,21 @@ class _Runner(torch.fx.Interpreter):
 
 
 def _flat_inputs(split: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The values of the graph's placeholders for ``split(*args, **kwargs)`` (defaults filled in)."""
+    bound = inspect.signature(split.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    names, values = list(bound.arguments), list(bound.arguments.values())
     codegen = split.graph._codegen
-    if hasattr(codegen, "pytree_info") and codegen.pytree_info is not None:
-        from torch.fx._pytree import tree_flatten_spec
+    info = getattr(codegen, "pytree_info", None)
+    if info is None:
+        return values
+    from torch.fx._pytree import tree_flatten_spec
 
-        signature = codegen.pytree_info.in_spec
-        return list(tree_flatten_spec((args, kwargs), signature))
-    if kwargs:
-        names = [n.target for n in split.graph.nodes if n.op == "placeholder"][len(args):]
-        return [*args, *(kwargs[name] for name in names if name in kwargs)]
-    return list(args)
+    spec = info.in_spec
+    if spec.type is tuple and spec.num_children == 2 and spec.child(1).type is dict:
+        count = spec.child(0).num_children
+        return list(tree_flatten_spec((values[:count], dict(zip(names[count:], values[count:], strict=True))), spec))
+    return list(tree_flatten_spec(values, spec))
 
 
 def measure_forward(split: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> dict[str, int]:
