@@ -348,18 +348,25 @@ def _peak(diff: list[int]) -> int:
     return best
 
 
+def _kept_from(storage: _Storage) -> int | None:
+    """The op from which a storage stays until the end of the backward, or None."""
+    if storage.held:
+        return storage.alloc
+    return storage.saved_at
+
+
 def planning_loads(profile: ActivationProfile) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per-op ``(op_extra, op_transient)`` for the partitioner, from a one-device simulation.
 
     Inference: ``op_transient[i]`` is the bytes live while op ``i`` runs (its
     inputs, its result, everything still waiting for a later reader, its
     internal intermediates); ``op_extra`` is zero. Training: ``op_extra[i]``
-    is what op ``i`` is first to save for backward (it stays until the
-    backward), and ``op_transient[i]`` the larger of the unsaved bytes live
-    in forward and the gradients (plus held outputs) live in backward at
-    ``i``. A device running ops ``[a, b)`` then needs ``sum(op_extra[a:b]) +
-    max(op_transient[a:b])`` - an upper bound of its simulated peak, save for
-    copies between devices, which the final check adds.
+    is what op ``i`` is first to save for backward, or returns (both stay
+    to the end of the backward), and ``op_transient[i]`` the larger of the
+    other bytes live in forward and the gradients live in backward at
+    ``i``. A device running ops ``[a, b)`` then needs ``sum(op_extra[a:b])
+    + max(op_transient[a:b])`` - an upper bound of its simulated peak, save
+    for copies between devices, which the final check adds.
     """
     n = len(profile.op_names)
     walk = _walk(profile, [0] * n, dict.fromkeys(profile.inputs, 0), dict.fromkeys(profile.weights, 0), 0)
@@ -368,16 +375,13 @@ def planning_loads(profile: ActivationProfile) -> tuple[tuple[int, ...], tuple[i
     grads = [0] * (n + 2)
     extra = [0] * n
     for s in walk.storages:
-        saved_here = profile.training and s.saved_at is not None
         stop = min(s.last, n - 1)
-        if saved_here:
-            assert s.saved_at is not None
-            extra[min(s.saved_at, n - 1)] += s.nbytes
-            stop = min(stop, s.saved_at - 1)
+        kept = _kept_from(s) if profile.training else None
+        if kept is not None:  # saved for backward, or an output held through it: stays to the end
+            extra[min(kept, n - 1)] += s.nbytes
+            stop = min(stop, kept - 1)
         if stop >= s.alloc:
             _add(live, s.alloc, stop, s.nbytes)
-        if profile.training and s.held:
-            _add(grads, min(s.alloc, n - 1), n - 1, s.nbytes)
     if profile.training:
         for _, first, last, nbytes in walk.gradients():
             _add(grads, first, min(last, n - 1), nbytes)

@@ -27,7 +27,6 @@ come back from an ATen op (workspaces) are invisible to it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 from collections import defaultdict
 from typing import Any, Callable, Iterator
@@ -125,8 +124,6 @@ class ActivationMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self._sweep()
-        if self.phase == "backward" and not self._paused:
-            self._follow_gradients(args, kwargs)
         out = func(*args, **kwargs)
         if self._paused:
             for tensor in tree_leaves(out):
@@ -139,29 +136,6 @@ class ActivationMeter(TorchDispatchMode):
             if isinstance(tensor, torch.Tensor):
                 self._register(tensor, device)
         return out
-
-    def _follow_gradients(self, args: Any, kwargs: Any) -> None:
-        """Move a gradient read by a backward op of another device to that device.
-
-        A copy's backward (``grad.to(source)``) is a no-op between logical
-        devices of one CPU, so the gradient would stay counted where it came
-        from; on real devices it is copied and the original freed.
-        """
-        node = torch._C._current_autograd_node()
-        device = self._backward_devices.get(node) if node is not None else None
-        if device is not None:
-            self._move((args, kwargs), device)
-
-    def _move(self, tensors: Any, device: str) -> None:
-        for tensor in tree_leaves(tensors):
-            if isinstance(tensor, torch.Tensor):
-                key = StorageWeakRef(tensor.untyped_storage())
-                entry = self._live.get(key)
-                if entry is not None and entry[0] != device:
-                    self.events.append((self.phase, key, entry[0], -entry[1]))
-                    self.events.append((self.phase, key, device, entry[1]))
-                    self._live[key] = (device, entry[1])
-                    self._tags[key] = device
 
     def _device_of(self, func: Any, args: Any, kwargs: Any) -> str:
         if self.phase == "forward" and self._current is not None:
@@ -209,11 +183,18 @@ class ActivationMeter(TorchDispatchMode):
         for tensor in tree_leaves(value):
             if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
                 if source is not None and tensor.grad_fn not in self._backward_devices:
-                    tensor.grad_fn.register_hook(functools.partial(self._arrived, source))
+                    tensor.grad_fn.register_hook(self._arrived)
                 self._claim(tensor.grad_fn, device)
 
-    def _arrived(self, device: str, grad_inputs: Any, grad_outputs: Any) -> None:
-        self._move(grad_inputs, device)
+    def _arrived(self, grad_inputs: Any, grad_outputs: Any) -> Any:
+        """A copy's backward ran: make the gradient a new tensor on the source device, as a real copy is.
+
+        Between logical devices of one CPU ``grad.to(source)`` returns the
+        same tensor, which may still serve as another gradient on the
+        device it came from (an add's backward hands one tensor to both
+        inputs); a real transfer leaves that one where it was.
+        """
+        return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in grad_inputs)
 
     def _claim(self, grad_fn: Any, device: str) -> None:
         stack = [grad_fn]
