@@ -5,6 +5,7 @@ Trace (torch.fx / torch.export) -> partition under per-device memory budgets
 """
 
 from fxsplit.api import fxsplit, plan
+from fxsplit.autobudget import auto_budgets
 from fxsplit.distributed import PipelineStages, pipeline_stages
 from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError, SpecError, TraceError
 from fxsplit.pipeline import Pipeline, PipelineConfig
@@ -22,6 +23,7 @@ __all__ = [
     "PlanMismatchError",
     "SpecError",
     "TraceError",
+    "auto_budgets",
     "format_size",
     "fxsplit",
     "parse_size",
