@@ -295,3 +295,42 @@ def test_memory_model_spec_is_plain_data() -> None:
     assert (spec.mode, spec.optimizer) == ("training", "adamw")
     assert MemorySpec.coerce().training is False
     assert isinstance(MemoryModel.__dataclass_fields__["profile"].default, type(None))
+
+
+# -- budgets="auto" ------------------------------------------------------------------------------------
+
+
+GiB = 1 << 30
+
+
+@pytest.fixture
+def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA as torch would report two devices with 10 and 6 GiB free of 16 GiB."""
+    free = {0: (10 * GiB, 16 * GiB), 1: (6 * GiB, 16 * GiB)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: free[index])
+
+
+def test_auto_budgets_without_a_gpu_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(fxsplit.SpecError, match=r"budgets='auto' .* torch sees none .* pass budgets explicitly"):
+        fxsplit.plan(_mlp(), "auto", example_inputs=(torch.randn(2, 64),))  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("two_gpus")
+def test_auto_budgets_are_free_memory_minus_the_reserve() -> None:
+    auto_budgets = fxsplit.auto_budgets
+    assert auto_budgets() == {"cuda:0": 9 * GiB, "cuda:1": 5 * GiB}
+    assert auto_budgets("2GiB") == {"cuda:0": 8 * GiB, "cuda:1": 4 * GiB}
+    assert auto_budgets(0.25) == {"cuda:0": 6 * GiB, "cuda:1": 2 * GiB}
+    assert auto_budgets(0, devices=[1]) == {"cuda:1": 6 * GiB}
+    with pytest.raises(fxsplit.SpecError, match=r"'cuda:1' has 6.00 GiB free of 16.00 GiB, not more than the reserve"):
+        auto_budgets("6GiB")
+    with pytest.raises(fxsplit.SpecError, match=r"device 2 is not a visible CUDA index \(0..1\)"):
+        auto_budgets(devices=[2])
+    with pytest.raises(fxsplit.SpecError, match=r"fractional reserve must be in \[0, 1\)"):
+        auto_budgets(1.5)
+    plan = fxsplit.plan(_mlp(), "auto", example_inputs=(torch.randn(2, 64),))  # type: ignore[arg-type]
+    assert plan.budgets == {"cuda:0": 9 * GiB, "cuda:1": 5 * GiB}
+    assert plan.devices == ("cuda:0", "cuda:1")
