@@ -156,7 +156,8 @@ class _Recorder(torch.fx.Interpreter):
     def _claim(self, value: Any, op: int) -> None:
         """The autograd nodes that ``value``'s computation created belong to op ``op``."""
         owners = self.allocations.backward_ops
-        stack = [t.grad_fn for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        stack: list[Any] = [t.grad_fn for t in tree_leaves(value)
+                            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         self.allocations.roots[op] = {fn for fn in stack if fn not in owners}
         while stack:
             fn = stack.pop()
@@ -320,7 +321,7 @@ def _profile(graph_module: torch.fx.GraphModule, costs: GraphCosts, recorder: _R
         saved.append(tuple(k for k in keys if k in known))
         internal_saved.append(sum(storages.nbytes[k] for k in keys if k not in known))
     output = next(n for n in graph_module.graph.nodes if n.op == "output")
-    outputs = []
+    outputs: list[str] = []
     for arg in output.all_input_nodes:
         names = [w.names[0] for w in by_node.get(arg.name, ())] if arg.op == "get_attr" else [arg.name]
         outputs.extend(n for n in names if n in values)

@@ -261,7 +261,7 @@ class _Walk:
         In backward, all but the first to arrive (from its last reader) are
         new tensors while they are being added to the gradient so far.
         """
-        found = []
+        found: list[tuple[Hashable, int, int]] = []
         for (name, device), readers in self.readers.items():
             info = self.profile.values[name]
             if info.requires_grad and len(readers) > 1:

@@ -192,16 +192,16 @@ class MemoryModel:
     def explain(self, error: BudgetError, budgets: Mapping[str, int]) -> BudgetError:
         """A budget error that says which component of memory does not fit."""
         totals = self.totals()
-        capacity = sum(budgets.values())
+        capacity, total = sum(budgets.values()), sum(totals.values())
         running = 0
         for name in COMPONENTS:
             running += totals[name]
             if totals[name] and running > capacity:
                 return BudgetError(
-                    f"with {self.spec.describe()} the model needs {_listing(totals)} = {format_size(running)} "
-                    f"before splitting, but the budgets add up to {format_size(capacity)}: adding the "
-                    f"{_WORDS[name]} ({format_size(totals[name])}) exceeds them by "
-                    f"{format_size(running - capacity)} ({running - capacity} bytes); {_advice(name)}")
+                    f"with {self.spec.describe()} the model needs {_listing(totals)} = {format_size(total)} "
+                    f"before splitting, but the budgets add up to {format_size(capacity)}: "
+                    f"{_first_over(name, totals[name])}; short by {format_size(total - capacity)} "
+                    f"({total - capacity} bytes); {_advice(name)}")
         return BudgetError(f"{error} (with {self.spec.describe()} the bytes above count {_listing(totals)})")
 
     def over_budget(self, usage: Mapping[str, Mapping[str, int]], budgets: Mapping[str, int]) -> BudgetError:
@@ -219,10 +219,17 @@ class MemoryModel:
                     break
             problems.append(
                 f"'{device}' needs {format_size(row['total'])} ({_listing(row)}) but its budget is "
-                f"{format_size(budget)}: adding the {_WORDS[culprit]} exceeds it, short by "
+                f"{format_size(budget)}: {_first_over(culprit, row.get(culprit, 0)).replace('them', 'it')}, short by "
                 f"{format_size(row['total'] - budget)} ({row['total'] - budget} bytes)")
         return BudgetError(f"with {self.spec.describe()} no split fits: " + "; ".join(problems)
                            + f"; {_advice('activations_peak')}")
+
+
+def _first_over(component: str, nbytes: int) -> str:
+    """'the parameters alone exceed them' / 'adding the gradients (1.00 GiB) exceeds them'."""
+    if component == "params":
+        return "the parameters alone exceed them"
+    return f"adding the {_WORDS[component]} ({format_size(nbytes)}) exceeds them"
 
 
 def _listing(row: Mapping[str, int]) -> str:

@@ -167,13 +167,15 @@ def test_budget_error_names_the_component_that_does_not_fit() -> None:
     model, x = _mlp(), torch.randn(256, 64)
     weights = _weights(model)
     fits_weights = {"cpu:0": weights // 2 + 2048, "cpu:1": weights // 2 + 2048}
-    with pytest.raises(fxsplit.BudgetError, match=r"adding the activations peak .* exceeds them by") as info:
+    with pytest.raises(fxsplit.BudgetError, match=r"adding the activations peak .* exceeds them; short by") as info:
         fxsplit.plan(model, fits_weights, example_inputs=(x,))
     assert "smaller example inputs" in str(info.value)
     fits_inference = {"cpu:0": weights, "cpu:1": weights}
     fxsplit.plan(model, fits_inference, example_inputs=(x[:4],))
     with pytest.raises(fxsplit.BudgetError, match=r"adding the optimizer state .* exceeds them.*optimizer='sgd'"):
         fxsplit.plan(model, fits_inference, example_inputs=(x[:4],), mode="training")
+    with pytest.raises(fxsplit.BudgetError, match=r"the parameters alone exceed them; short by .*add a device"):
+        fxsplit.plan(model, {"cpu:0": weights // 2}, example_inputs=(x[:4],))
     with pytest.raises(fxsplit.BudgetError, match=r"adding the gradients"):
         fxsplit.plan(model, {"cpu:0": int(1.5 * weights)}, example_inputs=(x[:4],), mode="training",
                      optimizer="sgd")
@@ -220,7 +222,7 @@ def test_a_plan_that_copies_more_than_the_partitioner_counted_is_planned_again()
     usage[1]["cpu:0"]["total"] = 120
     usage.extend([usage[1]] * 5)
     calls.clear()
-    with pytest.raises(fxsplit.BudgetError, match=r"'cpu:0' needs 120 B .* budget is 100 B"):
+    with pytest.raises(fxsplit.BudgetError, match=r"'cpu:0' needs 120 B .* budget is 100 B: .* short by 20 B"):
         fit_budgets(Model(), {"cpu:0": 100, "cpu:1": 100}, solve)  # type: ignore[arg-type]
 
 
