@@ -168,7 +168,10 @@ def fxsplit(
         model: the module to split.
         budgets: device -> bytes (int) or a size string (``"20GiB"``, ``"2GB"``).
             Keys: ``"cuda:1"``, ``"cpu:0"``, ``torch.device`` or an int meaning
-            ``cuda:N``. The mapping's order is the order of the stages.
+            ``cuda:N``. The mapping's order is the order of the stages. Or
+            ``"auto"``: the free memory of every visible GPU less 1 GiB
+            (:func:`fxsplit.auto_budgets`). A budget holds everything
+            ``mode`` counts, not only the parameters.
         example_inputs: a tuple of positional inputs (real or meta tensors).
             With them, ``torch.export`` traces the model and every cut knows its
             bytes; without, ``torch.fx.symbolic_trace`` does.
@@ -178,8 +181,14 @@ def fxsplit(
             ``concrete_args``, ``output_device`` (default: the device of the
             last stage that runs ops), ``objective`` (``"min_transfer"``, the
             default, or ``"balanced"``), ``pins`` (module path or glob ->
-            device) and ``pipeline`` (a :class:`~fxsplit.PipelineConfig`, or
-            ``{"chunks": k, ...}``: run micro-batches through the stages in
+            device), ``mode`` (``"inference"``, the default: parameters,
+            buffers and the activation peak of a forward; ``"training"``:
+            also gradients, ``optimizer`` state (``"adam"``, the default,
+            ``"adamw"``, ``"sgd_momentum"``, ``"sgd"`` or bytes per parameter
+            element) and what autograd saves; ``"weights"``: parameters and
+            buffers only; see :mod:`fxsplit.memory`) and ``pipeline`` (a
+            :class:`~fxsplit.PipelineConfig`, or ``{"chunks": k, ...}``:
+            run micro-batches through the stages in
             a pipeline; the model is then traced on one micro-batch of the
             example inputs).
 
