@@ -6,6 +6,7 @@ Trace (torch.fx / torch.export) -> partition under per-device memory budgets
 
 from fxsplit.api import fxsplit, plan
 from fxsplit.apply_plan import apply, check_plan
+from fxsplit.autobudget import auto_budgets
 from fxsplit.distributed import PipelineStages, pipeline_stages
 from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError, SpecError, TraceError
 from fxsplit.pipeline import Pipeline, PipelineConfig
@@ -27,6 +28,7 @@ __all__ = [
     "TraceError",
     "apply",
     "check_plan",
+    "auto_budgets",
     "format_size",
     "fxsplit",
     "load_spec",

@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, overload
+from typing import Any, Iterable, Mapping, Sequence, overload
 
 import torch
 import torch.fx
 
 from fxsplit.check import verify_plan, verify_split
+from fxsplit.activations import profile_activations
+from fxsplit.autobudget import auto_budgets
 from fxsplit.codegen import emit, move_weights
 from fxsplit.constraints import (
     check_constraints,
@@ -23,6 +25,7 @@ from fxsplit.cost import GraphCosts, build_problem
 from fxsplit.devices import normalize_budgets, normalize_device
 from fxsplit.errors import BudgetError, FxsplitError, SpecError
 from fxsplit.fingerprint import describe
+from fxsplit.memory import MemoryModel, MemorySpec, fit_budgets
 from fxsplit.microbatch import first_microbatch
 from fxsplit.partition import OBJECTIVES, partition
 from fxsplit.pipeline import Pipeline, PipelineConfig, pipelined
@@ -52,6 +55,8 @@ class Options:
     dtype: Any = None
     spec: Any = None
     check: bool = False
+    mode: str = "inference"
+    optimizer: str | int | None = None
 
 
 _OPTION_NAMES = tuple(Options.__dataclass_fields__)
@@ -70,6 +75,7 @@ def _options(raw: Mapping[str, Any]) -> Options:
         raise SpecError(f"trace must be one of {', '.join(TRACE_MODES)} (got {options.trace!r})")
     if options.objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)} (got {options.objective!r})")
+    MemorySpec.coerce(options.mode, options.optimizer)
     return options
 
 
@@ -88,8 +94,8 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
         budgets, raw = merge_spec(spec, budgets, {k: v for k, v in raw.items() if k != "spec"})
     options = _options(raw)
     if budgets is None:
-        raise SpecError("no budgets: pass budgets={'cuda:0': '20GiB', 'cuda:1': '20GiB'} or a spec with devices")
-    limits = normalize_budgets(budgets)
+        raise SpecError("no budgets: pass budgets={'cuda:0': '20GiB', 'cuda:1': '20GiB'}, budgets='auto', or a spec with devices")
+    limits = normalize_budgets(auto_budgets() if isinstance(budgets, str) and budgets == "auto" else budgets)
     reserved = reserve_bytes(options.reserve, limits)
     usable = {d: b - reserved.get(d, 0) for d, b in limits.items()}
     devices = list(limits)
@@ -115,23 +121,39 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
     index = {d: i for i, d in enumerate(devices)}
     costs = build_problem(traced.graph_module, model, device_index=index, pins=pins, together=together,
                           dtype=getattr(torch, dtype) if dtype else None)
-    budget_list = [usable[d] for d in devices]
-    try:
-        contiguous = options.contiguous or options.pipeline is not None
-        solution = partition(costs.problem, budget_list, objective=options.objective, device_names=devices,
-                             contiguous=contiguous)
-    except BudgetError as error:
-        better = explain_infeasible_pins(error, costs.problem, budget_list, devices, pins, len(together), locate)
-        if better is None:
-            raise
-        raise better from error
+    memory = _memory_model(MemorySpec.coerce(options.mode, options.optimizer), traced, costs, model)
+    problem = memory.problem()
     output_device = normalize_device(options.output_device) if options.output_device is not None else None
-    made = make_plan(costs, traced.graph_module, solution, devices, usable, output_device=output_device,
-                     trace=traced.method, objective=options.objective)
+    contiguous = options.contiguous or options.pipeline is not None
+
+    def solve(budgets_now: Sequence[int]) -> Plan:
+        try:
+            solution = partition(problem, budgets_now, objective=options.objective, device_names=devices,
+                                 contiguous=contiguous)
+        except BudgetError as error:
+            better = explain_infeasible_pins(error, problem, list(budgets_now), devices, pins, len(together), locate)
+            if better is None:
+                raise
+            raise better from error
+        return make_plan(costs, traced.graph_module, solution, devices, dict(zip(devices, budgets_now, strict=True)),
+                         output_device=output_device, trace=traced.method, objective=options.objective)
+
+    made = fit_budgets(memory, usable, solve)
     made = _record(made, model, limits, reserved, dtype, leaves)
     if options.check:
         verify_plan(made, traced.graph_module, model)
     return _Planned(traced, costs, made, options)
+
+
+def _memory_model(spec: MemorySpec, traced: Traced, costs: GraphCosts, model: torch.nn.Module) -> MemoryModel:
+    """What the plan charges: trainable parameters and, with shapes, the activation profile."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    trainable = {w.names[0]: named[w.names[0]].numel() for w in costs.weights
+                 if w.names[0] in named and named[w.names[0]].requires_grad}
+    profile = None
+    if spec.counts_activations and traced.has_shapes:
+        profile = profile_activations(traced.graph_module, costs, training=spec.training)
+    return MemoryModel(spec, costs, trainable, profile)
 
 
 def _record(made: Plan, model: torch.nn.Module, budgets: dict[str, int], reserved: dict[str, int],
@@ -144,7 +166,7 @@ def _record(made: Plan, model: torch.nn.Module, budgets: dict[str, int], reserve
 
 
 def plan(
-    model: torch.nn.Module, budgets: Mapping[Any, Any] | None = None, *, example_inputs: Any = None, **options: Any
+    model: torch.nn.Module, budgets: Any = None, *, example_inputs: Any = None, **options: Any
 ) -> Plan:
     """Decide where every op, parameter and buffer of ``model`` goes; run nothing.
 
@@ -198,8 +220,11 @@ def fxsplit(
         model: the module to split.
         budgets: device -> bytes (int) or a size string (``"20GiB"``, ``"2GB"``).
             Keys: ``"cuda:1"``, ``"cpu:0"``, ``torch.device`` or an int meaning
-            ``cuda:N``. The mapping's order is the order of the stages. May be
-            None when a ``spec`` names the devices.
+            ``cuda:N``. The mapping's order is the order of the stages. Or
+            ``"auto"``: the free memory of every visible GPU less 1 GiB
+            (:func:`fxsplit.auto_budgets`). A budget holds everything
+            ``mode`` counts, not only the parameters. May be None when a
+            ``spec`` names the devices.
         example_inputs: a tuple of positional inputs (real or meta tensors).
             With them, ``torch.export`` traces the model and every cut knows its
             bytes; without, ``torch.fx.symbolic_trace`` does.
@@ -209,13 +234,19 @@ def fxsplit(
             ``concrete_args``, ``output_device`` (default: the device of the
             last stage that runs ops), ``objective`` (``"min_transfer"``, the
             default, or ``"balanced"``), ``pins`` (module path or glob ->
-            device), ``together`` (groups of module patterns that must share
-            a device), ``reserve`` (headroom kept free: a size, ``"10%"`` of
-            the budget, or a mapping device -> either), ``dtype`` (plan as if
-            floating tensors were ``"bfloat16"``/``"float16"``/``"float32"``;
-            the model is not cast, cast it yourself before running),
-            ``pipeline`` (a :class:`~fxsplit.PipelineConfig`, or
-            ``{"chunks": k, ...}``: run micro-batches through the stages in
+            device), ``mode`` (``"inference"``, the default: parameters,
+            buffers and the activation peak of a forward; ``"training"``:
+            also gradients, ``optimizer`` state (``"adam"``, the default,
+            ``"adamw"``, ``"sgd_momentum"``, ``"sgd"`` or bytes per parameter
+            element) and what autograd saves; ``"weights"``: parameters and
+            buffers only; see :mod:`fxsplit.memory`), ``together`` (groups of
+            module patterns that must share a device), ``reserve`` (headroom
+            kept free: a size, ``"10%"`` of the budget, or a mapping device ->
+            either), ``dtype`` (plan as if floating tensors were
+            ``"bfloat16"``/``"float16"``/``"float32"``; the model is not cast,
+            cast it yourself before running), ``pipeline`` (a
+            :class:`~fxsplit.PipelineConfig`, or ``{"chunks": k, ...}``:
+            run micro-batches through the stages in
             a pipeline; the model is then traced on one micro-batch of the
             example inputs; implies ``contiguous=True``), ``contiguous``
             (keep every device's ops one consecutive run of the graph, in

@@ -407,7 +407,7 @@ def _raise_infeasible(problem: PartitionProblem, ctx: _Context, names: Sequence[
             where = f"pinned device '{names[best]}'" if pins else f"every device (the largest, '{names[best]}',"
             tail = "" if pins else ")"
             raise BudgetError(
-                f"{what} needs {format_size(weight)} ({weight} bytes){_heaviest(problem, lo, hi)}, "
+                f"{what} needs {format_size(weight)} ({weight} bytes){_heaviest(problem, lo, hi, weight)}, "
                 f"more than the budget of {where} has {format_size(ctx.budgets[best])}{tail}: short by "
                 f"{format_size(weight - ctx.budgets[best])} ({weight - ctx.budgets[best]} bytes); "
                 "raise that budget" + (" or unpin" if pins else "")
@@ -415,13 +415,22 @@ def _raise_infeasible(problem: PartitionProblem, ctx: _Context, names: Sequence[
     _raise_fragmented(problem, ctx, names, total, capacity, contiguous)
 
 
-def _heaviest(problem: PartitionProblem, lo: int, hi: int) -> str:
-    """' for its parameters and buffers (a 4.00 KiB, b 128 B)': the largest weights homed at ops lo..hi."""
+def _heaviest(problem: PartitionProblem, lo: int, hi: int, needed: int) -> str:
+    """' for its parameters and buffers (a 4.00 KiB, b 128 B)': the largest weights homed at ops lo..hi.
+
+    When the problem also charges per-op memory (``op_extra``, ``op_transient``),
+    the bytes are split into the weights and that memory.
+    """
     homed = sorted(((v.weight, v.name) for v in problem.values if v.weight and lo <= v.start <= hi), reverse=True)
-    if not homed:
-        return ""
     listed = ", ".join(f"'{name}' {format_size(size)}" for size, name in homed[:3])
     more = f" and {len(homed) - 3} more" if len(homed) > 3 else ""
+    weights = sum(size for size, _ in homed)
+    if needed > weights and (problem.op_extra or problem.op_transient):
+        named = f" ({listed}{more})" if homed else ""
+        return (f": weights {format_size(weights)}{named} and per-op memory (activations) "
+                f"{format_size(needed - weights)}")
+    if not homed:
+        return ""
     return f" for its parameters and buffers ({listed}{more})"
 
 

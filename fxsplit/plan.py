@@ -71,6 +71,11 @@ class Plan:
             the model's own dtypes.
         leaf_modules: module paths or class names traced as leaves, so that
             the plan can be applied to a fresh trace.
+        memory: device -> bytes per component of memory the device needs:
+            ``params``, ``buffers``, ``grads``, ``optimizer``,
+            ``activations_peak`` (absent when activations were not counted)
+            and ``total`` (what the budget holds); see :mod:`fxsplit.memory`.
+            Empty for plans made without a memory model.
     """
 
     devices: tuple[str, ...]
@@ -89,6 +94,7 @@ class Plan:
     reserved: dict[str, int] = field(default_factory=dict)
     dtype: str | None = None
     leaf_modules: tuple[str, ...] = ()
+    memory: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def transfer_bytes(self) -> int:
@@ -131,6 +137,7 @@ class Plan:
             "reserved": dict(self.reserved),
             "dtype": self.dtype,
             "leaf_modules": list(self.leaf_modules),
+            "memory": {d: dict(row) for d, row in self.memory.items()},
         }
 
     @classmethod
@@ -153,6 +160,7 @@ class Plan:
             reserved=dict(data.get("reserved", {})),
             dtype=data.get("dtype"),
             leaf_modules=tuple(data.get("leaf_modules", ())),
+            memory={d: dict(row) for d, row in data.get("memory", {}).items()},
         )
 
     def to_yaml(self) -> str:
@@ -194,6 +202,8 @@ class Plan:
         lines.append(f"cuts: {len(self.cuts)}, transfer per forward: {format_size(self.transfer_bytes)}; "
                      f"outputs on {self.output_device}" + (f"; planned as {self.dtype}" if self.dtype else ""))
         lines.extend(self.tied_summary())
+        if self.memory:
+            lines.extend(self._memory_table())
         return "\n".join(lines)
 
     def tied_summary(self) -> list[str]:
@@ -209,6 +219,22 @@ class Plan:
                 how = f"on {home}, kept together (no copy)"
             lines.append(f"tied: {' = '.join(group)}: {how}")
         return lines
+
+    def _memory_table(self) -> list[str]:
+        """One row per device: each component of memory, the total and its share of the budget."""
+        keys = [k for k in ("params", "buffers", "grads", "optimizer", "activations_peak")
+                if any(k in row and (row[k] or k in ("params", "activations_peak")) for row in self.memory.values())]
+        titles = {"params": "params", "buffers": "buffers", "grads": "grads", "optimizer": "optimizer",
+                  "activations_peak": "activations"}
+        rows = [("memory", *(titles[k] for k in keys), "total", "%")]
+        for device in self.devices:
+            row = self.memory.get(device, {})
+            budget, total = self.budgets.get(device, 0), row.get("total", 0)
+            percent = f"{100 * total / budget:.1f}" if budget else "-"
+            cells = (format_size(row[k]) if k in row else "-" for k in keys)
+            rows.append((device, *cells, format_size(total), percent))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
 def _module_summary(paths: tuple[str, ...], limit: int = 48) -> str:

@@ -74,15 +74,20 @@ def make_plan(
     out_device = output_device or (used[-1] if used else devices[0])
 
     weight_home: dict[str, str] = {}
+    # device_bytes counts parameters and buffers only; load is everything the partitioner
+    # charged (activations, gradients, optimizer state too, when the problem carries them).
+    device_bytes = dict.fromkeys(devices, 0)
+    load = {d: int(solution.device_weights[k]) for k, d in enumerate(devices)}
     for weight, value_index in zip(costs.weights, costs.weight_values):
         if value_index >= 0:
             start = costs.problem.values[value_index].start
             weight_home[weight.names[0]] = devices[solution.op_devices[start]]
-    device_bytes = {d: int(solution.device_weights[k]) for k, d in enumerate(devices)}
+            device_bytes[weight_home[weight.names[0]]] += weight.nbytes
     idle = [w for w, v in zip(costs.weights, costs.weight_values) if v < 0]
     for weight in idle + costs.unused:
-        weight_home[weight.names[0]] = _place_unused(weight, weight_home, device_bytes, budgets)
-        device_bytes[weight_home[weight.names[0]]] += weight.nbytes
+        home = weight_home[weight.names[0]] = _place_unused(weight, weight_home, load, budgets)
+        device_bytes[home] += weight.nbytes
+        load[home] += weight.nbytes
 
     placement: dict[str, str] = {}
     order = {op.name: i for i, op in enumerate(costs.ops)}
@@ -119,14 +124,14 @@ def make_plan(
     )
 
 
-def _place_unused(weight: Weight, home: dict[str, str], device_bytes: dict[str, int], budgets: dict[str, int]) -> str:
+def _place_unused(weight: Weight, home: dict[str, str], load: dict[str, int], budgets: dict[str, int]) -> str:
     """A parameter no op reads goes beside its module's other tensors, else where it fits first."""
     module = weight.names[0].rpartition(".")[0]
     for name, device in home.items():
-        if name.rpartition(".")[0] == module and device_bytes[device] + weight.nbytes <= budgets[device]:
+        if name.rpartition(".")[0] == module and load[device] + weight.nbytes <= budgets[device]:
             return device
     for device, budget in budgets.items():
-        if device_bytes[device] + weight.nbytes <= budget:
+        if load[device] + weight.nbytes <= budget:
             return device
     raise BudgetError(
         f"parameter '{weight.names[0]}' ({format_size(weight.nbytes)}, read by no op of the graph) fits no "

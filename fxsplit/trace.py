@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 import torch.fx
+from torch.fx.graph import CodeGen, _PyTreeCodeGen
 
 from fxsplit.errors import TraceError
 
@@ -103,7 +104,50 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     if not isinstance(graph_module, torch.fx.GraphModule):  # pragma: no cover - torch internals
         raise TraceError("torch.export returned an unflattened module; fxsplit needs a flat graph")
     graph_module.training = model.training  # the mode export baked into the graph
+    _default_constant_keywords(graph_module, kwargs)
     return Traced(graph_module, "export", True)
+
+
+_CONSTANT_TYPES = (bool, int, float, str, type(None))
+
+
+class _KeywordDefaults(_PyTreeCodeGen):
+    """Export's code generator, with the constant keyword inputs of the trace as defaults.
+
+    ``torch.export`` specialises the graph on non-tensor keyword inputs
+    (``use_cache=False``) and guards that each call passes the same value;
+    making that value the default lets ``gm(ids)`` work like ``model(ids)``
+    for the configuration it was traced in (another value still fails the guard).
+    """
+
+    def __init__(self, pytree_info: Any, defaults: dict[str, Any]) -> None:
+        super().__init__(pytree_info)
+        self.defaults = defaults
+
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, *, expanded_def: bool = False) -> str:
+        names = list(self.pytree_info.orig_args)
+        if names and names[0] == "self":
+            free_vars.insert(0, "self")
+        signature = [f"{n}={self.defaults[n]!r}" if n in self.defaults else n for n in names]
+        definition = CodeGen.gen_fn_def(self, signature, maybe_return_annotation, expanded_def=expanded_def)
+        if free_vars:
+            definition += self.gen_var_bindings(names, free_vars, expanded_def)
+        return definition
+
+
+def _default_constant_keywords(graph_module: torch.fx.GraphModule, kwargs: Mapping[str, Any]) -> None:
+    """Give the trailing keyword inputs that were constants (bool, int, str, None) their traced value as default."""
+    codegen = graph_module.graph._codegen
+    if type(codegen) is not _PyTreeCodeGen or not kwargs:
+        return
+    defaults: dict[str, Any] = {}
+    for name in reversed(codegen.pytree_info.orig_args):
+        if name not in kwargs or not isinstance(kwargs[name], _CONSTANT_TYPES):
+            break
+        defaults[name] = kwargs[name]
+    if defaults:
+        graph_module.graph.set_codegen(_KeywordDefaults(codegen.pytree_info, defaults))
+        graph_module.recompile()
 
 
 def _symbolic(

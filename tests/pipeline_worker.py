@@ -49,7 +49,8 @@ def make(name: str) -> torch.nn.Module:
 def train(name: str, kind: str, rank: int, world: int) -> dict[str, Any]:
     model = make(name)
     data = batches(name)
-    stages = fxsplit.pipeline_stages(model, budgets(model, world), example_inputs=(data[0][0],), chunks=CHUNKS)
+    stages = fxsplit.pipeline_stages(model, budgets(model, world), mode="weights",
+                                     example_inputs=(data[0][0],), chunks=CHUNKS)
     stage = stages.build_stage(rank)
     schedule_type = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
     schedule = schedule_type(stage, n_microbatches=CHUNKS, loss_fn=loss_fn)

@@ -43,7 +43,7 @@ def test_stages_chained_by_hand_equal_the_model(make: Callable[[], torch.nn.Modu
     model = make()
     reference = copy.deepcopy(model)
     inputs = _inputs(type(model).__name__)
-    stages = fxsplit.pipeline_stages(model, budgets(model, 3), example_inputs=inputs, trace=trace)
+    stages = fxsplit.pipeline_stages(model, budgets(model, 3), mode="weights", example_inputs=inputs, trace=trace)
     assert len(stages) == 3
     out = stages[0](*inputs)  # stage 0 takes the model's inputs, the others the previous stage's tuple
     for module in stages.modules[1:]:
@@ -61,7 +61,8 @@ def test_stages_chained_by_hand_equal_the_model(make: Callable[[], torch.nn.Modu
 
 
 def test_skip_connection_is_relayed_through_the_middle_stage() -> None:
-    stages = fxsplit.pipeline_stages(LongSkip(), budgets(LongSkip(), 3), example_inputs=_inputs("LongSkip"))
+    stages = fxsplit.pipeline_stages(LongSkip(), budgets(LongSkip(), 3), mode="weights",
+                                     example_inputs=_inputs("LongSkip"))
     first, middle, last = stages.specs
     skip = [name for name in first.outputs if name in last.inputs]
     assert skip and set(skip) <= set(middle.inputs) and set(skip) <= set(middle.outputs)
@@ -69,7 +70,7 @@ def test_skip_connection_is_relayed_through_the_middle_stage() -> None:
 
 def test_tied_weight_is_replicated_on_the_stages_that_read_it() -> None:
     model = Tied()
-    stages = fxsplit.pipeline_stages(model, budgets(model, 3), example_inputs=_inputs("Tied"))
+    stages = fxsplit.pipeline_stages(model, budgets(model, 3), mode="weights", example_inputs=_inputs("Tied"))
     assert stages.tied == {"embed.weight": (0, 2)}
     assert not any(t is model.embed.weight for t in stages[1].parameters())
     assert stages.plan.param_devices["embed.weight"] == "cpu:0"
@@ -78,7 +79,7 @@ def test_tied_weight_is_replicated_on_the_stages_that_read_it() -> None:
 def test_plan_method_and_a_plan_that_cannot_be_staged() -> None:
     model = LongSkip()
     x = _inputs("LongSkip")
-    plan = fxsplit.plan(model, budgets(model, 2), example_inputs=x, pipeline={"chunks": 2})
+    plan = fxsplit.plan(model, budgets(model, 2), mode="weights", example_inputs=x, pipeline={"chunks": 2})
     stages = plan.to_pipeline_stages(model, example_inputs=x, chunks=2)
     assert [s.device for s in stages.specs] == ["cpu:0", "cpu:1"] and stages.plan is plan
     swap = {"cpu:0": "cpu:1", "cpu:1": "cpu:0"}
@@ -104,7 +105,8 @@ class _SizeAcross(torch.nn.Module):
 def test_non_tensor_crossing_processes_is_refused() -> None:
     model = _SizeAcross()
     with pytest.raises(fxsplit.FxsplitError, match="exchange tensors only"):
-        fxsplit.pipeline_stages(model, budgets(model, 2), example_inputs=(torch.randn(4, 16),), trace="fx",
+        fxsplit.pipeline_stages(model, budgets(model, 2), mode="weights",
+                                example_inputs=(torch.randn(4, 16),), trace="fx",
                                 pins={"a": "cpu:0", "b": "cpu:1"})
 
 

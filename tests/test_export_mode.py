@@ -21,7 +21,7 @@ def test_eval_traced_split_matches_eval_model_and_refuses_train() -> None:
     model = _model().eval()
     reference = copy.deepcopy(model)
     x = torch.randn(5, 6)
-    split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(x,))
+    split = fxsplit.fxsplit(model, BUDGETS, mode="weights", example_inputs=(x,))
     assert split.training is False
     torch.testing.assert_close(split(x), reference(x))
     with pytest.raises(fxsplit.FxsplitError, match=r"eval mode.*model\.train\(\) before fxsplit"):
@@ -32,7 +32,7 @@ def test_eval_traced_split_matches_eval_model_and_refuses_train() -> None:
 def test_train_traced_split_refuses_eval() -> None:
     model = _model().train()
     x = torch.randn(5, 6)
-    split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(x,))
+    split = fxsplit.fxsplit(model, BUDGETS, mode="weights", example_inputs=(x,))
     assert split.training is True
     with pytest.raises(fxsplit.FxsplitError, match="training mode"):
         split.eval()
@@ -41,7 +41,7 @@ def test_train_traced_split_refuses_eval() -> None:
 def test_graph_without_mode_dependent_ops_may_switch() -> None:
     model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2)).eval()
     x = torch.randn(5, 6)
-    split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(x,))
+    split = fxsplit.fxsplit(model, BUDGETS, mode="weights", example_inputs=(x,))
     split.train()
     assert split.training is True
 
@@ -50,6 +50,6 @@ def test_fx_split_follows_module_mode() -> None:
     model = _model().train()
     reference = copy.deepcopy(model).eval()
     x = torch.randn(5, 6)
-    split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(x,), trace="fx")
+    split = fxsplit.fxsplit(model, BUDGETS, mode="weights", example_inputs=(x,), trace="fx")
     split.eval()
     torch.testing.assert_close(split(x), reference(x))

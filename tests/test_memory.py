@@ -1,0 +1,338 @@
+"""The memory model: activation lifetimes, training state, the plan's breakdown, budgets that hold it all."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import fxsplit
+from fxsplit.cost import build_problem
+from fxsplit.lifetimes import ActivationProfile, ValueMemory, planning_loads, simulate
+from fxsplit.measure import measure_forward, measure_training
+from fxsplit.memory import MemoryModel, MemorySpec, fit_budgets
+from fxsplit.partition import partition
+from fxsplit.plan import Plan
+from fxsplit.planning import make_plan
+from fxsplit.trace import trace
+
+# -- models -----------------------------------------------------------------------------------------
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(),
+                                                  nn.Linear(2 * width, width)) for _ in range(depth))
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+class ConvNet(nn.Module):
+    """Convolutions, batch norm (buffers), a long skip and a pooled head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.body = nn.Sequential(*[m for _ in range(3) for m in (nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stem = self.stem(x)
+        y = self.body(stem) + stem
+        return self.head(y.mean(dim=(2, 3)))
+
+
+def _mlp(width: int = 64, depth: int = 4) -> nn.Module:
+    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
+
+
+MODELS = {
+    "mlp": (_mlp, lambda: torch.randn(16, 64)),
+    "residual": (Residual, lambda: torch.randn(4, 8, 32)),
+    "convnet": (ConvNet, lambda: torch.randn(2, 3, 12, 12)),
+}
+
+
+def _weights(model: nn.Module) -> int:
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# -- the estimate against what the split module really allocates ----------------------------------
+
+
+@pytest.mark.parametrize("trace_mode", ["export", "fx"])
+@pytest.mark.parametrize("mode", ["inference", "training"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_estimate_matches_the_measured_activation_peak(name: str, mode: str, trace_mode: str) -> None:
+    make, make_input = MODELS[name]
+    torch.manual_seed(0)
+    model, x = make(), make_input()
+    if mode == "inference":
+        model.eval()
+    budgets = {d: int(0.6 * _weights(model)) for d in ("cpu:0", "cpu:1")}
+    placement = fxsplit.plan(model, budgets, example_inputs=(x,), trace=trace_mode, mode="weights")
+    assert all(placement.modules[d] for d in placement.devices)
+    roomy = {d: 10 * _weights(model) for d in budgets}
+    pins = {path: device for device, paths in placement.modules.items() for path in paths if path}
+    gm = fxsplit.fxsplit(model, roomy, example_inputs=(x,), trace=trace_mode, mode=mode, pins=pins,
+                         objective="balanced")
+    plan = gm.meta["fxsplit_plan"]
+    measured = measure_forward(gm, x) if mode == "inference" else measure_training(gm, x)
+    for device in plan.devices:
+        estimated = plan.memory[device]["activations_peak"]
+        ratio = estimated / measured[device]
+        assert 0.95 <= ratio <= 1.15, (device, estimated, measured)
+
+
+def test_training_counts_saved_activations_gradients_and_optimizer_state() -> None:
+    torch.manual_seed(0)
+    model, x = _mlp(), torch.randn(16, 64)
+    budgets = {"cpu:0": "1MiB", "cpu:1": "1MiB"}
+    inference = fxsplit.plan(model, budgets, example_inputs=(x,))
+    adam = fxsplit.plan(model, budgets, example_inputs=(x,), mode="training")
+    momentum = fxsplit.plan(model, budgets, example_inputs=(x,), mode="training", optimizer="sgd_momentum")
+    eight_bit = fxsplit.plan(model, budgets, example_inputs=(x,), mode="training", optimizer=2)
+    params = _weights(model)
+    assert sum(r["params"] for r in adam.memory.values()) == params
+    assert sum(r["grads"] for r in adam.memory.values()) == params
+    assert sum(r["optimizer"] for r in adam.memory.values()) == 2 * params
+    assert sum(r["optimizer"] for r in momentum.memory.values()) == params
+    assert sum(r["optimizer"] for r in eight_bit.memory.values()) == 2 * (params // 4)
+    assert all(r["grads"] == r["optimizer"] == 0 for r in inference.memory.values())
+    used = [d for d in adam.devices if adam.modules[d]]
+    assert all(adam.memory[d]["activations_peak"] > inference.memory[d]["activations_peak"] for d in used)
+    for plan in (inference, adam, momentum, eight_bit):
+        assert plan.device_bytes == {d: r["params"] + r["buffers"] for d, r in plan.memory.items()}
+        assert all(r["total"] == sum(v for k, v in r.items() if k != "total") for r in plan.memory.values())
+
+
+def test_frozen_parameters_get_no_gradient_or_optimizer_state() -> None:
+    model = _mlp()
+    for parameter in model[0].parameters():
+        parameter.requires_grad_(False)
+    plan = fxsplit.plan(model, {"cpu:0": "1MiB"}, example_inputs=(torch.randn(4, 64),), mode="training")
+    frozen = sum(p.numel() * 4 for p in model[0].parameters())
+    assert plan.memory["cpu:0"]["grads"] == _weights(model) - frozen
+    assert plan.memory["cpu:0"]["optimizer"] == 2 * (_weights(model) - frozen)
+
+
+def test_budgets_hold_the_total_and_tight_training_budgets_use_more_devices() -> None:
+    torch.manual_seed(0)
+    model, x = Residual(), torch.randn(4, 8, 32)
+    weights = _weights(model)
+    alone = fxsplit.plan(model, {"cpu:0": "1GiB"}, example_inputs=(x,), mode="training").memory["cpu:0"]
+    budgets = {f"cpu:{i}": int(1.2 * alone["total"] / 4) + alone["activations_peak"] // 4 for i in range(4)}
+    plan = fxsplit.plan(model, budgets, example_inputs=(x,), mode="training")
+    assert all(plan.memory[d]["total"] <= budgets[d] for d in plan.devices)
+    assert sum(1 for d in plan.devices if plan.modules[d]) == 4
+    assert all(budgets[d] > weights for d in budgets)  # one device would hold the weights alone
+    weights_only = fxsplit.plan(model, budgets, example_inputs=(x,), mode="weights")
+    assert sum(1 for d in weights_only.devices if weights_only.modules[d]) == 1
+    assert "activations_peak" not in weights_only.memory["cpu:0"]
+
+
+def test_without_shapes_activations_are_not_counted_and_the_table_says_so() -> None:
+    model = _mlp()
+    plan = fxsplit.plan(model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, trace="fx", mode="training")
+    assert "activations_peak" not in plan.memory["cpu:0"]
+    assert plan.memory["cpu:0"]["grads"] == _weights(model)
+    assert "activations" not in str(plan).split("memory", 1)[1].splitlines()[0]
+
+
+def test_plan_prints_and_round_trips_the_breakdown() -> None:
+    model, x = _mlp(), torch.randn(16, 64)
+    plan = fxsplit.plan(model, {"cpu:0": "100KiB", "cpu:1": "100KiB"}, example_inputs=(x,), mode="training",
+                        optimizer="sgd")
+    text = str(plan)
+    header = text.split("\n")[4]
+    assert header.split() == ["memory", "params", "grads", "activations", "total", "%"]
+    assert Plan.from_dict(plan.to_dict()) == plan
+    assert Plan.from_dict({k: v for k, v in plan.to_dict().items() if k != "memory"}).memory == {}
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+
+def test_budget_error_names_the_component_that_does_not_fit() -> None:
+    model, x = _mlp(), torch.randn(256, 64)
+    weights = _weights(model)
+    fits_weights = {"cpu:0": weights // 2 + 2048, "cpu:1": weights // 2 + 2048}
+    with pytest.raises(fxsplit.BudgetError, match=r"adding the activations peak .* exceeds them; short by") as info:
+        fxsplit.plan(model, fits_weights, example_inputs=(x,))
+    assert "smaller example inputs" in str(info.value)
+    fits_inference = {"cpu:0": weights, "cpu:1": weights}
+    fxsplit.plan(model, fits_inference, example_inputs=(x[:4],))
+    with pytest.raises(fxsplit.BudgetError, match=r"adding the optimizer state .* exceeds them.*optimizer='sgd'"):
+        fxsplit.plan(model, fits_inference, example_inputs=(x[:4],), mode="training")
+    with pytest.raises(fxsplit.BudgetError, match=r"the parameters alone exceed them; short by .*add a device"):
+        fxsplit.plan(model, {"cpu:0": weights // 2}, example_inputs=(x[:4],))
+    with pytest.raises(fxsplit.BudgetError, match=r"adding the gradients"):
+        fxsplit.plan(model, {"cpu:0": int(1.5 * weights)}, example_inputs=(x[:4],), mode="training",
+                     optimizer="sgd")
+
+
+def test_an_indivisible_piece_says_how_much_is_weights_and_how_much_activations() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    with pytest.raises(fxsplit.BudgetError, match=r"weights 16.25 KiB .*'0.weight' 16.00 KiB.* and per-op memory"):
+        fxsplit.plan(model, dict.fromkeys(("cpu:0", "cpu:1", "cpu:2", "cpu:3"), 17_000),
+                     example_inputs=(torch.randn(64, 64),))
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"mode": "train"}, "mode must be one of inference, training, weights"),
+    ({"mode": "training", "optimizer": "lamb"}, "optimizer must be one of adam, adamw, sgd_momentum, sgd"),
+    ({"optimizer": "adam"}, "only counts with mode='training'"),
+    ({"mode": "training", "optimizer": -1}, "int >= 0"),
+    ({"mode": "training", "optimizer": True}, "int >= 0"),
+])
+def test_bad_memory_options_are_refused(options: dict[str, object], message: str) -> None:
+    with pytest.raises(fxsplit.SpecError, match=message):
+        fxsplit.plan(_mlp(), {"cpu:0": "1MiB"}, example_inputs=(torch.randn(2, 64),), **options)
+
+
+def test_a_plan_that_copies_more_than_the_partitioner_counted_is_planned_again() -> None:
+    calls: list[list[int]] = []
+    usage = [{"cpu:0": {"params": 10, "total": 130}, "cpu:1": {"params": 10, "total": 50}},
+             {"cpu:0": {"params": 10, "total": 95}, "cpu:1": {"params": 10, "total": 80}}]
+
+    class Model:
+        spec = MemorySpec()
+        over_budget = MemoryModel.over_budget
+
+        def usage(self, plan: Plan) -> dict[str, dict[str, int]]:
+            return usage[len(calls) - 1]
+
+    def solve(budgets: list[int]) -> Plan:
+        calls.append(list(budgets))
+        return Plan(("cpu:0", "cpu:1"), {}, {}, {}, {}, (), "cpu:1")
+
+    plan = fit_budgets(Model(), {"cpu:0": 100, "cpu:1": 100}, solve)  # type: ignore[arg-type]
+    assert calls == [[100, 100], [70, 100]]
+    assert plan.memory["cpu:0"]["total"] == 95 and plan.budgets == {"cpu:0": 100, "cpu:1": 100}
+    usage[1]["cpu:0"]["total"] = 120
+    usage.extend([usage[1]] * 5)
+    calls.clear()
+    with pytest.raises(fxsplit.BudgetError, match=r"'cpu:0' needs 120 B .* budget is 100 B: .* short by 20 B"):
+        fit_budgets(Model(), {"cpu:0": 100, "cpu:1": 100}, solve)  # type: ignore[arg-type]
+
+
+# -- the pure simulation -------------------------------------------------------------------------------
+
+
+def _chain(sizes: list[int], skips: list[tuple[int, int]], training: bool) -> ActivationProfile:
+    """Op i reads op i-1 (op 0 reads the input) and, for (a, b) in skips, op b also reads op a."""
+    names = tuple(f"op{i}" for i in range(len(sizes)))
+    reads = [["x"] if i == 0 else [names[i - 1]] for i in range(len(sizes))]
+    for a, b in skips:
+        reads[b].append(names[a])
+    values = {"x": ValueMemory(8, (0,))}
+    values.update({n: ValueMemory(s, (i + 1,), training) for i, (n, s) in enumerate(zip(names, sizes, strict=True))})
+    storage = {0: 8, **{i + 1: s for i, s in enumerate(sizes)}}
+    saved = tuple((i,) if training else () for i in range(len(sizes)))  # each op saves its input
+    return ActivationProfile(names, tuple(tuple(r) for r in reads), values, storage, inputs=("x",),
+                             outputs=(names[-1],), saved=saved if training else (), training=training)
+
+
+def test_partitioner_loads_bound_the_simulation_on_one_device() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 12)
+        sizes = [rng.randint(1, 100) for _ in range(n)]
+        skips = [(a, b) for a in range(n) for b in range(a + 2, n) if rng.random() < 0.15]
+        for training in (False, True):
+            profile = _chain(sizes, skips, training)
+            extra, transient = planning_loads(profile)
+            peak = simulate(profile, ["d"] * n, {"x": "d"}, "d").peak["d"]
+            assert peak <= sum(extra) + max(transient), (sizes, skips, training)
+            if not training:
+                assert peak == max(transient)
+
+
+def test_simulated_copies_live_from_first_to_last_reader_on_the_receiving_device() -> None:
+    profile = _chain([10, 20, 30, 40], [(0, 3)], training=False)
+    sim = simulate(profile, ["a", "a", "b", "b"], {"x": "a"}, "b")
+    # a: op0 (10) lives until copied at op3; op1 (20) until op2 reads its copy: 10+20 at op1 and op2.
+    # b: copy of op1 (20) + op2 (30); then op2 + copy of op0 (10) + op3 (40) = 80.
+    assert sim.forward == {"a": 30, "b": 80}
+    trained = simulate(_chain([10, 20, 30, 40], [(0, 3)], training=True), ["a", "a", "b", "b"], {"x": "a"}, "b")
+    assert trained.saved == {"a": 8 + 10, "b": 20 + 30}
+
+
+def test_device_bytes_stay_parameters_and_buffers_when_the_problem_charges_more() -> None:
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    traced = trace(model, example_inputs=(torch.randn(4, 16),), mode="fx")
+    costs = build_problem(traced.graph_module, model, device_index={"cpu:0": 0, "cpu:1": 1})
+    n = costs.problem.num_ops
+    costs.problem = dataclasses.replace(costs.problem, op_extra=(1000,) * n, op_transient=(500,) * n)
+    solution = partition(costs.problem, [10_000, 10_000])
+    made = make_plan(costs, traced.graph_module, solution, ["cpu:0", "cpu:1"], {"cpu:0": 10_000, "cpu:1": 10_000},
+                     output_device=None, trace="fx", objective="min_transfer")
+    assert sum(solution.device_weights) > 2 * 1088 + 1000 * n  # the partitioner charged the extras...
+    assert sum(made.device_bytes.values()) == 2 * (16 * 16 + 16) * 4  # ...the plan reports weights only
+
+
+def test_planning_never_touches_the_model() -> None:
+    torch.manual_seed(0)
+    model = ConvNet()
+    before = copy.deepcopy(model.state_dict())
+    fxsplit.plan(model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(torch.randn(2, 3, 12, 12),),
+                 mode="training")
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_memory_model_spec_is_plain_data() -> None:
+    spec = MemorySpec.coerce("training", "AdamW")
+    assert (spec.mode, spec.optimizer) == ("training", "adamw")
+    assert MemorySpec.coerce().training is False
+    assert isinstance(MemoryModel.__dataclass_fields__["profile"].default, type(None))
+
+
+# -- budgets="auto" ------------------------------------------------------------------------------------
+
+
+GiB = 1 << 30
+
+
+@pytest.fixture
+def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA as torch would report two devices with 10 and 6 GiB free of 16 GiB."""
+    free = {0: (10 * GiB, 16 * GiB), 1: (6 * GiB, 16 * GiB)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: free[index])
+
+
+def test_auto_budgets_without_a_gpu_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(fxsplit.SpecError, match=r"budgets='auto' .* torch sees none .* pass budgets explicitly"):
+        fxsplit.plan(_mlp(), "auto", example_inputs=(torch.randn(2, 64),))  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("two_gpus")
+def test_auto_budgets_are_free_memory_minus_the_reserve() -> None:
+    auto_budgets = fxsplit.auto_budgets
+    assert auto_budgets() == {"cuda:0": 9 * GiB, "cuda:1": 5 * GiB}
+    assert auto_budgets("2GiB") == {"cuda:0": 8 * GiB, "cuda:1": 4 * GiB}
+    assert auto_budgets(0.25) == {"cuda:0": 6 * GiB, "cuda:1": 2 * GiB}
+    assert auto_budgets(0, devices=[1]) == {"cuda:1": 6 * GiB}
+    with pytest.raises(fxsplit.SpecError, match=r"'cuda:1' has 6.00 GiB free of 16.00 GiB, not more than the reserve"):
+        auto_budgets("6GiB")
+    with pytest.raises(fxsplit.SpecError, match=r"device 2 is not a visible CUDA index \(0..1\)"):
+        auto_budgets(devices=[2])
+    with pytest.raises(fxsplit.SpecError, match=r"fractional reserve must be in \[0, 1\)"):
+        auto_budgets(1.5)
+    plan = fxsplit.plan(_mlp(), "auto", example_inputs=(torch.randn(2, 64),))  # type: ignore[arg-type]
+    assert plan.budgets == {"cuda:0": 9 * GiB, "cuda:1": 5 * GiB}
+    assert plan.devices == ("cuda:0", "cuda:1")
