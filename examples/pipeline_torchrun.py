@@ -63,8 +63,10 @@ def main() -> None:
     inputs = [torch.randint(0, 128, (16, 12)) for _ in range(args.steps)]
     batches = [(ids, (ids + 1) % 128) for ids in inputs]  # learn to predict the next token id
 
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied counted once
-    budgets = {f"{kind}:{i}": int(weights / world * 1.3) for i in range(world)}  # so that every rank is needed
+    # Budgets from what the model needs on one device (weights, and a micro-batch's activations), shared out
+    # with room to spare (the tied weight is held twice once split), yet so that every rank is needed.
+    alone = fxsplit.plan(model, {f"{kind}:0": "1GiB"}, example_inputs=(batches[0][0],), pipeline={"chunks": chunks})
+    budgets = {f"{kind}:{i}": int(alone.memory[f"{kind}:0"]["total"] / world * 1.6) for i in range(world)}
     stages = fxsplit.pipeline_stages(model, budgets, example_inputs=(batches[0][0],), chunks=chunks)
     if rank == 0:
         print(stages.plan)

@@ -42,8 +42,10 @@ def main() -> None:
     reference = copy.deepcopy(model)  # the unsplit model, to compare with
     x = torch.randn(20, 10)
 
-    # net1 holds 440 bytes of weights, net2 220: neither device may hold both.
-    budgets = {devices[0]: "512B", devices[1]: "512B"}
+    # net1 holds 440 bytes of weights, net2 220, and a forward on this batch needs up to 1.56 KiB of
+    # activations besides (counted by default, mode="inference"): 2.21 KiB on one device, so with
+    # 2 KiB each neither device may hold both layers.
+    budgets = {devices[0]: "2KiB", devices[1]: "2KiB"}
     gm = fxsplit.fxsplit(model, budgets, example_inputs=(x,), trace="fx")
     plan = gm.meta["fxsplit_plan"]
     print(plan)

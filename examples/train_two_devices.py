@@ -1,7 +1,9 @@
 """Train a model split over two devices; it matches single-device training step by step.
 
-The loss is computed where the outputs land (``plan.output_device``), so the
-labels are moved there; the optimizer is built on the model's own parameters,
+The split is planned with ``mode="training"`` and ``optimizer="sgd_momentum"``,
+so each budget holds gradients and the momentum buffer too. The loss is
+computed where the outputs land (``plan.output_device``), so the labels are
+moved there; the optimizer is built on the model's own parameters,
 which fxsplit moved to their devices in place. A deep copy of the model trains
 on one device alongside, with the same data and the same optimizer; the script
 prints both losses at every step and the largest parameter difference at the
@@ -46,10 +48,13 @@ def main() -> None:
     reference = copy.deepcopy(model).to(single_device)
     data = [(torch.randn(16, 32), torch.randint(0, 4, (16,))) for _ in range(STEPS)]
 
-    # About 60% of the weights per device: the model must be split in two.
-    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    budgets = {d: int(0.6 * weights) for d in devices}
-    gm = fxsplit.fxsplit(model, budgets, example_inputs=(data[0][0],), trace="fx")
+    # Planned for training: a budget holds weights, activations saved for backward, gradients and
+    # SGD's momentum buffer. Each device gets 60% of what one device would need: the model must be split.
+    alone = fxsplit.plan(model, {single_device: "1GiB"}, example_inputs=(data[0][0],), trace="fx",
+                         mode="training", optimizer="sgd_momentum").memory[single_device]["total"]
+    budgets = {d: int(0.6 * alone) for d in devices}
+    gm = fxsplit.fxsplit(model, budgets, example_inputs=(data[0][0],), trace="fx", mode="training",
+                         optimizer="sgd_momentum")
     plan = gm.meta["fxsplit_plan"]
     print(plan)
 

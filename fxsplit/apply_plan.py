@@ -128,7 +128,7 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, **o
         >>> plan = fxsplit.plan(model, {"cpu:0": "20KiB", "cpu:1": "20KiB"}, trace="fx")
         >>> saved = plan.to_yaml()
         >>> gm = fxsplit.apply(model, fxsplit.Plan.from_yaml(saved))
-        >>> gm.meta["fxsplit_plan"] == plan
+        >>> gm.meta["fxsplit_plan"] == fxsplit.Plan.from_yaml(saved)
         True
         >>> fxsplit.apply(torch.nn.Sequential(torch.nn.Linear(64, 32)), plan)  # doctest: +ELLIPSIS
         Traceback (most recent call last):

@@ -30,9 +30,12 @@ def largest_leaf_bytes(model: nn.Module) -> int:
 
 
 def budgets_for(model: nn.Module, devices: int) -> dict[str, int]:
-    """Equal budgets that fit the model over ``devices`` devices and, for these models, not on fewer.
+    """Equal budgets that fit the model's weights over ``devices`` devices and, for these models, not on fewer.
 
     An even share plus the largest leaf module always fits a chain of leaves in order.
+    They count parameters and buffers only: plan with them under ``mode="weights"``
+    (as :func:`split_and_compare` does by default), not the default ``"inference"``,
+    which also charges activations.
     """
     each = math.ceil(tensor_bytes(model) / devices) + largest_leaf_bytes(model)
     return {d: each for d in CPUS[:devices]}
@@ -72,9 +75,13 @@ def split_and_compare(
     loss: Callable[[Any], torch.Tensor] = default_loss,
     steps: int = 1,
     min_devices: int = 2,
+    mode: str = "weights",
     **options: Any,
 ) -> torch.fx.GraphModule:
     """Split a model and check it against an unsplit deep copy: outputs, gradients, buffers, invariants.
+
+    ``mode`` defaults to ``"weights"``: budgets from :func:`budgets_for` count
+    parameters and buffers only, and these checks are about placement and copies.
 
     Runs ``steps`` forward/backward passes on both, each forward under a
     :class:`DeviceChecker`, so an op that mixes logical devices fails.
@@ -83,7 +90,7 @@ def split_and_compare(
     kwargs = kwargs or {}
     params_before = {n: p for n, p in model.named_parameters()}
     gm = fxsplit.fxsplit(model, budgets, example_inputs=tuple(inputs), trace=trace,
-                         example_kwargs=kwargs or None, **options)
+                         example_kwargs=kwargs or None, mode=mode, **options)
     plan = gm.meta["fxsplit_plan"]
     assert plan.trace == trace
     verify_plan(plan, model=model)

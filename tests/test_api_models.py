@@ -102,7 +102,7 @@ def test_tied_head_runs_beside_its_embedding_when_that_copies_less() -> None:
     model = Tied()
     inputs = (torch.randint(0, 40, (3, 7)),)
     contiguous = fxsplit.plan(copy.deepcopy(model), budgets_for(model, 2), example_inputs=inputs, trace="fx",
-                              contiguous=True)
+                              contiguous=True, mode="weights")
     gm = split_and_compare(model, budgets_for(model, 2), inputs)
     plan = gm.meta["fxsplit_plan"]
     assert plan.placement["head"] == plan.param_devices["emb.weight"]
@@ -126,7 +126,8 @@ def test_batchnorm_cumulative_average_falls_back_to_fx() -> None:
     model = WithBatchNorm(cumulative=True)
     gm = split_and_compare(model, budgets_for(model, 2), (torch.randn(6, 8),), trace="fx", steps=3)
     assert int(model.bn2.num_batches_tracked) == 3
-    auto = fxsplit.plan(WithBatchNorm(cumulative=True), budgets_for(model, 2), example_inputs=(torch.randn(6, 8),))
+    auto = fxsplit.plan(WithBatchNorm(cumulative=True), budgets_for(model, 2), example_inputs=(torch.randn(6, 8),),
+                        mode="weights")
     assert auto.trace == "fx"
     assert gm.meta["fxsplit_plan"].placement == auto.placement
 
@@ -181,7 +182,7 @@ def test_gradient_reaches_the_input(trace: str) -> None:
     reference = copy.deepcopy(model)
     x = torch.randn(4, 16, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
-    gm = fxsplit.fxsplit(model, budgets_for(model, 3), example_inputs=(x.detach(),), trace=trace)
+    gm = fxsplit.fxsplit(model, budgets_for(model, 3), example_inputs=(x.detach(),), trace=trace, mode="weights")
     gm(x).square().sum().backward()
     reference(x_ref).square().sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
@@ -203,7 +204,7 @@ def test_default_output_device_is_the_last_stage_that_runs_ops() -> None:
     roomy = fxsplit.plan(model, {"cpu:0": 10**6, "cpu:1": 10**6}, example_inputs=(x,))
     assert set(roomy.placement.values()) == {"cpu:0"}  # no reason to cut: cpu:1 runs nothing
     assert roomy.output_device == "cpu:0" and roomy.cuts == ()
-    tight = fxsplit.plan(model, budgets_for(model, 3), example_inputs=(x,))
+    tight = fxsplit.plan(model, budgets_for(model, 3), example_inputs=(x,), mode="weights")
     last_op = [name for name in tight.placement if name != "output"][-1]
     assert tight.output_device == tight.placement[last_op] == tight.placement["output"]
 
@@ -232,7 +233,7 @@ def test_budget_keys_as_torch_devices_and_strings() -> None:
     model = mlp()
     each = budgets_for(model, 2)["cpu:0"]
     budgets = {torch.device("cpu", 0): each, "cpu:1": f"{each}B"}
-    plan = fxsplit.plan(model, budgets, example_inputs=(torch.randn(2, 16),))
+    plan = fxsplit.plan(model, budgets, example_inputs=(torch.randn(2, 16),), mode="weights")
     assert plan.devices == ("cpu:0", "cpu:1")
     assert plan.budgets == {"cpu:0": each, "cpu:1": each}
 
@@ -246,7 +247,7 @@ def test_plan_does_not_touch_the_model(trace: str) -> None:
     params = {n: (p, p.data_ptr(), p.requires_grad) for n, p in model.named_parameters()}
     modules = dict(model.named_modules())
     hooks = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
-    fxsplit.plan(model, budgets_for(model, 2), example_inputs=(torch.randn(6, 8),), trace=trace)
+    fxsplit.plan(model, budgets_for(model, 2), example_inputs=(torch.randn(6, 8),), trace=trace, mode="weights")
     after = model.state_dict()
     assert before.keys() == after.keys()
     for name in before:
@@ -264,7 +265,8 @@ def test_split_shares_parameters_with_the_model(trace: str) -> None:
     model = Residual()
     reference = copy.deepcopy(model)
     originals = dict(model.named_parameters())
-    gm = fxsplit.fxsplit(model, budgets_for(model, 3), example_inputs=(torch.randn(2, 10),), trace=trace)
+    gm = fxsplit.fxsplit(model, budgets_for(model, 3), example_inputs=(torch.randn(2, 10),), trace=trace,
+                         mode="weights")
     assert dict(model.named_parameters()) == originals  # the very same Parameter objects
     by_id = {id(p) for p in model.parameters()}
     assert {id(p) for p in gm.parameters()} <= by_id
@@ -285,13 +287,13 @@ def test_meta_model_can_be_planned_not_split() -> None:
     layer = (1024 * 1024 + 1024) * 4
     budgets = {"cpu:0": 3 * layer, "cpu:1": 3 * layer, "cpu:2": 3 * layer}
     for kwargs in ({}, {"example_inputs": (torch.empty(4, 1024, device="meta"),)}):
-        plan = fxsplit.plan(model, budgets, **kwargs)
+        plan = fxsplit.plan(model, budgets, mode="weights", **kwargs)
         assert sorted(plan.device_bytes.values()) == [2 * layer, 3 * layer, 3 * layer]
         assert len(set(plan.param_devices.values())) == 3
         assert all(p.device.type == "meta" for p in model.parameters())
     assert plan.cuts[0].nbytes == 4 * 1024 * 4  # shapes known from the meta example input
     with pytest.raises(fxsplit.FxsplitError, match=r"meta device.*fxsplit\.plan\(\)"):
-        fxsplit.fxsplit(model, budgets)
+        fxsplit.fxsplit(model, budgets, mode="weights")
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
@@ -323,7 +325,7 @@ def test_copies_at_cuts_only_once_per_destination() -> None:
 def test_inputs_on_another_device_are_moved_in() -> None:
     torch.manual_seed(0)
     model = mlp()
-    gm = fxsplit.fxsplit(model, budgets_for(model, 2), trace="fx")
+    gm = fxsplit.fxsplit(model, budgets_for(model, 2), trace="fx", mode="weights")
     plan = gm.meta["fxsplit_plan"]
     x = torch.randn(2, 16)
     with DeviceChecker(plan, gm) as checker:

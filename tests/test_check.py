@@ -14,6 +14,8 @@ from fxsplit.check import DeviceChecker, InvariantError, verify_plan, verify_spl
 from fxsplit.codegen import COPY_META, DEVICE_META
 from fxsplit.plan import Cut
 
+# Room for the 384 bytes of parameters over two devices, not one: these checks are about placement and
+# copies, so the plans count weights only (mode="weights"), not activations.
 BUDGETS = {"cpu:0": 300, "cpu:1": 300}
 
 
@@ -24,14 +26,14 @@ def model() -> nn.Module:
 
 def split() -> tuple[nn.Module, torch.fx.GraphModule]:
     m = model()
-    return m, fxsplit.fxsplit(m, BUDGETS, example_inputs=(torch.randn(2, 4),), trace="fx")
+    return m, fxsplit.fxsplit(m, BUDGETS, mode="weights", example_inputs=(torch.randn(2, 4),), trace="fx")
 
 
 def test_valid_split_passes_every_check() -> None:
     m = model()
-    planned = _plan(m, BUDGETS, (torch.randn(2, 4),), {"trace": "fx"})
+    planned = _plan(m, BUDGETS, (torch.randn(2, 4),), {"trace": "fx", "mode": "weights"})
     verify_plan(planned.plan, planned.traced.graph_module, m)
-    gm = fxsplit.fxsplit(m, BUDGETS, example_inputs=(torch.randn(2, 4),), trace="fx")
+    gm = fxsplit.fxsplit(m, BUDGETS, mode="weights", example_inputs=(torch.randn(2, 4),), trace="fx")
     verify_split(gm)
     with DeviceChecker(gm.meta["fxsplit_plan"], gm) as checker:
         out = gm(torch.randn(3, 4))
@@ -41,7 +43,7 @@ def test_valid_split_passes_every_check() -> None:
 
 def test_check_plan_lists_every_violation() -> None:
     m = model()
-    planned = _plan(m, BUDGETS, (torch.randn(2, 4),), {"trace": "fx"})
+    planned = _plan(m, BUDGETS, (torch.randn(2, 4),), {"trace": "fx", "mode": "weights"})
     plan = planned.plan
     cut = plan.cuts[0]
     broken = dataclasses.replace(
@@ -65,7 +67,7 @@ def test_check_plan_lists_every_violation() -> None:
 
 def test_check_plan_device_bytes_must_cover_the_weights_placed() -> None:
     m = model()
-    plan = fxsplit.plan(m, BUDGETS, example_inputs=(torch.randn(2, 4),))
+    plan = fxsplit.plan(m, BUDGETS, mode="weights", example_inputs=(torch.randn(2, 4),))
     with pytest.raises(InvariantError, match="'cpu:1' holds .* bytes of parameters and buffers but device_bytes says"):
         verify_plan(dataclasses.replace(plan, device_bytes={**plan.device_bytes, "cpu:1": 0}), model=m)
 
@@ -192,8 +194,8 @@ def test_a_node_marked_for_another_device_is_caught() -> None:
 
 def test_check_option_runs_the_checkers(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(2, 4)
-    fxsplit.fxsplit(model(), BUDGETS, example_inputs=(x,), check=True)
-    fxsplit.plan(model(), BUDGETS, example_inputs=(x,), check=True)
+    fxsplit.fxsplit(model(), BUDGETS, mode="weights", example_inputs=(x,), check=True)
+    fxsplit.plan(model(), BUDGETS, mode="weights", example_inputs=(x,), check=True)
     emit = fxsplit.api.emit
 
     def emit_without_a_copy(*args: object) -> torch.fx.GraphModule:
@@ -202,9 +204,9 @@ def test_check_option_runs_the_checkers(monkeypatch: pytest.MonkeyPatch) -> None
         return gm
 
     monkeypatch.setattr(fxsplit.api, "emit", emit_without_a_copy)
-    fxsplit.fxsplit(model(), BUDGETS, example_inputs=(x,))  # unchecked: goes unnoticed
+    fxsplit.fxsplit(model(), BUDGETS, mode="weights", example_inputs=(x,))  # unchecked: goes unnoticed
     with pytest.raises(InvariantError, match="makes no such copy"):
-        fxsplit.fxsplit(model(), BUDGETS, example_inputs=(x,), check=True)
+        fxsplit.fxsplit(model(), BUDGETS, mode="weights", example_inputs=(x,), check=True)
     make_plan = fxsplit.api.make_plan
 
     def over_budget(*args: object, **kwargs: object) -> fxsplit.Plan:
@@ -213,4 +215,4 @@ def test_check_option_runs_the_checkers(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(fxsplit.api, "make_plan", over_budget)
     with pytest.raises(InvariantError, match="over its budget"):
-        fxsplit.plan(model(), BUDGETS, example_inputs=(x,), check=True)
+        fxsplit.plan(model(), BUDGETS, mode="weights", example_inputs=(x,), check=True)

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -18,7 +17,9 @@ import fxsplit
 from fxsplit.check import DeviceChecker, verify_split
 from fxsplit.codegen import COPY_META, ExportedSplit
 
-BUDGETS = {"cpu:0": 80, "cpu:1": 80, "cpu:2": 80}  # one Linear(4, 4) (80 bytes) per device
+# One Linear(4, 4) (80 bytes) per device. These tests are about the code and the copies, so they plan
+# with mode="weights": the budgets count parameters only, not activations.
+BUDGETS = {"cpu:0": 80, "cpu:1": 80, "cpu:2": 80}
 
 
 class Small(nn.Module):
@@ -72,7 +73,7 @@ def forward(self, x : _torch_Tensor_, y : _torch_Tensor_) -> _torch_Tensor_:
 
 
 def test_expected_code_with_shapes() -> None:
-    gm = fxsplit.fxsplit(Small(), BUDGETS, example_inputs=inputs(), trace="fx")
+    gm = fxsplit.fxsplit(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx")
     assert gm.code.strip() == EXPECTED_WITH_SHAPES.strip()
     plan = gm.meta["fxsplit_plan"]
     assert [(c.producer, c.source, c.destination, c.nbytes, c.kind) for c in plan.cuts] == [
@@ -81,18 +82,18 @@ def test_expected_code_with_shapes() -> None:
         ("relu", "cpu:0", "cpu:2", 32, "activation"),
     ]
     assert plan.transfer_bytes == 96
-    assert str(plan).splitlines()[-1] == "cuts: 3, transfer per forward: 96 B; outputs on cpu:2"
+    assert str(plan).splitlines()[4] == "cuts: 3, transfer per forward: 96 B; outputs on cpu:2"  # then memory
 
 
 def test_expected_code_without_shapes() -> None:
-    gm = fxsplit.fxsplit(Small(), BUDGETS, trace="fx")
+    gm = fxsplit.fxsplit(Small(), BUDGETS, mode="weights", trace="fx")
     assert gm.code.strip() == EXPECTED_WITHOUT_SHAPES.strip()
     assert all(c.nbytes is None for c in gm.meta["fxsplit_plan"].cuts)
     verify_split(gm)
 
 
 def test_plan_table() -> None:
-    plan = fxsplit.plan(Small(), BUDGETS, example_inputs=inputs(), trace="fx")
+    plan = fxsplit.plan(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx")
     assert str(plan).splitlines()[:4] == [
         "device  budget  used  %      modules  in    out",
         "cpu:0   80 B    80 B  100.0  a        0 B   64 B",
@@ -102,13 +103,13 @@ def test_plan_table() -> None:
 
 
 def test_same_input_same_code_and_plan() -> None:
-    first = fxsplit.fxsplit(Small(), BUDGETS, example_inputs=inputs(), trace="fx")
-    second = fxsplit.fxsplit(Small(), BUDGETS, example_inputs=inputs(), trace="fx")
+    first = fxsplit.fxsplit(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx")
+    second = fxsplit.fxsplit(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx")
     assert first.code == second.code
     assert first.meta["fxsplit_plan"] == second.meta["fxsplit_plan"]
     for trace in ("export", "fx"):
-        one = fxsplit.plan(Small(), BUDGETS, example_inputs=inputs(), trace=trace)
-        two = fxsplit.plan(Small(), BUDGETS, example_inputs=inputs(), trace=trace)
+        one = fxsplit.plan(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace=trace)
+        two = fxsplit.plan(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace=trace)
         assert one == two and one.to_dict() == two.to_dict()
         assert fxsplit.Plan.from_dict(json.loads(json.dumps(one.to_dict()))) == one  # plain data, round trip
 
@@ -119,7 +120,7 @@ _SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import fxsplit
     from test_codegen import BUDGETS, Small, inputs
-    gm = fxsplit.fxsplit(Small(), BUDGETS, example_inputs=inputs(), trace="fx")
+    gm = fxsplit.fxsplit(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx")
     print(json.dumps({{"code": gm.code, "plan": gm.meta["fxsplit_plan"].to_dict()}}))
     """
 )
@@ -127,7 +128,7 @@ _SCRIPT = textwrap.dedent(
 
 def test_deterministic_across_processes() -> None:
     """Another interpreter with another hash seed makes byte-identical code and plan."""
-    here = fxsplit.fxsplit(Small(), BUDGETS, example_inputs=inputs(), trace="fx")
+    here = fxsplit.fxsplit(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx")
     script = _SCRIPT.format(tests=os.path.dirname(__file__))
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
@@ -138,7 +139,7 @@ def test_deterministic_across_processes() -> None:
 
 
 def test_copies_sit_right_before_their_first_reader() -> None:
-    gm = fxsplit.fxsplit(Small(), BUDGETS, example_inputs=inputs(), trace="fx")
+    gm = fxsplit.fxsplit(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx")
     nodes = list(gm.graph.nodes)
     for i, node in enumerate(nodes):
         if COPY_META not in node.meta:
@@ -149,7 +150,7 @@ def test_copies_sit_right_before_their_first_reader() -> None:
 
 
 def test_input_goes_to_the_device_of_its_first_use() -> None:
-    gm = fxsplit.fxsplit(Small(), BUDGETS, example_inputs=inputs(), trace="fx")
+    gm = fxsplit.fxsplit(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx")
     plan = gm.meta["fxsplit_plan"]
     assert plan.placement["x"] == "cpu:0" and plan.placement["y"] == "cpu:2"
     copies = {n.meta[COPY_META] for n in gm.graph.nodes if COPY_META in n.meta}
@@ -165,7 +166,8 @@ def test_an_input_read_on_two_devices_is_copied_from_its_first_device() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.b(self.a(x)) * x
 
-    gm = fxsplit.fxsplit(TwoUses(), {"cpu:0": 80, "cpu:1": 80}, example_inputs=(torch.randn(2, 4),), trace="fx")
+    gm = fxsplit.fxsplit(TwoUses(), {"cpu:0": 80, "cpu:1": 80}, mode="weights", example_inputs=(torch.randn(2, 4),),
+                         trace="fx")
     copies = [n.meta[COPY_META] for n in gm.graph.nodes if COPY_META in n.meta]
     assert copies == [("x", None, "cpu:0"), ("a", "cpu:0", "cpu:1"), ("x", "cpu:0", "cpu:1")]
     assert [(c.producer, c.kind) for c in gm.meta["fxsplit_plan"].cuts] == [("a", "activation"), ("x", "input")]
@@ -173,8 +175,8 @@ def test_an_input_read_on_two_devices_is_copied_from_its_first_device() -> None:
 
 
 def test_export_input_goes_straight_to_the_device_of_its_first_real_use() -> None:
-    plan = fxsplit.plan(Small(), BUDGETS, example_inputs=inputs(), trace="export")
-    fx_plan = fxsplit.plan(Small(), BUDGETS, example_inputs=inputs(), trace="fx")
+    plan = fxsplit.plan(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="export")
+    fx_plan = fxsplit.plan(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx")
     assert plan.placement["y"] == "cpu:2"
     assert plan.transfer_bytes == fx_plan.transfer_bytes == 96
 
@@ -199,7 +201,7 @@ def test_hard_coded_devices_are_rewritten_to_the_stage() -> None:
     model = CudaInside(use_cuda=True)
     reference = CudaInside(use_cuda=False)
     reference.load_state_dict(model.state_dict())
-    gm = fxsplit.fxsplit(model, BUDGETS, example_inputs=(torch.randn(2, 4),), trace="fx")
+    gm = fxsplit.fxsplit(model, BUDGETS, mode="weights", example_inputs=(torch.randn(2, 4),), trace="fx")
     assert ".cuda(" not in gm.code and ".cpu(" not in gm.code
     assert re.search(r"'cpu'(?!, index=)", gm.code) is None, gm.code  # no bare 'cpu' left
     assert "torch.ones(4, device = device(type='cpu', index=1))" in gm.code
@@ -213,10 +215,10 @@ def test_hard_coded_devices_are_rewritten_to_the_stage() -> None:
 
 
 def test_export_split_is_an_exported_split_and_lints() -> None:
-    gm = fxsplit.fxsplit(Small(), BUDGETS, example_inputs=inputs(), trace="export")
+    gm = fxsplit.fxsplit(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="export")
     assert isinstance(gm, ExportedSplit)
     gm.graph.lint()
     verify_split(gm)
-    fx_gm = fxsplit.fxsplit(Small(), BUDGETS, example_inputs=inputs(), trace="fx")
+    fx_gm = fxsplit.fxsplit(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx")
     assert isinstance(fx_gm, torch.fx.GraphModule) and not isinstance(fx_gm, ExportedSplit)
     assert fx_gm.meta["fxsplit_plan"].param_devices == gm.meta["fxsplit_plan"].param_devices

@@ -20,21 +20,19 @@ def three_linears() -> nn.Module:
 
 def test_total_over_the_sum_of_budgets_says_by_how_much() -> None:
     with pytest.raises(fxsplit.BudgetError) as info:
-        fxsplit.plan(three_linears(), {"cpu:0": 1000, "cpu:1": 1000}, example_inputs=X)
+        fxsplit.plan(three_linears(), {"cpu:0": 1000, "cpu:1": 1000}, example_inputs=X, mode="weights")
     message = str(info.value)
     assert isinstance(info.value, ValueError) and isinstance(info.value, fxsplit.FxsplitError)
-    assert "budget" in message
-    assert f"need 3.19 KiB ({3 * LINEAR} bytes)" in message
-    assert "add up to 1.95 KiB (2000 bytes)" in message
-    assert f"short by 1.23 KiB ({3 * LINEAR - 2000} bytes)" in message
-    assert "['cpu:0' 1000 B, 'cpu:1' 1000 B]" in message and "raise the budgets or add a device" in message
+    assert "with mode='weights' the model needs parameters 3.19 KiB" in message  # 3 * LINEAR bytes
+    assert "before splitting, but the budgets add up to 1.95 KiB: the parameters alone exceed them" in message
+    assert f"short by 1.23 KiB ({3 * LINEAR - 2000} bytes); raise the budgets or add a device" in message
 
 
 def test_one_parameter_larger_than_every_device_is_named() -> None:
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 64))
     big = (16 * 64 + 64) * 4
     with pytest.raises(fxsplit.BudgetError) as info:
-        fxsplit.plan(model, {"cpu:0": 3000, "cpu:1": 4000, "cpu:2": 2000}, example_inputs=X)
+        fxsplit.plan(model, {"cpu:0": 3000, "cpu:1": 4000, "cpu:2": 2000}, example_inputs=X, mode="weights")
     message = str(info.value)
     assert "'2.weight' 4.00 KiB" in message and "'2.bias' 256 B" in message
     assert f"needs 4.25 KiB ({big} bytes)" in message
@@ -45,13 +43,13 @@ def test_one_parameter_larger_than_every_device_is_named() -> None:
 def test_same_errors_from_fxsplit_and_from_fx_tracing() -> None:
     for kwargs in ({"example_inputs": X}, {"trace": "fx"}):
         with pytest.raises(fxsplit.BudgetError, match=rf"short by .* \({3 * LINEAR - 2000} bytes\)"):
-            fxsplit.fxsplit(three_linears(), {"cpu:0": 1000, "cpu:1": 1000}, **kwargs)
+            fxsplit.fxsplit(three_linears(), {"cpu:0": 1000, "cpu:1": 1000}, mode="weights", **kwargs)
 
 
 def test_pinned_piece_too_big_for_its_device() -> None:
     with pytest.raises(fxsplit.BudgetError) as info:
         fxsplit.plan(three_linears(), {"cpu:0": 2 * LINEAR, "cpu:1": LINEAR - 8, "cpu:2": 2 * LINEAR},
-                     example_inputs=X, pins={"3": "cpu:1"})
+                     example_inputs=X, pins={"3": "cpu:1"}, mode="weights")
     message = str(info.value)
     assert "budget of pinned device 'cpu:1'" in message and "short by 8 B (8 bytes)" in message
     assert "raise that budget or unpin" in message
@@ -60,7 +58,8 @@ def test_pinned_piece_too_big_for_its_device() -> None:
 def test_fragmentation_says_how_much_more_would_fit() -> None:
     # 3 equal layers, 2 devices of 1.5 layers: the total fits, no order of layers does.
     with pytest.raises(fxsplit.BudgetError) as info:
-        fxsplit.plan(three_linears(), {"cpu:0": 3 * LINEAR // 2, "cpu:1": 3 * LINEAR // 2}, example_inputs=X)
+        fxsplit.plan(three_linears(), {"cpu:0": 3 * LINEAR // 2, "cpu:1": 3 * LINEAR // 2}, example_inputs=X,
+                     mode="weights")
     message = str(info.value)
     assert "cannot be packed into the devices without exceeding a budget, in order or out of order" in message
     percent = float(re.search(r"raised by ([0-9.]+)%", message).group(1))  # type: ignore[union-attr]

@@ -180,14 +180,15 @@ X = (torch.randn(3, 16),)
 
 
 def plan_with(text: str, **options: object) -> fxsplit.Plan:
-    return fxsplit.plan(Chain(), spec=text, example_inputs=X, trace="fx", **options)
+    """Plan ``Chain`` under a spec whose budgets count its weights only (a spec has no ``mode``: the keyword)."""
+    return fxsplit.plan(Chain(), spec=text, example_inputs=X, trace="fx", mode="weights", **options)
 
 
 def test_spec_drives_the_split_and_outputs_match() -> None:
     model = Chain()
     expected = model(*X)
     spec = f"devices: {{cpu:0: {3 * LAYER}, cpu:1: {3 * LAYER}}}\npin: {{head: cpu:1}}\ntrace: fx\n"
-    gm = fxsplit.fxsplit(model, spec=spec, example_inputs=X)
+    gm = fxsplit.fxsplit(model, spec=spec, example_inputs=X, mode="weights")
     plan = gm.meta["fxsplit_plan"]
     assert plan.param_devices["head.weight"] == "cpu:1" and plan.param_devices["embed.weight"] == "cpu:0"
     torch.testing.assert_close(gm(*X), expected)
@@ -218,7 +219,7 @@ def test_reserve_is_held_back_and_recorded() -> None:
     assert all(plan.device_bytes[d] <= plan.budgets[d] - plan.reserved[d] for d in plan.devices)
     assert "reserve" in str(plan).splitlines()[0]
     budgets = {"cpu:0": 6 * LAYER, "cpu:1": 6 * LAYER}
-    keyword = fxsplit.plan(Chain(), budgets, example_inputs=X, reserve={"cpu:1": "1KiB"})
+    keyword = fxsplit.plan(Chain(), budgets, example_inputs=X, reserve={"cpu:1": "1KiB"}, mode="weights")
     assert keyword.reserved == {"cpu:0": 0, "cpu:1": 1024}
 
 
@@ -288,7 +289,7 @@ def test_pins_that_make_budgets_infeasible_name_the_pin() -> None:
            "2.12 KiB left" in message
     with pytest.raises(fxsplit.BudgetError, match=r"it fits without pins\['embed'\] -> 'cpu:1'"):
         fxsplit.plan(Chain(), {"cpu:0": 3 * LAYER, "cpu:1": 3 * LAYER}, example_inputs=X, pins={"embed": "cpu:1"},
-                     contiguous=True)
+                     contiguous=True, mode="weights")
 
 
 def test_together_that_makes_budgets_infeasible_is_named() -> None:
