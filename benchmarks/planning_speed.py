@@ -106,7 +106,7 @@ def time_to_split(case: Case, repeats: int, n: int = 2) -> dict[str, Any]:
         stages, split = _fxsplit_stages(case, budgets)
         model = case.build()
         api = time_call(partial(fxsplit.fxsplit, model, budgets, example_inputs=case.inputs(),
-                                example_kwargs=case.kwargs() or None))[0]
+                                example_kwargs=case.kwargs() or None, mode="weights"))[0]
         with tempfile.TemporaryDirectory() as offload_dir:
             stages_acc, dispatched = _accelerate_stages(case, budgets, offload_dir)
             if r == 0:
@@ -156,7 +156,7 @@ def real_graphs(depths: Sequence[int], repeats: int) -> list[dict[str, Any]]:
         budgets = list(_budgets(model, 4, 1.2).values())
         named = {f"cpu:{k}": b for k, b in enumerate(budgets)}
         times = [time_call(partial(partition, costs.problem, budgets))[0] for _ in range(repeats)]
-        plan_time = time_call(partial(fxsplit.plan, model, named, example_inputs=(x,), trace="fx"))[0]
+        plan_time = time_call(partial(fxsplit.plan, model, named, example_inputs=(x,), trace="fx", mode="weights"))[0]
         rows.append({"model": f"mlp(depth={depth})", "graph_nodes": len(traced.graph_module.graph.nodes),
                      "ops": costs.problem.num_ops, "partition_s": median(times), "fxsplit_plan_s": plan_time})
     return rows

@@ -62,7 +62,7 @@ def _fxsplit_row(case: Case, model: Any, costs: GraphCosts, budgets: list[int]) 
     named = {f"cpu:{k}": b for k, b in enumerate(budgets)}
     kwargs = case.kwargs() or None
     try:
-        plan = fxsplit.plan(model, named, example_inputs=case.inputs(), example_kwargs=kwargs)
+        plan = fxsplit.plan(model, named, example_inputs=case.inputs(), example_kwargs=kwargs, mode="weights")
     except BudgetError as error:
         return {"placed": False, "error": str(error)}
     row = _score_dict(score(costs, from_plan(costs, plan), budgets), budgets)

@@ -22,7 +22,8 @@ QUALITY_NOTE = """\
 Budgets per device: tight = 1.1 x total / N, loose = 1.5 x total / N (total = every parameter and buffer,
 each tensor once). All placements are scored on the same traced graph with fxsplit's cost model: bytes
 copied per forward, each value once per device other than its home that reads it (a lower bound for
-Accelerate, whose hooks copy a value again for every module that reads it). Accelerate is given
+Accelerate, whose hooks copy a value again for every module that reads it). fxsplit is called with
+`mode="weights"` so that a budget means what Accelerate's `max_memory` means. Accelerate is given
 `max_memory={0: b, 1: b, ...}` (ints are its only accelerator keys; int k is read as `cpu:k`):
 `accelerate` = `infer_auto_device_map(model, max_memory, no_split_module_classes=<block classes>)`
 (`model._no_split_modules` for transformers models), `accelerate-plain` = the same without

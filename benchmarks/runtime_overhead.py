@@ -89,7 +89,7 @@ def build_variants(case: Case, n: int) -> tuple[dict[str, Callable[[], Any]], Pl
     model = case.build()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     budgets = {f"cpu:{k}": int(1.1 * total / n) for k in range(n)}
-    split = fxsplit.fxsplit(model, budgets, example_inputs=inputs)  # moves the model's weights in place
+    split = fxsplit.fxsplit(model, budgets, example_inputs=inputs, mode="weights")  # moves the model's weights in place
     plan: Plan = split.meta["fxsplit_plan"]
     device_map = plan_device_map(plan)
     modules = {
@@ -103,7 +103,7 @@ def build_variants(case: Case, n: int) -> tuple[dict[str, Callable[[], Any]], Pl
     }
     try:  # for the record: the same split from a torch.fx trace, where the model allows one
         modules["fxsplit-fx"] = fxsplit.fxsplit(share_weights(case.build(), model), budgets, example_inputs=inputs,
-                                                trace="fx")
+                                                trace="fx", mode="weights")
     except FxsplitError:
         pass
 

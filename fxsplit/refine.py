@@ -153,10 +153,50 @@ def improve(problem: PartitionProblem, op_devices: Sequence[int], budgets: Seque
         return list(op_devices)
     state = _State(problem, list(op_devices), budgets)
     frozen = _frozen(problem)
+    limit = max_moves if max_moves is not None else 4 * problem.num_ops
+    moves = _single_moves(state, frozen, limit)
+    for _ in range(2):  # a value copied to a device for several readers: move the readers together
+        if not _group_moves(state, frozen):
+            break
+        moves += _single_moves(state, frozen, max(0, limit - moves))
+    return state.devices
+
+
+def _group_moves(state: _State, frozen: set[int]) -> bool:
+    """Move all readers of a copied value on one device to the value's home when that copies less."""
+    improved = False
+    order = sorted(range(len(state.problem.values)), key=lambda i: (-state.problem.values[i].nbytes, i))
+    for index in order:
+        value = state.problem.values[index]
+        if not value.nbytes:
+            continue
+        home = state.devices[value.start]
+        for device in sorted({state.devices[c] for c in value.consumers} - {home}):
+            readers = [c for c in dict.fromkeys(value.consumers) if state.devices[c] == device]
+            if not readers or any(op in frozen for op in readers):
+                continue
+            done, delta = [], 0
+            for op in readers:
+                if not state.fits(op, home):
+                    break
+                delta += state.move_delta(op, home)
+                state.apply(op, home)
+                done.append(op)
+            if len(done) == len(readers) and delta < 0:
+                improved = True
+                continue
+            for op in reversed(done):
+                state.apply(op, device)
+    return improved
+
+
+def _single_moves(state: _State, frozen: set[int], limit: int) -> int:
+    problem = state.problem
+    budgets = state.budgets
     pending = sorted({op for op in range(problem.num_ops) if _reads_remote(state, op)} - frozen)
     queue: deque[int] = deque(pending)
     queued = set(pending)
-    moves, limit = 0, max_moves if max_moves is not None else 4 * problem.num_ops
+    moves = 0
     while queue and moves < limit:
         op = queue.popleft()
         queued.discard(op)
@@ -174,7 +214,7 @@ def improve(problem: PartitionProblem, op_devices: Sequence[int], budgets: Seque
         for neighbour in sorted(state.neighbours(op) - frozen - queued):
             queue.append(neighbour)
             queued.add(neighbour)
-    return state.devices
+    return moves
 
 
 def _reads_remote(state: _State, op: int) -> bool:
