@@ -149,6 +149,17 @@ def test_without_shapes_activations_are_not_counted_and_the_table_says_so() -> N
     assert "activations" not in str(plan).split("memory", 1)[1].splitlines()[0]
 
 
+def test_a_graph_that_cannot_be_profiled_is_planned_without_activations_and_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise NotImplementedError("no fake kernel for my_op\nmore detail")
+
+    monkeypatch.setattr("fxsplit.api.profile_activations", fail)
+    with pytest.warns(UserWarning, match=r"could not profile .*\(NotImplementedError: no fake kernel for my_op\)"):
+        plan = fxsplit.plan(_mlp(), {"cpu:0": "1MiB"}, example_inputs=(torch.randn(2, 64),))
+    assert "activations_peak" not in plan.memory["cpu:0"]
+
+
 def test_plan_prints_and_round_trips_the_breakdown() -> None:
     model, x = _mlp(), torch.randn(16, 64)
     plan = fxsplit.plan(model, {"cpu:0": "100KiB", "cpu:1": "100KiB"}, example_inputs=(x,), mode="training",
