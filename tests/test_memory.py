@@ -347,3 +347,15 @@ def test_auto_budgets_are_free_memory_minus_the_reserve() -> None:
     plan = fxsplit.plan(_mlp(), "auto", example_inputs=(torch.randn(2, 64),))  # type: ignore[arg-type]
     assert plan.budgets == {"cuda:0": 9 * GiB, "cuda:1": 5 * GiB}
     assert plan.devices == ("cuda:0", "cuda:1")
+
+
+def test_an_output_that_is_also_saved_counts_once() -> None:
+    names = ("a", "b")
+    values = {"x": ValueMemory(8, (0,)), "a": ValueMemory(16, (1,), True), "b": ValueMemory(32, (2,), True)}
+    profile = ActivationProfile(names, (("x",), ("a",)), values, {0: 8, 1: 16, 2: 32}, inputs=("x",),
+                                outputs=("b",), saved=((), (2,)), training=True)  # b saves its own result
+    sim = simulate(profile, ["d", "d"], {"x": "d"}, "d")
+    # backward at op b: b held (32) + gradient of a (16); b's result is saved too but is one storage
+    assert sim.backward == {"d": 48}
+    extra, transient = planning_loads(profile)
+    assert sum(extra) + max(transient) >= sim.peak["d"]
