@@ -7,6 +7,9 @@ on one CPU (``"cpu:0"``, ``"cpu:1"``) are told apart by the device the
 generated code names: a forward op belongs to the device the split module
 placed it on (``node.meta["fxsplit_device"]``), a backward op to the device of
 the forward op it differentiates (a copy's backward to the copy's source).
+Between logical devices a copy's backward (``grad.to(source)``) returns the
+very same tensor; the meter clones it on the source device instead, as a
+transfer between real devices would (values are unchanged).
 
 What counts: storages created while the meter is on, that are not parameters,
 buffers or parameter gradients (``.grad`` of a model tensor at the end) -
