@@ -20,7 +20,8 @@ come back from an ATen op (workspaces) are invisible to it.
 
 >>> import torch, fxsplit
 >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
->>> gm = fxsplit.fxsplit(model, {"cpu:0": "24KiB", "cpu:1": "24KiB"}, example_inputs=(torch.randn(8, 64),))
+>>> gm = fxsplit.fxsplit(model, {"cpu:0": "24KiB", "cpu:1": "24KiB"}, example_inputs=(torch.randn(8, 64),),
+...                      mode="inference")
 >>> measure_forward(gm, torch.randn(8, 64))  # input copy + linear; linear + relu | copy + linear
 {'cpu:0': 4096, 'cpu:1': 4096}
 >>> {d: row["activations_peak"] for d, row in gm.meta["fxsplit_plan"].memory.items()}  # the estimate

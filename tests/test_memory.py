@@ -98,7 +98,7 @@ def test_training_counts_saved_activations_gradients_and_optimizer_state() -> No
     torch.manual_seed(0)
     model, x = _mlp(), torch.randn(16, 64)
     budgets = {"cpu:0": "1MiB", "cpu:1": "1MiB"}
-    inference = fxsplit.plan(model, budgets, example_inputs=(x,))
+    inference = fxsplit.plan(model, budgets, example_inputs=(x,), mode="inference")
     adam = fxsplit.plan(model, budgets, example_inputs=(x,), mode="training")
     momentum = fxsplit.plan(model, budgets, example_inputs=(x,), mode="training", optimizer="sgd_momentum")
     eight_bit = fxsplit.plan(model, budgets, example_inputs=(x,), mode="training", optimizer=2)
@@ -156,7 +156,7 @@ def test_a_graph_that_cannot_be_profiled_is_planned_without_activations_and_says
 
     monkeypatch.setattr("fxsplit.api.profile_activations", fail)
     with pytest.warns(UserWarning, match=r"could not profile .*\(NotImplementedError: no fake kernel for my_op\)"):
-        plan = fxsplit.plan(_mlp(), {"cpu:0": "1MiB"}, example_inputs=(torch.randn(2, 64),))
+        plan = fxsplit.plan(_mlp(), {"cpu:0": "1MiB"}, example_inputs=(torch.randn(2, 64),), mode="inference")
     assert "activations_peak" not in plan.memory["cpu:0"]
 
 
@@ -179,10 +179,10 @@ def test_budget_error_names_the_component_that_does_not_fit() -> None:
     weights = _weights(model)
     fits_weights = {"cpu:0": weights // 2 + 2048, "cpu:1": weights // 2 + 2048}
     with pytest.raises(fxsplit.BudgetError, match=r"adding the activations peak .* exceeds them; short by") as info:
-        fxsplit.plan(model, fits_weights, example_inputs=(x,))
+        fxsplit.plan(model, fits_weights, example_inputs=(x,), mode="inference")
     assert "smaller example inputs" in str(info.value)
     fits_inference = {"cpu:0": weights, "cpu:1": weights}
-    fxsplit.plan(model, fits_inference, example_inputs=(x[:4],))
+    fxsplit.plan(model, fits_inference, example_inputs=(x[:4],), mode="inference")
     with pytest.raises(fxsplit.BudgetError, match=r"adding the optimizer state .* exceeds them.*optimizer='sgd'"):
         fxsplit.plan(model, fits_inference, example_inputs=(x[:4],), mode="training")
     with pytest.raises(fxsplit.BudgetError, match=r"the parameters alone exceed them; short by .*add a device"):
@@ -196,7 +196,7 @@ def test_an_indivisible_piece_says_how_much_is_weights_and_how_much_activations(
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     with pytest.raises(fxsplit.BudgetError, match=r"weights 16.25 KiB .*'0.weight' 16.00 KiB.* and per-op memory"):
         fxsplit.plan(model, dict.fromkeys(("cpu:0", "cpu:1", "cpu:2", "cpu:3"), 17_000),
-                     example_inputs=(torch.randn(64, 64),))
+                     example_inputs=(torch.randn(64, 64),), mode="inference")
 
 
 @pytest.mark.parametrize(("options", "message"), [
