@@ -92,13 +92,13 @@ def bench(name: str, width: int, depth: int, batch: int, reps: int, per_call: bo
     x = torch.randn(batch, width)
     model = mlp(width, depth)
     variants: dict[str, torch.nn.Module] = {"unsplit": copy.deepcopy(model)}
-    split = fxsplit.fxsplit(copy.deepcopy(model), budgets(model), example_inputs=(x,), trace="fx")
+    split = fxsplit.fxsplit(copy.deepcopy(model), budgets(model), example_inputs=(x,), trace="fx", mode="weights")
     variants["sequential split"] = split
     stages = 0
     for chunks in CHUNKS:
         variants[_loop_name(chunks)] = MicroBatched(copy.deepcopy(model), chunks)
         pipe = fxsplit.fxsplit(copy.deepcopy(model), budgets(model), example_inputs=(x,), trace="fx",
-                               pipeline=fxsplit.PipelineConfig(chunks=chunks))
+                               mode="weights", pipeline=fxsplit.PipelineConfig(chunks=chunks))
         variants[f"pipelined, chunks={chunks}"] = pipe
         stages = len(pipe.stages)
     runs = {f"{v}/{k}": call for v, module in variants.items() for k, call in _calls(module, x).items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence, overload
 
@@ -152,7 +153,14 @@ def _memory_model(spec: MemorySpec, traced: Traced, costs: GraphCosts, model: to
                  if w.names[0] in named and named[w.names[0]].requires_grad}
     profile = None
     if spec.counts_activations and traced.has_shapes:
-        profile = profile_activations(traced.graph_module, costs, training=spec.training)
+        try:
+            profile = profile_activations(traced.graph_module, costs, training=spec.training)
+        except Exception as error:  # noqa: BLE001 - fake execution of any graph can raise anything
+            first = (str(error).strip().splitlines() or [""])[0]
+            warnings.warn(
+                f"fxsplit could not profile the activations on fake tensors ({type(error).__name__}: {first}); "
+                "this plan does not count them, so leave room for them in the budgets (mode='weights' plans "
+                "on parameters and buffers alone without this warning)", stacklevel=4)
     return MemoryModel(spec, costs, trainable, profile)
 
 

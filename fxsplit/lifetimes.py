@@ -314,9 +314,10 @@ def simulate(profile: ActivationProfile, op_devices: Sequence[Hashable], input_h
             continue
         if s.saved_at is not None:
             saved[s.device] += s.nbytes
-            _add(backward[s.device], s.saved_at, n, s.nbytes)
-        if s.held:
+        if s.held:  # the caller holds it through the whole backward
             _add(backward[s.device], 0, n, s.nbytes)
+        elif s.saved_at is not None:  # freed after the backward of its first saver
+            _add(backward[s.device], s.saved_at, n, s.nbytes)
     if profile.training:
         for device, first, last, nbytes in walk.gradients():
             _add(backward[device], first, last, nbytes)

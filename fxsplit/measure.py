@@ -7,6 +7,9 @@ on one CPU (``"cpu:0"``, ``"cpu:1"``) are told apart by the device the
 generated code names: a forward op belongs to the device the split module
 placed it on (``node.meta["fxsplit_device"]``), a backward op to the device of
 the forward op it differentiates (a copy's backward to the copy's source).
+Between logical devices a copy's backward (``grad.to(source)``) returns the
+very same tensor; the meter clones it on the source device instead, as a
+transfer between real devices would (values are unchanged).
 
 What counts: storages created while the meter is on, that are not parameters,
 buffers or parameter gradients (``.grad`` of a model tensor at the end) -
@@ -17,7 +20,8 @@ come back from an ATen op (workspaces) are invisible to it.
 
 >>> import torch, fxsplit
 >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
->>> gm = fxsplit.fxsplit(model, {"cpu:0": "24KiB", "cpu:1": "24KiB"}, example_inputs=(torch.randn(8, 64),))
+>>> gm = fxsplit.fxsplit(model, {"cpu:0": "24KiB", "cpu:1": "24KiB"}, example_inputs=(torch.randn(8, 64),),
+...                      mode="inference")
 >>> measure_forward(gm, torch.randn(8, 64))  # input copy + linear; linear + relu | copy + linear
 {'cpu:0': 4096, 'cpu:1': 4096}
 >>> {d: row["activations_peak"] for d, row in gm.meta["fxsplit_plan"].memory.items()}  # the estimate

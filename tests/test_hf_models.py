@@ -71,7 +71,8 @@ def _make(name: str) -> tuple[torch.nn.Module, torch.Tensor, dict[str, Any], str
 
 
 def _budgets(model: torch.nn.Module, x: torch.Tensor, kwargs: dict[str, Any], kind: str, n: int) -> dict[str, int]:
-    one = fxsplit.plan(model, {"cpu:0": "1GiB"}, example_inputs=(x,), example_kwargs=kwargs or None).memory["cpu:0"]
+    one = fxsplit.plan(model, {"cpu:0": "1GiB"}, example_inputs=(x,), example_kwargs=kwargs or None,
+                       mode="inference").memory["cpu:0"]
     weights = one["params"] + one["buffers"]
     each = {"weights": 1.1 * weights / n, "memory": 1.1 * weights / n + one["activations_peak"],
             "loose": 4 * (weights + one["activations_peak"])}[kind]
@@ -113,7 +114,8 @@ def test_tied_embedding_has_one_home_and_its_other_use_is_a_parameter_cut(n: int
     tied = ("lm_head.weight", "transformer.wte.weight")
     assert model.lm_head.weight is model.transformer.wte.weight
     unique = len({id(p) for p in model.parameters()})
-    gm = fxsplit.fxsplit(model, _budgets(model, x, kwargs, "memory", n), example_inputs=(x,), example_kwargs=kwargs)
+    gm = fxsplit.fxsplit(model, _budgets(model, x, kwargs, "memory", n), example_inputs=(x,), example_kwargs=kwargs,
+                         mode="inference")
     plan = gm.meta["fxsplit_plan"]
 
     homes = {plan.param_devices[name] for name in tied}
@@ -156,7 +158,7 @@ def test_llama_built_on_meta_is_planned_with_fused_attention_memory() -> None:
         model = transformers.LlamaForCausalLM(config).eval()
     ids = torch.zeros(1, 1024, dtype=torch.long, device="meta")
     plan = fxsplit.plan(model, {"cuda:0": "64MiB", "cuda:1": "64MiB"}, example_inputs=(ids,),
-                        example_kwargs={"use_cache": False})
+                        example_kwargs={"use_cache": False}, mode="inference")
     attention_matrix = 8 * 1024 * 1024 * 4  # what the math path on meta would materialise: heads x seq x seq floats
     for device in plan.devices:
         assert plan.memory[device]["activations_peak"] < attention_matrix

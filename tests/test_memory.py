@@ -98,7 +98,7 @@ def test_training_counts_saved_activations_gradients_and_optimizer_state() -> No
     torch.manual_seed(0)
     model, x = _mlp(), torch.randn(16, 64)
     budgets = {"cpu:0": "1MiB", "cpu:1": "1MiB"}
-    inference = fxsplit.plan(model, budgets, example_inputs=(x,))
+    inference = fxsplit.plan(model, budgets, example_inputs=(x,), mode="inference")
     adam = fxsplit.plan(model, budgets, example_inputs=(x,), mode="training")
     momentum = fxsplit.plan(model, budgets, example_inputs=(x,), mode="training", optimizer="sgd_momentum")
     eight_bit = fxsplit.plan(model, budgets, example_inputs=(x,), mode="training", optimizer=2)
@@ -149,6 +149,17 @@ def test_without_shapes_activations_are_not_counted_and_the_table_says_so() -> N
     assert "activations" not in str(plan).split("memory", 1)[1].splitlines()[0]
 
 
+def test_a_graph_that_cannot_be_profiled_is_planned_without_activations_and_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise NotImplementedError("no fake kernel for my_op\nmore detail")
+
+    monkeypatch.setattr("fxsplit.api.profile_activations", fail)
+    with pytest.warns(UserWarning, match=r"could not profile .*\(NotImplementedError: no fake kernel for my_op\)"):
+        plan = fxsplit.plan(_mlp(), {"cpu:0": "1MiB"}, example_inputs=(torch.randn(2, 64),), mode="inference")
+    assert "activations_peak" not in plan.memory["cpu:0"]
+
+
 def test_plan_prints_and_round_trips_the_breakdown() -> None:
     model, x = _mlp(), torch.randn(16, 64)
     plan = fxsplit.plan(model, {"cpu:0": "100KiB", "cpu:1": "100KiB"}, example_inputs=(x,), mode="training",
@@ -168,10 +179,10 @@ def test_budget_error_names_the_component_that_does_not_fit() -> None:
     weights = _weights(model)
     fits_weights = {"cpu:0": weights // 2 + 2048, "cpu:1": weights // 2 + 2048}
     with pytest.raises(fxsplit.BudgetError, match=r"adding the activations peak .* exceeds them; short by") as info:
-        fxsplit.plan(model, fits_weights, example_inputs=(x,))
+        fxsplit.plan(model, fits_weights, example_inputs=(x,), mode="inference")
     assert "smaller example inputs" in str(info.value)
     fits_inference = {"cpu:0": weights, "cpu:1": weights}
-    fxsplit.plan(model, fits_inference, example_inputs=(x[:4],))
+    fxsplit.plan(model, fits_inference, example_inputs=(x[:4],), mode="inference")
     with pytest.raises(fxsplit.BudgetError, match=r"adding the optimizer state .* exceeds them.*optimizer='sgd'"):
         fxsplit.plan(model, fits_inference, example_inputs=(x[:4],), mode="training")
     with pytest.raises(fxsplit.BudgetError, match=r"the parameters alone exceed them; short by .*add a device"):
@@ -185,7 +196,7 @@ def test_an_indivisible_piece_says_how_much_is_weights_and_how_much_activations(
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     with pytest.raises(fxsplit.BudgetError, match=r"weights 16.25 KiB .*'0.weight' 16.00 KiB.* and per-op memory"):
         fxsplit.plan(model, dict.fromkeys(("cpu:0", "cpu:1", "cpu:2", "cpu:3"), 17_000),
-                     example_inputs=(torch.randn(64, 64),))
+                     example_inputs=(torch.randn(64, 64),), mode="inference")
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -336,3 +347,15 @@ def test_auto_budgets_are_free_memory_minus_the_reserve() -> None:
     plan = fxsplit.plan(_mlp(), "auto", example_inputs=(torch.randn(2, 64),))  # type: ignore[arg-type]
     assert plan.budgets == {"cuda:0": 9 * GiB, "cuda:1": 5 * GiB}
     assert plan.devices == ("cuda:0", "cuda:1")
+
+
+def test_an_output_that_is_also_saved_counts_once() -> None:
+    names = ("a", "b")
+    values = {"x": ValueMemory(8, (0,)), "a": ValueMemory(16, (1,), True), "b": ValueMemory(32, (2,), True)}
+    profile = ActivationProfile(names, (("x",), ("a",)), values, {0: 8, 1: 16, 2: 32}, inputs=("x",),
+                                outputs=("b",), saved=((), (2,)), training=True)  # b saves its own result
+    sim = simulate(profile, ["d", "d"], {"x": "d"}, "d")
+    # backward at op b: b held (32) + gradient of a (16); b's result is saved too but is one storage
+    assert sim.backward == {"d": 48}
+    extra, transient = planning_loads(profile)
+    assert sum(extra) + max(transient) >= sim.peak["d"]
