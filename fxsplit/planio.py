@@ -134,6 +134,9 @@ def plan_to_yaml(plan: Plan) -> str:
     lines.extend(_block_map("placement", {n: k(d) for n, d in plan.placement.items()}))
     lines.extend(_block_map("param_devices", {n: k(d) for n, d in plan.param_devices.items()}))
     lines.extend(_block_map("tensors", {n: k(t) for n, t in plan.tensors.items()}))
+    lines.append("memory:" if plan.memory else "memory: {}")
+    for device, row in plan.memory.items():
+        lines.append(f"  {k(device)}: {{{', '.join(f'{k(part)}: {int(size)}' for part, size in row.items())}}}")
     return "\n".join(lines) + "\n"
 
 
@@ -232,6 +235,8 @@ class _Reader:
             reserved=reserved,
             dtype=get(data, "dtype", lambda v: v is None or _is_str(v), "a dtype name or null"),
             leaf_modules=tuple(get(data, "leaf_modules", _is_str_list, "a list of strings") or ()),
+            memory={d: dict(row) for d, row in (get(data, "memory", lambda v: _is_map(v, lambda r: _is_map(
+                r, _is_int)), "device -> {component: bytes}") or {}).items()},
         )
 
     def cut(self, index: int, entry: Any) -> Cut | None:

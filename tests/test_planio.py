@@ -150,7 +150,6 @@ def test_apply_reproduces_the_code_and_outputs() -> None:
     torch.testing.assert_close(gm(X), expected)
 
 
-@pytest.mark.xfail(strict=True, reason="plan files do not hold Plan.memory yet: to_yaml drops it, from_yaml gives {}")
 def test_a_plan_with_a_memory_breakdown_survives_its_file() -> None:
     plan = fxsplit.plan(tiny(), BUDGETS, mode="weights", example_inputs=(X,))
     assert plan.memory
