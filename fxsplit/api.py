@@ -122,7 +122,8 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
     index = {d: i for i, d in enumerate(devices)}
     costs = build_problem(traced.graph_module, model, device_index=index, pins=pins, together=together,
                           dtype=getattr(torch, dtype) if dtype else None)
-    memory = _memory_model(MemorySpec.coerce(options.mode, options.optimizer), traced, costs, model)
+    memory = _memory_model(MemorySpec.coerce(options.mode, options.optimizer), traced, costs, model,
+                           getattr(torch, dtype) if dtype else None)
     problem = memory.problem()
     output_device = normalize_device(options.output_device) if options.output_device is not None else None
     contiguous = options.contiguous or options.pipeline is not None
@@ -146,7 +147,8 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
     return _Planned(traced, costs, made, options)
 
 
-def _memory_model(spec: MemorySpec, traced: Traced, costs: GraphCosts, model: torch.nn.Module) -> MemoryModel:
+def _memory_model(spec: MemorySpec, traced: Traced, costs: GraphCosts, model: torch.nn.Module,
+                  dtype: torch.dtype | None = None) -> MemoryModel:
     """What the plan charges: trainable parameters and, with shapes, the activation profile."""
     named = dict(model.named_parameters(remove_duplicate=False))
     trainable = {w.names[0]: named[w.names[0]].numel() for w in costs.weights
@@ -154,7 +156,7 @@ def _memory_model(spec: MemorySpec, traced: Traced, costs: GraphCosts, model: to
     profile = None
     if spec.counts_activations and traced.has_shapes:
         try:
-            profile = profile_activations(traced.graph_module, costs, training=spec.training)
+            profile = profile_activations(traced.graph_module, costs, training=spec.training, dtype=dtype)
         except Exception as error:  # noqa: BLE001 - fake execution of any graph can raise anything
             first = (str(error).strip().splitlines() or [""])[0]
             warnings.warn(

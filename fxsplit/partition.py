@@ -39,7 +39,7 @@ import numpy as np
 
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.problem import PartitionProblem
-from fxsplit.refine import device_loads, improve, pack
+from fxsplit.refine import device_loads, improve, pack, repair
 from fxsplit.units import format_size
 
 __all__ = ["EXACT_LIMIT", "OBJECTIVES", "Partition", "partition", "transfer_bytes"]
@@ -133,7 +133,11 @@ def partition(
 
 def _folded(problem: PartitionProblem, ctx: _Context, names: Sequence[str], contiguous: bool) -> Partition:
     """No contiguous placement fits: pack out of order (unless forbidden), then lower the copies."""
-    packed = None if contiguous else pack(problem, ctx.budgets)
+    packed = None
+    if not contiguous:
+        near = _nearly_fitting(ctx)
+        packed = repair(problem, near, ctx.budgets) if near is not None else None
+        packed = packed if packed is not None else pack(problem, ctx.budgets)
     if packed is None:
         _raise_infeasible(problem, ctx, names, contiguous)
     op_devices = improve(problem, packed, ctx.budgets)
@@ -434,17 +438,38 @@ def _heaviest(problem: PartitionProblem, lo: int, hi: int, needed: int) -> str:
     return f" for its parameters and buffers ({listed}{more})"
 
 
-def _raise_fragmented(problem: PartitionProblem, ctx: _Context, names: Sequence[str], total: int, capacity: int,
-                      contiguous: bool) -> None:
+def _min_scale(ctx: _Context) -> tuple[float, list[int] | None]:
+    """The smallest factor on every budget (to about 0.01%) at which a contiguous placement fits, and it."""
     low, high = 1.0, 2.0
-    while _relay_boundaries(ctx, [int(b * high) for b in ctx.budgets]) is None and high < 1e6:
+    found = _relay_boundaries(ctx, [int(b * high) for b in ctx.budgets])
+    while found is None and high < 1e6:
         low, high = high, high * 2
+        found = _relay_boundaries(ctx, [int(b * high) for b in ctx.budgets])
     for _ in range(14):
         middle = (low + high) / 2
-        if _relay_boundaries(ctx, [int(b * middle) for b in ctx.budgets]) is None:
+        attempt = _relay_boundaries(ctx, [int(b * middle) for b in ctx.budgets])
+        if attempt is None:
             low = middle
         else:
-            high = middle
+            high, found = middle, attempt
+    return high, found
+
+
+def _nearly_fitting(ctx: _Context) -> list[int] | None:
+    """Op devices of the contiguous placement that needs the least extra budget."""
+    _, boundaries = _min_scale(ctx)
+    if boundaries is None:
+        return None
+    op_devices = [0] * ctx.n
+    for k in range(len(boundaries) - 1):
+        for op in range(boundaries[k], boundaries[k + 1]):
+            op_devices[op] = k
+    return op_devices
+
+
+def _raise_fragmented(problem: PartitionProblem, ctx: _Context, names: Sequence[str], total: int, capacity: int,
+                      contiguous: bool) -> None:
+    high, _ = _min_scale(ctx)
     shortfalls = ", ".join(
         f"'{d}' short by {format_size(int(b * high) - b)}" for d, b in zip(names, ctx.budgets, strict=True)
     )

@@ -97,6 +97,9 @@ def make_plan(
             placement[node.name] = out_device
         elif node.name in op_device:
             placement[node.name] = op_device[node.name]
+        elif is_guard(node):  # export's input check runs where the inputs first arrive
+            inputs = [placement[arg.name] for arg in node.all_input_nodes if arg.name in placement]
+            placement[node.name] = inputs[0] if inputs else out_device
         elif node.op == "get_attr" and node.name in by_node:
             placement[node.name] = weight_home[by_node[node.name][0].names[0]]
         else:

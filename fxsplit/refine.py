@@ -276,3 +276,37 @@ def _first_fit(problem: PartitionProblem, items: list[tuple[int, int, list[int]]
         else:
             return None
     return placement
+
+
+def repair(problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequence[int],
+           *, max_steps: int = 64) -> list[int] | None:
+    """Bring an over-budget placement within budgets by moving ops that hold weights, or None.
+
+    Each step takes the device furthest over its budget and moves the one op
+    (with the weights it is home to) whose move copies the fewest extra bytes
+    to a device with room. Meant for a contiguous placement that misses its
+    budgets by a little: it stays close to it, where packing from scratch
+    would scatter the model.
+    """
+    state = _State(problem, list(op_devices), budgets)
+    frozen = _frozen(problem)
+    devices = range(len(budgets))
+    for _ in range(max_steps):
+        over = [d for d in devices if state.total(d) > state.budgets[d]]
+        if not over:
+            return state.devices
+        source = max(over, key=lambda d: (state.total(d) - state.budgets[d], -d))
+        best: tuple[int, int, int, int] | None = None
+        for op in range(problem.num_ops):
+            if state.devices[op] != source or op in frozen or not state.resident[op]:
+                continue
+            for target in devices:
+                if target == source or not state.fits(op, target):
+                    continue
+                key = (state.move_delta(op, target), -state.resident[op], op, target)
+                if best is None or key < best:
+                    best = key
+        if best is None:
+            return None
+        state.apply(best[2], best[3])
+    return None

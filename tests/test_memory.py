@@ -359,3 +359,12 @@ def test_an_output_that_is_also_saved_counts_once() -> None:
     assert sim.backward == {"d": 48}
     extra, transient = planning_loads(profile)
     assert sum(extra) + max(transient) >= sim.peak["d"]
+
+
+def test_planning_dtype_scales_activations_as_well_as_weights() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    x = torch.randn(64, 256)
+    full = fxsplit.plan(model, {"cpu:0": "2MiB"}, example_inputs=(x,)).memory["cpu:0"]
+    half = fxsplit.plan(model, {"cpu:0": "2MiB"}, example_inputs=(x,), dtype="bfloat16").memory["cpu:0"]
+    assert half["params"] * 2 == full["params"]
+    assert half["activations_peak"] * 2 == full["activations_peak"]
