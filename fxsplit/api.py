@@ -11,9 +11,9 @@ from typing import Any, Iterable, Mapping, Sequence, overload
 import torch
 import torch.fx
 
-from fxsplit.check import verify_plan, verify_split
 from fxsplit.activations import profile_activations
 from fxsplit.autobudget import auto_budgets
+from fxsplit.check import verify_plan, verify_split
 from fxsplit.codegen import emit, move_weights
 from fxsplit.constraints import (
     check_constraints,
@@ -95,7 +95,8 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
         budgets, raw = merge_spec(spec, budgets, {k: v for k, v in raw.items() if k != "spec"})
     options = _options(raw)
     if budgets is None:
-        raise SpecError("no budgets: pass budgets={'cuda:0': '20GiB', 'cuda:1': '20GiB'}, budgets='auto', or a spec with devices")
+        raise SpecError("no budgets: pass budgets={'cuda:0': '20GiB', 'cuda:1': '20GiB'}, budgets='auto', "
+                        "or a spec with devices")
     limits = normalize_budgets(auto_budgets() if isinstance(budgets, str) and budgets == "auto" else budgets)
     reserved = reserve_bytes(options.reserve, limits)
     usable = {d: b - reserved.get(d, 0) for d, b in limits.items()}

@@ -120,7 +120,8 @@ class _Emitter:
         module = self.modules[str(node.target)]
         copies = {id(_weight_tensor(self.source, weight)): copy for weight, copy in foreign.values()}
         local: dict[str, torch.fx.Node] = {}
-        for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        for name, tensor in tensors:
             if id(tensor) in copies:
                 local[name] = copies[id(tensor)]
         module_node = self.graph.get_attr(str(node.target))
@@ -229,7 +230,7 @@ class ExportedSplit(torch.fx.GraphModule):
     traced_training: bool = False
     mode_ops: tuple[str, ...] = ()
 
-    def train(self, mode: bool = True) -> "ExportedSplit":
+    def train(self, mode: bool = True) -> ExportedSplit:
         if mode != self.traced_training and self.mode_ops:
             traced = "training" if self.traced_training else "eval"
             wanted = "train()" if mode else "eval()"
@@ -261,10 +262,11 @@ def emit(graph_module: torch.fx.GraphModule, plan: Plan, by_node: dict[str, list
     graph = _Emitter(graph_module, plan, by_node).run()
     graph.lint()
     if plan.trace == "export":
-        split: torch.fx.GraphModule = ExportedSplit(graph_module, graph, type(graph_module).__name__)
-        split.traced_training = bool(graph_module.training)
-        split.mode_ops = _mode_dependent_ops(graph)
-        split.training = split.traced_training
+        exported = ExportedSplit(graph_module, graph, type(graph_module).__name__)
+        exported.traced_training = bool(graph_module.training)
+        exported.mode_ops = _mode_dependent_ops(graph)
+        exported.training = exported.traced_training
+        split: torch.fx.GraphModule = exported
     else:
         split = torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
     split.recompile()

@@ -69,9 +69,9 @@ def model_tensors(model: torch.nn.Module) -> dict[int, tuple[list[str], torch.Te
     found: dict[int, tuple[list[str], torch.Tensor, bool]] = {}
     for name, tensor in model.named_parameters(remove_duplicate=False):
         found.setdefault(id(tensor), ([], tensor, False))[0].append(name)
-    for name, tensor in model.named_buffers(remove_duplicate=False):
-        if tensor is not None:
-            found.setdefault(id(tensor), ([], tensor, True))[0].append(name)
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        if buffer is not None:
+            found.setdefault(id(buffer), ([], buffer, True))[0].append(name)
     return found
 
 
@@ -167,15 +167,15 @@ def build_problem(
     weights: list[Weight] = []
     weight_values: list[int] = []
     for key, (names, tensor, is_buffer) in weight_tensor.items():
-        users = sorted(weight_users[key])
+        readers = sorted(weight_users[key])
         weight = Weight(tuple(names), _tensor_bytes(tensor, dtype), is_buffer, tuple(weight_nodes[key]))
         weights.append(weight)
-        if users:
+        if readers:
             weight_values.append(len(values))
-            values.append(Value(names[0], weight.nbytes, users[0], tuple(users), weight=weight.nbytes,
+            values.append(Value(names[0], weight.nbytes, readers[0], tuple(readers), weight=weight.nbytes,
                                 movable=key not in mutated_weights))
-            if key in last_write and last_write[key] > users[0]:
-                write_spans.append((users[0], last_write[key]))
+            if key in last_write and last_write[key] > readers[0]:
+                write_spans.append((readers[0], last_write[key]))
         else:
             weight_values.append(-1)
     unused = [Weight(tuple(names), _tensor_bytes(t, dtype), b, ()) for key, (names, t, b) in known.items()
@@ -200,7 +200,7 @@ def _resolve(graph_module: torch.fx.GraphModule, target: str) -> Any:
 
 
 def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    found = list(module.named_parameters(remove_duplicate=False))
+    found: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
     found += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
     return found
 
@@ -215,9 +215,10 @@ def _resolve_pins(
     pinned: dict[int, int] = {}
     for pattern, device in pins.items():
         if device not in device_index:
-            raise SpecError(f"pin {pattern!r} names device {device!r}, which has no budget; budgets: {sorted(device_index)}")
+            raise SpecError(f"pin {pattern!r} names device {device!r}, which has no budget; "
+                            f"budgets: {sorted(device_index)}")
         matched = False
-        for i, (node, label) in enumerate(zip(ops, labels)):
+        for i, (node, label) in enumerate(zip(ops, labels, strict=True)):
             if _matches(pattern, label) or node.name == pattern:
                 matched = True
                 previous = pinned.get(i)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 import numpy as np
 
@@ -213,7 +213,8 @@ def _check_pin_order(problem: PartitionProblem, names: Sequence[str]) -> None:
     for op in sorted(problem.pinned):
         device = problem.pinned[op]
         if not 0 <= device < len(names):
-            raise SpecError(f"op {problem.label(op)} is pinned to device index {device}, which is not among the budgets")
+            raise SpecError(f"op {problem.label(op)} is pinned to device index {device}, "
+                            "which is not among the budgets")
         if previous is not None and device < previous[1]:
             raise SpecError(
                 f"pins contradict the device order: {problem.label(previous[0])} is pinned to "
@@ -331,7 +332,8 @@ def _segment_masks(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> 
     m = len(cands)
     if ctx.has_transient:
         transient = np.asarray(ctx.transient, dtype=np.float64)
-        block_max = np.array([transient[a:b].max() if b > a else 0.0 for a, b in zip(cands[:-1], cands[1:])])
+        pairs = zip(cands[:-1], cands[1:], strict=True)
+        block_max = np.array([transient[a:b].max() if b > a else 0.0 for a, b in pairs])
         for i in range(m - 1):
             seg_weight[i, i + 1:] += np.maximum.accumulate(block_max[i:])
     base = np.triu(np.ones((m, m), dtype=bool), k=1)
@@ -392,9 +394,10 @@ def _result(problem: PartitionProblem, ctx: _Context, boundaries: list[int]) -> 
     return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(device_weights))
 
 
-def _raise_infeasible(problem: PartitionProblem, ctx: _Context, names: Sequence[str], contiguous: bool = True) -> None:
+def _raise_infeasible(problem: PartitionProblem, ctx: _Context, names: Sequence[str],
+                      contiguous: bool = True) -> NoReturn:
     total, capacity = ctx.weight(0, ctx.n), sum(ctx.budgets)
-    budget_list = ", ".join(f"'{d}' {format_size(b)}" for d, b in zip(names, ctx.budgets))
+    budget_list = ", ".join(f"'{d}' {format_size(b)}" for d, b in zip(names, ctx.budgets, strict=True))
     if total > capacity:
         raise BudgetError(
             f"the model's parameters and buffers need {format_size(total)} ({total} bytes) but the "
@@ -407,7 +410,8 @@ def _raise_infeasible(problem: PartitionProblem, ctx: _Context, names: Sequence[
         allowed = sorted(pins) if pins else list(range(len(ctx.budgets)))
         best = max(allowed, key=lambda k: (ctx.budgets[k], -k))
         if weight > ctx.budgets[best]:
-            what = problem.label(lo) if lo == hi else f"ops {problem.label(lo)} .. {problem.label(hi)} (they must share a device)"
+            what = problem.label(lo) if lo == hi else (
+                f"ops {problem.label(lo)} .. {problem.label(hi)} (they must share a device)")
             where = f"pinned device '{names[best]}'" if pins else f"every device (the largest, '{names[best]}',"
             tail = "" if pins else ")"
             raise BudgetError(
@@ -468,7 +472,7 @@ def _nearly_fitting(ctx: _Context) -> list[int] | None:
 
 
 def _raise_fragmented(problem: PartitionProblem, ctx: _Context, names: Sequence[str], total: int, capacity: int,
-                      contiguous: bool) -> None:
+                      contiguous: bool) -> NoReturn:
     high, _ = _min_scale(ctx)
     shortfalls = ", ".join(
         f"'{d}' short by {format_size(int(b * high) - b)}" for d, b in zip(names, ctx.budgets, strict=True)

@@ -141,7 +141,7 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
         """Inverse of :meth:`to_dict`."""
         return cls(
             devices=tuple(data["devices"]),
@@ -198,7 +198,7 @@ class Plan:
             rows.append((device, format_size(budget), *reserve, format_size(used), percent,
                          _module_summary(self.modules.get(device, ())), format_size(incoming), format_size(outgoing)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
         lines.append(f"cuts: {len(self.cuts)}, transfer per forward: {format_size(self.transfer_bytes)}; "
                      f"outputs on {self.output_device}" + (f"; planned as {self.dtype}" if self.dtype else ""))
         lines.extend(self.tied_summary())

@@ -69,7 +69,7 @@ def make_plan(
     objective: str,
 ) -> Plan:
     """Name where every node and parameter goes, and list the copies the forward makes."""
-    op_device = {op.name: devices[d] for op, d in zip(costs.ops, solution.op_devices)}
+    op_device = {op.name: devices[d] for op, d in zip(costs.ops, solution.op_devices, strict=True)}
     used = [devices[d] for d in solution.op_devices]
     out_device = output_device or (used[-1] if used else devices[0])
 
@@ -78,12 +78,12 @@ def make_plan(
     # charged (activations, gradients, optimizer state too, when the problem carries them).
     device_bytes = dict.fromkeys(devices, 0)
     load = {d: int(solution.device_weights[k]) for k, d in enumerate(devices)}
-    for weight, value_index in zip(costs.weights, costs.weight_values):
+    for weight, value_index in zip(costs.weights, costs.weight_values, strict=True):
         if value_index >= 0:
             start = costs.problem.values[value_index].start
             weight_home[weight.names[0]] = devices[solution.op_devices[start]]
             device_bytes[weight_home[weight.names[0]]] += weight.nbytes
-    idle = [w for w, v in zip(costs.weights, costs.weight_values) if v < 0]
+    idle = [w for w, v in zip(costs.weights, costs.weight_values, strict=True) if v < 0]
     for weight in idle + costs.unused:
         home = weight_home[weight.names[0]] = _place_unused(weight, weight_home, load, budgets)
         device_bytes[home] += weight.nbytes
@@ -108,7 +108,7 @@ def make_plan(
 
     param_devices = {name: weight_home[w.names[0]] for w in [*costs.weights, *costs.unused] for name in w.names}
     modules: dict[str, list[str]] = {d: [] for d in devices}
-    for op, label in zip(costs.ops, costs.problem.op_labels):
+    for op, label in zip(costs.ops, costs.problem.op_labels, strict=True):
         paths = modules[op_device[op.name]]
         if label and (not paths or paths[-1] != label) and label not in paths:
             paths.append(label)
@@ -166,6 +166,7 @@ def _cuts(
             continue
         destination = placement[node.name]
         for read in reads_of(node, by_node):
+            nbytes: int | None
             if read.weight is not None:
                 source, nbytes = weight_home[read.key], read.weight.nbytes
             else:

@@ -185,7 +185,7 @@ def _propagate_shapes(graph_module: torch.fx.GraphModule, args: tuple[Any, ...],
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
         # Run on fake copies of the weights, so in-place updates (BatchNorm's
         # running stats) never reach the user's tensors.
-        state = {name: mode.from_tensor(t) for name, t in _named_tensors(graph_module)}
+        state: dict[str, torch.Tensor] = {name: mode.from_tensor(t) for name, t in _named_tensors(graph_module)}
         with _reparametrize_module(graph_module, state, tie_weights=True, strict=False):
             FakeTensorProp(graph_module, mode).propagate(*fake)
     except Exception:  # noqa: BLE001 - shapes are an optimisation; plan without them
