@@ -20,6 +20,13 @@ Two dynamic programmes do the work:
 So the result is the exact optimum over contiguous placements for graphs of
 up to ``EXACT_LIMIT`` ops, and never worse than the relay optimum otherwise.
 
+Unless ``contiguous=True``, two out-of-order steps follow: *wrapped*
+placements (device 0 also runs the last ops, so skip connections and tied
+embeddings stay home; :mod:`fxsplit.ring`) compete with the contiguous one,
+and single ops then move wherever that lowers the bytes copied
+(:mod:`fxsplit.refine`). When no contiguous placement fits, wrapped
+placements and an out-of-order packing are tried instead.
+
 >>> from fxsplit.problem import PartitionProblem, Value
 >>> chain = PartitionProblem(
 ...     op_names=("a", "b", "c"),
@@ -40,11 +47,13 @@ import numpy as np
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.problem import PartitionProblem
 from fxsplit.refine import device_loads, improve, pack, repair
+from fxsplit.ring import has_long_reach, wrap_points, wrapped_placement
 from fxsplit.units import format_size
 
 __all__ = ["EXACT_LIMIT", "OBJECTIVES", "Partition", "partition", "transfer_bytes"]
 
 EXACT_LIMIT = 480
+RING_KEEP = 3
 OBJECTIVES = ("min_transfer", "balanced")
 _INF = float("inf")
 
@@ -127,20 +136,47 @@ def partition(
     if contiguous:
         return result
     op_devices = improve(problem, result.op_devices, budgets_used)
+    cost = transfer_bytes(problem, op_devices)
+    for wrapped in _wrapped_candidates(ctx, candidates, budgets_used) if cost else []:
+        wrapped_cost = transfer_bytes(problem, wrapped)
+        if wrapped_cost < cost:
+            op_devices, cost = wrapped, wrapped_cost
     loads = device_loads(problem, op_devices, len(budgets))
-    return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(loads))
+    return Partition(tuple(op_devices), cost, tuple(loads))
+
+
+def _wrapped_candidates(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> list[list[int]]:
+    """The cheapest placements where device 0 also runs the last ops (see :mod:`fxsplit.ring`), improved.
+
+    Only tried when a copied value is made early and read late (skip
+    connections, tied embeddings); each wrap point costs one pass of the exact
+    programme, and only the :data:`RING_KEEP` cheapest are refined.
+    """
+    if len(budgets) < 2 or not has_long_reach(ctx):
+        return []
+    points = wrap_points(ctx, cands, budgets[0])
+    if not points:
+        return []
+    cost = _cut_cost_matrix(ctx, cands)
+    seg_weight, masks = _segment_masks(ctx, cands, budgets)
+    found = [p for w in points if (p := wrapped_placement(ctx, cands, cost, seg_weight, masks, budgets, w)) is not None]
+    found.sort(key=lambda p: transfer_bytes(ctx.problem, p))
+    return [improve(ctx.problem, p, budgets) for p in found[:RING_KEEP]]
 
 
 def _folded(problem: PartitionProblem, ctx: _Context, names: Sequence[str], contiguous: bool) -> Partition:
-    """No contiguous placement fits: pack out of order (unless forbidden), then lower the copies."""
-    packed = None
-    if not contiguous:
-        near = _nearly_fitting(ctx)
-        packed = repair(problem, near, ctx.budgets) if near is not None else None
-        packed = packed if packed is not None else pack(problem, ctx.budgets)
-    if packed is None:
+    """No contiguous placement fits: wrap or pack out of order (unless forbidden), then lower the copies."""
+    if contiguous:
         _raise_infeasible(problem, ctx, names, contiguous)
-    op_devices = improve(problem, packed, ctx.budgets)
+    found = _wrapped_candidates(ctx, _candidates(ctx, None), ctx.budgets)
+    near = _nearly_fitting(ctx)
+    packed = repair(problem, near, ctx.budgets) if near is not None else None
+    packed = packed if packed is not None else pack(problem, ctx.budgets)
+    if packed is not None:
+        found.append(improve(problem, packed, ctx.budgets))
+    if not found:
+        _raise_infeasible(problem, ctx, names, contiguous)
+    op_devices = min(found, key=lambda p: transfer_bytes(problem, p))
     loads = device_loads(problem, op_devices, len(ctx.budgets))
     return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(loads))
 
