@@ -17,6 +17,7 @@ import torch.fx
 from fxsplit import runtime
 from fxsplit.cost import Weight
 from fxsplit.errors import FxsplitError
+from fxsplit.fastattr import mirror_registries
 from fxsplit.graphinfo import TENSOR, value_kind
 from fxsplit.plan import Plan
 from fxsplit.planning import Read, reads_of
@@ -270,5 +271,6 @@ def emit(graph_module: torch.fx.GraphModule, plan: Plan, by_node: dict[str, list
     else:
         split = torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
     split.recompile()
+    mirror_registries(split)  # weights by path at dict speed (see fxsplit.fastattr)
     split.meta["fxsplit_plan"] = plan
     return split
