@@ -165,6 +165,7 @@ def quality_headlines(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "bytes_ratio_vs_accelerate": {"min": ratios[0], "median": ratios[len(ratios) // 2], "max": ratios[-1]}
         if ratios else None,
         "fxsplit_fewer_bytes_cases": sum(x <= 1 for x in ratios),
+        "both_placed_cases": len(ratios),
     }
 
 

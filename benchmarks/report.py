@@ -282,7 +282,8 @@ def _headlines_md(results: dict[str, Any]) -> str:
             f"device empty in {quality['accelerate_empty_device_cases']} (fxsplit left one empty in "
             f"{quality['fxsplit_empty_device_cases']}). fxsplit's bytes per forward / Accelerate's (streaming "
             f"included): median {ratio['median']:.2f}x, from {ratio['min']:.2f}x to {ratio['max']:.1f}x; fewer or "
-            f"equal in {quality['fxsplit_fewer_bytes_cases']} of the cases both placed.")
+            f"equal in {quality['fxsplit_fewer_bytes_cases']} of the {quality.get('both_placed_cases', '')} "
+            "cases both placed.")
     planning = results.get("planning")
     if planning:
         times = sorted(r["fxsplit"]["api_total"] / r["accelerate"]["total"] for r in planning["time_to_split"])
