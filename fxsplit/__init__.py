@@ -8,7 +8,7 @@ from fxsplit.api import fxsplit, plan
 from fxsplit.apply_plan import apply, check_plan
 from fxsplit.autobudget import auto_budgets
 from fxsplit.distributed import PipelineStages, pipeline_stages
-from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError, SpecError, TraceError
+from fxsplit.errors import BudgetError, FxsplitError, InputMismatchError, PlanMismatchError, SpecError, TraceError
 from fxsplit.pipeline import Pipeline, PipelineConfig
 from fxsplit.plan import Cut, Plan
 from fxsplit.spec import Spec, load_spec
@@ -18,6 +18,7 @@ __all__ = [
     "BudgetError",
     "Cut",
     "FxsplitError",
+    "InputMismatchError",
     "Pipeline",
     "PipelineConfig",
     "PipelineStages",

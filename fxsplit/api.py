@@ -24,6 +24,7 @@ from fxsplit.constraints import (
 )
 from fxsplit.cost import GraphCosts, build_problem
 from fxsplit.devices import normalize_budgets, normalize_device
+from fxsplit.dynamic import describe as describe_dynamic
 from fxsplit.errors import BudgetError, FxsplitError, SpecError
 from fxsplit.fingerprint import describe
 from fxsplit.memory import MemoryModel, MemorySpec, fit_budgets
@@ -58,6 +59,7 @@ class Options:
     check: bool = False
     mode: str = "inference"
     optimizer: str | int | None = None
+    dynamic_shapes: Any = None
 
 
 _OPTION_NAMES = tuple(Options.__dataclass_fields__)
@@ -77,6 +79,7 @@ def _options(raw: Mapping[str, Any]) -> Options:
     if options.objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)} (got {options.objective!r})")
     MemorySpec.coerce(options.mode, options.optimizer)
+    describe_dynamic(options.dynamic_shapes)
     return options
 
 
@@ -116,6 +119,7 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
         mode=options.trace,
         leaf_modules=resolve_leaf_modules(model, leaves, locate),
         concrete_args=options.concrete_args,
+        dynamic_shapes=options.dynamic_shapes,
     )
     pins = {str(k): normalize_device(v) for k, v in (options.pins or {}).items()}
     together = together_groups(options.together)
@@ -142,7 +146,8 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
                          output_device=output_device, trace=traced.method, objective=options.objective)
 
     made = fit_budgets(memory, usable, solve)
-    made = _record(made, model, limits, reserved, dtype, leaves)
+    dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
+    made = _record(made, model, limits, reserved, dtype, leaves, dynamic)
     if options.check:
         verify_plan(made, traced.graph_module, model)
     return _Planned(traced, costs, made, options)
@@ -168,12 +173,12 @@ def _memory_model(spec: MemorySpec, traced: Traced, costs: GraphCosts, model: to
 
 
 def _record(made: Plan, model: torch.nn.Module, budgets: dict[str, int], reserved: dict[str, int],
-            dtype: str | None, leaves: list[type | str]) -> Plan:
+            dtype: str | None, leaves: list[type | str], dynamic: str | None = None) -> Plan:
     """The plan with what it was made from: the full budgets, reserves, the model's structure, how to re-trace."""
     fingerprint, tensors, tied = describe(model)
     names = tuple(leaf if isinstance(leaf, str) else f"{leaf.__module__}.{leaf.__qualname__}" for leaf in leaves)
     return dataclasses.replace(made, budgets=dict(budgets), reserved=reserved, fingerprint=fingerprint,
-                               tensors=tensors, tied=tied, dtype=dtype, leaf_modules=names)
+                               tensors=tensors, tied=tied, dtype=dtype, leaf_modules=names, dynamic_shapes=dynamic)
 
 
 def plan(

@@ -19,6 +19,7 @@ from fxsplit.api import _refuse_meta
 from fxsplit.codegen import emit, move_weights
 from fxsplit.constraints import locator, resolve_leaf_modules
 from fxsplit.cost import GraphCosts, build_problem
+from fxsplit.dynamic import dynamic_shapes_for
 from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError
 from fxsplit.fingerprint import describe, differences
 from fxsplit.plan import Cut, Plan
@@ -55,6 +56,7 @@ def retrace(
     example_kwargs: Mapping[str, Any] | None = None,
     concrete_args: Mapping[str, Any] | None = None,
     leaf_modules: Iterable[type | str] = (),
+    dynamic_shapes: Any = None,
 ) -> tuple[Traced, GraphCosts]:
     """Trace ``model`` the way ``plan`` was made and check that the plan places exactly its nodes.
 
@@ -74,7 +76,8 @@ def retrace(
                                "example_inputs=(...) so that the generated code is the same")
     leaves = resolve_leaf_modules(model, [*plan.leaf_modules, *leaf_modules], locator(None, ()))
     traced = trace(model, example_inputs=example_inputs, example_kwargs=example_kwargs, mode=plan.trace,
-                   leaf_modules=leaves, concrete_args=concrete_args)
+                   leaf_modules=leaves, concrete_args=concrete_args,
+                   dynamic_shapes=dynamic_shapes_for(plan, dynamic_shapes))
     _check_nodes(traced.graph_module, plan)
     dtype = getattr(torch, plan.dtype) if plan.dtype else None
     index = {d: i for i, d in enumerate(plan.devices)}
@@ -117,7 +120,8 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, **o
         example_inputs: positional inputs, needed when the plan was traced with
             ``torch.export``.
         **options: ``example_kwargs``, ``concrete_args``, ``leaf_modules`` (added
-            to the plan's), as for :func:`fxsplit.fxsplit`.
+            to the plan's), ``dynamic_shapes`` (default: the plan's), as for
+            :func:`fxsplit.fxsplit`.
 
     Raises:
         PlanMismatchError: the plan does not describe this model; says what differs.

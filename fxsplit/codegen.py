@@ -16,7 +16,8 @@ import torch.fx
 
 from fxsplit import runtime
 from fxsplit.cost import Weight
-from fxsplit.errors import FxsplitError
+from fxsplit.dynamic import TRACED_INPUTS, describe_inputs
+from fxsplit.errors import FxsplitError, InputMismatchError
 from fxsplit.fastattr import mirror_registries
 from fxsplit.graphinfo import TENSOR, value_kind
 from fxsplit.plan import Plan
@@ -244,6 +245,36 @@ class ExportedSplit(torch.fx.GraphModule):
         return self
 
 
+class InputGuard(torch.nn.Module):
+    """torch.export's input check, failing with what the split was traced with and how to accept more.
+
+    Wraps the ``_guards_fn`` that export puts first in the graph: same check,
+    but an :class:`~fxsplit.errors.InputMismatchError` that names the inputs'
+    traced sizes and the ``dynamic_shapes`` option instead of a bare
+    ``AssertionError: Guard failed``.
+    """
+
+    def __init__(self, check: torch.nn.Module, traced_with: str, dynamic: str | None) -> None:
+        super().__init__()
+        self.check = check
+        self.traced_with = traced_with
+        self.dynamic = dynamic
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.check(*args, **kwargs)
+        except AssertionError as error:
+            more = ("split again with dynamic_shapes='all' (every size the model allows) or a torch.export spec, "
+                    if self.dynamic == "batch" else
+                    "split again with dynamic_shapes='batch' (any batch size) or 'all' (every size the model allows), "
+                    if self.dynamic is None else "split again with a wider dynamic_shapes spec, ")
+            raise InputMismatchError(
+                f"the inputs do not match what torch.export traced this split with ({error}); traced with "
+                f"{self.traced_with}. Call it with inputs like those (same sizes where they are fixed, same "
+                f"non-tensor values), or {more}or use trace='fx'"
+            ) from None
+
+
 _MODE_OPS = ("dropout", "batch_norm", "instance_norm")
 
 
@@ -267,6 +298,10 @@ def emit(graph_module: torch.fx.GraphModule, plan: Plan, by_node: dict[str, list
         exported.traced_training = bool(graph_module.training)
         exported.mode_ops = _mode_dependent_ops(graph)
         exported.training = exported.traced_training
+        guard = getattr(exported, "_guards_fn", None)
+        if isinstance(guard, torch.nn.Module) and not isinstance(guard, InputGuard):
+            traced_with = graph_module.meta.get(TRACED_INPUTS) or describe_inputs(graph_module.graph)
+            exported._guards_fn = InputGuard(guard, traced_with, plan.dynamic_shapes)
         split: torch.fx.GraphModule = exported
     else:
         split = torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)

@@ -44,6 +44,7 @@ import torch.fx
 
 from fxsplit.codegen import emit
 from fxsplit.cost import build_problem, model_tensors
+from fxsplit.dynamic import dynamic_shapes_for
 from fxsplit.errors import PlanMismatchError, SpecError
 from fxsplit.microbatch import first_microbatch
 from fxsplit.pipeline import PipelineConfig
@@ -197,7 +198,8 @@ def _apply(model: torch.nn.Module, plan: Plan, example_inputs: Any, chunks: int,
         example_inputs = (example_inputs,)
     args, kwargs = first_microbatch(example_inputs, options.get("example_kwargs"), chunks)
     traced = trace(model, example_inputs=args, example_kwargs=kwargs, mode=options.get("trace", plan.trace),
-                   leaf_modules=options.get("leaf_modules", ()), concrete_args=options.get("concrete_args"))
+                   leaf_modules=options.get("leaf_modules", ()), concrete_args=options.get("concrete_args"),
+                   dynamic_shapes=dynamic_shapes_for(plan, options.get("dynamic_shapes")))
     names = {n.name for n in traced.graph_module.graph.nodes}
     missing, extra = sorted(set(plan.placement) - names), sorted(names - set(plan.placement))
     if missing or extra:

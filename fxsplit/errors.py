@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "BudgetError",
     "FxsplitError",
+    "InputMismatchError",
     "PlanMismatchError",
     "SpecError",
     "TraceError",
@@ -36,6 +37,14 @@ class TraceError(FxsplitError):
 
 class SpecError(FxsplitError, ValueError):
     """An argument, option or spec value is malformed or inconsistent."""
+
+
+class InputMismatchError(FxsplitError, ValueError):
+    """A split traced by ``torch.export`` was called with inputs its graph does not accept.
+
+    The message names the failed check, the inputs it was traced with, and
+    how to split for other sizes (``dynamic_shapes``) or values.
+    """
 
 
 class PlanMismatchError(FxsplitError, ValueError):

@@ -76,6 +76,10 @@ class Plan:
             ``activations_peak`` (absent when activations were not counted)
             and ``total`` (what the budget holds); see :mod:`fxsplit.memory`.
             Empty for plans made without a memory model.
+        dynamic_shapes: which input sizes the export graph kept variable:
+            ``"batch"``, ``"all"``, ``"custom"`` (a torch.export spec, to be
+            passed again when applying), or None (the example's sizes only;
+            always None for fx graphs, which take any size).
     """
 
     devices: tuple[str, ...]
@@ -95,6 +99,7 @@ class Plan:
     dtype: str | None = None
     leaf_modules: tuple[str, ...] = ()
     memory: dict[str, dict[str, int]] = field(default_factory=dict)
+    dynamic_shapes: str | None = None
 
     @property
     def transfer_bytes(self) -> int:
@@ -138,6 +143,7 @@ class Plan:
             "dtype": self.dtype,
             "leaf_modules": list(self.leaf_modules),
             "memory": {d: dict(row) for d, row in self.memory.items()},
+            "dynamic_shapes": self.dynamic_shapes,
         }
 
     @classmethod
@@ -161,6 +167,7 @@ class Plan:
             dtype=data.get("dtype"),
             leaf_modules=tuple(data.get("leaf_modules", ())),
             memory={d: dict(row) for d, row in data.get("memory", {}).items()},
+            dynamic_shapes=data.get("dynamic_shapes"),
         )
 
     def to_yaml(self) -> str:

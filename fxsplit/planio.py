@@ -102,6 +102,7 @@ def plan_to_yaml(plan: Plan) -> str:
         f"dtype: {k(plan.dtype)}",
         f"output_device: {k(plan.output_device)}",
         f"leaf_modules: {_flow_list(plan.leaf_modules)}",
+        *([f"dynamic_shapes: {k(plan.dynamic_shapes)}"] if plan.dynamic_shapes else []),
         "devices:",
     ]
     for device in plan.devices:
@@ -237,6 +238,8 @@ class _Reader:
             leaf_modules=tuple(get(data, "leaf_modules", _is_str_list, "a list of strings") or ()),
             memory={d: dict(row) for d, row in (get(data, "memory", lambda v: _is_map(v, lambda r: _is_map(
                 r, _is_int)), "device -> {component: bytes}") or {}).items()},
+            dynamic_shapes=get(data, "dynamic_shapes", lambda v: v is None or v in ("batch", "all", "custom"),
+                               "batch, all, custom or null") if "dynamic_shapes" in data else None,
         )
 
     def cut(self, index: int, entry: Any) -> Cut | None:

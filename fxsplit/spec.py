@@ -39,7 +39,9 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from fxsplit.devices import normalize_device
+from fxsplit.dynamic import SHORTHANDS
 from fxsplit.errors import SpecError
+from fxsplit.memory import MODES, OPTIMIZERS
 from fxsplit.partition import OBJECTIVES
 from fxsplit.pipeline import PipelineConfig
 from fxsplit.trace import TRACE_MODES
@@ -58,7 +60,7 @@ DTYPES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
 }  # fmt: skip
 SPEC_KEYS = ("devices", "reserve", "pin", "together", "leaf_modules", "trace", "output_device", "objective", "dtype",
-             "pipeline", "contiguous")
+             "pipeline", "contiguous", "mode", "optimizer", "dynamic_shapes")
 DEVICE_KEYS = ("budget", "reserve")
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
 
@@ -145,6 +147,9 @@ class Spec:
         dtype: plan as if floating tensors had this dtype (``"bfloat16"``).
         pipeline: micro-batch pipelining (``{chunks: 4, checkpoint: except_last}``), or None.
         contiguous: keep each device's ops one consecutive run, in device order (None: the default, False).
+        mode: what the budgets must hold: ``"inference"``, ``"training"`` or ``"weights"``.
+        optimizer: optimizer state counted in training (``"adam"``, ``"sgd"``, ... or bytes per parameter).
+        dynamic_shapes: input sizes a torch.export split keeps variable: ``"batch"`` or ``"all"``.
         source: the file name, for messages.
         lines: YAML path -> line number, for messages that come later.
     """
@@ -161,6 +166,9 @@ class Spec:
     dtype: str | None = None
     pipeline: PipelineConfig | None = None
     contiguous: bool | None = None
+    mode: str | None = None
+    optimizer: str | int | None = None
+    dynamic_shapes: str | None = None
     source: str = "<spec>"
     lines: dict[YamlPath, int] = field(default_factory=dict, compare=False, repr=False)
 
@@ -182,7 +190,8 @@ class Spec:
             found["together"] = self.together
         if self.leaf_modules:
             found["leaf_modules"] = self.leaf_modules
-        for name in ("trace", "output_device", "objective", "dtype", "pipeline", "contiguous"):
+        for name in ("trace", "output_device", "objective", "dtype", "pipeline", "contiguous", "mode", "optimizer",
+                     "dynamic_shapes"):
             if getattr(self, name) is not None:
                 found[name] = getattr(self, name)
         return found
@@ -447,6 +456,23 @@ def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list
     pipeline = None
     if "pipeline" in data:
         pipeline = check.attempt(("pipeline",), partial(PipelineConfig.coerce, data["pipeline"]))
+    mode = check.choice(data["mode"], MODES, ("mode",)) if "mode" in data else None
+    optimizer = data.get("optimizer")
+    if optimizer is not None:
+        if isinstance(optimizer, bool) or not isinstance(optimizer, (str, int)):
+            check.problem(("optimizer",), f"must be one of {', '.join(OPTIMIZERS)} or bytes per parameter element "
+                          f"(got {optimizer!r})")
+            optimizer = None
+        elif isinstance(optimizer, str):
+            optimizer = check.choice(optimizer, OPTIMIZERS, ("optimizer",))
+        elif optimizer < 0:
+            check.problem(("optimizer",), f"bytes per parameter element must be 0 or more (got {optimizer})")
+            optimizer = None
+        if optimizer is not None and ("mode" not in data or mode not in (None, "training")):
+            check.problem(("optimizer",), "only counts with mode: training (add it, or drop the optimizer)")
+    dynamic = None
+    if "dynamic_shapes" in data:
+        dynamic = check.choice(data["dynamic_shapes"], SHORTHANDS, ("dynamic_shapes",))
     output = None
     if "output_device" in data:
         output = check.attempt(("output_device",), lambda: spec_device(data["output_device"]))
@@ -454,7 +480,8 @@ def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list
         raise SpecProblems(source, sorted(check.problems, key=lambda p: (p.line or 0, format_path(p.path))))
     return Spec(devices=devices, reserve=reserve, default_reserve=default_reserve, pins=pins, together=together,
                 leaf_modules=leaves, trace=trace, output_device=output, objective=objective, dtype=dtype,
-                pipeline=pipeline, contiguous=contiguous, source=source, lines=dict(lines))
+                pipeline=pipeline, contiguous=contiguous, mode=mode, optimizer=optimizer, dynamic_shapes=dynamic,
+                source=source, lines=dict(lines))
 
 
 def _devices(check: _Checker, value: Any, present: bool) -> tuple[dict[str, int], dict[str, Headroom]]:

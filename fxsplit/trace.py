@@ -24,6 +24,7 @@ import torch
 import torch.fx
 from torch.fx.graph import CodeGen, _PyTreeCodeGen
 
+from fxsplit.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_inputs, export_spec
 from fxsplit.errors import TraceError
 
 __all__ = ["TRACE_MODES", "Traced", "trace"]
@@ -69,8 +70,13 @@ def trace(
     mode: str = "auto",
     leaf_modules: Iterable[type | str] = (),
     concrete_args: Mapping[str, Any] | None = None,
+    dynamic_shapes: Any = None,
 ) -> Traced:
     """Trace ``model`` into an FX graph. The model is not modified.
+
+    ``dynamic_shapes`` (``"batch"``, ``"all"`` or a torch.export spec; see
+    :mod:`fxsplit.dynamic`) says which input sizes an export graph keeps
+    variable; fx graphs take any size anyway.
 
     Raises:
         TraceError: neither tracer worked; says why and what to try.
@@ -85,7 +91,9 @@ def trace(
     leaves = list(leaf_modules)
     if mode == "export" or (mode == "auto" and has_examples):
         try:
-            return _export(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
+            return _export(model, tuple(example_inputs or ()), dict(example_kwargs or {}), dynamic_shapes)
+        except TraceError:
+            raise  # ours, already specific (dynamic_shapes not kept)
         except Exception as export_error:  # noqa: BLE001 - torch raises many kinds
             if mode == "export":
                 raise TraceError(_export_message(export_error)) from export_error
@@ -98,12 +106,15 @@ def trace(
     return _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
 
 
-def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
-    exported = torch.export.export(model, args, kwargs or None, strict=False)
+def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic_shapes: Any) -> Traced:
+    spec = export_spec(model, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
+    exported = torch.export.export(model, args, kwargs or None, strict=False, dynamic_shapes=spec)
     graph_module = exported.module()
     if not isinstance(graph_module, torch.fx.GraphModule):  # pragma: no cover - torch internals
         raise TraceError("torch.export returned an unflattened module; fxsplit needs a flat graph")
     graph_module.training = model.training  # the mode export baked into the graph
+    check_kept_dynamic(graph_module, dynamic_shapes)
+    graph_module.meta[TRACED_INPUTS] = describe_inputs(graph_module.graph)
     _default_constant_keywords(graph_module, kwargs)
     return Traced(graph_module, "export", True)
 
@@ -231,6 +242,9 @@ def _export_message(error: BaseException) -> str:
     if "Cache" in str(error):
         hint = ("\n  this looks like a Hugging Face model returning its key/value cache: pass "
                 "example_kwargs={'use_cache': False} (and call the split model with use_cache=False)")
+    if "Constraints violated" in str(error) or "dynamic_shapes" in str(error):
+        hint += ("\n  this is about dynamic_shapes: a size you marked variable must stay fixed or equal another; "
+                 "mark fewer dimensions (dynamic_shapes='batch' marks only the batch)")
     return (
         f"torch.export could not trace the model on the example inputs: {_first_line(error)}"
         + (f"\n  at {where}" if where else "")

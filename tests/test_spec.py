@@ -62,6 +62,13 @@ BAD_SPECS = [
     pytest.param("objective: 3", [(1, "objective", "must be one of min_transfer, balanced (got 3)")], id="objective"),
     pytest.param("dtype: bf17", [(1, "dtype", "did you mean 'bf16'?")], id="dtype"),
     pytest.param("output_device: gpu", [(1, "output_device", "did you mean 'cuda'?")], id="output-device"),
+    pytest.param("mode: trainig", [(1, "mode", "did you mean 'training'?")], id="mode"),
+    pytest.param("optimizer: adam", [(1, "optimizer", "only counts with mode: training")], id="optimizer-no-training"),
+    pytest.param("mode: training\noptimizer: adma", [(2, "optimizer", "did you mean 'adam'?")], id="optimizer-name"),
+    pytest.param("mode: training\noptimizer: -4", [(2, "optimizer", "must be 0 or more")], id="optimizer-negative"),
+    pytest.param("mode: training\noptimizer: [adam]", [(2, "optimizer", "or bytes per parameter element")],
+                 id="optimizer-type"),
+    pytest.param("dynamic_shapes: batches", [(1, "dynamic_shapes", "did you mean 'batch'?")], id="dynamic-shapes"),
     pytest.param("- devices\n- pin", [(1, "<top>", "a spec must be a mapping")], id="not-a-mapping"),
     pytest.param("", [(None, "<top>", "(it is empty)")], id="empty"),
     pytest.param("devices: {cpu:0: 1GiB", [(1, "<top>", "not valid YAML")], id="bad-yaml"),
@@ -334,3 +341,20 @@ def test_spec_pipeline_key_becomes_the_pipeline_option() -> None:
 def test_spec_pipeline_key_is_validated_with_its_line() -> None:
     with pytest.raises(fxsplit.SpecError, match=r"<spec>:2: pipeline: .*chunks"):
         fxsplit.load_spec("devices: {cpu:0: 1MiB}\npipeline: {chunk: 2}\n")
+
+
+def test_spec_mode_and_optimizer_set_what_the_budgets_hold() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    x = torch.randn(4, 16)
+    training = fxsplit.load_spec("devices: {cpu:0: 1MiB, cpu:1: 1MiB}\nmode: training\noptimizer: sgd_momentum\n")
+    assert training.options() == {"mode": "training", "optimizer": "sgd_momentum"}
+    memory = fxsplit.plan(model, spec=training, example_inputs=(x,)).memory
+    params = sum(row["params"] for row in memory.values())
+    assert sum(row["grads"] for row in memory.values()) == params  # one gradient per parameter
+    assert sum(row["optimizer"] for row in memory.values()) == params  # one momentum buffer each
+    weights = fxsplit.load_spec("devices: {cpu:0: 1MiB, cpu:1: 1MiB}\nmode: weights\n")
+    memory = fxsplit.plan(model, spec=weights, example_inputs=(x,)).memory
+    assert all(row["grads"] == row["optimizer"] == 0 and "activations_peak" not in row for row in memory.values())
+    # an explicit keyword overrides the spec
+    memory = fxsplit.plan(model, spec=training, example_inputs=(x,), optimizer="adam").memory
+    assert sum(row["optimizer"] for row in memory.values()) == 2 * params

@@ -1,0 +1,184 @@
+"""dynamic_shapes: torch.export splits that take other batch sizes (or any size), and clear errors when not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import assert_same_grads, tensor_bytes
+
+import fxsplit
+from fxsplit.errors import FxsplitError, InputMismatchError, SpecError, TraceError
+
+transformers = pytest.importorskip("transformers")
+
+
+class Tokens(nn.Module):
+    """(batch, time, features) -> same; a per-token MLP with a residual."""
+
+    def __init__(self, dim: int = 8, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return x
+
+
+class FixedBatch(nn.Module):
+    """Adds a (4, 8) tensor: the batch must be 4, whatever the caller asks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.register_buffer("bias", torch.zeros(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) + self.bias)
+
+
+def budgets(model: nn.Module) -> dict[str, int]:
+    half = tensor_bytes(model) // 2 + 400
+    return {"cpu:0": half, "cpu:1": half}
+
+
+def pair(make: Any = Tokens) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    model = make()
+    reference = make()
+    reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+def test_batch_may_vary_forward_and_backward() -> None:
+    model, reference = pair()
+    gm = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(4, 5, 8),), mode="weights",
+                         dynamic_shapes="batch")
+    plan = gm.meta["fxsplit_plan"]
+    assert plan.trace == "export" and plan.dynamic_shapes == "batch"
+    assert len(set(plan.param_devices.values())) == 2
+    for batch in (1, 3, 4, 9):
+        x = torch.randn(batch, 5, 8)
+        torch.testing.assert_close(gm(x).to("cpu"), reference(x))
+    x = torch.randn(7, 5, 8)
+    gm(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert_same_grads(model, reference)
+    with pytest.raises(InputMismatchError, match=r"traced with x: float32\[any, 5, 8\].*dynamic_shapes='all'"):
+        gm(torch.randn(3, 6, 8))  # the time dimension stayed fixed
+
+
+def test_all_sizes_may_vary() -> None:
+    model, reference = pair()
+    gm = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(4, 5, 8),), mode="weights",
+                         dynamic_shapes="all")
+    assert gm.meta["fxsplit_plan"].dynamic_shapes == "all"
+    for shape in ((2, 3, 8), (6, 11, 8)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(gm(x).to("cpu"), reference(x))
+    with pytest.raises(InputMismatchError, match="traced with x: float32\\[any, any, 8\\]"):
+        gm(torch.randn(2, 3, 9))  # features are fixed by the weights
+
+
+def test_without_dynamic_shapes_other_sizes_get_a_clear_error() -> None:
+    model, _ = pair()
+    gm = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(4, 5, 8),), mode="weights")
+    assert gm.meta["fxsplit_plan"].dynamic_shapes is None
+    with pytest.raises(InputMismatchError) as caught:
+        gm(torch.randn(2, 5, 8))
+    message = str(caught.value)
+    assert "x.size()[0] == 4" in message and "x: float32[4, 5, 8]" in message
+    assert "dynamic_shapes='batch'" in message and "trace='fx'" in message
+    assert isinstance(caught.value, ValueError)
+
+
+def test_a_batch_the_model_fixes_is_reported_by_input() -> None:
+    model, _ = pair(FixedBatch)
+    with pytest.raises(TraceError, match=r"kept the batch size fixed for 'x' \(batch 4\).*depends on its value"):
+        fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(4, 8),), mode="weights",
+                        dynamic_shapes="batch")
+
+
+def test_an_example_batch_of_one_is_refused_with_the_reason() -> None:
+    model, _ = pair()
+    with pytest.raises(TraceError, match="at least 2"):
+        fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(1, 5, 8),), mode="weights",
+                        dynamic_shapes="batch")
+
+
+def test_bad_values_are_refused() -> None:
+    model, _ = pair()
+    with pytest.raises(SpecError, match="dynamic_shapes must be one of batch, all"):
+        fxsplit.plan(model, budgets(model), example_inputs=(torch.randn(4, 5, 8),), dynamic_shapes="bach")
+
+
+def test_fx_graphs_take_any_size_and_record_nothing() -> None:
+    model, reference = pair()
+    gm = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(4, 5, 8),), mode="weights",
+                         trace="fx", dynamic_shapes="batch")
+    assert gm.meta["fxsplit_plan"].dynamic_shapes is None
+    x = torch.randn(3, 2, 8)
+    torch.testing.assert_close(gm(x).to("cpu"), reference(x))
+
+
+def test_saved_plans_apply_with_the_same_dynamism() -> None:
+    model, reference = pair()
+    x = torch.randn(4, 5, 8)
+    plan = fxsplit.plan(model, budgets(model), example_inputs=(x,), mode="weights", dynamic_shapes="batch")
+    text = plan.to_yaml()
+    assert "dynamic_shapes: batch" in text
+    loaded = fxsplit.Plan.from_yaml(text)
+    assert loaded == plan
+    gm = fxsplit.apply(model, loaded, example_inputs=(x,))
+    y = torch.randn(6, 5, 8)
+    torch.testing.assert_close(gm(y).to("cpu"), reference(y))
+
+
+def test_custom_specs_must_be_passed_again_to_apply() -> None:
+    model, reference = pair()
+    x = torch.randn(4, 5, 8)
+    spec = {"x": {0: torch.export.Dim("batch", min=1, max=64)}}
+    plan = fxsplit.plan(model, budgets(model), example_inputs=(x,), mode="weights", dynamic_shapes=spec)
+    assert plan.dynamic_shapes == "custom"
+    with pytest.raises(FxsplitError, match="custom dynamic_shapes spec; pass the same"):
+        fxsplit.apply(model, plan, example_inputs=(x,))
+    gm = fxsplit.apply(model, plan, example_inputs=(x,), dynamic_shapes=spec)
+    y = torch.randn(10, 5, 8)
+    torch.testing.assert_close(gm(y).to("cpu"), reference(y))
+    with pytest.raises(InputMismatchError, match="wider dynamic_shapes spec"):
+        gm(torch.randn(65, 5, 8))
+
+
+def test_spec_files_set_it() -> None:
+    model, reference = pair()
+    each = budgets(model)["cpu:0"]
+    spec = fxsplit.load_spec(f"devices: {{cpu:0: {each}, cpu:1: {each}}}\ndynamic_shapes: batch\nmode: weights\n")
+    gm = fxsplit.fxsplit(model, spec=spec, example_inputs=(torch.randn(4, 5, 8),))
+    assert gm.meta["fxsplit_plan"].dynamic_shapes == "batch"
+    y = torch.randn(2, 5, 8)
+    torch.testing.assert_close(gm(y).to("cpu"), reference(y))
+
+
+def test_gpt2_takes_any_batch_with_its_keyword_inputs() -> None:
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=160, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    reference = transformers.GPT2LMHeadModel(config).eval()
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 160, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    gm = fxsplit.fxsplit(model, {"cpu:0": "100KiB", "cpu:1": "100KiB"}, example_inputs=(ids,),
+                         example_kwargs={"attention_mask": mask, "use_cache": False}, dynamic_shapes="batch")
+    assert len(set(gm.meta["fxsplit_plan"].param_devices.values())) == 2
+    with torch.no_grad():
+        for batch in (1, 5):
+            ids = torch.randint(0, 160, (batch, 8))
+            mask = torch.ones(batch, 8, dtype=torch.long)
+            mask[0, :3] = 0
+            torch.testing.assert_close(gm(ids, attention_mask=mask).logits.to("cpu"),
+                                       reference(ids, attention_mask=mask, use_cache=False).logits)
