@@ -129,6 +129,9 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
                           dtype=getattr(torch, dtype) if dtype else None)
     memory = _memory_model(MemorySpec.coerce(options.mode, options.optimizer), traced, costs, model,
                            getattr(torch, dtype) if dtype else None)
+    if isinstance(options.pipeline, PipelineConfig):  # the profile is one micro-batch's
+        pipeline = options.pipeline
+        memory = dataclasses.replace(memory, chunks=pipeline.chunks, checkpoint=str(pipeline.checkpoint))
     problem = memory.problem()
     output_device = normalize_device(options.output_device) if options.output_device is not None else None
     contiguous = options.contiguous or options.pipeline is not None

@@ -120,12 +120,25 @@ class MemoryModel:
             parameter the graph reads.
         profile: the activation profile, or None when activations are not
             counted (mode ``"weights"``, or no shapes).
+        chunks: micro-batches of a pipeline (1: none); the profile is then
+            that of one micro-batch. In training, a fill-drain schedule holds
+            what every micro-batch saved for backward until its backward:
+            ``chunks - 1`` more of it on each device, or, under activation
+            checkpointing (``checkpoint`` other than ``"never"``), of the
+            stage's inputs only.
+        checkpoint: the pipeline's checkpointing policy.
     """
 
     spec: MemorySpec
     costs: GraphCosts
     trainable: Mapping[str, int]
     profile: ActivationProfile | None = None
+    chunks: int = 1
+    checkpoint: str = "never"
+
+    @property
+    def _held_per_chunk(self) -> bool:
+        return self.spec.training and self.profile is not None and self.chunks > 1
 
     def state_bytes(self, name: str, nbytes: int) -> tuple[int, int]:
         """``(gradient, optimizer state)`` bytes of the weight ``name``."""
@@ -145,6 +158,8 @@ class MemoryModel:
         transient: tuple[int, ...] = ()
         if self.profile is not None:
             extra, transient = planning_loads(self.profile)
+            if self._held_per_chunk and self.checkpoint == "never":
+                extra = tuple(e * self.chunks for e in extra)
         return dataclasses.replace(problem, values=tuple(values), op_extra=extra, op_transient=transient)
 
     def usage(self, plan: Plan) -> dict[str, dict[str, int]]:
@@ -173,8 +188,25 @@ class MemoryModel:
         op_devices = [plan.placement[name] for name in profile.op_names]
         inputs = {name: plan.placement.get(name, plan.output_device) for name in profile.inputs}
         weights = {name: plan.param_devices[name] for name in profile.weights}
-        peaks = simulate(profile, op_devices, inputs, plan.output_device, weights).peak
-        return {str(d): int(v) for d, v in peaks.items()}
+        simulated = simulate(profile, op_devices, inputs, plan.output_device, weights)
+        peaks = {str(d): int(v) for d, v in simulated.peak.items()}
+        if self._held_per_chunk:
+            for device in peaks:
+                never = self.checkpoint == "never"
+                held = simulated.saved.get(device, 0) if never else self._stage_inputs(plan, device)
+                peaks[device] += (self.chunks - 1) * held
+        return peaks
+
+    def _stage_inputs(self, plan: Plan, device: str) -> int:
+        """Bytes a checkpointed stage keeps per micro-batch: the values it receives and the inputs read there."""
+        profile = self.profile
+        assert profile is not None
+        received = sum(c.nbytes or 0 for c in plan.cuts if c.destination == device and c.kind != "parameter")
+        for name in profile.inputs:
+            info = profile.values.get(name)
+            if info is not None and plan.placement.get(name, plan.output_device) == device:
+                received += sum(profile.storage_bytes[k] for k in info.storages)
+        return received
 
     def totals(self) -> dict[str, int]:
         """Model-wide bytes of each component (activations: saved plus the largest transient)."""

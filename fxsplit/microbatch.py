@@ -147,6 +147,7 @@ def first_microbatch(
             f"({rows}); the model is traced on one micro-batch, so pass an example batch of a multiple of "
             f"{chunks} rows"
         )
-    first = parts[0]
+    # Own copies: a slice would keep (and be charged for) the whole example batch's storage.
+    first = [v.clone() if isinstance(v, torch.Tensor) else v for v in parts[0]]
     return (tuple(first[: len(args)]) if example_inputs is not None else None,
             dict(zip(kwargs, first[len(args):], strict=True)) if example_kwargs else None)
