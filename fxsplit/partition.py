@@ -23,9 +23,12 @@ up to ``EXACT_LIMIT`` ops, and never worse than the relay optimum otherwise.
 Unless ``contiguous=True``, two out-of-order steps follow: *wrapped*
 placements (device 0 also runs the last ops, so skip connections and tied
 embeddings stay home; :mod:`fxsplit.ring`) compete with the contiguous one,
-and single ops then move wherever that lowers the bytes copied
-(:mod:`fxsplit.refine`). When no contiguous placement fits, wrapped
-placements and an out-of-order packing are tried instead.
+single ops then move wherever that lowers the bytes copied
+(:mod:`fxsplit.refine`), and, on graphs of up to ``EXACT_LIMIT`` ops, pairs
+of devices exchange whole groups of ops along minimum cuts (networkx
+max-flow, :mod:`fxsplit.mincut`) where single moves are stuck. When no
+contiguous placement fits, wrapped placements and an out-of-order packing
+are tried instead.
 
 >>> from fxsplit.problem import PartitionProblem, Value
 >>> chain = PartitionProblem(
@@ -45,8 +48,9 @@ from typing import NoReturn, Sequence
 import numpy as np
 
 from fxsplit.errors import BudgetError, SpecError
+from fxsplit.mincut import exchange
 from fxsplit.problem import PartitionProblem
-from fxsplit.refine import device_loads, improve, pack, repair
+from fxsplit.refine import device_loads, frozen_ops, improve, pack, repair
 from fxsplit.ring import has_long_reach, wrap_points, wrapped_placement
 from fxsplit.units import format_size
 
@@ -141,8 +145,23 @@ def partition(
         wrapped_cost = transfer_bytes(problem, wrapped)
         if wrapped_cost < cost:
             op_devices, cost = wrapped, wrapped_cost
+    op_devices = _exchanged(problem, op_devices, budgets_used) if cost else op_devices
     loads = device_loads(problem, op_devices, len(budgets))
-    return Partition(tuple(op_devices), cost, tuple(loads))
+    return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(loads))
+
+
+def _exchanged(problem: PartitionProblem, op_devices: list[int], budgets: Sequence[int]) -> list[int]:
+    """Minimum-cut exchanges between device pairs (:mod:`fxsplit.mincut`), then single moves again.
+
+    Only for graphs of up to ``EXACT_LIMIT`` ops: each cut is a max-flow in
+    Python (tens of ms on a few hundred ops).
+    """
+    if problem.num_ops + 1 > EXACT_LIMIT or len(budgets) < 2:
+        return op_devices
+    exchanged = exchange(problem, op_devices, budgets, frozen_ops(problem))
+    if exchanged == op_devices:
+        return op_devices
+    return improve(problem, exchanged, budgets)
 
 
 def _wrapped_candidates(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> list[list[int]]:
@@ -177,6 +196,7 @@ def _folded(problem: PartitionProblem, ctx: _Context, names: Sequence[str], cont
     if not found:
         _raise_infeasible(problem, ctx, names, contiguous)
     op_devices = min(found, key=lambda p: transfer_bytes(problem, p))
+    op_devices = _exchanged(problem, op_devices, ctx.budgets)
     loads = device_loads(problem, op_devices, len(ctx.budgets))
     return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(loads))
 

@@ -32,7 +32,7 @@ from typing import Sequence
 
 from fxsplit.problem import PartitionProblem
 
-__all__ = ["device_loads", "improve"]
+__all__ = ["device_loads", "frozen_ops", "improve", "pack", "repair"]
 
 
 class _State:
@@ -124,7 +124,7 @@ class _State:
         return found
 
 
-def _frozen(problem: PartitionProblem) -> set[int]:
+def frozen_ops(problem: PartitionProblem) -> set[int]:
     """Ops that constraints tie to their neighbours or to a device."""
     frozen = set(problem.pinned)
     for lo, hi in problem.no_cut_spans():
@@ -152,7 +152,7 @@ def improve(problem: PartitionProblem, op_devices: Sequence[int], budgets: Seque
     if problem.num_ops == 0 or len(budgets) < 2:
         return list(op_devices)
     state = _State(problem, list(op_devices), budgets)
-    frozen = _frozen(problem)
+    frozen = frozen_ops(problem)
     limit = max_moves if max_moves is not None else 4 * problem.num_ops
     moves = _single_moves(state, frozen, limit)
     for _ in range(2):  # a value copied to a device for several readers: move the readers together
@@ -289,7 +289,7 @@ def repair(problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequen
     would scatter the model.
     """
     state = _State(problem, list(op_devices), budgets)
-    frozen = _frozen(problem)
+    frozen = frozen_ops(problem)
     devices = range(len(budgets))
     for _ in range(max_steps):
         over = [d for d in devices if state.total(d) > state.budgets[d]]
