@@ -8,6 +8,8 @@ Stress models are plain PyTorch:
 
 * ``unet``: a U-Net-like conv net whose encoder outputs skip to the far end
   (long skip connections that cross every device boundary);
+* ``unet2``: two such U-Nets in a row (a cascade): two sets of skips, so the
+  first device cannot simply hold both ends;
 * ``branches``: stages of eight parallel MLP branches merged by a projection
   (one value read by many ops, wide fan-in);
 * ``mlp48``: 48 blocks of ``Linear`` + ``ReLU`` (a plain chain; also the
@@ -150,6 +152,18 @@ class UNet(nn.Module):
         return self.head(x)
 
 
+class UNet2(nn.Module):
+    """Two U-Nets in a row: each one's skips reach across its own deep middle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = UNet()
+        self.second = UNet()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
 class BranchBlock(nn.Module):
     """``width`` parallel two-layer MLPs on the same input, concatenated, projected, added back."""
 
@@ -205,6 +219,7 @@ CASES: tuple[Case, ...] = (
     Case("t5", "hf", _seeded(t5), _ids(2, 32), ("T5Block",),
          kwargs=lambda: {"decoder_input_ids": _ids(2, 16)()[0]}),
     Case("unet", "stress", _seeded(UNet), _randn(2, 3, 64, 64), ("ConvBlock",)),
+    Case("unet2", "stress", _seeded(UNet2), _randn(2, 3, 64, 64), ("ConvBlock",)),
     Case("branches", "stress", _seeded(Branches), _randn(32, 128), ("BranchBlock",)),
     Case("mlp48", "stress", _seeded(MLP), _randn(16, 256), ("MLPBlock",)),
 )
