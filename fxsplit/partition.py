@@ -136,18 +136,19 @@ def partition(
     boundaries = _exact_boundaries(ctx, candidates, budgets_used)
     if boundaries is None:
         return _folded(problem, ctx, names, contiguous)
-    result = _result(problem, ctx, boundaries)
     if contiguous:
-        return result
-    op_devices = improve(problem, result.op_devices, budgets_used)
+        return _result(problem, ctx, boundaries)
+    op_devices = improve(problem, _devices_of(ctx.n, boundaries), budgets_used)
     cost = transfer_bytes(problem, op_devices)
     for wrapped in _wrapped_candidates(ctx, candidates, budgets_used) if cost else []:
         wrapped_cost = transfer_bytes(problem, wrapped)
         if wrapped_cost < cost:
             op_devices, cost = wrapped, wrapped_cost
-    op_devices = _exchanged(problem, op_devices, budgets_used) if cost else op_devices
+    exchanged = _exchanged(problem, op_devices, budgets_used) if cost else op_devices
+    if exchanged is not op_devices:
+        op_devices, cost = exchanged, transfer_bytes(problem, exchanged)
     loads = device_loads(problem, op_devices, len(budgets))
-    return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(loads))
+    return Partition(tuple(op_devices), cost, tuple(loads))
 
 
 def _exchanged(problem: PartitionProblem, op_devices: list[int], budgets: Sequence[int]) -> list[int]:
@@ -367,18 +368,27 @@ def _cut_cost_matrix(ctx: _Context, cands: np.ndarray) -> np.ndarray:
     """``C[i, j]``: bytes copied into a device that runs ops ``[cands[i], cands[j])``."""
     m = len(cands)
     increments = np.zeros((m, m + 1))
-    for value in ctx.problem.values:
-        if not value.nbytes or not value.consumers or value.last <= value.start:
-            continue
-        lo = int(np.searchsorted(cands, value.start, side="right"))
-        hi = int(np.searchsorted(cands, value.last, side="right"))
+    spanning = [v for v in ctx.problem.values if v.nbytes and v.consumers and v.last > v.start]
+    if not spanning:
+        return increments[:, :m]
+    starts = np.array([v.start for v in spanning])
+    lasts = np.array([v.last for v in spanning])
+    los = np.searchsorted(cands, starts, side="right")
+    his = np.searchsorted(cands, lasts, side="right")
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    sizes: list[np.ndarray] = []
+    for value, lo, hi in zip(spanning, los.tolist(), his.tolist(), strict=True):
         if lo >= hi:
             continue
-        starts = cands[lo:hi]
+        positions = cands[lo:hi]
         consumers = np.asarray(value.consumers)
-        next_use = consumers[np.searchsorted(consumers, starts, side="left")]
-        first_j = np.searchsorted(cands, next_use, side="right")
-        np.add.at(increments, (np.arange(lo, hi), first_j), value.nbytes)
+        next_use = consumers[np.searchsorted(consumers, positions, side="left")]
+        rows.append(np.arange(lo, hi))
+        cols.append(np.searchsorted(cands, next_use, side="right"))
+        sizes.append(np.full(hi - lo, value.nbytes, dtype=np.float64))
+    if rows:
+        np.add.at(increments, (np.concatenate(rows), np.concatenate(cols)), np.concatenate(sizes))
     return np.cumsum(increments, axis=1)[:, :m]
 
 
@@ -441,11 +451,17 @@ def _min_max_fraction(ctx: _Context, cands: np.ndarray) -> float | None:
     return None if previous[m - 1] == _INF else float(previous[m - 1])
 
 
-def _result(problem: PartitionProblem, ctx: _Context, boundaries: list[int]) -> Partition:
-    op_devices = [0] * problem.num_ops
+def _devices_of(n: int, boundaries: list[int]) -> list[int]:
+    """Op devices of a contiguous placement: device k runs ops ``[boundaries[k], boundaries[k + 1])``."""
+    op_devices = [0] * n
     for k in range(len(boundaries) - 1):
         for op in range(boundaries[k], boundaries[k + 1]):
             op_devices[op] = k
+    return op_devices
+
+
+def _result(problem: PartitionProblem, ctx: _Context, boundaries: list[int]) -> Partition:
+    op_devices = _devices_of(problem.num_ops, boundaries)
     device_weights = [ctx.weight(boundaries[k], boundaries[k + 1]) for k in range(len(boundaries) - 1)]
     return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(device_weights))
 
@@ -520,11 +536,7 @@ def _nearly_fitting(ctx: _Context) -> list[int] | None:
     _, boundaries = _min_scale(ctx)
     if boundaries is None:
         return None
-    op_devices = [0] * ctx.n
-    for k in range(len(boundaries) - 1):
-        for op in range(boundaries[k], boundaries[k + 1]):
-            op_devices[op] = k
-    return op_devices
+    return _devices_of(ctx.n, boundaries)
 
 
 def _raise_fragmented(problem: PartitionProblem, ctx: _Context, names: Sequence[str], total: int, capacity: int,
