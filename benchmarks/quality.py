@@ -149,12 +149,14 @@ def quality_bars(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def quality_headlines(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Counts and ratios that sum the table up (fxsplit vs Accelerate's documented call)."""
     ratios, spills, empties = [], 0, 0
+    by_spill: dict[bool, list[float]] = {True: [], False: []}
     for r in rows:
         acc, fx = r["accelerate"]["accelerate"], r["fxsplit"]
         spills += bool(acc.get("spilled_bytes"))
         empties += bool(acc.get("empty_devices"))
         if fx["placed"] and acc["placed"] and acc["total_bytes"]:
             ratios.append(fx["bytes_between"] / acc["total_bytes"])
+            by_spill[bool(acc.get("spilled_bytes"))].append(ratios[-1])
     ratios.sort()
     return {
         "cases": len(rows),
@@ -164,6 +166,13 @@ def quality_headlines(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "fxsplit_empty_device_cases": sum(bool(r["fxsplit"].get("empty_devices")) for r in rows),
         "bytes_ratio_vs_accelerate": {"min": ratios[0], "median": ratios[len(ratios) // 2], "max": ratios[-1]}
         if ratios else None,
+        # The ratios are bimodal (Accelerate streaming from "disk" or not): the median of all of them
+        # jumps between the two groups as cases come and go, so each group is summed up on its own.
+        "bytes_ratio_by_accelerate_spill": {
+            ("spilled" if spilled else "on_devices"): {"cases": len(group), "min": min(group),
+                                                       "median": sorted(group)[len(group) // 2], "max": max(group)}
+            for spilled, group in by_spill.items() if group
+        },
         "fxsplit_fewer_bytes_cases": sum(x <= 1 for x in ratios),
         "both_placed_cases": len(ratios),
     }

@@ -271,6 +271,17 @@ def _runtime_md(runtime: dict[str, Any]) -> str:
     return _table(["model", "N", "cuts", *[f"{v} ms (x hand)" for v in variants], "outputs match"], rows)
 
 
+def _spill_split(groups: dict[str, dict[str, Any]]) -> str:
+    """' Where Accelerate kept every weight on the devices (N cases): median ...; where it spilled ...'."""
+    parts = []
+    for key, what in (("on_devices", "kept every weight on the devices"), ("spilled", "spilled weights to disk")):
+        group = groups.get(key)
+        if group:
+            parts.append(f"where it {what} ({group['cases']} cases): median {group['median']:.2f}x "
+                         f"({group['min']:.2f}x to {group['max']:.2f}x)")
+    return (" By group: " + "; ".join(parts) + ".") if parts else ""
+
+
 def _headlines_md(results: dict[str, Any]) -> str:
     lines = []
     quality = (results.get("quality") or {}).get("headlines")
@@ -283,7 +294,7 @@ def _headlines_md(results: dict[str, Any]) -> str:
             f"{quality['fxsplit_empty_device_cases']}). fxsplit's bytes per forward / Accelerate's (streaming "
             f"included): median {ratio['median']:.2f}x, from {ratio['min']:.2f}x to {ratio['max']:.1f}x; fewer or "
             f"equal in {quality['fxsplit_fewer_bytes_cases']} of the {quality.get('both_placed_cases', '')} "
-            "cases both placed.")
+            "cases both placed." + _spill_split(quality.get("bytes_ratio_by_accelerate_spill") or {}))
     planning = results.get("planning")
     if planning:
         times = sorted(r["fxsplit"]["api_total"] / r["accelerate"]["total"] for r in planning["time_to_split"])
