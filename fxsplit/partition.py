@@ -347,8 +347,9 @@ def _candidates(ctx: _Context, relay: list[int] | None) -> np.ndarray:
     chosen = {0, n, *(relay or [])}
     labels = ctx.problem.op_labels
     if labels:
+        parts = [label.split(".") for label in labels]
         for depth in range(1, 5):
-            level = {t for t in allowed if _prefix(labels[t], depth) != _prefix(labels[t - 1], depth)}
+            level = {t for t in allowed if parts[t][:depth] != parts[t - 1][:depth]}
             if len(chosen | level) > EXACT_LIMIT // 2:
                 break
             chosen |= level
@@ -358,10 +359,6 @@ def _candidates(ctx: _Context, relay: list[int] | None) -> np.ndarray:
             break
         chosen.add(t)
     return np.array(sorted(chosen))
-
-
-def _prefix(label: str, depth: int) -> str:
-    return ".".join(label.split(".")[:depth])
 
 
 def _cut_cost_matrix(ctx: _Context, cands: np.ndarray) -> np.ndarray:

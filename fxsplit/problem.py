@@ -16,6 +16,7 @@ charged to the budget of its home device. A value that is not ``movable``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping, Sequence
 
 __all__ = ["PartitionProblem", "Value"]
@@ -84,11 +85,15 @@ class PartitionProblem:
 
     def op_weights(self) -> list[int]:
         """Resident bytes charged at each op: the weights whose home is that op, plus ``op_extra``."""
+        return list(self._op_weights)
+
+    @cached_property
+    def _op_weights(self) -> tuple[int, ...]:
         weights = list(self.op_extra) if self.op_extra else [0] * self.num_ops
         for value in self.values:
             if value.weight and self.num_ops:
                 weights[min(value.start, self.num_ops - 1)] += value.weight
-        return weights
+        return tuple(weights)
 
     def transients(self) -> list[int]:
         """``op_transient`` with one entry per op (zeros when not given)."""
