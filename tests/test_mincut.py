@@ -8,6 +8,7 @@ import random
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from reference import feasible, true_cost
+from strategies import draw_dag_values, seeded_dag
 
 from fxsplit.mincut import exchange, pair_cut
 from fxsplit.partition import partition
@@ -19,18 +20,7 @@ from fxsplit.refine import frozen_ops, improve
 def placed_dags(draw: st.DrawFn) -> tuple[PartitionProblem, list[int]]:
     """Random DAGs (skips, shared weights, inputs) with every op already on one of three devices."""
     n = draw(st.integers(2, 8))
-    values = []
-    for i in range(n - 1):
-        readers = draw(st.sets(st.integers(i + 1, n - 1), min_size=1, max_size=3))
-        values.append(Value(f"a{i}", draw(st.integers(0, 90)), i, tuple(sorted(readers))))
-    for j in range(draw(st.integers(0, 3))):
-        readers = sorted(draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=3)))
-        w = draw(st.integers(1, 60))
-        values.append(Value(f"w{j}", w, readers[0], tuple(readers), weight=w))
-    for j in range(draw(st.integers(0, 2))):
-        readers = sorted(draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=3)))
-        values.append(Value(f"x{j}", draw(st.integers(0, 50)), readers[0], tuple(readers)))
-    problem = PartitionProblem(tuple(f"op{i}" for i in range(n)), tuple(values))
+    problem = PartitionProblem(tuple(f"op{i}" for i in range(n)), tuple(draw_dag_values(draw, n)))
     devices = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
     return problem, devices
 
@@ -110,11 +100,7 @@ def test_a_whole_branch_moves_where_single_and_group_moves_are_stuck() -> None:
 def test_partition_is_never_worse_than_without_exchanges_on_seeded_dags() -> None:
     rng = random.Random(11)
     for _ in range(30):
-        n = 12
-        values = [Value(f"a{i}", rng.randint(1, 99), i, tuple(sorted(rng.sample(range(i + 1, n), min(n - i - 1, 2)))))
-                  for i in range(n - 1)]
-        values += [Value(f"w{i}", 0, i, (i,), weight=rng.randint(1, 40)) for i in range(n)]
-        problem = PartitionProblem(tuple(f"op{i}" for i in range(n)), tuple(values))
+        problem = seeded_dag(rng, min_weight=1)
         budgets = [rng.randint(100, 200) for _ in range(3)]
         try:
             contiguous = partition(problem, budgets, contiguous=True)

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from reference import brute_force, feasible, loads, placements, sum_sq, true_cost
+from strategies import seeded_dag
 
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.partition import EXACT_LIMIT, partition, transfer_bytes
@@ -117,11 +118,7 @@ def test_seeded_random_dags_match_brute_force() -> None:
     rng = random.Random(2)
     fitted = 0
     for _ in range(40):
-        n = 12
-        values = [Value(f"a{i}", rng.randint(1, 99), i, tuple(sorted(rng.sample(range(i + 1, n), min(n - i - 1, 2)))))
-                  for i in range(n - 1)]
-        values += [Value(f"w{i}", 0, i, (i,), weight=rng.randint(0, 40)) for i in range(n)]
-        problem = PartitionProblem(tuple(f"op{i}" for i in range(n)), tuple(values))
+        problem = seeded_dag(rng)
         fitted += assert_optimal(problem, [rng.randint(60, 200) for _ in range(3)])
     assert 10 < fitted < 40  # both outcomes exercised
 

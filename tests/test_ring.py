@@ -10,6 +10,7 @@ import numpy as np
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from reference import feasible, placements, true_cost
+from strategies import draw_dag_values
 
 from fxsplit.errors import BudgetError
 from fxsplit.partition import _candidates, _Context, _cut_cost_matrix, _segment_masks, partition
@@ -47,14 +48,7 @@ def skip_dags(draw: st.DrawFn) -> tuple[PartitionProblem, list[int], int]:
     """Random DAGs with long skips, shared weights, inputs, pins, extra and transient loads."""
     n = draw(st.integers(2, 8))
     k = draw(st.integers(2, 4))
-    values = []
-    for i in range(n - 1):
-        readers = draw(st.sets(st.integers(i + 1, n - 1), min_size=1, max_size=3))
-        values.append(Value(f"a{i}", draw(st.integers(0, 90)), i, tuple(sorted(readers))))
-    for j in range(draw(st.integers(0, 3))):
-        readers = sorted(draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=3)))
-        w = draw(st.integers(1, 60))
-        values.append(Value(f"w{j}", w, readers[0], tuple(readers), weight=w))
+    values = draw_dag_values(draw, n, inputs=False)
     pinned_ops = sorted(draw(st.sets(st.integers(0, n - 1), max_size=2)))
     pins = {op: draw(st.integers(0, k - 1)) for op in pinned_ops}
     extra = tuple(draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))) if draw(st.booleans()) else ()
