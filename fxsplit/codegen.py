@@ -264,15 +264,19 @@ class InputGuard(torch.nn.Module):
         try:
             return self.check(*args, **kwargs)
         except AssertionError as error:
-            more = ("split again with dynamic_shapes='all' (every size the model allows) or a torch.export spec, "
-                    if self.dynamic == "batch" else
-                    "split again with dynamic_shapes='batch' (any batch size) or 'all' (every size the model allows), "
-                    if self.dynamic is None else "split again with a wider dynamic_shapes spec, ")
+            wider = _WIDER.get(self.dynamic, "a wider dynamic_shapes spec")
             raise InputMismatchError(
                 f"the inputs do not match what torch.export traced this split with ({error}); traced with "
                 f"{self.traced_with}. Call it with inputs like those (same sizes where they are fixed, same "
-                f"non-tensor values), or {more}or use trace='fx'"
+                f"non-tensor values), or split again with {wider}, or use trace='fx'"
             ) from None
+
+
+_WIDER = {
+    None: "dynamic_shapes='batch' (any batch size) or 'all' (every size the model allows)",
+    "batch": "dynamic_shapes='all' (every size the model allows) or a torch.export spec",
+}
+"""What to split with for more input sizes, by the ``dynamic_shapes`` the split was made with."""
 
 
 _MODE_OPS = ("dropout", "batch_norm", "instance_norm")
