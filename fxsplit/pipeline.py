@@ -204,14 +204,15 @@ class Pipeline(torch.nn.Module):
             raise FxsplitError(
                 f"this pipeline was traced by torch.export on micro-batches of {expected} rows, which fixed the "
                 f"shapes; a batch of {sum(rows)} rows makes micro-batches of {rows}; pass batches of "
-                f"{expected * self.config.chunks} rows (chunks x {expected}), or split again with trace='fx'"
+                f"{expected * self.config.chunks} rows (chunks x {expected}), or split again with "
+                "dynamic_shapes='batch' or trace='fx'"
             )
 
 
 def _traced_rows(split: torch.fx.GraphModule, stages: StageSplit, config: PipelineConfig) -> int | None:
     plan: Plan = split.meta["fxsplit_plan"]
-    if plan.trace != "export":
-        return None
+    if plan.trace != "export" or plan.dynamic_shapes in ("batch", "all"):
+        return None  # fx graphs, and export graphs whose batch may vary, take micro-batches of any size
     by_name = {n.name: n for n in split.graph.nodes}
     for name, target in zip(stages.input_names, stages.input_targets, strict=True):
         value = by_name[name].meta.get("val")

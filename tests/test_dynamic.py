@@ -182,3 +182,25 @@ def test_gpt2_takes_any_batch_with_its_keyword_inputs() -> None:
             mask[0, :3] = 0
             torch.testing.assert_close(gm(ids, attention_mask=mask).logits.to("cpu"),
                                        reference(ids, attention_mask=mask, use_cache=False).logits)
+
+
+def test_pipelines_of_a_dynamic_batch_take_any_batch_that_splits_into_chunks() -> None:
+    model, reference = pair()
+    piped = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(8, 5, 8),), mode="weights",
+                            pipeline=4, dynamic_shapes="batch")
+    assert isinstance(piped, fxsplit.Pipeline)
+    for batch in (8, 16, 10):  # 10 rows: micro-batches of 3, 3, 2, 2
+        x = torch.randn(batch, 5, 8)
+        torch.testing.assert_close(piped(x).to("cpu"), reference(x))
+    x = torch.randn(12, 5, 8)
+    piped(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert_same_grads(model, reference)
+
+
+def test_pipelines_of_a_fixed_batch_say_how_to_vary_it() -> None:
+    model, _ = pair()
+    piped = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(8, 5, 8),), mode="weights",
+                            pipeline=4)
+    with pytest.raises(FxsplitError, match="micro-batches of 2 rows.*dynamic_shapes='batch'"):
+        piped(torch.randn(16, 5, 8))
