@@ -78,6 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     overrides.add_argument("--objective", choices=("min_transfer", "balanced"), help="override the spec's objective")
     overrides.add_argument("--dtype", help="plan as if floating tensors had this dtype (bf16, fp16, fp32)")
     overrides.add_argument("--output-device", help="where outputs are returned")
+    overrides.add_argument("--mode", choices=("inference", "training", "weights"),
+                           help="what the budgets hold (default inference: weights and activations)")
+    overrides.add_argument("--optimizer", help="optimizer state counted with --mode training (adam, sgd, ...)")
+    overrides.add_argument("--dynamic-shapes", choices=("batch", "all"),
+                           help="input sizes a torch.export split keeps variable")
 
     parser = argparse.ArgumentParser(prog="fxsplit", description="Split a PyTorch model over devices under memory "
                                      "budgets: plan it from a YAML spec, print the generated code, draw it, check it.")
@@ -117,7 +122,7 @@ def _options(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if loaded.example_kwargs:
         options["example_kwargs"] = loaded.example_kwargs
-    for name in ("trace", "objective", "dtype", "output_device"):
+    for name in ("trace", "objective", "dtype", "output_device", "mode", "optimizer", "dynamic_shapes"):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value

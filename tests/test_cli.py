@@ -149,3 +149,17 @@ def test_progress_only_on_a_terminal() -> None:
     with _Progress(quiet).stage("tracing"):
         pass
     assert quiet.getvalue() == ""
+
+
+def test_memory_mode_and_dynamic_shapes_flags_override_the_spec(tmp_path: Path) -> None:
+    target = tmp_path / "plan.yaml"
+    code, out, err = run("plan", MODEL, "--spec", SPEC, "--mode", "weights", "--dynamic-shapes", "batch",
+                         "-o", str(target))
+    assert code == 0, err
+    plan = fxsplit.Plan.from_yaml(target.read_text())
+    assert plan.dynamic_shapes == "batch"
+    assert all("activations_peak" not in row for row in plan.memory.values())  # weights only
+    code, _, err = run("plan", MODEL, "--spec", SPEC, "--mode", "training", "--optimizer", "adamw")
+    assert code == 1 and "optimizer state" in err and "does not fit" in err
+    code, _, err = run("plan", MODEL, "--spec", SPEC, "--optimizer", "adamw")
+    assert code == 2 and "only counts with mode='training'" in err
