@@ -34,6 +34,7 @@ import networkx as nx
 from networkx.algorithms.flow import edmonds_karp
 
 from fxsplit.problem import PartitionProblem
+from fxsplit.refine import device_loads
 
 __all__ = ["WINDOWS", "exchange", "pair_cut"]
 
@@ -57,7 +58,7 @@ def exchange(problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequ
         if value.nbytes and value.consumers:
             for op in {value.start, *value.consumers}:
                 touching[op].append(index)
-    resident, transient = problem.op_weights(), problem.transients()
+    resident = problem.op_weights()
     for _ in range(rounds):
         improved = False
         for a, b in _pairs(problem, devices):
@@ -78,7 +79,7 @@ def exchange(problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequ
                 candidate = list(devices)
                 for op, side in changed.items():
                     candidate[op] = side
-                fitted = _fit_back(problem, candidate, devices, changed, touching, resident, transient, budgets, (a, b))
+                fitted = _fit_back(problem, candidate, devices, changed, touching, budgets, (a, b))
                 if fitted is not None and _cost(problem, fitted, values) < before:
                     devices, improved = fitted, True
                     neighbours, frontier = _pair_graph(problem, devices, a, b)
@@ -185,17 +186,20 @@ def _cost(problem: PartitionProblem, op_devices: Sequence[int], values: Iterable
 
 
 def _fit_back(problem: PartitionProblem, candidate: list[int], original: Sequence[int], changed: dict[int, int],
-              touching: Sequence[Sequence[int]], resident: Sequence[int], transient: Sequence[int],
-              budgets: Sequence[int], pair: tuple[int, int]) -> list[int] | None:
+              touching: Sequence[Sequence[int]], budgets: Sequence[int], pair: tuple[int, int]) -> list[int] | None:
     """``candidate`` brought within the pair's budgets by sending moved ops back, cheapest first, or None.
 
     The cut knows no budgets: when it overfills a device, the op it moved
-    there whose return adds the fewest bytes (per byte it frees) goes back,
-    until both devices fit.
+    there whose return adds the fewest bytes (per byte of weight it takes
+    away) goes back, until both devices fit.
     """
+    resident = problem.op_weights()
     moved = dict(changed)
-    while not _fits(candidate, resident, transient, budgets, pair):
-        over = [d for d in pair if _load(candidate, resident, transient, d) > budgets[d]]
+    while True:
+        loads = device_loads(problem, candidate, len(budgets))
+        over = [d for d in pair if loads[d] > budgets[d]]
+        if not over:
+            return candidate
         options = [op for op, side in moved.items() if side in over]
         if not options:
             return None
@@ -206,25 +210,8 @@ def _fit_back(problem: PartitionProblem, candidate: list[int], original: Sequenc
             candidate[op] = original[op]
             back = _cost(problem, candidate, values)
             candidate[op] = moved[op]
-            return (back - now) / max(resident[op] + transient[op], 1), op
+            return (back - now) / max(resident[op], 1), op
 
         op = min(options, key=penalty)
         candidate[op] = original[op]
         del moved[op]
-    return candidate
-
-
-def _load(op_devices: Sequence[int], resident: Sequence[int], transient: Sequence[int], device: int) -> int:
-    ops = [op for op, d in enumerate(op_devices) if d == device]
-    return sum(resident[op] for op in ops) + max((transient[op] for op in ops), default=0)
-
-
-def _fits(op_devices: Sequence[int], resident: Sequence[int], transient: Sequence[int], budgets: Sequence[int],
-          changed: tuple[int, ...]) -> bool:
-    need = dict.fromkeys(changed, 0)
-    peak = dict.fromkeys(changed, 0)
-    for op, device in enumerate(op_devices):
-        if device in need:
-            need[device] += resident[op]
-            peak[device] = max(peak[device], transient[op])
-    return all(need[d] + peak[d] <= budgets[d] for d in changed)

@@ -133,14 +133,15 @@ def partition(
         scale = _min_max_fraction(ctx, candidates)
         if scale is not None:
             budgets_used = [min(b, int(b * scale) + 1) for b in ctx.budgets]
-    boundaries = _exact_boundaries(ctx, candidates, budgets_used)
+    matrices = _Matrices.of(ctx, candidates, budgets_used)
+    boundaries = _exact_boundaries(ctx, candidates, budgets_used, matrices)
     if boundaries is None:
         return _folded(problem, ctx, names, contiguous)
     if contiguous:
         return _result(problem, ctx, boundaries)
     op_devices = improve(problem, _devices_of(ctx.n, boundaries), budgets_used)
     cost = transfer_bytes(problem, op_devices)
-    for wrapped in _wrapped_candidates(ctx, candidates, budgets_used) if cost else []:
+    for wrapped in _wrapped_candidates(ctx, candidates, budgets_used, matrices) if cost else []:
         wrapped_cost = transfer_bytes(problem, wrapped)
         if wrapped_cost < cost:
             op_devices, cost = wrapped, wrapped_cost
@@ -165,7 +166,8 @@ def _exchanged(problem: PartitionProblem, op_devices: list[int], budgets: Sequen
     return improve(problem, exchanged, budgets)
 
 
-def _wrapped_candidates(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> list[list[int]]:
+def _wrapped_candidates(ctx: _Context, cands: np.ndarray, budgets: Sequence[int],
+                        matrices: _Matrices | None = None) -> list[list[int]]:
     """The cheapest placements where device 0 also runs the last ops (see :mod:`fxsplit.ring`), improved.
 
     Only tried when a copied value is made early and read late (skip
@@ -177,9 +179,9 @@ def _wrapped_candidates(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]
     points = wrap_points(ctx, cands, budgets[0])
     if not points:
         return []
-    cost = _cut_cost_matrix(ctx, cands)
-    seg_weight, masks = _segment_masks(ctx, cands, budgets)
-    found = [p for w in points if (p := wrapped_placement(ctx, cands, cost, seg_weight, masks, budgets, w)) is not None]
+    m = matrices or _Matrices.of(ctx, cands, budgets)
+    found = [p for w in points
+             if (p := wrapped_placement(ctx, cands, m.cost, m.seg_weight, m.masks, budgets, w)) is not None]
     found.sort(key=lambda p: transfer_bytes(ctx.problem, p))
     return [improve(ctx.problem, p, budgets) for p in found[:RING_KEEP]]
 
@@ -410,10 +412,29 @@ def _segment_masks(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> 
     return seg_weight, masks
 
 
-def _exact_boundaries(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> list[int] | None:
+@dataclass(frozen=True)
+class _Matrices:
+    """The exact programmes' matrices over candidate positions, for one set of budgets.
+
+    ``cost[i, j]``: bytes copied into a device running ``[cands[i], cands[j])``;
+    ``seg_weight[i, j]``: the bytes it needs; ``masks[k][i, j]``: whether device
+    ``k`` may run that segment.
+    """
+
+    cost: np.ndarray
+    seg_weight: np.ndarray
+    masks: list[np.ndarray]
+
+    @classmethod
+    def of(cls, ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> _Matrices:
+        seg_weight, masks = _segment_masks(ctx, cands, budgets)
+        return cls(_cut_cost_matrix(ctx, cands), seg_weight, masks)
+
+
+def _exact_boundaries(ctx: _Context, cands: np.ndarray, budgets: Sequence[int],
+                      matrices: _Matrices) -> list[int] | None:
     """Cheapest placement (true copy cost, then balance) with boundaries in ``cands``."""
-    cost = _cut_cost_matrix(ctx, cands)
-    seg_weight, masks = _segment_masks(ctx, cands, budgets)
+    cost, seg_weight, masks = matrices.cost, matrices.seg_weight, matrices.masks
     epsilon = 0.5 / len(budgets)
     m = len(cands)
     previous = np.full(m, _INF)
