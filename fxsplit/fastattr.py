@@ -95,6 +95,12 @@ class MirroredRegistry(dict):  # type: ignore[type-arg]
         self.update(other)
         return self
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled and copied as a plain dict: the view is the owner's live __dict__, which a copy
+        # must not share (and which may hold what cannot be pickled, like a GraphModule's graph).
+        # A Container re-mirrors itself on load; a copied GraphModule is rebuilt by torch anyway.
+        return (dict, (dict(self),))
+
 
 class Container(torch.nn.Module):
     """The plain module that holds a split's weights by path, with mirrored registries.
