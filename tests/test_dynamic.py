@@ -54,6 +54,18 @@ def pair(make: Any = Tokens) -> tuple[nn.Module, nn.Module]:
     return model, reference
 
 
+def assert_same_at_batches(split: nn.Module, model: nn.Module, reference: nn.Module, batches: tuple[int, ...],
+                           grads_at: int) -> None:
+    """Outputs equal the unsplit model's at every batch size, and gradients at one more."""
+    for batch in batches:
+        x = torch.randn(batch, 5, 8)
+        torch.testing.assert_close(split(x).to("cpu"), reference(x))
+    x = torch.randn(grads_at, 5, 8)
+    split(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert_same_grads(model, reference)
+
+
 def test_batch_may_vary_forward_and_backward() -> None:
     model, reference = pair()
     gm = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(4, 5, 8),), mode="weights",
@@ -61,13 +73,7 @@ def test_batch_may_vary_forward_and_backward() -> None:
     plan = gm.meta["fxsplit_plan"]
     assert plan.trace == "export" and plan.dynamic_shapes == "batch"
     assert len(set(plan.param_devices.values())) == 2
-    for batch in (1, 3, 4, 9):
-        x = torch.randn(batch, 5, 8)
-        torch.testing.assert_close(gm(x).to("cpu"), reference(x))
-    x = torch.randn(7, 5, 8)
-    gm(x).square().sum().backward()
-    reference(x).square().sum().backward()
-    assert_same_grads(model, reference)
+    assert_same_at_batches(gm, model, reference, (1, 3, 4, 9), grads_at=7)
     with pytest.raises(InputMismatchError, match=r"traced with x: float32\[any, 5, 8\].*dynamic_shapes='all'"):
         gm(torch.randn(3, 6, 8))  # the time dimension stayed fixed
 
@@ -189,13 +195,7 @@ def test_pipelines_of_a_dynamic_batch_take_any_batch_that_splits_into_chunks() -
     piped = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(8, 5, 8),), mode="weights",
                             pipeline=4, dynamic_shapes="batch")
     assert isinstance(piped, fxsplit.Pipeline)
-    for batch in (8, 16, 10):  # 10 rows: micro-batches of 3, 3, 2, 2
-        x = torch.randn(batch, 5, 8)
-        torch.testing.assert_close(piped(x).to("cpu"), reference(x))
-    x = torch.randn(12, 5, 8)
-    piped(x).square().sum().backward()
-    reference(x).square().sum().backward()
-    assert_same_grads(model, reference)
+    assert_same_at_batches(piped, model, reference, (8, 16, 10), grads_at=12)  # 10 rows: micro-batches 3, 3, 2, 2
 
 
 def test_pipelines_of_a_fixed_batch_say_how_to_vary_it() -> None:
