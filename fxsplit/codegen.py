@@ -99,6 +99,8 @@ class _Emitter:
             if node.op != "output":
                 new.meta[DEVICE_META] = device
             self.env[node.name] = new
+        for node in [n for n in self.graph.nodes if n.op == "get_attr" and not n.users]:
+            self.graph.erase_node(node)  # a tied weight read through its other name: no dead line in the code
         return self.graph
 
     def _lookup_env(self, node: torch.fx.Node) -> torch.fx.Node:
