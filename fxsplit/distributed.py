@@ -43,15 +43,13 @@ import torch
 import torch.fx
 
 from fxsplit.codegen import emit
-from fxsplit.cost import build_problem, model_tensors
-from fxsplit.dynamic import dynamic_shapes_for
-from fxsplit.errors import PlanMismatchError, SpecError
+from fxsplit.cost import model_tensors
+from fxsplit.errors import SpecError
 from fxsplit.microbatch import first_microbatch
 from fxsplit.pipeline import PipelineConfig
 from fxsplit.plan import Plan
 from fxsplit.planning import weights_by_node
 from fxsplit.stages import StageSpec, split_stages
-from fxsplit.trace import trace
 
 __all__ = ["PipelineStages", "pipeline_stages"]
 
@@ -193,23 +191,19 @@ def pipeline_stages(
 
 def _apply(model: torch.nn.Module, plan: Plan, example_inputs: Any, chunks: int,
            options: Mapping[str, Any]) -> tuple[torch.fx.GraphModule, Plan, dict[str, Any]]:
-    """Trace ``model`` as ``plan`` was traced and check that the plan names its graph."""
+    """Trace ``model`` as ``plan`` was traced (the one re-trace path, :func:`fxsplit.apply_plan.retrace`).
+
+    The plan's fingerprint, ``leaf_modules``, ``dtype`` and ``dynamic_shapes`` are honoured exactly as
+    by :func:`fxsplit.apply`; only the example batch is cut to its first micro-batch first.
+    """
+    from fxsplit.apply_plan import retrace
+
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     args, kwargs = first_microbatch(example_inputs, options.get("example_kwargs"), chunks)
-    traced = trace(model, example_inputs=args, example_kwargs=kwargs, mode=options.get("trace", plan.trace),
-                   leaf_modules=options.get("leaf_modules", ()), concrete_args=options.get("concrete_args"),
-                   dynamic_shapes=dynamic_shapes_for(plan, options.get("dynamic_shapes")))
-    names = {n.name for n in traced.graph_module.graph.nodes}
-    missing, extra = sorted(set(plan.placement) - names), sorted(names - set(plan.placement))
-    if missing or extra:
-        raise PlanMismatchError(
-            f"the plan does not describe this model's graph (traced with {traced.method}): nodes in the plan but "
-            f"not the graph: {missing[:5]}; in the graph but not the plan: {extra[:5]}; make the plan from this "
-            "model with the same example_inputs, chunks and trace mode"
-        )
-    index = {d: i for i, d in enumerate(plan.devices)}
-    costs = build_problem(traced.graph_module, model, device_index=index)
+    traced, costs = retrace(model, plan, example_inputs=args, example_kwargs=kwargs,
+                            concrete_args=options.get("concrete_args"), leaf_modules=options.get("leaf_modules", ()),
+                            dynamic_shapes=options.get("dynamic_shapes"))
     return traced.graph_module, plan, weights_by_node(costs)
 
 

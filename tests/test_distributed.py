@@ -87,8 +87,26 @@ def test_plan_method_and_a_plan_that_cannot_be_staged() -> None:
                                     param_devices={k: swap[v] for k, v in plan.param_devices.items()})
     with pytest.raises(fxsplit.FxsplitError, match="cannot run as a pipeline.*list cpu:1 before cpu:0"):
         fxsplit.pipeline_stages(model, backwards, example_inputs=x, chunks=2)
-    with pytest.raises(fxsplit.PlanMismatchError, match="does not describe this model's graph"):
+    with pytest.raises(fxsplit.PlanMismatchError, match="made for another model"):
         fxsplit.pipeline_stages(Tied(), plan, example_inputs=_inputs("Tied"), chunks=2)
+
+
+@pytest.mark.parametrize("leaf", [torch.nn.Sequential, "middle"], ids=["type", "name"])
+def test_a_plan_made_with_leaf_modules_stages_like_apply(leaf: Any) -> None:
+    """pipeline_stages re-traces a saved plan the way apply does (it once dropped the plan's leaf_modules)."""
+    model = LongSkip()
+    x = _inputs("LongSkip")
+    plan = fxsplit.plan(model, {"cpu:0": 3000, "cpu:1": 6000}, mode="weights", example_inputs=x, trace="fx",
+                        leaf_modules=[leaf], pipeline={"chunks": 2})
+    assert any(n.startswith("middle") for n in plan.placement) and "middle_0" not in plan.placement
+    loaded = fxsplit.Plan.from_yaml(plan.to_yaml())
+    stages = fxsplit.pipeline_stages(model, loaded, example_inputs=x, chunks=2)
+    out = stages[0](*x)
+    for module in stages.modules[1:]:
+        out = module(*out)
+    torch.testing.assert_close(out, model(*x))
+    applied = fxsplit.apply(copy.deepcopy(model), loaded, example_inputs=x)
+    torch.testing.assert_close(applied(*x), model(*x))
 
 
 class _SizeAcross(torch.nn.Module):
