@@ -11,6 +11,7 @@ from fxsplit.distributed import PipelineStages, pipeline_stages
 from fxsplit.errors import BudgetError, FxsplitError, InputMismatchError, PlanMismatchError, SpecError, TraceError
 from fxsplit.pipeline import Pipeline, PipelineConfig
 from fxsplit.plan import Cut, Plan
+from fxsplit.readable import show_code
 from fxsplit.spec import Spec, load_spec
 from fxsplit.units import format_size, parse_size
 
@@ -36,6 +37,7 @@ __all__ = [
     "parse_size",
     "pipeline_stages",
     "plan",
+    "show_code",
 ]
 
 __version__ = "0.1.0"

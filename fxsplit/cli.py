@@ -1,7 +1,7 @@
 """The ``fxsplit`` command: plan a split from a spec, print its code, draw it, check a saved plan.
 
     fxsplit plan  MODEL --spec SPEC [-o plan.yaml]
-    fxsplit code  MODEL (--spec SPEC | --plan PLAN)
+    fxsplit code  MODEL (--spec SPEC | --plan PLAN) [--raw]
     fxsplit show  MODEL (--spec SPEC | --plan PLAN) -o split.svg|.png|.dot
     fxsplit check MODEL --plan PLAN [--spec SPEC | --budget DEVICE=SIZE ...]
 
@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--spec", help="a partition spec (YAML)")
     plan.add_argument("-o", "--output", help="write the plan here (YAML)")
     code = commands.add_parser("code", parents=[common, overrides], help="print the generated forward")
+    code.add_argument("--raw", action="store_true",
+                      help="print gm.code exactly (default: arranged for reading, one section per device)")
     show = commands.add_parser("show", parents=[common, overrides], help="draw the split (needs graphviz)")
     for sub in (code, show):
         source = sub.add_mutually_exclusive_group(required=True)
@@ -177,9 +179,11 @@ def _run(args: argparse.Namespace, out: TextIO, progress: _Progress) -> int:
     elif args.command == "code":
         from fxsplit.codegen import emit
         from fxsplit.planning import weights_by_node
+        from fxsplit.readable import show_code
 
         traced, costs, plan = _planned(args, loaded, progress)
-        print(emit(traced, plan, weights_by_node(costs)).code.strip(), file=out)
+        split = emit(traced, plan, weights_by_node(costs))
+        print(split.code.strip() if args.raw else show_code(split), file=out)
     elif args.command == "show":
         from fxsplit.viz import auto_depth, render
 

@@ -48,7 +48,7 @@ def _groups(graph_module: torch.fx.GraphModule, plan: Plan, depth: int | None) -
     of: dict[str, int] = {}
     groups: list[dict[str, Any]] = []
     for node in graph_module.graph.nodes:
-        if node.op == "get_attr":
+        if node.op == "get_attr" or _is_input_check(node):
             continue
         device = plan.placement.get(node.name, "?")
         path = module_path(node)
@@ -60,6 +60,11 @@ def _groups(graph_module: torch.fx.GraphModule, plan: Plan, depth: int | None) -
             groups.append({"key": key, "device": device, "nodes": [node]})
         of[node.name] = len(groups) - 1
     return of, groups
+
+
+def _is_input_check(node: torch.fx.Node) -> bool:
+    """torch.export's check of the inputs (``_guards_fn``): plumbing, not a step of the model."""
+    return node.op == "call_module" and str(node.target) == "_guards_fn"
 
 
 def auto_depth(graph_module: torch.fx.GraphModule, plan: Plan, limit: int = 60) -> int | None:

@@ -69,10 +69,12 @@ def test_bad_spec_exits_2_listing_problems_and_debug_shows_the_traceback(tmp_pat
 def test_code_from_a_saved_plan_equals_code_from_the_spec(saved_plan: Path) -> None:
     code, from_plan, err = run("code", MODEL, "--plan", str(saved_plan))
     assert code == 0, err
-    assert from_plan.startswith("def forward(self, ids):")
-    assert ".to('cpu:1')" in from_plan and ".to('cpu:2')" in from_plan
+    assert from_plan.startswith("# fxsplit: readable view of gm.code")
+    assert "    # ---- cpu:1 ----\n    to_2 = add_2.to('cpu:1')" in from_plan and ".to('cpu:2')" in from_plan
     code, from_spec, _ = run("code", MODEL, "--spec", SPEC)
     assert code == 0 and from_spec == from_plan
+    code, raw, _ = run("code", MODEL, "--plan", str(saved_plan), "--raw")
+    assert code == 0 and raw.startswith("def forward(self, ids):") and "_guards_fn" in raw
 
 
 def test_check_a_saved_plan(saved_plan: Path) -> None:

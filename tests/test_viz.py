@@ -43,6 +43,13 @@ def test_dot_source_colours_devices_and_labels_cuts(planned: tuple) -> None:
     assert len(grouped) < len(source)
 
 
+def test_export_input_check_is_not_drawn(planned: tuple) -> None:
+    pytest.importorskip("graphviz")
+    graph_module, plan = planned
+    assert plan.trace == "export" and "_guards_fn" in {n.name for n in graph_module.graph.nodes}
+    assert "_guards_fn" not in to_dot(graph_module, plan).source
+
+
 def test_auto_depth_groups_big_graphs(planned: tuple) -> None:
     pytest.importorskip("graphviz")
     graph_module, plan = planned
