@@ -50,19 +50,27 @@ class MovedWeights:
         data = tensor.data.to(device)
         grad_data = grad.data.to(device) if grad is not None else None
         self._before.append((tensor, tensor.data, grad, grad.data if grad is not None else None))
+        try:
+            with torch.no_grad():
+                tensor.data = data
+                if grad is not None and grad_data is not None:
+                    grad.data = grad_data
+        except BaseException:
+            self._put_back(*self._before.pop())
+            raise
+
+    def undo(self) -> None:
+        """Put every moved tensor and gradient back on the device it came from, newest first."""
+        while self._before:
+            self._put_back(*self._before.pop())
+
+    @staticmethod
+    def _put_back(tensor: torch.Tensor, data: torch.Tensor, grad: torch.Tensor | None,
+                  grad_data: torch.Tensor | None) -> None:
         with torch.no_grad():
             tensor.data = data
             if grad is not None and grad_data is not None:
                 grad.data = grad_data
-
-    def undo(self) -> None:
-        """Put every moved tensor and gradient back on the device it came from, newest first."""
-        with torch.no_grad():
-            for tensor, data, grad, grad_data in reversed(self._before):
-                tensor.data = data
-                if grad is not None and grad_data is not None:
-                    grad.data = grad_data
-        self._before.clear()
 
 
 def move_weights(graph_module: torch.fx.GraphModule, plan: Plan, weights: list[Weight]) -> MovedWeights:

@@ -38,6 +38,9 @@ def normalize_device(key: Any) -> str:
         _check_index(key, repr(key))
         return f"cuda:{key}"
     if isinstance(key, torch.device):
+        if key.index is not None and key.index < 0:
+            raise SpecError(f"device '{key}' has a negative index: torch keeps device indices in 8 bits, so an "
+                            f"index above {MAX_DEVICE_INDEX} wraps around; write an index of a device you have")
         device = key
     elif isinstance(key, str):
         index = _INDEX.search(key)
