@@ -23,7 +23,7 @@ from fxsplit.constraints import (
     together_groups,
 )
 from fxsplit.cost import GraphCosts, build_problem
-from fxsplit.devices import normalize_budgets, normalize_device, require_usable
+from fxsplit.devices import normalize_budgets, require_usable
 from fxsplit.dynamic import describe as describe_dynamic
 from fxsplit.errors import BudgetError, FxsplitError, SpecError
 from fxsplit.fingerprint import describe
@@ -35,7 +35,7 @@ from fxsplit.plan import Plan
 from fxsplit.planning import make_plan, weights_by_node
 from fxsplit.spec import load_spec, merge_spec, planning_dtype, reserve_bytes
 from fxsplit.trace import TRACE_MODES, Traced, trace
-from fxsplit.validate import check_concrete_args, check_option_types, require_module
+from fxsplit.validate import check_concrete_args, check_option_types, device_option, require_module
 
 __all__ = ["fxsplit", "plan"]
 
@@ -109,7 +109,7 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
     reserved = reserve_bytes(options.reserve, limits)
     usable = {d: b - reserved.get(d, 0) for d, b in limits.items()}
     devices = list(limits)
-    output_device = normalize_device(options.output_device) if options.output_device is not None else None
+    output_device = device_option("output_device", options.output_device) if options.output_device is not None else None
     if runnable:
         require_usable([*devices, *([output_device] if output_device else [])], limits)
     check_concrete_args(model, options.concrete_args)
@@ -130,7 +130,7 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
         concrete_args=options.concrete_args,
         dynamic_shapes=options.dynamic_shapes,
     )
-    pins = {str(k): normalize_device(v) for k, v in (options.pins or {}).items()}
+    pins = {str(k): device_option(f"pins[{str(k)!r}]", v) for k, v in (options.pins or {}).items()}
     together = together_groups(options.together)
     check_constraints(traced.graph_module, model, devices, pins, together, locate)
     index = {d: i for i, d in enumerate(devices)}

@@ -19,9 +19,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from fxsplit.devices import normalize_device
 from fxsplit.errors import SpecError
 
-__all__ = ["check_concrete_args", "check_option_types", "require_module"]
+__all__ = ["check_concrete_args", "check_option_types", "device_option", "require_module"]
 
 
 def require_module(model: Any) -> None:
@@ -92,6 +93,14 @@ def check_option_types(options: Mapping[str, Any]) -> None:
         check = _CHECKS.get(name)
         if check is not None:
             check(name, value)
+
+
+def device_option(where: str, value: Any) -> str:
+    """:func:`~fxsplit.devices.normalize_device`, its error prefixed with the option it came from."""
+    try:
+        return normalize_device(value)
+    except SpecError as error:
+        raise SpecError(f"{where}: {error}") from None
 
 
 def check_concrete_args(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None) -> None:

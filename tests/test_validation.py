@@ -32,6 +32,8 @@ def three_linears() -> nn.Module:
     [
         ({"pins": ["0"]}, "'pins' must be a mapping, like {'lm_head': 'cuda:1'}, or None (got ['0'])"),
         ({"pins": {("0",): "cpu:0"}}, "'pins' keys must be strings"),
+        ({"pins": {"0": 1.5}}, "pins['0']: device must be a string, torch.device or int (got float)"),
+        ({"output_device": "cuda:300"}, "output_device: device 'cuda:300' has index 300"),
         ({"leaf_modules": [42]}, "'leaf_modules'[0] must be an nn.Module subclass (like torch.nn.MultiheadAttention) "
                                  "or a module path or class name as a string (got 42)"),
         ({"leaf_modules": [int]}, "'leaf_modules'[0] must be an nn.Module subclass"),
