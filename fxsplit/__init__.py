@@ -8,7 +8,15 @@ from fxsplit.api import fxsplit, plan
 from fxsplit.apply_plan import apply, check_plan
 from fxsplit.autobudget import auto_budgets
 from fxsplit.distributed import PipelineStages, pipeline_stages
-from fxsplit.errors import BudgetError, FxsplitError, InputMismatchError, PlanMismatchError, SpecError, TraceError
+from fxsplit.errors import (
+    BudgetError,
+    DeviceError,
+    FxsplitError,
+    InputMismatchError,
+    PlanMismatchError,
+    SpecError,
+    TraceError,
+)
 from fxsplit.pipeline import Pipeline, PipelineConfig
 from fxsplit.plan import Cut, Plan
 from fxsplit.readable import show_code
@@ -18,6 +26,7 @@ from fxsplit.units import format_size, parse_size
 __all__ = [
     "BudgetError",
     "Cut",
+    "DeviceError",
     "FxsplitError",
     "InputMismatchError",
     "Pipeline",

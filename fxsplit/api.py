@@ -23,7 +23,7 @@ from fxsplit.constraints import (
     together_groups,
 )
 from fxsplit.cost import GraphCosts, build_problem
-from fxsplit.devices import normalize_budgets, normalize_device
+from fxsplit.devices import normalize_budgets, require_usable
 from fxsplit.dynamic import describe as describe_dynamic
 from fxsplit.errors import BudgetError, FxsplitError, SpecError
 from fxsplit.fingerprint import describe
@@ -35,6 +35,7 @@ from fxsplit.plan import Plan
 from fxsplit.planning import make_plan, weights_by_node
 from fxsplit.spec import load_spec, merge_spec, planning_dtype, reserve_bytes
 from fxsplit.trace import TRACE_MODES, Traced, trace
+from fxsplit.validate import check_concrete_args, check_option_types, device_option, require_module
 
 __all__ = ["fxsplit", "plan"]
 
@@ -71,6 +72,7 @@ def _options(raw: Mapping[str, Any]) -> Options:
             close = difflib.get_close_matches(name, (*_OPTION_NAMES, "example_inputs"), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; options are {', '.join(_OPTION_NAMES)}"
             raise SpecError(f"unknown option {name!r}{hint}")
+    check_option_types(raw)
     options = Options(**raw)
     if options.pipeline is not None:
         options = dataclasses.replace(options, pipeline=PipelineConfig.coerce(options.pipeline))
@@ -91,7 +93,10 @@ class _Planned:
     options: Options | None = None
 
 
-def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mapping[str, Any]) -> _Planned:
+def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mapping[str, Any], *,
+          runnable: bool = False) -> _Planned:
+    """Trace and plan; with ``runnable``, first refuse devices that cannot be used here (the split will run)."""
+    require_module(model)
     explicit = set(raw) - {"spec"}
     spec = load_spec(raw["spec"]) if raw.get("spec") is not None else None
     if spec is not None:
@@ -104,6 +109,10 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
     reserved = reserve_bytes(options.reserve, limits)
     usable = {d: b - reserved.get(d, 0) for d, b in limits.items()}
     devices = list(limits)
+    output_device = device_option("output_device", options.output_device) if options.output_device is not None else None
+    if runnable:
+        require_usable([*devices, *([output_device] if output_device else [])], limits)
+    check_concrete_args(model, options.concrete_args)
     dtype = planning_dtype(options.dtype)
     locate = locator(spec, explicit)
     leaves = list(options.leaf_modules)
@@ -121,7 +130,7 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
         concrete_args=options.concrete_args,
         dynamic_shapes=options.dynamic_shapes,
     )
-    pins = {str(k): normalize_device(v) for k, v in (options.pins or {}).items()}
+    pins = {str(k): device_option(f"pins[{str(k)!r}]", v) for k, v in (options.pins or {}).items()}
     together = together_groups(options.together)
     check_constraints(traced.graph_module, model, devices, pins, together, locate)
     index = {d: i for i, d in enumerate(devices)}
@@ -133,7 +142,6 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
         pipeline = options.pipeline
         memory = dataclasses.replace(memory, chunks=pipeline.chunks, checkpoint=str(pipeline.checkpoint))
     problem = memory.problem()
-    output_device = normalize_device(options.output_device) if options.output_device is not None else None
     contiguous = options.contiguous or options.pipeline is not None
 
     def solve(budgets_now: Sequence[int]) -> Plan:
@@ -288,6 +296,8 @@ def fxsplit(
         BudgetError: it does not fit; says what, where and by how much.
         TraceError: the model cannot be traced; says why and what to try.
         SpecError: a malformed argument.
+        DeviceError: a device cannot be used here (checked before any work),
+            or moving a weight failed (what was moved is put back first).
 
     Example:
         >>> import torch, fxsplit
@@ -304,16 +314,20 @@ def fxsplit(
             _2 = getattr(self, "2")(to_1);  to_1 = None
             return _2
     """
-    planned = _plan(model, budgets, example_inputs, options)
+    planned = _plan(model, budgets, example_inputs, options, runnable=True)
     _refuse_meta(model)
     by_node = weights_by_node(planned.costs)
-    move_weights(planned.traced.graph_module, planned.plan, planned.costs.weights + planned.costs.unused)
-    split = emit(planned.traced.graph_module, planned.plan, by_node)
-    if planned.options is not None and planned.options.check:
-        verify_split(split)
-    if planned.options is not None and isinstance(planned.options.pipeline, PipelineConfig):
-        return pipelined(split, planned.options.pipeline)
-    return split
+    moved = move_weights(planned.traced.graph_module, planned.plan, planned.costs.weights + planned.costs.unused)
+    try:
+        split = emit(planned.traced.graph_module, planned.plan, by_node)
+        if planned.options is not None and planned.options.check:
+            verify_split(split)
+        if planned.options is not None and isinstance(planned.options.pipeline, PipelineConfig):
+            return pipelined(split, planned.options.pipeline)
+        return split
+    except BaseException:
+        moved.undo()  # a failed call leaves the model as it was
+        raise
 
 
 def _refuse_meta(model: torch.nn.Module) -> None:

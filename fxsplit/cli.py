@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence, TextIO
 
-from fxsplit.errors import BudgetError, FxsplitError
+from fxsplit.errors import BudgetError, FxsplitError, SpecError
 
 __all__ = ["main"]
 
@@ -116,6 +116,10 @@ def _budgets(pairs: Sequence[str]) -> dict[str, str] | None:
         device, equals, size = pair.partition("=")
         if not equals or not device or not size:
             raise FxsplitError(f"--budget {pair!r} must look like DEVICE=SIZE, e.g. cuda:0=20GiB")
+        device = device.strip()
+        if device in budgets:
+            raise SpecError(f"--budget names '{device}' twice ({device}={budgets[device]} and {pair}); give each "
+                            "device one --budget, in stage order")
         budgets[device] = size
     return budgets
 

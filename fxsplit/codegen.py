@@ -17,32 +17,95 @@ import torch.fx
 from fxsplit import runtime
 from fxsplit.cost import Weight
 from fxsplit.dynamic import TRACED_INPUTS, describe_inputs
-from fxsplit.errors import FxsplitError, InputMismatchError
+from fxsplit.errors import DeviceError, FxsplitError, InputMismatchError
 from fxsplit.fastattr import mirror_registries
 from fxsplit.graphinfo import TENSOR, value_kind
 from fxsplit.plan import Plan
 from fxsplit.planning import Read, reads_of
+from fxsplit.units import format_size
 
-__all__ = ["COPY_META", "DEVICE_META", "ExportedSplit", "emit", "move_weights"]
+__all__ = ["COPY_META", "DEVICE_META", "ExportedSplit", "MovedWeights", "emit", "move_weights"]
 
 COPY_META = "fxsplit_copy"
 DEVICE_META = "fxsplit_device"
 """``node.meta`` key: the device an emitted op, copy or weight read runs on (placeholders have none)."""
 
 
-def move_weights(graph_module: torch.fx.GraphModule, plan: Plan, weights: list[Weight]) -> None:
-    """Move every weight of the traced module to its planned device, in place (like ``Module.to``)."""
+class MovedWeights:
+    """What :func:`move_weights` moved, and from where: :meth:`undo` puts every tensor back.
+
+    The same tensor objects are kept; only their ``.data`` (and their
+    gradient's) is swapped, as ``Module.to`` does.
+    """
+
+    def __init__(self) -> None:
+        self._before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+
+    def __len__(self) -> int:
+        return len(self._before)
+
+    def move(self, tensor: torch.Tensor, device: torch.device) -> None:
+        """Move ``tensor`` (and its gradient) to ``device``; both copies are made before either is swapped in."""
+        grad = tensor.grad
+        data = tensor.data.to(device)
+        grad_data = grad.data.to(device) if grad is not None else None
+        self._before.append((tensor, tensor.data, grad, grad.data if grad is not None else None))
+        try:
+            with torch.no_grad():
+                tensor.data = data
+                if grad is not None and grad_data is not None:
+                    grad.data = grad_data
+        except BaseException:
+            self._put_back(*self._before.pop())
+            raise
+
+    def undo(self) -> None:
+        """Put every moved tensor and gradient back on the device it came from, newest first."""
+        while self._before:
+            self._put_back(*self._before.pop())
+
+    @staticmethod
+    def _put_back(tensor: torch.Tensor, data: torch.Tensor, grad: torch.Tensor | None,
+                  grad_data: torch.Tensor | None) -> None:
+        with torch.no_grad():
+            tensor.data = data
+            if grad is not None and grad_data is not None:
+                grad.data = grad_data
+
+
+def move_weights(graph_module: torch.fx.GraphModule, plan: Plan, weights: list[Weight]) -> MovedWeights:
+    """Move every weight of the traced module to its planned device, in place (like ``Module.to``).
+
+    Returns what was moved, so that a caller failing later can put it back.
+
+    Raises:
+        DeviceError: a move failed (out of memory, a device error); every
+            tensor moved before it has been put back, so nothing has changed.
+    """
+    moved = MovedWeights()
     for weight in weights:
         tensor = _weight_tensor(graph_module, weight)
-        if tensor is None:
+        if tensor is None or tensor.device.type == "meta":
             continue
         device = torch.device(plan.param_devices[weight.names[0]])
-        if tensor.device.type == "meta":
-            continue
-        with torch.no_grad():
-            tensor.data = tensor.data.to(device)
-            if tensor.grad is not None:
-                tensor.grad.data = tensor.grad.data.to(device)
+        try:
+            moved.move(tensor, device)
+        except Exception as error:  # noqa: BLE001 - a device may fail in any way; the model must come back whole
+            count = len(moved)
+            moved.undo()
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise DeviceError(
+                f"moving '{weight.names[0]}' ({_describe(tensor)}) to '{device}' failed: {type(error).__name__}: "
+                f"{first}. The {count} tensor(s) moved before it were put back: the model is as it was. Free memory "
+                f"on '{device}', lower its budget, or leave it out"
+            ) from error
+    return moved
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    shape = ", ".join(str(size) for size in tensor.shape)
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{dtype}[{shape}] on {tensor.device}, {format_size(tensor.numel() * tensor.element_size())}"
 
 
 def _weight_tensor(graph_module: torch.fx.GraphModule, weight: Weight) -> torch.Tensor | None:

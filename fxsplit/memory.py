@@ -301,5 +301,5 @@ def fit_budgets(model: MemoryModel, budgets: Mapping[str, int], solve: Callable[
         over = {d: usage[d]["total"] - budgets[d] for d in devices if usage[d]["total"] > budgets[d]}
         if not over:
             return dataclasses.replace(plan, budgets=dict(budgets), memory=usage)
-        effective = {d: effective[d] - over.get(d, 0) for d in devices}
+        effective = {d: max(0, effective[d] - over.get(d, 0)) for d in devices}
     raise model.over_budget(usage, budgets)

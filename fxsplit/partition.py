@@ -113,13 +113,16 @@ def partition(
 
     Raises:
         BudgetError: no placement fits; the message says what and by how much.
-        SpecError: pins contradict the device order, or the objective is unknown.
+        SpecError: pins contradict the device order, the objective is unknown, or a budget is negative.
     """
     if objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)} (got {objective!r})")
     if not budgets:
         raise SpecError("budgets must name at least one device")
     names = list(device_names) if device_names else [f"device {k}" for k in range(len(budgets))]
+    negative = [f"{name}: {budget}" for name, budget in zip(names, budgets, strict=True) if budget < 0]
+    if negative:
+        raise SpecError(f"budgets must not be negative ({', '.join(negative)}); is a reserve larger than a budget?")
     ctx = _Context(problem, list(budgets))
     _check_pin_order(problem, names)
     if problem.num_ops == 0:
