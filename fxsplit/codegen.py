@@ -9,6 +9,7 @@ device of their stage. No hooks: the generated ``forward`` is all there is.
 
 from __future__ import annotations
 
+import builtins
 import re
 from typing import Any, Callable
 
@@ -102,6 +103,9 @@ class _Emitter:
             self.env[node.name] = new
         for node in [n for n in self.graph.nodes if n.op == "get_attr" and not n.users]:
             self.graph.erase_node(node)  # a tied weight read through its other name: no dead line in the code
+        for node in self.graph.nodes:
+            if isinstance(node.type, str):
+                node.type = _annotation(node.type)
         return self.graph
 
     def _lookup_env(self, node: torch.fx.Node) -> torch.fx.Node:
@@ -180,6 +184,23 @@ class _Emitter:
         attr = self.graph.get_attr(path)
         attr.meta[DEVICE_META] = self.plan.param_devices[key]
         return attr
+
+
+def _annotation(text: str) -> Any:
+    """The object a string annotation names (``from __future__ import annotations``), or None.
+
+    torch.fx copies such annotations as strings, which it prints as ``x : _torch_Tensor_`` and
+    cannot pickle. ``"torch.Tensor"`` and builtins (``"int"``) are resolved; anything else is
+    dropped (annotations do not change what the code does).
+    """
+    head, _, rest = text.partition(".")
+    if head == "torch":
+        found: Any = torch
+        for part in rest.split(".") if rest else ():
+            found = getattr(found, part, None)
+    else:
+        found = None if rest else getattr(builtins, head, None)
+    return found if isinstance(found, type) else None
 
 
 def _pin_device_arguments(node: torch.fx.Node, device: str) -> None:
