@@ -1,4 +1,4 @@
-"""Fenced blocks of the repository's Markdown, the markers that say how each is tested, and running them.
+"""Fenced blocks of the repository's Markdown, the markers that say how each is tested, and their comparison.
 
 A marker is an HTML comment (invisible on GitHub) on the lines just above a fence; several may
 stack. They are the whole vocabulary:
@@ -9,7 +9,7 @@ stack. They are the whole vocabulary:
     Run only where N CUDA devices are visible / none is / Graphviz's ``dot`` is on the PATH;
     reported as skipped elsewhere.
 ``<!-- cuda-as-cpu -->``
-    Run with every ``cuda:N`` in the block read as ``cpu:N`` (logical CPU devices), so a snippet
+    Run with every ``cuda:N`` in the block (and its setup) read as ``cpu:N`` (logical CPU devices), so a snippet
     written for GPUs runs anywhere with the same code path.
 ``<!-- setup: PYTHON -->``
     Python run (in the file's namespace) just before the block, e.g. to build the ``model`` a
@@ -75,7 +75,7 @@ def documents() -> list[Path]:
 def parse(path: Path) -> list[Block]:
     """The fenced blocks of one Markdown file, in order, each with the markers just above it."""
     lines = path.read_text(encoding="utf-8").splitlines()
-    name = path.relative_to(ROOT).as_posix()
+    name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
     blocks: list[Block] = []
     index = 0
     while index < len(lines):
@@ -88,7 +88,8 @@ def parse(path: Path) -> list[Block]:
         while end < len(lines) and lines[end].strip() != "```":
             end += 1
         text = "\n".join(_dedent(line, indent) for line in lines[index + 1:end])
-        blocks.append(Block(name, index + 1, fence["lang"], text + "\n", _markers_above(lines, index, name)))
+        markers = _markers_above(lines, index, indent, name)
+        blocks.append(Block(name, index + 1, fence["lang"], text + "\n", markers))
         index = end + 1
     return blocks
 
@@ -98,7 +99,7 @@ def _dedent(line: str, indent: int) -> str:
     return line[indent:] if line[:indent].strip() == "" else line.lstrip()
 
 
-def _markers_above(lines: list[str], fence: int, name: str) -> dict[str, str]:
+def _markers_above(lines: list[str], fence: int, indent: int, name: str) -> dict[str, str]:
     """Markers in the HTML comments right above line ``fence`` (blank lines between are allowed)."""
     start = fence
     while start > 0:
@@ -112,7 +113,7 @@ def _markers_above(lines: list[str], fence: int, name: str) -> dict[str, str]:
         else:
             break
     found: dict[str, str] = {}
-    for match in _MARKER.finditer("\n".join(lines[start:fence])):
+    for match in _MARKER.finditer("\n".join(_dedent(line, indent) for line in lines[start:fence])):
         key = match["key"]
         if key not in _KEYS:
             raise ValueError(f"{name}:{fence + 1}: unknown marker {key!r}; markers are {', '.join(_KEYS)}")

@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
 import traceback
 from pathlib import Path
 
@@ -129,7 +130,9 @@ def run_python(block: Block, text: str, namespace: dict[str, object]) -> str:
     printed = io.StringIO()
     try:
         if "setup" in block.markers:
-            exec(compile(block.markers["setup"], f"{block.where} (setup)", "exec"), namespace)
+            setup = block.markers["setup"]
+            setup = with_cpus(setup) if "cuda-as-cpu" in block.markers else setup
+            exec(compile(setup, f"{block.where} (setup)", "exec"), namespace)
         with contextlib.redirect_stdout(printed):
             exec(compile(text, block.where, "exec"), namespace)
     except Exception as error:
@@ -156,6 +159,44 @@ def run_command(line: str, where: Path) -> str:
     done = subprocess.run(["bash", "-c", line], cwd=where, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"`{line}` exited {done.returncode}:\n{done.stdout}{done.stderr}"
     return done.stdout + done.stderr
+
+
+def test_the_runner_reads_markers_and_sees_drift(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(textwrap.dedent("""\
+        - a list item:
+
+          <!-- cuda-as-cpu -->
+          <!-- setup: devices = ["cuda:0"]
+          width = 3 -->
+          ```python
+          if True:
+              print("cuda:1", devices, "x" * width)
+          ```
+          <!-- output -->
+          ```text
+          cpu:1 ['cpu:0'] ...
+          ```
+
+        ```console
+        $ cat > a.txt <<'EOF'
+        one
+        EOF
+        $ cat a.txt
+        two
+        ```
+        """), encoding="utf-8")
+    code, shown, console = parse(page)
+    assert code.markers == {"cuda-as-cpu": "", "setup": 'devices = ["cuda:0"]\nwidth = 3'} and shown.quotes
+    assert code.text == 'if True:\n    print("cuda:1", devices, "x" * width)\n'
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {}
+    printed = run_block(code, namespace, tmp_path)
+    assert printed == "cpu:1 ['cpu:0'] xxx\n" and matches(shown.text, printed)
+    assert not matches(shown.text.replace("cpu:1", "cpu:2"), printed)
+    assert [c.expected for c in console_commands(console.text)] == ["", "two"]
+    with pytest.raises(pytest.fail.Exception, match="printed something else"):
+        run_block(console, namespace, tmp_path)  # a.txt holds 'one'
 
 
 def test_readme_states_the_exact_limit_the_partitioner_uses() -> None:
