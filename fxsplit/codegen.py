@@ -19,7 +19,7 @@ from fxsplit.cost import Weight
 from fxsplit.dynamic import TRACED_INPUTS, describe_inputs
 from fxsplit.errors import FxsplitError, InputMismatchError
 from fxsplit.fastattr import mirror_registries
-from fxsplit.graphinfo import TENSOR, value_kind
+from fxsplit.graphinfo import TENSOR, last_input_writes, value_kind
 from fxsplit.plan import Plan
 from fxsplit.planning import Read, reads_of
 
@@ -74,8 +74,11 @@ class _Emitter:
         self.graph = torch.fx.Graph()
         self.graph.set_codegen(graph_module.graph._codegen)
         self.env: dict[str, torch.fx.Node] = {}
-        self.copies: dict[tuple[str, str], torch.fx.Node] = {}
+        self.copies: dict[tuple[str, str], tuple[torch.fx.Node, int | None]] = {}
         self.modules = dict(graph_module.named_modules())
+        self.last_writes = last_input_writes(graph_module.graph, self.modules)
+        self.written_inputs = {name for names in self.last_writes.values() for name in names}
+        self.grad_region = 0  # bumped at each grad-mode change: copies made under another mode are not reused
 
     def run(self) -> torch.fx.Graph:
         for node in self.source.graph.nodes:
@@ -99,6 +102,10 @@ class _Emitter:
             if node.op != "output":
                 new.meta[DEVICE_META] = device
             self.env[node.name] = new
+            for placeholder in self.last_writes.get(node.name, ()):
+                self._write_back(placeholder)
+            if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+                self.grad_region += 1
         for node in [n for n in self.graph.nodes if n.op == "get_attr" and not n.users]:
             self.graph.erase_node(node)  # a tied weight read through its other name: no dead line in the code
         return self.graph
@@ -145,8 +152,8 @@ class _Emitter:
         is_input = read.node is not None and read.node.op == "placeholder"
         if home == device and not is_input:
             return None
-        cached = self.copies.get((read.key, device))
-        if cached is not None:
+        cached, region = self.copies.get((read.key, device), (None, None))
+        if cached is not None and region in (None, self.grad_region):
             return cached
         if is_input and home != device:
             source = self._fetch(read, home)
@@ -163,8 +170,20 @@ class _Emitter:
         copy.meta[DEVICE_META] = device
         if read.node is not None and "val" in read.node.meta:
             copy.meta["val"] = read.node.meta["val"]
-        self.copies[(read.key, device)] = copy
+        # A copy made under no_grad carries no gradient: made again after the mode changes.
+        # An input written in place keeps one copy at home, the one the writes reach.
+        keep = is_input and home == device and read.key in self.written_inputs
+        self.copies[(read.key, device)] = (copy, None if keep else self.grad_region)
         return copy
+
+    def _write_back(self, placeholder: str) -> None:
+        """Copy the home copy of an input written in place back into the caller's tensor (as eager would)."""
+        home = self.plan.placement[placeholder]
+        moved, _ = self.copies.get((placeholder, home), (None, None))
+        if moved is None:
+            return
+        write = self.graph.call_function(runtime.write_back, (self.env[placeholder], moved))
+        write.meta[DEVICE_META] = home
 
     def _weight_node(self, read: Read) -> torch.fx.Node:
         assert read.weight is not None

@@ -12,6 +12,8 @@ from typing import Any, Iterator
 import torch
 import torch.fx
 
+from fxsplit.gradmode import is_grad_mode_node
+
 __all__ = [
     "NONTENSOR",
     "TENSOR",
@@ -19,6 +21,7 @@ __all__ = [
     "alias_root",
     "is_guard",
     "element_size",
+    "last_input_writes",
     "module_path",
     "mutated_inputs",
     "value_bytes",
@@ -74,7 +77,7 @@ def value_kind(node: torch.fx.Node) -> str:
     if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
         if node.args[1] in _NONTENSOR_ATTRS:
             return NONTENSOR
-    if node.op == "call_function" and node.target is len:
+    if node.op == "call_function" and (node.target is len or is_grad_mode_node(node)):
         return NONTENSOR
     if node.op in ("call_function", "call_method") and node.all_input_nodes:
         if all(value_kind(n) == NONTENSOR for n in node.all_input_nodes):
@@ -182,12 +185,14 @@ def mutated_inputs(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> 
         if any(stat in name for stat in _STAT_OPS):
             mutated.extend(n for n in node.all_input_nodes if n.op == "get_attr")
         return mutated
+    out = node.kwargs.get("out")
+    mutated.extend(n for n in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(n, torch.fx.Node))
     if node.op == "call_method" and isinstance(target, str):
-        if target.endswith("_") and not target.endswith("__") and first is not None:
+        if _is_inplace_name(target) and first is not None:
             mutated.append(first)
     elif node.op == "call_function":
         name = getattr(target, "__name__", "")
-        if (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True:
+        if _is_inplace_name(name) or node.kwargs.get("inplace") is True:
             if first is not None:
                 mutated.append(first)
         if target is operator.setitem and first is not None:
@@ -199,6 +204,25 @@ def mutated_inputs(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> 
         if getattr(module, "inplace", False) is True and first is not None:
             mutated.append(first)
     return mutated
+
+
+def _is_inplace_name(name: str) -> bool:
+    """``add_``, ``copy_``: torch's naming of in-place ops (not ``__iadd__``-style dunders)."""
+    return name.endswith("_") and not name.endswith("__")
+
+
+def last_input_writes(graph: torch.fx.Graph, modules: dict[str, torch.nn.Module]) -> dict[str, list[str]]:
+    """Node name -> the inputs (placeholder names) it is the last in-place writer of, directly or through views."""
+    last: dict[str, str] = {}
+    for node in graph.nodes:
+        for target in mutated_inputs(node, modules):
+            root = alias_root(target)
+            if root.op == "placeholder":
+                last[root.name] = node.name
+    found: dict[str, list[str]] = {}
+    for placeholder, writer in last.items():
+        found.setdefault(writer, []).append(placeholder)
+    return found
 
 
 def alias_root(node: torch.fx.Node) -> torch.fx.Node:
@@ -214,15 +238,31 @@ def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
     if not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
     base = node.args[0]
-    if node.op == "call_method" and node.target in _VIEW_METHODS:
-        return base
+    if node.op == "call_method" and isinstance(node.target, str):
+        # In-place methods return the tensor they wrote: ``x.add_(1).mul_(2)`` writes x twice.
+        return base if node.target in _VIEW_METHODS or _is_inplace_name(node.target) else None
     if node.op == "call_function":
         target = node.target
         if isinstance(target, torch._ops.OpOverload):
-            returns = target._schema.returns
-            if returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write:
-                return base
-            return None
-        if target in _VIEW_FUNCTIONS:
+            return _aliased_argument(node, target)
+        if target is getattr and len(node.args) > 1 and node.args[1] in _VIEW_ATTRS:
             return base
+        if target in _VIEW_FUNCTIONS or _is_inplace_name(getattr(target, "__name__", "")):
+            return base
+    return None
+
+
+_VIEW_ATTRS = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+
+
+def _aliased_argument(node: torch.fx.Node, target: torch._ops.OpOverload) -> torch.fx.Node | None:
+    """The argument an ATen op's first result aliases (a view's base, an in-place op's self, an ``out=``)."""
+    returns = target._schema.returns
+    if not returns or returns[0].alias_info is None:
+        return None
+    alias_set = returns[0].alias_info.before_set
+    for index, argument in enumerate(target._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.before_set & alias_set:
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            return value if isinstance(value, torch.fx.Node) else None
     return None
