@@ -19,19 +19,46 @@ from fxsplit.cost import Weight
 from fxsplit.dynamic import TRACED_INPUTS, describe_inputs
 from fxsplit.errors import FxsplitError, InputMismatchError
 from fxsplit.fastattr import mirror_registries
-from fxsplit.graphinfo import TENSOR, last_input_writes, value_kind
+from fxsplit.graphinfo import TENSOR, input_writers, value_kind
 from fxsplit.plan import Plan
 from fxsplit.planning import Read, reads_of
 
-__all__ = ["COPY_META", "DEVICE_META", "ExportedSplit", "emit", "move_weights"]
+__all__ = ["COPY_META", "DEVICE_META", "ExportedSplit", "check_input_writes", "emit", "move_weights"]
 
 COPY_META = "fxsplit_copy"
 DEVICE_META = "fxsplit_device"
 """``node.meta`` key: the device an emitted op, copy or weight read runs on (placeholders have none)."""
 
 
+def check_input_writes(graph_module: torch.fx.GraphModule, plan: Plan) -> None:
+    """Refuse a plan that updates an input in place away from the input's copy (the caller would miss it).
+
+    The generated code writes an input's in-place updates back to the
+    caller's tensor from the input's copy on its home device (where it is
+    first read); an update made on another device would not reach it.
+
+    Raises:
+        FxsplitError: names the input, the writing node and both devices.
+    """
+    writers = input_writers(graph_module.graph, dict(graph_module.named_modules()))
+    for placeholder, nodes in writers.items():
+        home = plan.placement.get(placeholder)
+        elsewhere = [w for w in nodes if plan.placement.get(w) != home]
+        if home is not None and elsewhere:
+            raise FxsplitError(
+                f"input '{placeholder}' is updated in place by '{elsewhere[0]}' on "
+                f"{plan.placement.get(elsewhere[0])}, but its copy lives on {home}, where it is first read, so the "
+                f"update could not reach the caller's tensor; pin the ops that read and write '{placeholder}' to one "
+                "device (pins=...), or do not update the input in place"
+            )
+
+
 def move_weights(graph_module: torch.fx.GraphModule, plan: Plan, weights: list[Weight]) -> None:
-    """Move every weight of the traced module to its planned device, in place (like ``Module.to``)."""
+    """Move every weight of the traced module to its planned device, in place (like ``Module.to``).
+
+    Checks first that the plan can be emitted (:func:`check_input_writes`), so a refusal moves nothing.
+    """
+    check_input_writes(graph_module, plan)
     for weight in weights:
         tensor = _weight_tensor(graph_module, weight)
         if tensor is None:
@@ -76,8 +103,10 @@ class _Emitter:
         self.env: dict[str, torch.fx.Node] = {}
         self.copies: dict[tuple[str, str], tuple[torch.fx.Node, int | None]] = {}
         self.modules = dict(graph_module.named_modules())
-        self.last_writes = last_input_writes(graph_module.graph, self.modules)
-        self.written_inputs = {name for names in self.last_writes.values() for name in names}
+        self.writers = input_writers(graph_module.graph, self.modules)
+        self.last_writes: dict[str, list[str]] = {}
+        for placeholder, writers in self.writers.items():
+            self.last_writes.setdefault(writers[-1], []).append(placeholder)
         self.grad_region = 0  # bumped at each grad-mode change: copies made under another mode are not reused
 
     def run(self) -> torch.fx.Graph:
@@ -172,7 +201,7 @@ class _Emitter:
             copy.meta["val"] = read.node.meta["val"]
         # A copy made under no_grad carries no gradient: made again after the mode changes.
         # An input written in place keeps one copy at home, the one the writes reach.
-        keep = is_input and home == device and read.key in self.written_inputs
+        keep = is_input and home == device and read.key in self.writers
         self.copies[(read.key, device)] = (copy, None if keep else self.grad_region)
         return copy
 
@@ -316,6 +345,7 @@ def _mode_dependent_ops(graph: torch.fx.Graph) -> tuple[str, ...]:
 
 def emit(graph_module: torch.fx.GraphModule, plan: Plan, by_node: dict[str, list[Weight]]) -> torch.fx.GraphModule:
     """Build the split ``GraphModule``; it shares (not copies) the traced module's weights."""
+    check_input_writes(graph_module, plan)
     graph = _Emitter(graph_module, plan, by_node).run()
     graph.lint()
     if plan.trace == "export":

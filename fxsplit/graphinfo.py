@@ -21,7 +21,7 @@ __all__ = [
     "alias_root",
     "is_guard",
     "element_size",
-    "last_input_writes",
+    "input_writers",
     "module_path",
     "mutated_inputs",
     "value_bytes",
@@ -175,6 +175,8 @@ def mutated_inputs(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> 
     mutated: list[torch.fx.Node] = []
     target = node.target
     first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if node.op == "call_function" and isinstance(target, torch._ops.HigherOrderOperator):
+        return _subgraph_writes(node, modules)
     if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
         schema = target._schema
         for index, argument in enumerate(schema.arguments):
@@ -206,22 +208,36 @@ def mutated_inputs(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> 
     return mutated
 
 
+def _subgraph_writes(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> list[torch.fx.Node]:
+    """The operands a higher-order op's subgraph writes (export's ``wrap_with_set_grad_enabled(False, g, *xs)``).
+
+    The operands follow the subgraph argument and feed its placeholders in order.
+    """
+    for position, arg in enumerate(node.args):
+        graph_module = modules.get(str(arg.target)) if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" else None
+        if isinstance(graph_module, torch.fx.GraphModule):
+            operands = node.args[position + 1:]
+            inner = dict(graph_module.named_modules())
+            placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+            written = {alias_root(t) for n in graph_module.graph.nodes for t in mutated_inputs(n, inner)}
+            return [value for p, value in zip(placeholders, operands, strict=False)
+                    if p in written and isinstance(value, torch.fx.Node)]
+    return []
+
+
 def _is_inplace_name(name: str) -> bool:
     """``add_``, ``copy_``: torch's naming of in-place ops (not ``__iadd__``-style dunders)."""
     return name.endswith("_") and not name.endswith("__")
 
 
-def last_input_writes(graph: torch.fx.Graph, modules: dict[str, torch.nn.Module]) -> dict[str, list[str]]:
-    """Node name -> the inputs (placeholder names) it is the last in-place writer of, directly or through views."""
-    last: dict[str, str] = {}
+def input_writers(graph: torch.fx.Graph, modules: dict[str, torch.nn.Module]) -> dict[str, list[str]]:
+    """Input (placeholder) name -> the nodes that write it in place, directly or through views, in order."""
+    found: dict[str, list[str]] = {}
     for node in graph.nodes:
         for target in mutated_inputs(node, modules):
             root = alias_root(target)
-            if root.op == "placeholder":
-                last[root.name] = node.name
-    found: dict[str, list[str]] = {}
-    for placeholder, writer in last.items():
-        found.setdefault(writer, []).append(placeholder)
+            if root.op == "placeholder" and node.name not in found.get(root.name, ()):
+                found.setdefault(root.name, []).append(node.name)
     return found
 
 
