@@ -52,6 +52,10 @@ class Traced:
 
 
 class _LeafTracer(torch.fx.Tracer):
+    # Buffers read in forward become graph nodes, so ``self.buf.mul_(m).add_(x)`` is traced, not run on
+    # the model's buffer while tracing (torch.fx's default) and left out of the graph.
+    proxy_buffer_attributes = True
+
     def __init__(self, leaf_types: tuple[type, ...], leaf_names: frozenset[str]) -> None:
         super().__init__()
         self._leaf_types = leaf_types
