@@ -251,6 +251,9 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
 
 
 def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    out = node.kwargs.get("out") if node.op in ("call_function", "call_method") else None
+    if isinstance(out, torch.fx.Node) and not isinstance(node.target, torch._ops.OpOverload):
+        return out  # torch.add(a, b, out=buf) returns buf
     if not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
     base = node.args[0]

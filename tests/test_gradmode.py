@@ -164,6 +164,11 @@ def test_region_spanning_the_cut_is_no_grad_on_both_sides() -> None:
     assert {plan.param_devices[f"frozen.{i}.0.weight"] for i in range(4)} == {"cpu:0", "cpu:1"}
     _assert_no_grad_for(model, "frozen.")
     assert gm.code.count("torch._C._set_grad_enabled(") == 2
+    saved = next(n for n in gm.graph.nodes if n.target is torch.is_grad_enabled)
+    restore = [n for n in gm.graph.nodes if n.target is torch._C._set_grad_enabled][-1]
+    assert plan.placement[saved.name] == "cpu:0" and plan.placement[restore.name] == "cpu:1"
+    assert restore.args == (saved,)  # the saved mode is a Python bool: read across the cut, never copied
+    assert not any(cut.producer == saved.name for cut in plan.cuts)
 
 
 def test_export_keeps_the_region_as_one_op_on_one_device() -> None:
@@ -187,6 +192,7 @@ def test_fx_graph_records_the_region_in_order() -> None:
     restore = lines.index(next(line for line in lines if "_set_grad_enabled(is_grad_enabled)" in line))
     first_head = lines.index(next(line for line in lines if "self.head" in line))
     assert saved < off < first_frozen < restore < first_head
+    assert not any("grad_enabled" in cut.producer for cut in gm.meta["fxsplit_plan"].cuts)
 
 
 @pytest.mark.parametrize("trace", TRACES)

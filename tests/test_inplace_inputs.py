@@ -71,11 +71,11 @@ class ThroughViews(TwoBlocks):
 
 
 class OutKeyword(TwoBlocks):
-    """``torch.add(..., out=cache)``."""
+    """``torch.add(..., out=cache)``, then a write through the result it returns."""
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
-        torch.add(h.detach(), cache, out=cache)
+        torch.add(h.detach(), cache, out=cache).mul_(0.5)
         return self.b(h)
 
 

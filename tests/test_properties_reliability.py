@@ -98,7 +98,7 @@ class RandomNet(nn.Module):
             if i == self.spec["buffer_write"]:
                 self.running.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
             if i == self.spec["cache_read"]:
-                h = h * cache
+                h = h + cache  # a sum saves nothing for backward, so a later write to cache is fine
             values.append(h)
 
 
@@ -171,14 +171,14 @@ def check_against_eager(spec: dict[str, Any], trace: str, fractions: list[float]
     assert_same_state(model, reference)
 
 
-@limits(150, 2000)
+@limits(250, 2000)
 @given(spec=specs(), trace=st.sampled_from(["fx", "export"]),
        fractions=st.lists(st.floats(0.5, 1.0), min_size=2, max_size=3), seed=st.integers(0, 2**16))
 def test_random_models_match_eager(spec: dict[str, Any], trace: str, fractions: list[float], seed: int) -> None:
     check_against_eager(spec, trace, fractions, seed, saved=False)
 
 
-@limits(60, 1000)
+@limits(100, 1000)
 @given(spec=specs(), trace=st.sampled_from(["fx", "export"]),
        fractions=st.lists(st.floats(0.5, 1.0), min_size=2, max_size=3), seed=st.integers(0, 2**16))
 def test_saved_plans_match_eager(spec: dict[str, Any], trace: str, fractions: list[float], seed: int) -> None:
