@@ -152,9 +152,12 @@ def verify_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
     problems: list[str] = []
     where: dict[torch.fx.Node, str | None] = {}
     copies: dict[tuple[str, str], str] = {}
+    made: set[tuple[str, str]] = set()  # copies since the last grad-mode change (after one, copies are made again)
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            made.clear()
         if COPY_META in node.meta:
-            problems += _copy_problems(node, where, copies)
+            problems += _copy_problems(node, where, copies, made)
             where[node] = node.meta[COPY_META][2]
         elif node.op == "placeholder":
             where[node] = None
@@ -179,10 +182,10 @@ def verify_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
 
 
 def _copy_problems(node: torch.fx.Node, where: dict[torch.fx.Node, str | None],
-                   copies: dict[tuple[str, str], str]) -> list[str]:
+                   copies: dict[tuple[str, str], str], made: set[tuple[str, str]]) -> list[str]:
     key, source, destination = node.meta[COPY_META]
     problems: list[str] = []
-    if (key, destination) in copies:
+    if (key, destination) in made:
         problems.append(f"'{key}' is copied to '{destination}' twice (again by '{node.name}')")
     if source == destination:
         problems.append(f"'{node.name}' copies '{key}' to '{destination}', where it already lives")
@@ -193,6 +196,7 @@ def _copy_problems(node: torch.fx.Node, where: dict[torch.fx.Node, str | None],
     if source is None and arg is not None and arg.op != "placeholder":
         problems.append(f"'{node.name}' copies '{key}' from an unknown device but it is not a model input")
     copies[(key, destination)] = "?" if source is None else source
+    made.add((key, destination))
     return problems
 
 

@@ -21,12 +21,12 @@ from fxsplit.cost import Weight
 from fxsplit.dynamic import TRACED_INPUTS, describe_inputs
 from fxsplit.errors import DeviceError, FxsplitError, InputMismatchError
 from fxsplit.fastattr import mirror_registries
-from fxsplit.graphinfo import TENSOR, value_kind
+from fxsplit.graphinfo import TENSOR, input_writers, value_kind
 from fxsplit.plan import Plan
 from fxsplit.planning import Read, reads_of
 from fxsplit.units import format_size
 
-__all__ = ["COPY_META", "DEVICE_META", "ExportedSplit", "MovedWeights", "emit", "move_weights"]
+__all__ = ["COPY_META", "DEVICE_META", "ExportedSplit", "MovedWeights", "check_input_writes", "emit", "move_weights"]
 
 COPY_META = "fxsplit_copy"
 DEVICE_META = "fxsplit_device"
@@ -75,15 +75,40 @@ class MovedWeights:
                 grad.data = grad_data
 
 
+def check_input_writes(graph_module: torch.fx.GraphModule, plan: Plan) -> None:
+    """Refuse a plan that updates an input in place away from the input's copy (the caller would miss it).
+
+    The generated code writes an input's in-place updates back to the
+    caller's tensor from the input's copy on its home device (where it is
+    first read); an update made on another device would not reach it.
+
+    Raises:
+        FxsplitError: names the input, the writing node and both devices.
+    """
+    writers = input_writers(graph_module.graph, dict(graph_module.named_modules()))
+    for placeholder, nodes in writers.items():
+        home = plan.placement.get(placeholder)
+        elsewhere = [w for w in nodes if plan.placement.get(w) != home]
+        if home is not None and elsewhere:
+            raise FxsplitError(
+                f"input '{placeholder}' is updated in place by '{elsewhere[0]}' on "
+                f"{plan.placement.get(elsewhere[0])}, but its copy lives on {home}, where it is first read, so the "
+                f"update could not reach the caller's tensor; pin the ops that read and write '{placeholder}' to one "
+                "device (pins=...), or do not update the input in place"
+            )
+
+
 def move_weights(graph_module: torch.fx.GraphModule, plan: Plan, weights: list[Weight]) -> MovedWeights:
     """Move every weight of the traced module to its planned device, in place (like ``Module.to``).
 
+    Checks first that the plan can be emitted (:func:`check_input_writes`), so a refusal moves nothing.
     Returns what was moved, so that a caller failing later can put it back.
 
     Raises:
         DeviceError: a move failed (out of memory, a device error); every
             tensor moved before it has been put back, so nothing has changed.
     """
+    check_input_writes(graph_module, plan)
     moved = MovedWeights()
     for weight in weights:
         tensor = _weight_tensor(graph_module, weight)
@@ -139,8 +164,13 @@ class _Emitter:
         self.graph = torch.fx.Graph()
         self.graph.set_codegen(graph_module.graph._codegen)
         self.env: dict[str, torch.fx.Node] = {}
-        self.copies: dict[tuple[str, str], torch.fx.Node] = {}
+        self.copies: dict[tuple[str, str], tuple[torch.fx.Node, int | None]] = {}
         self.modules = dict(graph_module.named_modules())
+        self.writers = input_writers(graph_module.graph, self.modules)
+        self.last_writes: dict[str, list[str]] = {}
+        for placeholder, writers in self.writers.items():
+            self.last_writes.setdefault(writers[-1], []).append(placeholder)
+        self.grad_region = 0  # bumped at each grad-mode change: copies made under another mode are not reused
 
     def run(self) -> torch.fx.Graph:
         for node in self.source.graph.nodes:
@@ -164,6 +194,10 @@ class _Emitter:
             if node.op != "output":
                 new.meta[DEVICE_META] = device
             self.env[node.name] = new
+            for placeholder in self.last_writes.get(node.name, ()):
+                self._write_back(placeholder)
+            if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+                self.grad_region += 1
         for node in [n for n in self.graph.nodes if n.op == "get_attr" and not n.users]:
             self.graph.erase_node(node)  # a tied weight read through its other name: no dead line in the code
         for node in self.graph.nodes:
@@ -213,8 +247,8 @@ class _Emitter:
         is_input = read.node is not None and read.node.op == "placeholder"
         if home == device and not is_input:
             return None
-        cached = self.copies.get((read.key, device))
-        if cached is not None:
+        cached, region = self.copies.get((read.key, device), (None, None))
+        if cached is not None and region in (None, self.grad_region):
             return cached
         if is_input and home != device:
             source = self._fetch(read, home)
@@ -231,8 +265,20 @@ class _Emitter:
         copy.meta[DEVICE_META] = device
         if read.node is not None and "val" in read.node.meta:
             copy.meta["val"] = read.node.meta["val"]
-        self.copies[(read.key, device)] = copy
+        # A copy made under no_grad carries no gradient: made again after the mode changes.
+        # An input written in place keeps one copy at home, the one the writes reach.
+        keep = is_input and home == device and read.key in self.writers
+        self.copies[(read.key, device)] = (copy, None if keep else self.grad_region)
         return copy
+
+    def _write_back(self, placeholder: str) -> None:
+        """Copy the home copy of an input written in place back into the caller's tensor (as eager would)."""
+        home = self.plan.placement[placeholder]
+        moved, _ = self.copies.get((placeholder, home), (None, None))
+        if moved is None:
+            return
+        write = self.graph.call_function(runtime.write_back, (self.env[placeholder], moved))
+        write.meta[DEVICE_META] = home
 
     def _weight_node(self, read: Read) -> torch.fx.Node:
         assert read.weight is not None
@@ -409,6 +455,7 @@ def _mode_dependent_ops(graph: torch.fx.Graph) -> tuple[str, ...]:
 
 def emit(graph_module: torch.fx.GraphModule, plan: Plan, by_node: dict[str, list[Weight]]) -> torch.fx.GraphModule:
     """Build the split ``GraphModule``; it shares (not copies) the traced module's weights."""
+    check_input_writes(graph_module, plan)
     graph = _Emitter(graph_module, plan, by_node).run()
     graph.lint()
     if plan.trace == "export":

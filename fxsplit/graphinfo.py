@@ -12,6 +12,8 @@ from typing import Any, Iterator
 import torch
 import torch.fx
 
+from fxsplit.gradmode import is_grad_mode_node
+
 __all__ = [
     "NONTENSOR",
     "TENSOR",
@@ -19,6 +21,7 @@ __all__ = [
     "alias_root",
     "is_guard",
     "element_size",
+    "input_writers",
     "module_path",
     "mutated_inputs",
     "value_bytes",
@@ -74,7 +77,7 @@ def value_kind(node: torch.fx.Node) -> str:
     if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
         if node.args[1] in _NONTENSOR_ATTRS:
             return NONTENSOR
-    if node.op == "call_function" and node.target is len:
+    if node.op == "call_function" and (node.target is len or is_grad_mode_node(node)):
         return NONTENSOR
     if node.op in ("call_function", "call_method") and node.all_input_nodes:
         if all(value_kind(n) == NONTENSOR for n in node.all_input_nodes):
@@ -172,6 +175,8 @@ def mutated_inputs(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> 
     mutated: list[torch.fx.Node] = []
     target = node.target
     first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if node.op == "call_function" and isinstance(target, torch._ops.HigherOrderOperator):
+        return _subgraph_writes(node, modules)
     if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
         schema = target._schema
         for index, argument in enumerate(schema.arguments):
@@ -182,12 +187,14 @@ def mutated_inputs(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> 
         if any(stat in name for stat in _STAT_OPS):
             mutated.extend(n for n in node.all_input_nodes if n.op == "get_attr")
         return mutated
+    out = node.kwargs.get("out")
+    mutated.extend(n for n in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(n, torch.fx.Node))
     if node.op == "call_method" and isinstance(target, str):
-        if target.endswith("_") and not target.endswith("__") and first is not None:
+        if _is_inplace_name(target) and first is not None:
             mutated.append(first)
     elif node.op == "call_function":
         name = getattr(target, "__name__", "")
-        if (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True:
+        if _is_inplace_name(name) or node.kwargs.get("inplace") is True:
             if first is not None:
                 mutated.append(first)
         if target is operator.setitem and first is not None:
@@ -201,6 +208,39 @@ def mutated_inputs(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> 
     return mutated
 
 
+def _subgraph_writes(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> list[torch.fx.Node]:
+    """The operands a higher-order op's subgraph writes (export's ``wrap_with_set_grad_enabled(False, g, *xs)``).
+
+    The operands follow the subgraph argument and feed its placeholders in order.
+    """
+    for position, arg in enumerate(node.args):
+        graph_module = modules.get(str(arg.target)) if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" else None
+        if isinstance(graph_module, torch.fx.GraphModule):
+            operands = node.args[position + 1:]
+            inner = dict(graph_module.named_modules())
+            placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+            written = {alias_root(t) for n in graph_module.graph.nodes for t in mutated_inputs(n, inner)}
+            return [value for p, value in zip(placeholders, operands, strict=False)
+                    if p in written and isinstance(value, torch.fx.Node)]
+    return []
+
+
+def _is_inplace_name(name: str) -> bool:
+    """``add_``, ``copy_``: torch's naming of in-place ops (not ``__iadd__``-style dunders)."""
+    return name.endswith("_") and not name.endswith("__")
+
+
+def input_writers(graph: torch.fx.Graph, modules: dict[str, torch.nn.Module]) -> dict[str, list[str]]:
+    """Input (placeholder) name -> the nodes that write it in place, directly or through views, in order."""
+    found: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        for target in mutated_inputs(node, modules):
+            root = alias_root(target)
+            if root.op == "placeholder" and node.name not in found.get(root.name, ()):
+                found.setdefault(root.name, []).append(node.name)
+    return found
+
+
 def alias_root(node: torch.fx.Node) -> torch.fx.Node:
     """Follow view ops back to the node whose storage ``node`` shares."""
     while True:
@@ -211,18 +251,37 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
 
 
 def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    out = node.kwargs.get("out") if node.op in ("call_function", "call_method") else None
+    if isinstance(out, torch.fx.Node) and not isinstance(node.target, torch._ops.OpOverload):
+        return out  # torch.add(a, b, out=buf) returns buf
     if not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
     base = node.args[0]
-    if node.op == "call_method" and node.target in _VIEW_METHODS:
-        return base
+    if node.op == "call_method" and isinstance(node.target, str):
+        # In-place methods return the tensor they wrote: ``x.add_(1).mul_(2)`` writes x twice.
+        return base if node.target in _VIEW_METHODS or _is_inplace_name(node.target) else None
     if node.op == "call_function":
         target = node.target
         if isinstance(target, torch._ops.OpOverload):
-            returns = target._schema.returns
-            if returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write:
-                return base
-            return None
-        if target in _VIEW_FUNCTIONS:
+            return _aliased_argument(node, target)
+        if target is getattr and len(node.args) > 1 and node.args[1] in _VIEW_ATTRS:
             return base
+        if target in _VIEW_FUNCTIONS or _is_inplace_name(getattr(target, "__name__", "")):
+            return base
+    return None
+
+
+_VIEW_ATTRS = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+
+
+def _aliased_argument(node: torch.fx.Node, target: torch._ops.OpOverload) -> torch.fx.Node | None:
+    """The argument an ATen op's first result aliases (a view's base, an in-place op's self, an ``out=``)."""
+    returns = target._schema.returns
+    if not returns or returns[0].alias_info is None:
+        return None
+    alias_set = returns[0].alias_info.before_set
+    for index, argument in enumerate(target._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.before_set & alias_set:
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            return value if isinstance(value, torch.fx.Node) else None
     return None

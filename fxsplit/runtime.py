@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["move"]
+__all__ = ["move", "write_back"]
 
 
 def move(value: Any, device: str) -> Any:
@@ -24,3 +24,23 @@ def move(value: Any, device: str) -> Any:
     if isinstance(value, dict):
         return type(value)((k, move(v, device)) for k, v in value.items())
     return value
+
+
+def write_back(original: Any, moved: Any) -> None:
+    """Write the values of ``moved`` into the caller's ``original`` (an input the model updates in place).
+
+    The split updates its copy of the input on the device that reads it;
+    eager PyTorch would have updated the caller's tensor, so the generated
+    code calls this after the input's last in-place update. Nested tuples,
+    lists and dicts are written leaf by leaf; a tensor that *is* its copy (the
+    input was already on that device) is left alone.
+    """
+    if isinstance(original, torch.Tensor) and isinstance(moved, torch.Tensor):
+        if moved is not original:
+            original.copy_(moved)
+    elif isinstance(original, (tuple, list)) and isinstance(moved, (tuple, list)):
+        for item, moved_item in zip(original, moved, strict=True):
+            write_back(item, moved_item)
+    elif isinstance(original, dict) and isinstance(moved, dict):
+        for key, item in original.items():
+            write_back(item, moved[key])

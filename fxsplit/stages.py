@@ -26,6 +26,7 @@ Two ways to hand values from stage to stage:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -36,6 +37,7 @@ from torch.utils import _pytree as pytree
 
 from fxsplit.codegen import COPY_META, DEVICE_META
 from fxsplit.errors import FxsplitError
+from fxsplit.gradmode import open_regions
 from fxsplit.graphinfo import TENSOR, module_path, value_kind
 from fxsplit.plan import Plan
 
@@ -177,6 +179,7 @@ class _Cutter:
         return node
 
     def run(self) -> StageSplit:
+        self._check_grad_regions()
         last = len(self.devices) - 1
         readers: dict[str, set[int]] = {}
         for node in self.nodes:
@@ -205,6 +208,25 @@ class _Cutter:
             _moves={name: (self._source(n).name, n.meta[COPY_META][2]) for name, n in self.moves.items()},
             _out_spec=self._out_spec(),
         )
+
+    def _check_grad_regions(self) -> None:
+        """Refuse a ``no_grad`` (or ``enable_grad``, ``set_grad_enabled``) region that spans two stages.
+
+        Stages of different micro-batches interleave, so a grad mode set on one
+        stage and restored on another would leak into the stages run between.
+        """
+        ops = [n for n in self.nodes if n.name in self.stage and n.op.startswith("call_")]
+        depth = dict(zip(ops, open_regions(ops), strict=True))
+        for before, node in itertools.pairwise(ops):
+            if self.stage[before.name] != self.stage[node.name] and depth[node] > 0:
+                path = module_path(node) or node.name
+                raise FxsplitError(
+                    f"this plan cannot run as a pipeline: a grad-mode region (torch.no_grad(), enable_grad() or "
+                    f"set_grad_enabled()) in forward() spans stages {self.devices[self.stage[before.name]]} and "
+                    f"{self.devices[self.stage[node.name]]} (at '{node.name}' in '{path}'); each stage runs on its "
+                    "own, so the mode would leak between micro-batches. Fix: keep the region's modules on one "
+                    "device (together=[[...]] or pins=...), or split without pipeline=..."
+                )
 
     def _check_forward(self, value: torch.fx.Node, reader: torch.fx.Node) -> None:
         made, used = self.stage.get(value.name), self.stage[reader.name]

@@ -26,6 +26,7 @@ from torch.fx.graph import CodeGen, _PyTreeCodeGen
 
 from fxsplit.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_inputs, export_spec
 from fxsplit.errors import TraceError
+from fxsplit.gradmode import recording_grad_mode, refusing_inference_mode
 
 __all__ = ["TRACE_MODES", "Traced", "trace"]
 
@@ -51,6 +52,10 @@ class Traced:
 
 
 class _LeafTracer(torch.fx.Tracer):
+    # Buffers read in forward become graph nodes, so ``self.buf.mul_(m).add_(x)`` is traced, not run on
+    # the model's buffer while tracing (torch.fx's default) and left out of the graph.
+    proxy_buffer_attributes = True
+
     def __init__(self, leaf_types: tuple[type, ...], leaf_names: frozenset[str]) -> None:
         super().__init__()
         self._leaf_types = leaf_types
@@ -108,7 +113,8 @@ def trace(
 
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic_shapes: Any) -> Traced:
     spec = export_spec(model, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
-    exported = torch.export.export(model, args, kwargs or None, strict=False, dynamic_shapes=spec)
+    with refusing_inference_mode("torch.export"):
+        exported = torch.export.export(model, args, kwargs or None, strict=False, dynamic_shapes=spec)
     graph_module = exported.module()
     if not isinstance(graph_module, torch.fx.GraphModule):  # pragma: no cover - torch internals
         raise TraceError("torch.export returned an unflattened module; fxsplit needs a flat graph")
@@ -172,7 +178,10 @@ def _symbolic(
     leaf_names = frozenset(leaf for leaf in leaves if isinstance(leaf, str))
     tracer = _LeafTracer(leaf_types, leaf_names)
     try:
-        graph = tracer.trace(model, concrete_args=dict(concrete_args) if concrete_args else None)
+        with recording_grad_mode(tracer):
+            graph = tracer.trace(model, concrete_args=dict(concrete_args) if concrete_args else None)
+    except TraceError:
+        raise  # ours: names the construct fx cannot keep
     except Exception as error:  # noqa: BLE001 - tracing user code raises anything
         raise TraceError(_fx_message(error)) from error
     name = type(model).__name__
@@ -192,6 +201,7 @@ def _propagate_shapes(graph_module: torch.fx.GraphModule, args: tuple[Any, ...],
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     flat = list(args) + [kwargs[n.target] for n in placeholders[len(args):] if n.target in kwargs]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    grad_enabled = torch.is_grad_enabled()  # the graph may set it (recorded no_grad blocks)
     try:
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
         # Run on fake copies of the weights, so in-place updates (BatchNorm's
@@ -203,6 +213,8 @@ def _propagate_shapes(graph_module: torch.fx.GraphModule, args: tuple[Any, ...],
         for node in graph_module.graph.nodes:
             node.meta.pop("val", None)
         return False
+    finally:
+        torch._C._set_grad_enabled(grad_enabled)
     return True
 
 
