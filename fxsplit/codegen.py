@@ -21,12 +21,22 @@ from fxsplit.cost import Weight
 from fxsplit.dynamic import TRACED_INPUTS, describe_inputs
 from fxsplit.errors import DeviceError, FxsplitError, InputMismatchError
 from fxsplit.fastattr import mirror_registries
+from fxsplit.gradmode import is_grad_mode_node
 from fxsplit.graphinfo import TENSOR, input_writers, value_kind
 from fxsplit.plan import Plan
 from fxsplit.planning import Read, reads_of
 from fxsplit.units import format_size
 
-__all__ = ["COPY_META", "DEVICE_META", "ExportedSplit", "MovedWeights", "check_input_writes", "emit", "move_weights"]
+__all__ = [
+    "COPY_META",
+    "DEVICE_META",
+    "ExportedSplit",
+    "GradModeSafeSplit",
+    "MovedWeights",
+    "check_input_writes",
+    "emit",
+    "move_weights",
+]
 
 COPY_META = "fxsplit_copy"
 DEVICE_META = "fxsplit_device"
@@ -439,6 +449,21 @@ _WIDER = {
 """What to split with for more input sizes, by the ``dynamic_shapes`` the split was made with."""
 
 
+class GradModeSafeSplit(torch.fx.GraphModule):
+    """An fx split whose code sets the grad mode (a recorded ``no_grad`` region): the caller's mode comes back.
+
+    The generated code restores the mode at the end of each region, as the
+    ``with`` block did; if an op inside the region raises, the code stops
+    before that restore, so the call itself puts the caller's mode back, as
+    leaving the ``with`` block by an exception would have. (``torch.save``
+    of a whole split reloads it as a plain ``GraphModule``, without this.)
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.set_grad_enabled(torch.is_grad_enabled()):
+            return super().__call__(*args, **kwargs)
+
+
 _MODE_OPS = ("dropout", "batch_norm", "instance_norm")
 
 
@@ -468,6 +493,8 @@ def emit(graph_module: torch.fx.GraphModule, plan: Plan, by_node: dict[str, list
             traced_with = graph_module.meta.get(TRACED_INPUTS) or describe_inputs(graph_module.graph)
             exported._guards_fn = InputGuard(guard, traced_with, plan.dynamic_shapes, _guard_inputs(graph))
         split: torch.fx.GraphModule = exported
+    elif any(is_grad_mode_node(node) for node in graph.nodes):
+        split = GradModeSafeSplit(graph_module, graph, type(graph_module).__name__)
     else:
         split = torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
     split.recompile()

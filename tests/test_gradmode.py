@@ -245,3 +245,31 @@ def test_pipeline_refuses_a_region_across_stages() -> None:
     with pytest.raises(FxsplitError, match="grad-mode region.*spans stages"):
         fxsplit.fxsplit(model, _budgets(model), example_inputs=(torch.randn(4, 16),), trace="fx", pins=pins,
                         mode="weights", pipeline=2)
+
+
+class RaisesInside(nn.Module):
+    """An op inside the no_grad region fails on the bad input (a shape mismatch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = self.frozen(x)
+        return self.head(h)
+
+
+def test_an_error_inside_a_region_leaves_the_callers_grad_mode() -> None:
+    """As leaving a ``with torch.no_grad()`` by an exception does; else every later step trains nothing."""
+    model = RaisesInside()
+    gm = fxsplit.fxsplit(model, {"cpu:0": 1200, "cpu:1": 1200}, trace="fx", mode="weights")
+    with pytest.raises(RuntimeError):
+        gm(torch.randn(2, 8))
+    assert torch.is_grad_enabled()
+    with pytest.raises(RuntimeError), torch.no_grad():
+        gm(torch.randn(2, 8))
+    assert torch.is_grad_enabled()
+    gm(torch.randn(2, 16)).sum().backward()
+    assert model.head.weight.grad is not None and model.frozen.weight.grad is None
