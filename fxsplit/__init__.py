@@ -7,8 +7,17 @@ Trace (torch.fx / torch.export) -> partition under per-device memory budgets
 from fxsplit.api import fxsplit, plan
 from fxsplit.apply_plan import apply, check_plan
 from fxsplit.autobudget import auto_budgets
+from fxsplit.checkpoint import empty_weights, load_checkpoint
 from fxsplit.distributed import PipelineStages, pipeline_stages
-from fxsplit.errors import BudgetError, FxsplitError, InputMismatchError, PlanMismatchError, SpecError, TraceError
+from fxsplit.errors import (
+    BudgetError,
+    CheckpointError,
+    FxsplitError,
+    InputMismatchError,
+    PlanMismatchError,
+    SpecError,
+    TraceError,
+)
 from fxsplit.pipeline import Pipeline, PipelineConfig
 from fxsplit.plan import Cut, Plan
 from fxsplit.readable import show_code
@@ -17,6 +26,7 @@ from fxsplit.units import format_size, parse_size
 
 __all__ = [
     "BudgetError",
+    "CheckpointError",
     "Cut",
     "FxsplitError",
     "InputMismatchError",
@@ -31,8 +41,10 @@ __all__ = [
     "apply",
     "auto_budgets",
     "check_plan",
+    "empty_weights",
     "format_size",
     "fxsplit",
+    "load_checkpoint",
     "load_spec",
     "parse_size",
     "pipeline_stages",

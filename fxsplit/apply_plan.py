@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from fxsplit.api import _refuse_meta
+from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.codegen import emit, move_weights
 from fxsplit.constraints import locator, resolve_leaf_modules
 from fxsplit.cost import GraphCosts, build_problem
@@ -106,7 +107,8 @@ def _check_nodes(graph_module: torch.fx.GraphModule, plan: Plan) -> None:
                                          wrong))
 
 
-def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, **options: Any) -> torch.fx.GraphModule:
+def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, checkpoint: Any = None,
+          progress: bool | None = None, **options: Any) -> torch.fx.GraphModule:
     """Split ``model`` as ``plan`` says, without solving again: same plan, same generated code.
 
     The model is traced again (as the plan was: ``plan.trace``, its leaf
@@ -121,10 +123,12 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, **o
             ``torch.export``.
         **options: ``example_kwargs``, ``concrete_args``, ``leaf_modules`` (added
             to the plan's), ``dynamic_shapes`` (default: the plan's), as for
-            :func:`fxsplit.fxsplit`.
+            :func:`fxsplit.fxsplit`; ``checkpoint`` and ``progress``: load the
+            weights onto the plan's devices, as for :func:`fxsplit.fxsplit`.
 
     Raises:
         PlanMismatchError: the plan does not describe this model; says what differs.
+        CheckpointError: the checkpoint does not fit the model; nothing was loaded.
 
     Example:
         >>> import torch, fxsplit
@@ -143,10 +147,14 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, **o
           changed: '0.weight' is float32[32, 64] in the model, float32[64, 64] in the plan
           changed: '0.bias' is float32[32] in the model, float32[64] in the plan
     """
+    loading = prepare(model, checkpoint, progress)
     traced, costs = retrace(model, plan, example_inputs=example_inputs, **options)
-    _refuse_meta(model)
+    if loading is not None:
+        loading.load(plan, traced.graph_module)
+    elif checkpoint is None:
+        _refuse_meta(model)
     move_weights(traced.graph_module, plan, costs.weights + costs.unused)
-    return emit(traced.graph_module, plan, weights_by_node(costs))
+    return remember_non_persistent(emit(traced.graph_module, plan, weights_by_node(costs)), model)
 
 
 def _cut_text(cut: Cut) -> str:

@@ -20,6 +20,7 @@ from fxsplit.dynamic import TRACED_INPUTS, describe_inputs
 from fxsplit.errors import FxsplitError, InputMismatchError
 from fxsplit.fastattr import mirror_registries
 from fxsplit.graphinfo import TENSOR, value_kind
+from fxsplit.nested import pin_subgraph_devices
 from fxsplit.plan import Plan
 from fxsplit.planning import Read, reads_of
 
@@ -311,6 +312,7 @@ def emit(graph_module: torch.fx.GraphModule, plan: Plan, by_node: dict[str, list
         split: torch.fx.GraphModule = exported
     else:
         split = torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
+    pin_subgraph_devices(split, {n.name: n.meta[DEVICE_META] for n in split.graph.nodes if DEVICE_META in n.meta})
     split.recompile()
     mirror_registries(split)  # weights by path at dict speed (see fxsplit.fastattr)
     split.meta["fxsplit_plan"] = plan
