@@ -50,17 +50,24 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _git_commit() -> str:
+def git_commit() -> dict[str, Any]:
+    """The commit measured (``git rev-parse HEAD``) and whether fxsplit/ or benchmarks/ had uncommitted changes."""
     root = Path(__file__).resolve().parents[1]
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, check=False)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
-                                "fxsplit", "benchmarks"],
-                               capture_output=True, text=True, timeout=10, check=False)
-        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=False)
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                  "fxsplit", "benchmarks"],
+                                 capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return {"commit": "unknown", "dirty": None}
+    if head.returncode != 0:
+        return {"commit": "unknown", "dirty": None}
+    return {"commit": head.stdout.strip(), "dirty": bool(changed.stdout.strip())}
+
+
+def _commit_label(state: dict[str, Any]) -> str:
+    return state["commit"] + ("+dirty" if state["dirty"] else "")
 
 
 def machine(threads: int) -> dict[str, Any]:
@@ -84,5 +91,5 @@ def machine(threads: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "accelerate": accelerate.__version__,
-        "fxsplit_commit": _git_commit(),
+        "fxsplit_commit": _commit_label(git_commit()),
     }

@@ -204,6 +204,14 @@ def _failure_summary(failures: list[str]) -> str:
     return f"{len(failures)} failing: {counts}. First of each: {examples}"
 
 
+def _at_commit(state: dict[str, Any] | None) -> str:
+    """'at commit <hash> ' (and whether fxsplit/ or benchmarks/ had uncommitted changes), or nothing."""
+    if not state or state.get("commit") in (None, "unknown"):
+        return ""
+    changes = " with uncommitted changes to fxsplit/ or benchmarks/" if state.get("dirty") else ""
+    return f"at commit `{state['commit']}`{changes} "
+
+
 def _bars_md(bars: dict[str, dict[str, Any]]) -> str:
     rows = []
     for name, bar in bars.items():
@@ -327,7 +335,7 @@ def write_report(results: dict[str, Any], out: Path) -> list[Path]:
     written = [out / "results.json"]
     written[0].write_text(json.dumps(results, indent=1) + "\n")
     md: list[str] = [f"# fxsplit benchmark results\n\nWritten by `{results['settings']['command']}` "
-                     f"on {results['started']} in {results['duration_s']:.0f} s ("
+                     f"{_at_commit(results.get('commit'))}on {results['started']} in {results['duration_s']:.0f} s ("
                      + ", ".join(f"{k} {v:.0f} s" for k, v in results.get("part_durations_s", {}).items()) + ")"
                      + (" (**--quick**: fewer repeats and sizes)" if results["settings"]["quick"] else "")
                      + ". Numbers: medians; ratios measured side by side in the same process.\n"]

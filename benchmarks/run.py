@@ -5,7 +5,8 @@ Usage (from the repository root)::
     python benchmarks/run.py            # the full suite, ~10-15 min on 2 cores
     python benchmarks/run.py --quick    # fewer repeats and sizes, Llama-70B shape with 8 layers
 
-See ``benchmarks/README.md`` for each part and its options.
+See ``benchmarks/README.md`` for each part and its options. Exits 1 when a bar fails
+(informational comparisons never fail), 0 when every bar passes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` and this che
     sys.path.insert(0, str(ROOT))
 
 PARTS = ("quality", "planning", "runtime")
+EXIT_BARS_PASS, EXIT_BAR_FAILED = 0, 1
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -47,6 +49,25 @@ def _caveat(samples: list[float], threads: int, cores: int) -> str:
     return "The machine was otherwise idle."
 
 
+def verdicts(bars: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """One line per bar to print, and the names of the bars that failed (an ``info`` bar never fails)."""
+    lines, failed = [], []
+    for name, bar in bars.items():
+        if bar.get("info"):
+            verdict = "yes " if bar["pass"] else "no  "
+        else:
+            verdict = "PASS" if bar["pass"] else "FAIL"
+            if not bar["pass"]:
+                failed.append(name)
+        lines.append(f"  {verdict}  {name}  {bar.get('value', '')}")
+    return lines, failed
+
+
+def exit_code(bars: dict[str, dict[str, Any]]) -> int:
+    """``EXIT_BAR_FAILED`` when any bar failed, else ``EXIT_BARS_PASS``."""
+    return EXIT_BAR_FAILED if verdicts(bars)[1] else EXIT_BARS_PASS
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     import torch
@@ -64,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, parts: list[str]) -> int:
-    from benchmarks.measure import load_average, machine, time_call
+    from benchmarks.measure import git_commit, load_average, machine, time_call
     from benchmarks.models import CASES, case_by_name
     from benchmarks.planning_speed import run_planning
     from benchmarks.quality import run_quality
@@ -79,6 +100,7 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
                      "models": [c.name for c in cases], "llama_layers": layers,
                      "command": " ".join(["python benchmarks/run.py", *args.argv])},
         "machine": machine(args.threads),
+        "commit": git_commit(),
         "started": started.strftime("%Y-%m-%d %H:%M UTC"),
     }
     samples, durations = [load_start[0]], {}
@@ -104,11 +126,12 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
     results["bars"] = {name: bar for part in ("quality", "planning", "runtime") if results.get(part)
                        for name, bar in results[part]["bars"].items()}
     written = write_report(results, args.out)
-    for name, bar in results["bars"].items():
-        verdict = ("yes " if bar["pass"] else "no  ") if bar.get("info") else ("PASS" if bar["pass"] else "FAIL")
-        print(f"  {verdict}  {name}  {bar.get('value', '')}")
+    lines, failed = verdicts(results["bars"])
+    print("\n".join(lines))
     print("[fxsplit-bench] wrote " + ", ".join(str(p) for p in written))
-    return 0
+    if failed:
+        print(f"[fxsplit-bench] {len(failed)} bar(s) failed: {'; '.join(failed)}", flush=True)
+    return exit_code(results["bars"])
 
 
 if __name__ == "__main__":

@@ -69,8 +69,7 @@ def main() -> None:
     budgets = {f"{kind}:{i}": int(alone.memory[f"{kind}:0"]["total"] / world * 1.6) for i in range(world)}
     stages = fxsplit.pipeline_stages(model, budgets, example_inputs=(batches[0][0],), chunks=chunks)
     if rank == 0:
-        print(stages.plan)
-        print("tied weights (replicated, gradients summed):", stages.tied)
+        print(stages)  # the plan, tied weights as the stages hold them
     stage = stages.build_stage(rank)
     print(f"rank {rank}: stage {rank} on {stages.specs[rank].device}, takes {stages.specs[rank].inputs}")
     schedule = (ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B)(stage, chunks, loss_fn=loss_fn)

@@ -12,6 +12,7 @@ from fxsplit.distributed import PipelineStages, pipeline_stages
 from fxsplit.errors import (
     BudgetError,
     CheckpointError,
+    DeviceError,
     FxsplitError,
     InputMismatchError,
     PlanMismatchError,
@@ -28,6 +29,7 @@ __all__ = [
     "BudgetError",
     "CheckpointError",
     "Cut",
+    "DeviceError",
     "FxsplitError",
     "InputMismatchError",
     "Pipeline",

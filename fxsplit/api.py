@@ -24,7 +24,7 @@ from fxsplit.constraints import (
     together_groups,
 )
 from fxsplit.cost import GraphCosts, build_problem
-from fxsplit.devices import normalize_budgets, normalize_device
+from fxsplit.devices import normalize_budgets, require_usable
 from fxsplit.dynamic import describe as describe_dynamic
 from fxsplit.errors import BudgetError, FxsplitError, SpecError
 from fxsplit.fingerprint import describe
@@ -36,6 +36,7 @@ from fxsplit.plan import Plan
 from fxsplit.planning import make_plan, weights_by_node
 from fxsplit.spec import load_spec, merge_spec, planning_dtype, reserve_bytes
 from fxsplit.trace import TRACE_MODES, Traced, trace
+from fxsplit.validate import check_concrete_args, check_option_types, device_option, require_module
 
 __all__ = ["fxsplit", "plan"]
 
@@ -72,6 +73,7 @@ def _options(raw: Mapping[str, Any]) -> Options:
             close = difflib.get_close_matches(name, (*_OPTION_NAMES, "example_inputs"), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; options are {', '.join(_OPTION_NAMES)}"
             raise SpecError(f"unknown option {name!r}{hint}")
+    check_option_types(raw)
     options = Options(**raw)
     if options.pipeline is not None:
         options = dataclasses.replace(options, pipeline=PipelineConfig.coerce(options.pipeline))
@@ -92,7 +94,10 @@ class _Planned:
     options: Options | None = None
 
 
-def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mapping[str, Any]) -> _Planned:
+def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mapping[str, Any], *,
+          runnable: bool = False) -> _Planned:
+    """Trace and plan; with ``runnable``, first refuse devices that cannot be used here (the split will run)."""
+    require_module(model)
     explicit = set(raw) - {"spec"}
     spec = load_spec(raw["spec"]) if raw.get("spec") is not None else None
     if spec is not None:
@@ -105,6 +110,10 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
     reserved = reserve_bytes(options.reserve, limits)
     usable = {d: b - reserved.get(d, 0) for d, b in limits.items()}
     devices = list(limits)
+    output_device = device_option("output_device", options.output_device) if options.output_device is not None else None
+    if runnable:
+        require_usable([*devices, *([output_device] if output_device else [])], limits)
+    check_concrete_args(model, options.concrete_args)
     dtype = planning_dtype(options.dtype)
     locate = locator(spec, explicit)
     leaves = list(options.leaf_modules)
@@ -122,7 +131,7 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
         concrete_args=options.concrete_args,
         dynamic_shapes=options.dynamic_shapes,
     )
-    pins = {str(k): normalize_device(v) for k, v in (options.pins or {}).items()}
+    pins = {str(k): device_option(f"pins[{str(k)!r}]", v) for k, v in (options.pins or {}).items()}
     together = together_groups(options.together)
     check_constraints(traced.graph_module, model, devices, pins, together, locate)
     index = {d: i for i, d in enumerate(devices)}
@@ -134,7 +143,6 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
         pipeline = options.pipeline
         memory = dataclasses.replace(memory, chunks=pipeline.chunks, checkpoint=str(pipeline.checkpoint))
     problem = memory.problem()
-    output_device = normalize_device(options.output_device) if options.output_device is not None else None
     contiguous = options.contiguous or options.pipeline is not None
 
     def solve(budgets_now: Sequence[int]) -> Plan:
@@ -302,6 +310,8 @@ def fxsplit(
         SpecError: a malformed argument.
         CheckpointError: the checkpoint does not fit the model; lists every
             problem; nothing was loaded.
+        DeviceError: a device cannot be used here (checked before any work),
+            or moving a weight failed (what was moved is put back first).
 
     Example:
         >>> import torch, fxsplit
@@ -319,19 +329,22 @@ def fxsplit(
             return _2
     """
     loading = prepare(model, checkpoint, progress)  # checks the checkpoint before the (long) trace
-    planned = _plan(model, budgets, example_inputs, options)
-    if loading is not None:
-        loading.load(planned.plan, planned.traced.graph_module)
-    elif checkpoint is None:
-        _refuse_meta(model)
-    by_node = weights_by_node(planned.costs)
-    move_weights(planned.traced.graph_module, planned.plan, planned.costs.weights + planned.costs.unused)
-    split = remember_non_persistent(emit(planned.traced.graph_module, planned.plan, by_node), model)
-    if planned.options is not None and planned.options.check:
-        verify_split(split)
-    if planned.options is not None and isinstance(planned.options.pipeline, PipelineConfig):
-        return remember_non_persistent(pipelined(split, planned.options.pipeline), model)
-    return split
+    planned = _plan(model, budgets, example_inputs, options, runnable=True)
+    with loading.onto(planned.plan, planned.traced.graph_module):  # loaded, and unloaded if what follows fails
+        if checkpoint is None:
+            _refuse_meta(model)
+        by_node = weights_by_node(planned.costs)
+        moved = move_weights(planned.traced.graph_module, planned.plan, planned.costs.weights + planned.costs.unused)
+        try:
+            split = remember_non_persistent(emit(planned.traced.graph_module, planned.plan, by_node), model)
+            if planned.options is not None and planned.options.check:
+                verify_split(split)
+            if planned.options is not None and isinstance(planned.options.pipeline, PipelineConfig):
+                return remember_non_persistent(pipelined(split, planned.options.pipeline), model)
+            return split
+        except BaseException:
+            moved.undo()  # a failed call leaves the model as it was
+            raise
 
 
 def _refuse_meta(model: torch.nn.Module) -> None:

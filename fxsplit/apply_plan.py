@@ -20,13 +20,15 @@ from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.codegen import emit, move_weights
 from fxsplit.constraints import locator, resolve_leaf_modules
 from fxsplit.cost import GraphCosts, build_problem
+from fxsplit.devices import require_usable
 from fxsplit.dynamic import dynamic_shapes_for
-from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError
+from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError, SpecError
 from fxsplit.fingerprint import describe, differences
 from fxsplit.plan import Cut, Plan
 from fxsplit.planning import cuts_for, weights_by_node
 from fxsplit.trace import Traced, trace
 from fxsplit.units import format_size
+from fxsplit.validate import check_concrete_args, check_option_types, require_module
 
 __all__ = ["PlanCheck", "apply", "check_plan", "retrace"]
 
@@ -65,6 +67,10 @@ def retrace(
         PlanMismatchError: the model's parameters or graph differ from the plan's.
         TraceError: the model cannot be traced.
     """
+    require_module(model)
+    check_option_types({"example_kwargs": example_kwargs, "concrete_args": concrete_args,
+                        "leaf_modules": leaf_modules, "dynamic_shapes": dynamic_shapes})
+    check_concrete_args(model, concrete_args)
     _check_structure(model, plan)
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
@@ -123,12 +129,18 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, che
             ``torch.export``.
         **options: ``example_kwargs``, ``concrete_args``, ``leaf_modules`` (added
             to the plan's), ``dynamic_shapes`` (default: the plan's), as for
-            :func:`fxsplit.fxsplit`; ``checkpoint`` and ``progress``: load the
-            weights onto the plan's devices, as for :func:`fxsplit.fxsplit`.
+            :func:`fxsplit.fxsplit`.
+        checkpoint: load the weights from this checkpoint onto the plan's
+            devices, as for :func:`fxsplit.fxsplit` (``False``: a meta model
+            gives a split with meta weights, for :func:`fxsplit.load_checkpoint`).
+        progress: progress bar while loading (None: on a terminal only).
 
     Raises:
         PlanMismatchError: the plan does not describe this model; says what differs.
         CheckpointError: the checkpoint does not fit the model; nothing was loaded.
+        DeviceError: a device of the plan cannot be used here (checked before
+            any work), or moving a weight failed (what was moved is put back).
+        SpecError: an unknown option, or one of the wrong type.
 
     Example:
         >>> import torch, fxsplit
@@ -147,14 +159,29 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, che
           changed: '0.weight' is float32[32, 64] in the model, float32[64, 64] in the plan
           changed: '0.bias' is float32[32] in the model, float32[64] in the plan
     """
+    _known_options(options, "apply")
+    require_usable([*plan.devices, plan.output_device], plan.budgets)
     loading = prepare(model, checkpoint, progress)
     traced, costs = retrace(model, plan, example_inputs=example_inputs, **options)
-    if loading is not None:
-        loading.load(plan, traced.graph_module)
-    elif checkpoint is None:
-        _refuse_meta(model)
-    move_weights(traced.graph_module, plan, costs.weights + costs.unused)
-    return remember_non_persistent(emit(traced.graph_module, plan, weights_by_node(costs)), model)
+    with loading.onto(plan, traced.graph_module):  # loaded, and unloaded if what follows fails
+        if checkpoint is None:
+            _refuse_meta(model)
+        moved = move_weights(traced.graph_module, plan, costs.weights + costs.unused)
+        try:
+            return remember_non_persistent(emit(traced.graph_module, plan, weights_by_node(costs)), model)
+        except BaseException:
+            moved.undo()  # a failed call leaves the model as it was
+            raise
+
+
+_RETRACE_OPTIONS = ("example_kwargs", "concrete_args", "leaf_modules", "dynamic_shapes")
+
+
+def _known_options(options: Mapping[str, Any], caller: str) -> None:
+    unknown = [name for name in options if name not in _RETRACE_OPTIONS]
+    if unknown:
+        raise SpecError(f"{caller}() takes no option {', '.join(map(repr, unknown))}; its options are "
+                        f"{', '.join(_RETRACE_OPTIONS)} (the rest comes from the plan)")
 
 
 def _cut_text(cut: Cut) -> str:
@@ -194,6 +221,7 @@ def check_plan(
         PlanMismatchError: the plan does not describe the model, or contradicts itself.
         BudgetError: a device holds more than its budget; says which and by how much.
     """
+    _known_options(options, "check_plan")
     traced, costs = retrace(model, plan, example_inputs=example_inputs, **options)
     limits = dict(budgets) if budgets is not None else {d: b - plan.reserved.get(d, 0) for d, b in plan.budgets.items()}
     held = {d: 0 for d in plan.devices}

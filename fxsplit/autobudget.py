@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from fxsplit.errors import SpecError
-from fxsplit.units import format_size, parse_size
+from fxsplit.units import format_size
 
 __all__ = ["DEFAULT_RESERVE", "auto_budgets"]
 
@@ -28,8 +28,9 @@ def auto_budgets(
 
     Args:
         reserve: bytes to leave free on each device: an int, a size string
-            (``"2GiB"``), or a float in ``[0, 1)`` meaning that fraction of
-            the device's total memory.
+            (``"2GiB"``), or a share of the device's total memory: a float
+            in ``[0, 1)`` or a percentage (``0.1`` and ``"10%"`` alike, as
+            for the ``reserve`` option of :func:`fxsplit.fxsplit`).
         devices: CUDA indices to use (default: all visible ones, in order).
 
     Raises:
@@ -61,8 +62,6 @@ def auto_budgets(
 
 
 def _reserve_bytes(reserve: int | str | float, total: int) -> int:
-    if isinstance(reserve, float):
-        if not 0 <= reserve < 1:
-            raise SpecError(f"a fractional reserve must be in [0, 1) (got {reserve})")
-        return int(total * reserve)
-    return parse_size(reserve, what="reserve")
+    from fxsplit.spec import parse_headroom  # the same forms as the reserve option; spec loads lazily
+
+    return parse_headroom(reserve, share_of="the device's memory").of(total)

@@ -1,8 +1,8 @@
 """The ``fxsplit`` command: plan a split from a spec, print its code, draw it, check a saved plan.
 
     fxsplit plan  MODEL --spec SPEC [-o plan.yaml]
-    fxsplit code  MODEL (--spec SPEC | --plan PLAN) [--raw]
-    fxsplit show  MODEL (--spec SPEC | --plan PLAN) -o split.svg|.png|.dot
+    fxsplit code  MODEL (--spec SPEC | --plan PLAN | --budget DEVICE=SIZE ...) [--raw]
+    fxsplit show  MODEL (--spec SPEC | --plan PLAN | --budget DEVICE=SIZE ...) -o split.svg|.png|.dot
     fxsplit check MODEL --plan PLAN [--spec SPEC | --budget DEVICE=SIZE ...]
 
 MODEL is ``path/to/file.py:factory`` or ``package.module:factory``: a callable
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence, TextIO
 
-from fxsplit.errors import BudgetError, FxsplitError
+from fxsplit.errors import BudgetError, FxsplitError, SpecError
 
 __all__ = ["main"]
 
@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="print gm.code exactly (default: arranged for reading, one section per device)")
     show = commands.add_parser("show", parents=[common, overrides], help="draw the split (needs graphviz)")
     for sub in (code, show):
-        source = sub.add_mutually_exclusive_group(required=True)
+        source = sub.add_mutually_exclusive_group()  # or --budget alone: checked in _planned
         source.add_argument("--spec", help="plan from this spec (YAML)")
         source.add_argument("--plan", help="use this saved plan (YAML) without solving")
     show.add_argument("-o", "--output", required=True, help="picture to write: .svg, .png, .pdf or .dot")
@@ -116,6 +116,10 @@ def _budgets(pairs: Sequence[str]) -> dict[str, str] | None:
         device, equals, size = pair.partition("=")
         if not equals or not device or not size:
             raise FxsplitError(f"--budget {pair!r} must look like DEVICE=SIZE, e.g. cuda:0=20GiB")
+        device = device.strip()
+        if device in budgets:
+            raise SpecError(f"--budget names '{device}' twice ({device}={budgets[device]} and {pair}); give each "
+                            "device one --budget, in stage order")
         budgets[device] = size
     return budgets
 
@@ -149,11 +153,18 @@ def _planned(args: argparse.Namespace, loaded: Any, progress: _Progress) -> tupl
     from fxsplit.apply_plan import retrace
 
     if getattr(args, "plan", None):
+        if args.budget:
+            raise FxsplitError(f"fxsplit {args.command}: --budget plans anew, --plan uses a saved plan with its own "
+                               "budgets; give one of them (fxsplit check --plan PLAN --budget ... checks a plan "
+                               "against other budgets)")
         plan = _read_plan(args.plan)
         with progress.stage("tracing"):
             traced, costs = retrace(loaded.model, plan, example_inputs=loaded.example_inputs,
                                     example_kwargs=loaded.example_kwargs)
         return traced.graph_module, costs, plan
+    if not args.spec and not args.budget:
+        raise FxsplitError(f"fxsplit {args.command} needs --spec SPEC, --plan PLAN or --budget DEVICE=SIZE (one per "
+                           "device)")
     with progress.stage("tracing and planning"):
         planned = _plan(loaded.model, _budgets(args.budget), loaded.example_inputs, _options(args, loaded))
     return planned.traced.graph_module, planned.costs, planned.plan

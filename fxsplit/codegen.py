@@ -9,6 +9,8 @@ device of their stage. No hooks: the generated ``forward`` is all there is.
 
 from __future__ import annotations
 
+import builtins
+import re
 from typing import Any, Callable
 
 import torch
@@ -17,33 +19,96 @@ import torch.fx
 from fxsplit import runtime
 from fxsplit.cost import Weight
 from fxsplit.dynamic import TRACED_INPUTS, describe_inputs
-from fxsplit.errors import FxsplitError, InputMismatchError
+from fxsplit.errors import DeviceError, FxsplitError, InputMismatchError
 from fxsplit.fastattr import mirror_registries
 from fxsplit.graphinfo import TENSOR, value_kind
 from fxsplit.nested import pin_subgraph_devices
 from fxsplit.plan import Plan
 from fxsplit.planning import Read, reads_of
+from fxsplit.units import format_size
 
-__all__ = ["COPY_META", "DEVICE_META", "ExportedSplit", "emit", "move_weights"]
+__all__ = ["COPY_META", "DEVICE_META", "ExportedSplit", "MovedWeights", "emit", "move_weights"]
 
 COPY_META = "fxsplit_copy"
 DEVICE_META = "fxsplit_device"
 """``node.meta`` key: the device an emitted op, copy or weight read runs on (placeholders have none)."""
 
 
-def move_weights(graph_module: torch.fx.GraphModule, plan: Plan, weights: list[Weight]) -> None:
-    """Move every weight of the traced module to its planned device, in place (like ``Module.to``)."""
+class MovedWeights:
+    """What :func:`move_weights` moved, and from where: :meth:`undo` puts every tensor back.
+
+    The same tensor objects are kept; only their ``.data`` (and their
+    gradient's) is swapped, as ``Module.to`` does.
+    """
+
+    def __init__(self) -> None:
+        self._before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+
+    def __len__(self) -> int:
+        return len(self._before)
+
+    def move(self, tensor: torch.Tensor, device: torch.device) -> None:
+        """Move ``tensor`` (and its gradient) to ``device``; both copies are made before either is swapped in."""
+        grad = tensor.grad
+        data = tensor.data.to(device)
+        grad_data = grad.data.to(device) if grad is not None else None
+        self._before.append((tensor, tensor.data, grad, grad.data if grad is not None else None))
+        try:
+            with torch.no_grad():
+                tensor.data = data
+                if grad is not None and grad_data is not None:
+                    grad.data = grad_data
+        except BaseException:
+            self._put_back(*self._before.pop())
+            raise
+
+    def undo(self) -> None:
+        """Put every moved tensor and gradient back on the device it came from, newest first."""
+        while self._before:
+            self._put_back(*self._before.pop())
+
+    @staticmethod
+    def _put_back(tensor: torch.Tensor, data: torch.Tensor, grad: torch.Tensor | None,
+                  grad_data: torch.Tensor | None) -> None:
+        with torch.no_grad():
+            tensor.data = data
+            if grad is not None and grad_data is not None:
+                grad.data = grad_data
+
+
+def move_weights(graph_module: torch.fx.GraphModule, plan: Plan, weights: list[Weight]) -> MovedWeights:
+    """Move every weight of the traced module to its planned device, in place (like ``Module.to``).
+
+    Returns what was moved, so that a caller failing later can put it back.
+
+    Raises:
+        DeviceError: a move failed (out of memory, a device error); every
+            tensor moved before it has been put back, so nothing has changed.
+    """
+    moved = MovedWeights()
     for weight in weights:
         tensor = _weight_tensor(graph_module, weight)
-        if tensor is None:
+        if tensor is None or tensor.device.type == "meta":
             continue
         device = torch.device(plan.param_devices[weight.names[0]])
-        if tensor.device.type == "meta":
-            continue
-        with torch.no_grad():
-            tensor.data = tensor.data.to(device)
-            if tensor.grad is not None:
-                tensor.grad.data = tensor.grad.data.to(device)
+        try:
+            moved.move(tensor, device)
+        except Exception as error:  # noqa: BLE001 - a device may fail in any way; the model must come back whole
+            count = len(moved)
+            moved.undo()
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise DeviceError(
+                f"moving '{weight.names[0]}' ({_describe(tensor)}) to '{device}' failed: {type(error).__name__}: "
+                f"{first}. The {count} tensor(s) moved before it were put back: the model is as it was. Free memory "
+                f"on '{device}', lower its budget, or leave it out"
+            ) from error
+    return moved
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    shape = ", ".join(str(size) for size in tensor.shape)
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{dtype}[{shape}] on {tensor.device}, {format_size(tensor.numel() * tensor.element_size())}"
 
 
 def _weight_tensor(graph_module: torch.fx.GraphModule, weight: Weight) -> torch.Tensor | None:
@@ -102,6 +167,9 @@ class _Emitter:
             self.env[node.name] = new
         for node in [n for n in self.graph.nodes if n.op == "get_attr" and not n.users]:
             self.graph.erase_node(node)  # a tied weight read through its other name: no dead line in the code
+        for node in self.graph.nodes:
+            if isinstance(node.type, str):
+                node.type = _annotation(node.type)
         return self.graph
 
     def _lookup_env(self, node: torch.fx.Node) -> torch.fx.Node:
@@ -182,6 +250,23 @@ class _Emitter:
         return attr
 
 
+def _annotation(text: str) -> Any:
+    """The object a string annotation names (``from __future__ import annotations``), or None.
+
+    torch.fx copies such annotations as strings, which it prints as ``x : _torch_Tensor_`` and
+    cannot pickle. ``"torch.Tensor"`` and builtins (``"int"``) are resolved; anything else is
+    dropped (annotations do not change what the code does).
+    """
+    head, _, rest = text.partition(".")
+    if head == "torch":
+        found: Any = torch
+        for part in rest.split(".") if rest else ():
+            found = getattr(found, part, None)
+    else:
+        found = None if rest else getattr(builtins, head, None)
+    return found if isinstance(found, type) else None
+
+
 def _pin_device_arguments(node: torch.fx.Node, device: str) -> None:
     """Point every hard-coded device in the node's arguments at ``device``."""
     if node.op == "call_method" and node.target in ("cuda", "cpu"):
@@ -254,25 +339,52 @@ class InputGuard(torch.nn.Module):
     Wraps the ``_guards_fn`` that export puts first in the graph: same check,
     but an :class:`~fxsplit.errors.InputMismatchError` that names the inputs'
     traced sizes and the ``dynamic_shapes`` option instead of a bare
-    ``AssertionError: Guard failed``.
+    ``AssertionError: Guard failed``. A failed check on a non-tensor input
+    (``use_cache == False``) says to split again with that value in
+    ``example_kwargs``: no ``dynamic_shapes`` can vary a value export fixed.
     """
 
-    def __init__(self, check: torch.nn.Module, traced_with: str, dynamic: str | None) -> None:
+    def __init__(self, check: torch.nn.Module, traced_with: str, dynamic: str | None,
+                 input_names: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.check = check
         self.traced_with = traced_with
         self.dynamic = dynamic
+        self.input_names = input_names
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return self.check(*args, **kwargs)
         except AssertionError as error:
-            wider = _WIDER.get(self.dynamic, "a wider dynamic_shapes spec")
+            fixed = self._non_tensor(str(error), args)
+            if fixed is not None:
+                name, value = fixed
+                fix = (f"Call it with {name} as traced; {name} is not a tensor, so torch.export fixed its value in "
+                       f"the graph and no dynamic_shapes can vary it: to call it with {name}={value!r}, split again "
+                       f"with example_kwargs={{{name!r}: {value!r}}} (one split per value), or use trace='fx'")
+            else:
+                fix = ("Call it with inputs like those (same sizes where they are fixed, same non-tensor values), or "
+                       f"split again with {_WIDER.get(self.dynamic, 'a wider dynamic_shapes spec')}, or use trace='fx'")
             raise InputMismatchError(
                 f"the inputs do not match what torch.export traced this split with ({error}); traced with "
-                f"{self.traced_with}. Call it with inputs like those (same sizes where they are fixed, same "
-                f"non-tensor values), or split again with {wider}, or use trace='fx'"
+                f"{self.traced_with}. {fix}"
             ) from None
+
+    def _non_tensor(self, failed: str, args: tuple[Any, ...]) -> tuple[str, Any] | None:
+        """``(name, value)`` of the non-tensor input a failed guard tests, if it tests one."""
+        subject = re.search(r"Guard failed: (\w+)", failed)
+        if subject is None or subject[1] not in self.input_names[:len(args)]:
+            return None
+        value = args[self.input_names.index(subject[1])]
+        return None if isinstance(value, torch.Tensor) else (subject[1], value)
+
+
+def _guard_inputs(graph: torch.fx.Graph) -> tuple[str, ...]:
+    """Names of the values the graph passes to ``_guards_fn``, in order."""
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target == "_guards_fn":
+            return tuple(arg.name if isinstance(arg, torch.fx.Node) else "" for arg in node.args)
+    return ()
 
 
 _WIDER = {
@@ -308,7 +420,7 @@ def emit(graph_module: torch.fx.GraphModule, plan: Plan, by_node: dict[str, list
         guard = getattr(exported, "_guards_fn", None)
         if isinstance(guard, torch.nn.Module) and not isinstance(guard, InputGuard):
             traced_with = graph_module.meta.get(TRACED_INPUTS) or describe_inputs(graph_module.graph)
-            exported._guards_fn = InputGuard(guard, traced_with, plan.dynamic_shapes)
+            exported._guards_fn = InputGuard(guard, traced_with, plan.dynamic_shapes, _guard_inputs(graph))
         split: torch.fx.GraphModule = exported
     else:
         split = torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)

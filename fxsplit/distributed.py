@@ -50,6 +50,7 @@ from fxsplit.pipeline import PipelineConfig
 from fxsplit.plan import Plan
 from fxsplit.planning import weights_by_node
 from fxsplit.stages import StageSpec, split_stages
+from fxsplit.units import format_size
 
 __all__ = ["PipelineStages", "pipeline_stages"]
 
@@ -78,6 +79,24 @@ class PipelineStages:
 
     def __len__(self) -> int:
         return len(self.modules)
+
+    def __str__(self) -> str:
+        """The plan's tables, each tied weight shown as the stages hold it: a replica per stage, no copy per forward."""
+        lines = {old: new for old, new in zip(self.plan.tied_summary(), self._tied_lines(), strict=True)}
+        return "\n".join(lines.get(line, line) for line in str(self.plan).splitlines())
+
+    def _tied_lines(self) -> list[str]:
+        lines = []
+        for group, line in zip(self.plan.tied, self.plan.tied_summary(), strict=True):
+            holders = next((self.tied[name] for name in group if name in self.tied), None)
+            if holders is not None:
+                where = ", ".join(f"{index} ({self.specs[index].device})" for index in holders)
+                copied = sum(c.nbytes or 0 for c in self.plan.cuts if c.kind == "parameter" and c.producer in group)
+                unsent = f"; its {format_size(copied)} parameter cut counted above is not sent" if copied else ""
+                line = (f"tied: {' = '.join(group)}: replicated on stages {where}, gradients summed by "
+                        f"reduce_tied_grads (no copy per forward{unsent})")
+            lines.append(line)
+        return lines
 
     def __getitem__(self, index: int) -> torch.fx.GraphModule:
         return self.modules[index]

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "BudgetError",
     "CheckpointError",
+    "DeviceError",
     "FxsplitError",
     "InputMismatchError",
     "PlanMismatchError",
@@ -52,6 +53,16 @@ class TraceError(FxsplitError):
 
 class SpecError(FxsplitError, ValueError):
     """An argument, option or spec value is malformed or inconsistent."""
+
+
+class DeviceError(FxsplitError, RuntimeError):
+    """A device the split needs cannot be used here, or moving weights onto it failed.
+
+    Raised before any weight moves when a device is absent (no CUDA, an index
+    beyond those visible); the message lists the devices torch sees. When a
+    move fails part way (out of memory), the tensors already moved are put
+    back first, so the model is as it was.
+    """
 
 
 class InputMismatchError(FxsplitError, ValueError):

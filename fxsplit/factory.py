@@ -54,6 +54,8 @@ def load_model(reference: str) -> Loaded:
         raise ModelLoadError(f"{where} has no callable {name!r}{hint}")
     try:
         made = factory()
+    except SystemExit as error:
+        raise ModelLoadError(f"{reference}() called sys.exit({error.code!r}) instead of returning a model") from error
     except Exception as error:  # noqa: BLE001 - the user's code may raise anything
         raise ModelLoadError(f"{reference}() raised {type(error).__name__}: {error}") from error
     return _unpack(made, reference)
@@ -75,11 +77,17 @@ def _import(where: str) -> Any:
             sys.path.insert(0, folder)
         try:
             spec.loader.exec_module(module)
+        except SystemExit as error:
+            raise ModelLoadError(f"importing '{where}' called sys.exit({error.code!r}); guard the script's main code "
+                                 "with if __name__ == '__main__':") from error
         except Exception as error:  # noqa: BLE001
             raise ModelLoadError(f"importing '{where}' raised {type(error).__name__}: {error}") from error
         return module
     try:
         return importlib.import_module(where)
+    except SystemExit as error:
+        raise ModelLoadError(f"importing module {where!r} called sys.exit({error.code!r}); guard its main code with "
+                             "if __name__ == '__main__':") from error
     except Exception as error:  # noqa: BLE001
         raise ModelLoadError(f"cannot import module {where!r}: {type(error).__name__}: {error}") from error
 

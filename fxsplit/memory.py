@@ -108,6 +108,14 @@ class MemorySpec:
             return f"mode={self.mode!r}"
         return f"mode='training', optimizer={self.optimizer!r}"
 
+    def holds(self) -> str:
+        """What a device's budget must hold under this mode, in words."""
+        if self.mode == "weights":
+            return "its parameters and buffers"
+        if not self.training:
+            return "its parameters, buffers and activations"
+        return "its parameters, buffers, gradients, optimizer state and activations"
+
 
 @dataclass
 class MemoryModel:
@@ -230,11 +238,11 @@ class MemoryModel:
             running += totals[name]
             if totals[name] and running > capacity:
                 return BudgetError(
-                    f"with {self.spec.describe()} the model needs {_listing(totals)} = {format_size(total)} "
-                    f"before splitting, but the budgets add up to {format_size(capacity)}: "
-                    f"{_first_over(name, totals[name])}; short by {format_size(total - capacity)} "
-                    f"({total - capacity} bytes); {_advice(name)}")
-        return BudgetError(f"{error} (with {self.spec.describe()} the bytes above count {_listing(totals)})")
+                    f"with {self.spec.describe()} the model needs {_sum(totals)} before splitting, but the "
+                    f"budgets add up to {format_size(capacity)}: {_first_over(name, totals[name])}; short by "
+                    f"{format_size(total - capacity)} ({total - capacity} bytes); {_advice(name)}")
+        return BudgetError(f"{error} (with {self.spec.describe()} a budget holds {self.spec.holds()}; the whole model "
+                           f"needs {_sum(totals)})")
 
     def over_budget(self, usage: Mapping[str, Mapping[str, int]], budgets: Mapping[str, int]) -> BudgetError:
         """The error for a plan whose simulated use exceeds a budget, naming the component."""
@@ -266,6 +274,13 @@ def _first_over(component: str, nbytes: int) -> str:
 
 def _listing(row: Mapping[str, int]) -> str:
     return ", ".join(f"{_WORDS[name]} {format_size(row[name])}" for name in COMPONENTS if row.get(name))
+
+
+def _sum(row: Mapping[str, int]) -> str:
+    """'parameters 1.00 MiB, activations peak 2.00 KiB = 1.00 MiB', without '= total' for one component."""
+    parts = [name for name in COMPONENTS if row.get(name)]
+    total = f" = {format_size(sum(row[name] for name in parts))}" if len(parts) > 1 else ""
+    return _listing(row) + total
 
 
 def _advice(component: str) -> str:
@@ -301,5 +316,5 @@ def fit_budgets(model: MemoryModel, budgets: Mapping[str, int], solve: Callable[
         over = {d: usage[d]["total"] - budgets[d] for d in devices if usage[d]["total"] > budgets[d]}
         if not over:
             return dataclasses.replace(plan, budgets=dict(budgets), memory=usage)
-        effective = {d: effective[d] - over.get(d, 0) for d in devices}
+        effective = {d: max(0, effective[d] - over.get(d, 0)) for d in devices}
     raise model.over_budget(usage, budgets)

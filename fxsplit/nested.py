@@ -35,37 +35,40 @@ def pin_subgraph_devices(graph_module: torch.fx.GraphModule, device_of: dict[str
         if node.op != "call_function" or device is None:
             continue
         for arg in node.all_input_nodes:
-            if arg.op != "get_attr" or not isinstance(_attr(graph_module, str(arg.target)), torch.fx.GraphModule):
-                continue
             target = str(arg.target)
+            if arg.op != "get_attr" or _subgraph(graph_module, target) is None:
+                continue
             if owner.setdefault(target, device) != device:  # shared with an op on another device: its own copy
                 target = _copy_subgraph(graph_module, target, device)
                 owner[target] = device
                 node.replace_input_with(arg, _get_attr_before(graph_module.graph, node, target))
-            _pin_graph(_attr(graph_module, target), device)
+            _pin_graph(_subgraph(graph_module, target), device)
 
 
-def _pin_graph(subgraph: torch.fx.GraphModule, device: str) -> None:
+def _pin_graph(subgraph: torch.fx.GraphModule | None, device: str) -> None:
     from fxsplit.codegen import _pin_device_arguments  # codegen imports this module
 
+    if subgraph is None:
+        return
     for node in subgraph.graph.nodes:
         if node.op in ("call_function", "call_method"):
             _pin_device_arguments(node, device)
-        if node.op == "get_attr" and isinstance(_attr(subgraph, str(node.target)), torch.fx.GraphModule):
-            _pin_graph(_attr(subgraph, str(node.target)), device)
+        if node.op == "get_attr":
+            _pin_graph(_subgraph(subgraph, str(node.target)), device)
     subgraph.recompile()
 
 
-def _attr(root: torch.nn.Module, path: str) -> object:
+def _subgraph(root: torch.nn.Module, path: str) -> torch.fx.GraphModule | None:
+    """The ``GraphModule`` at ``path`` under ``root``, or None when there is none."""
     obj: object = root
     for part in path.split("."):
         obj = getattr(obj, part, None)
-    return obj
+    return obj if isinstance(obj, torch.fx.GraphModule) else None
 
 
 def _copy_subgraph(graph_module: torch.fx.GraphModule, target: str, device: str) -> str:
-    original = _attr(graph_module, target)
-    assert isinstance(original, torch.fx.GraphModule)
+    original = _subgraph(graph_module, target)
+    assert original is not None
     name = f"{target.replace('.', '_')}_{device.replace(':', '_')}"
     clone = torch.fx.GraphModule(original, copy.deepcopy(original.graph), type(original).__name__)
     graph_module.add_submodule(name, clone)

@@ -56,7 +56,7 @@ from fxsplit.units import format_size
 
 __all__ = ["EXACT_LIMIT", "OBJECTIVES", "Partition", "partition", "transfer_bytes"]
 
-EXACT_LIMIT = 480
+EXACT_LIMIT = 479  # ops; such a graph has EXACT_LIMIT + 1 cut positions, all of them tried
 RING_KEEP = 3
 OBJECTIVES = ("min_transfer", "balanced")
 _INF = float("inf")
@@ -113,19 +113,22 @@ def partition(
 
     Raises:
         BudgetError: no placement fits; the message says what and by how much.
-        SpecError: pins contradict the device order, or the objective is unknown.
+        SpecError: pins contradict the device order, the objective is unknown, or a budget is negative.
     """
     if objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)} (got {objective!r})")
     if not budgets:
         raise SpecError("budgets must name at least one device")
     names = list(device_names) if device_names else [f"device {k}" for k in range(len(budgets))]
+    negative = [f"{name}: {budget}" for name, budget in zip(names, budgets, strict=True) if budget < 0]
+    if negative:
+        raise SpecError(f"budgets must not be negative ({', '.join(negative)}); is a reserve larger than a budget?")
     ctx = _Context(problem, list(budgets))
     _check_pin_order(problem, names)
     if problem.num_ops == 0:
         return _result(problem, ctx, [0, 0] + [0] * (len(budgets) - 1))
-    relay = None if problem.num_ops + 1 <= EXACT_LIMIT else _relay_boundaries(ctx, ctx.budgets)
-    if problem.num_ops + 1 > EXACT_LIMIT and relay is None:
+    relay = None if problem.num_ops <= EXACT_LIMIT else _relay_boundaries(ctx, ctx.budgets)
+    if problem.num_ops > EXACT_LIMIT and relay is None:
         return _folded(problem, ctx, names, contiguous)
     candidates = _candidates(ctx, relay)
     budgets_used = ctx.budgets
@@ -158,7 +161,7 @@ def _exchanged(problem: PartitionProblem, op_devices: list[int], budgets: Sequen
     Only for graphs of up to ``EXACT_LIMIT`` ops: each cut is a max-flow in
     Python (tens of ms on a few hundred ops).
     """
-    if problem.num_ops + 1 > EXACT_LIMIT or len(budgets) < 2:
+    if problem.num_ops > EXACT_LIMIT or len(budgets) < 2:
         return op_devices
     exchanged = exchange(problem, op_devices, budgets, frozen_ops(problem))
     if exchanged == op_devices:
@@ -341,9 +344,9 @@ def _walk_back(choices: list[list[int]], n: int) -> list[int]:
 
 
 def _candidates(ctx: _Context, relay: list[int] | None) -> np.ndarray:
-    """Positions where the exact programme may put a device boundary."""
+    """Positions where the exact programme may put a device boundary (at most ``EXACT_LIMIT + 1`` of them)."""
     n = ctx.n
-    if n + 1 <= EXACT_LIMIT:
+    if n <= EXACT_LIMIT:
         return np.arange(n + 1)
     allowed = [t for t in range(1, n) if not ctx.forbidden[t]]
     chosen = {0, n, *(relay or [])}
@@ -352,12 +355,12 @@ def _candidates(ctx: _Context, relay: list[int] | None) -> np.ndarray:
         parts = [label.split(".") for label in labels]
         for depth in range(1, 5):
             level = {t for t in allowed if parts[t][:depth] != parts[t - 1][:depth]}
-            if len(chosen | level) > EXACT_LIMIT // 2:
+            if len(chosen | level) > (EXACT_LIMIT + 1) // 2:
                 break
             chosen |= level
     by_cost = sorted(allowed, key=lambda t: (ctx.crossing[t], t))
     for t in by_cost:
-        if len(chosen) >= EXACT_LIMIT:
+        if len(chosen) > EXACT_LIMIT:
             break
         chosen.add(t)
     return np.array(sorted(chosen))

@@ -114,18 +114,26 @@ class Headroom:
         return " + ".join(parts) or "0 B"
 
 
-def parse_headroom(value: Any, *, what: str = "reserve") -> Headroom:
-    """``"2GiB"``, ``2147483648`` or ``"10%"`` (of the budget) as a :class:`Headroom`.
+def parse_headroom(value: Any, *, what: str = "reserve", share_of: str = "the budget") -> Headroom:
+    """``"2GiB"``, ``2147483648``, ``"10%"`` or ``0.1`` (both of the budget) as a :class:`Headroom`.
+
+    A float is always a fraction, as in :func:`fxsplit.auto_budgets`: bytes
+    are an int or a size string.
 
     Raises:
-        SpecError: not a size or a percentage below 100.
+        SpecError: not a size, a percentage below 100, or a fraction below 1.
     """
     if isinstance(value, Headroom):
         return value
+    if isinstance(value, float):
+        if not 0 <= value < 1:
+            raise SpecError(f"{what} {value!r} is a float, which means a fraction of {share_of} from 0 to below 1 "
+                            "(0.1 is '10%'); for bytes write an int or a size like '100MiB'")
+        return Headroom(fraction=value)
     if isinstance(value, str) and "%" in value:
         match = _PERCENT.match(value)
         if match is None or float(match.group(1)) >= 100:
-            raise SpecError(f"{what} {value!r} is not a percentage of the budget from 0% to below 100%, like '10%'")
+            raise SpecError(f"{what} {value!r} is not a percentage of {share_of} from 0% to below 100%, like '10%'")
         return Headroom(fraction=float(match.group(1)) / 100)
     return Headroom(nbytes=parse_size(value, what=what))
 
@@ -200,9 +208,12 @@ class Spec:
 def reserve_bytes(reserve: Any, budgets: Mapping[str, int]) -> dict[str, int]:
     """Bytes to hold back on each device: ``reserve`` is a size, ``"N%"`` or a mapping device -> either.
 
+    A device with a budget of 0 holds nothing, so nothing is held back
+    there (its usable budget is 0, never negative).
+
     Raises:
         SpecError: a bad size, a device without a budget, or a reserve that
-            leaves nothing of a budget.
+            leaves nothing of a non-zero budget.
     """
     if reserve is None:
         return {}
@@ -216,7 +227,7 @@ def reserve_bytes(reserve: Any, budgets: Mapping[str, int]) -> dict[str, int]:
     else:
         room = parse_headroom(reserve)
         rooms = {device: room for device in budgets}
-    held = {device: rooms[device].of(budget) if device in rooms else 0 for device, budget in budgets.items()}
+    held = {device: rooms[device].of(budget) if device in rooms and budget else 0 for device, budget in budgets.items()}
     for device, nbytes in held.items():
         if budgets[device] and nbytes >= budgets[device]:
             raise SpecError(f"reserve {rooms[device]} of '{device}' leaves nothing of its budget "

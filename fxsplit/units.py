@@ -33,6 +33,8 @@ _UNITS: dict[str, int] = {
     "g": 2**30,
     "t": 2**40,
 }
+_LARGEST = 2**63 - 1
+"""The largest size fxsplit accepts (8 EiB): byte counts are summed in 64-bit integers."""
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([A-Za-z]*)\s*$")
 
 
@@ -45,33 +47,51 @@ def parse_size(value: object, *, what: str = "size") -> int:
     Fractions of a byte are rounded down.
 
     Raises:
-        SpecError: the value is negative, not a number, or has an unknown unit.
+        SpecError: the value is negative, not a number, has an unknown unit,
+            or is not finite or above 8 EiB (``2**63 - 1`` bytes).
     """
     if isinstance(value, bool):
         raise SpecError(f"{what} must be a byte count or a string like '20GiB' (got {value!r})")
     if isinstance(value, int):
         if value < 0:
             raise SpecError(f"{what} must not be negative (got {value})")
-        return value
+        return _at_most_largest(value, value, what)
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0:
             raise SpecError(f"{what} must be a finite, non-negative number (got {value!r})")
-        return int(value)
+        return _at_most_largest(int(value), value, what)
     if isinstance(value, str):
         match = _SIZE.match(value)
         if match is None:
             raise SpecError(
-                f"{what} {value!r} is not a size; write a number with an optional unit, "
+                f"{what} {_clipped(value)} is not a size; write a number with an optional unit, "
                 "like '512MiB', '2GB' or '1.5GiB'"
             )
         number, exponent, unit = match.groups()
         factor = _UNITS.get(unit.lower())
         if factor is None:
             valid = "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB"
-            raise SpecError(f"{what} {value!r} has unknown unit {unit!r}; use one of {valid}")
-        amount = float(number) * (10 ** int(exponent) if exponent else 1)
-        return int(amount * factor)
+            raise SpecError(f"{what} {_clipped(value)} has unknown unit {_clipped(unit)}; use one of {valid}")
+        try:
+            amount = float(number) * (10.0 ** int(exponent) if exponent else 1) * factor
+        except OverflowError:
+            amount = math.inf
+        return _at_most_largest(int(amount) if math.isfinite(amount) else None, value, what)
     raise SpecError(f"{what} must be a byte count or a string like '20GiB' (got {type(value).__name__})")
+
+
+def _at_most_largest(nbytes: int | None, written: object, what: str) -> int:
+    """``nbytes``, or a SpecError when it is above ``_LARGEST`` (None: it overflowed)."""
+    if nbytes is None or nbytes > _LARGEST:
+        shown = f" {_clipped(written)}" if isinstance(written, (str, float)) else ""  # a huge int may not print
+        raise SpecError(f"{what}{shown} is larger than the largest size fxsplit handles, 8 EiB (2**63 - 1 bytes)")
+    return nbytes
+
+
+def _clipped(text: object, limit: int = 60) -> str:
+    """``repr(text)``, cut to about ``limit`` characters: a message never carries a whole hostile input."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else f"{shown[:limit]}...' ({len(str(text))} characters)"
 
 
 def format_size(nbytes: int | None) -> str:

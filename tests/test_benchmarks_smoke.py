@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from benchmarks import run  # noqa: E402
 
 def test_quick_suite_on_one_model_writes_results(tmp_path: Path) -> None:
     out = tmp_path / "bench"
-    assert run.main(["--quick", "--models", "mlp48", "--out", str(out), "--llama-layers", "0"]) == 0
+    code = run.main(["--quick", "--models", "mlp48", "--out", str(out), "--llama-layers", "0"])
 
     names = {p.name for p in out.iterdir()}
     assert {"RESULTS.md", "results.json", "quality_bytes.png", "time_to_split.png", "planning_scaling.png",
@@ -37,13 +38,44 @@ def test_quick_suite_on_one_model_writes_results(tmp_path: Path) -> None:
     assert {r["n_devices"] for r in results["runtime"]["rows"]} == {2, 4}
     assert all(all(r["outputs_match"].values()) for r in results["runtime"]["rows"])
     assert all("pass" in bar for bar in results["bars"].values())
+    assert code == run.exit_code(results["bars"])  # timing bars may fail under load: the exit code says so
+    assert len(results["commit"]["commit"]) == 40 or results["commit"]["commit"] == "unknown"
 
     text = (out / "RESULTS.md").read_text()
     for heading in ("## Bars", "## 1. Placement quality", "## 2. Planning speed", "## 3. Runtime overhead"):
         assert heading in text
     assert results["machine"]["cpu"] in text
+    assert results["commit"]["commit"] == "unknown" or f"at commit `{results['commit']['commit']}`" in text
 
 
 def test_unknown_part_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="unknown part"):
         run.main(["--parts", "speed", "--out", str(tmp_path)])
+
+
+def test_exit_code_is_1_when_a_bar_fails_and_info_bars_never_fail() -> None:
+    passing = {"deep: plan <= 50 ms at 2k ops": {"pass": True, "value": "37.8 ms"}}
+    info = {"info: cut bytes <= Accelerate's between the given devices": {"pass": False, "info": True}}
+    failing = {"gpt2 N=2: fxsplit <= 1.03 x hand placement": {"pass": False, "value": "1.05"}}
+    assert run.exit_code(passing) == run.exit_code({**passing, **info}) == run.EXIT_BARS_PASS == 0
+    assert run.exit_code({**passing, **info, **failing}) == run.EXIT_BAR_FAILED == 1
+    lines, failed = run.verdicts({**passing, **info, **failing})
+    assert failed == ["gpt2 N=2: fxsplit <= 1.03 x hand placement"]
+    assert lines == ["  PASS  deep: plan <= 50 ms at 2k ops  37.8 ms",
+                     "  no    info: cut bytes <= Accelerate's between the given devices  ",
+                     "  FAIL  gpt2 N=2: fxsplit <= 1.03 x hand placement  1.05"]
+
+
+def test_the_measured_commit_is_recorded() -> None:
+    from benchmarks.measure import git_commit
+    from benchmarks.report import _at_commit
+
+    head = subprocess.run(["git", "-C", str(Path(__file__).parents[1]), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=False)
+    state = git_commit()
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert state["commit"] == head.stdout.strip() and isinstance(state["dirty"], bool)
+    assert _at_commit({"commit": "abc", "dirty": True}) == \
+        "at commit `abc` with uncommitted changes to fxsplit/ or benchmarks/ "
+    assert _at_commit({"commit": "abc", "dirty": False}) == "at commit `abc` "

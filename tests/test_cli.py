@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import runpy
@@ -77,6 +78,20 @@ def test_code_from_a_saved_plan_equals_code_from_the_spec(saved_plan: Path) -> N
     assert code == 0 and raw.startswith("def forward(self, ids):") and "_guards_fn" in raw
 
 
+def test_code_and_show_plan_from_budgets_alone(saved_plan: Path, tmp_path: Path) -> None:
+    budgets = ("--budget", "cpu:0=700KiB", "--budget", "cpu:1=700KiB")
+    code, out, err = run("code", MODEL, *budgets)
+    assert code == 0, err
+    assert "\ndef forward(self, ids):\n" in out and "# ---- cpu:1 ----" in out and ".to('cpu:1')" in out
+    _, planned, _ = run("plan", MODEL, *budgets)
+    assert "cpu:1 " in planned and "cpu:2" not in planned and "cpu:2" not in out  # the budgets' devices, not a spec's
+    if importlib.util.find_spec("graphviz") is not None:
+        code, out, err = run("show", MODEL, *budgets, "-o", str(tmp_path / "split.dot"), "--depth", "2")
+        assert code == 0 and "(one box per module at depth 2)" in out, err
+    code, _, err = run("code", MODEL, "--plan", str(saved_plan), *budgets)
+    assert code == 2 and "--budget plans anew, --plan uses a saved plan" in err
+
+
 def test_check_a_saved_plan(saved_plan: Path) -> None:
     code, out, err = run("check", MODEL, "--plan", str(saved_plan))
     assert code == 0, err
@@ -109,6 +124,8 @@ def test_show_writes_a_dot_file(tmp_path: Path) -> None:
                                                                              "mean 'factory'?"),
     (("plan", "fxsplit.nonexistent:f", "--spec", SPEC), "cannot import module 'fxsplit.nonexistent'"),
     (("plan", MODEL), "needs --spec SPEC or --budget DEVICE=SIZE"),
+    (("code", MODEL), "fxsplit code needs --spec SPEC, --plan PLAN or --budget DEVICE=SIZE"),
+    (("show", MODEL, "-o", "split.svg"), "fxsplit show needs --spec SPEC, --plan PLAN or --budget DEVICE=SIZE"),
     (("plan", MODEL, "--budget", "cpu:0"), "--budget 'cpu:0' must look like DEVICE=SIZE"),
     (("code", MODEL, "--plan", "/nonexistent/plan.yaml"), "cannot read plan file '/nonexistent/plan.yaml'"),
     (("code", MODEL, "--plan", SPEC), "format: must be 'fxsplit-plan/1'"),
@@ -124,7 +141,7 @@ def test_bad_input_exits_2_with_a_clear_message(args: tuple[str, ...], fragment:
 
 def test_argument_errors_exit_2() -> None:
     with pytest.raises(SystemExit) as caught:
-        main(["code", MODEL], out=io.StringIO(), err=io.StringIO())
+        main(["code", MODEL, "--spec", SPEC, "--plan", "plan.yaml"], out=io.StringIO(), err=io.StringIO())
     assert caught.value.code == 2
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import subprocess
 import sys
 import textwrap
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -39,7 +41,7 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 EXPECTED_WITH_SHAPES = '''
-def forward(self, x : _torch_Tensor_, y : _torch_Tensor_) -> _torch_Tensor_:
+def forward(self, x : torch.Tensor, y : torch.Tensor) -> torch.Tensor:
     to = x.to('cpu:0');  x = None
     a = self.a(to);  to = None
     relu = torch.nn.functional.relu(a, inplace = False);  a = None
@@ -56,7 +58,7 @@ def forward(self, x : _torch_Tensor_, y : _torch_Tensor_) -> _torch_Tensor_:
 
 # Without example inputs fx knows no shapes: values not known to be tensors go through runtime.move.
 EXPECTED_WITHOUT_SHAPES = '''
-def forward(self, x : _torch_Tensor_, y : _torch_Tensor_) -> _torch_Tensor_:
+def forward(self, x : torch.Tensor, y : torch.Tensor) -> torch.Tensor:
     move = fxsplit_runtime_move(x, 'cpu:0');  x = None
     a = self.a(move);  move = None
     relu = torch.nn.functional.relu(a, inplace = False);  a = None
@@ -90,6 +92,42 @@ def test_expected_code_without_shapes() -> None:
     assert gm.code.strip() == EXPECTED_WITHOUT_SHAPES.strip()
     assert all(c.nbytes is None for c in gm.meta["fxsplit_plan"].cuts)
     verify_split(gm)
+
+
+def test_string_annotations_print_as_types_and_the_split_pickles() -> None:
+    # this file has `from __future__ import annotations`: fx saw 'torch.Tensor' as a string, printed it as
+    # `x : _torch_Tensor_` and could not pickle the split
+    torch.manual_seed(0)
+    model, (x, y) = Small(), inputs()
+    reference = Small()
+    reference.load_state_dict(model.state_dict())
+    gm = fxsplit.fxsplit(model, BUDGETS, mode="weights", example_inputs=(x, y), trace="fx")
+    assert "_torch_Tensor_" not in gm.code
+    buffer = io.BytesIO()
+    torch.save(gm, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    out, expected = loaded(x, y), reference(x, y)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    grads = dict(reference.named_parameters())
+    for name, parameter in loaded.named_parameters():
+        torch.testing.assert_close(parameter.grad, grads[name].grad)
+
+
+def test_an_annotation_fx_cannot_name_is_dropped() -> None:
+    class Hinted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: Optional[torch.Tensor]) -> tuple[torch.Tensor, int]:  # noqa: UP045 - a string here
+            return self.b(self.a(x)), 1
+
+    gm = fxsplit.fxsplit(Hinted(), {"cpu:0": 80, "cpu:1": 80}, mode="weights", trace="fx")
+    assert gm.code.split("\n", 4)[3] == "def forward(self, x):"
+    torch.save(gm, io.BytesIO())
 
 
 def test_plan_table() -> None:

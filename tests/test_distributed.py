@@ -74,6 +74,10 @@ def test_tied_weight_is_replicated_on_the_stages_that_read_it() -> None:
     assert stages.tied == {"embed.weight": (0, 2)}
     assert not any(t is model.embed.weight for t in stages[1].parameters())
     assert stages.plan.param_devices["embed.weight"] == "cpu:0"
+    text = str(stages)  # what a stage holds, not the single-process plan's copy per forward
+    assert "tied: embed.weight = head.weight: replicated on stages 0 (cpu:0), 2 (cpu:2), gradients summed by " \
+        "reduce_tied_grads (no copy per forward; its " in text
+    assert "each forward" not in text and text.startswith("device  budget")
 
 
 def test_plan_method_and_a_plan_that_cannot_be_staged() -> None:

@@ -102,6 +102,29 @@ def test_without_dynamic_shapes_other_sizes_get_a_clear_error() -> None:
     assert isinstance(caught.value, ValueError)
 
 
+class Flagged(Tokens):
+    """Tokens with a non-tensor keyword input, like Hugging Face's ``use_cache``."""
+
+    def forward(self, x: torch.Tensor, double: bool = False) -> torch.Tensor:
+        out = super().forward(x)
+        return out * 2 if double else out
+
+
+def test_a_non_tensor_input_other_than_traced_says_to_split_with_that_value() -> None:
+    model, reference = pair(Flagged)
+    x = torch.randn(4, 5, 8)
+    gm = fxsplit.fxsplit(model, budgets(model), example_inputs=(x,), example_kwargs={"double": False},
+                         mode="weights", dynamic_shapes="batch")
+    torch.testing.assert_close(gm(x), reference(x))
+    with pytest.raises(InputMismatchError) as caught:
+        gm(x, double=True)
+    message = str(caught.value)
+    assert "double == False" in message and "split again with example_kwargs={'double': True}" in message
+    assert "dynamic_shapes=" not in message  # no shape spec can vary a value export fixed
+    with pytest.raises(InputMismatchError, match="dynamic_shapes='all'"):  # a tensor's size: still dynamic_shapes
+        gm(torch.randn(4, 6, 8))
+
+
 def test_a_batch_the_model_fixes_is_reported_by_input() -> None:
     model, _ = pair(FixedBatch)
     with pytest.raises(TraceError, match=r"kept the batch size fixed for 'x' \(batch 4\).*depends on its value"):

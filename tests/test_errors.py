@@ -26,6 +26,20 @@ def test_total_over_the_sum_of_budgets_says_by_how_much() -> None:
     assert "with mode='weights' the model needs parameters 3.19 KiB" in message  # 3 * LINEAR bytes
     assert "before splitting, but the budgets add up to 1.95 KiB: the parameters alone exceed them" in message
     assert f"short by 1.23 KiB ({3 * LINEAR - 2000} bytes); raise the budgets or add a device" in message
+    assert "parameters 3.19 KiB = 3.19 KiB" not in message  # one component: no sum of one term
+
+
+def test_error_for_one_piece_says_what_the_mode_counts_and_the_whole_model() -> None:
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 64))
+    with pytest.raises(fxsplit.BudgetError) as info:
+        fxsplit.plan(model, {"cpu:0": 3000, "cpu:1": 4000}, example_inputs=X, mode="weights")
+    message = str(info.value)
+    assert "(with mode='weights' a budget holds its parameters and buffers; the whole model needs parameters " \
+        "5.31 KiB)" in message  # (16 * 16 + 16 + 16 * 64 + 64) * 4 bytes
+    with pytest.raises(fxsplit.BudgetError) as info:
+        fxsplit.plan(model, {"cpu:0": 3000, "cpu:1": 4000}, example_inputs=X)
+    assert re.search(r"\(with mode='inference' a budget holds its parameters, buffers and activations; the whole "
+                     r"model needs parameters 5.31 KiB, activations peak \d+ B = [\d.]+ KiB\)", str(info.value))
 
 
 def test_one_parameter_larger_than_every_device_is_named() -> None:

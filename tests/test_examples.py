@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,3 +38,39 @@ def test_train_two_devices() -> None:
     assert all(abs(float(split) - float(single)) <= 1e-5 for _, split, single in steps)
     assert "split training matches single-device training" in out
     assert any(line.startswith("cpu:1") for line in lines)  # both devices in the plan table
+
+
+def test_pipeline_inprocess() -> None:
+    out = run_example("pipeline_inprocess.py")
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("# stage")] == [
+        "# stage 0 on cpu", "# stage 1 on cpu", "# stage 2 on cpu"]
+    steps = re.findall(r"^step (\d+): pipelined loss ([\d.]+) +unsplit loss ([\d.]+)$", out, re.M)
+    assert len(steps) == 5
+    assert all(abs(float(piped) - float(alone)) <= 1e-6 for _, piped, alone in steps)
+
+
+def test_pipeline_torchrun_command_of_the_readme() -> None:
+    command = "torchrun --standalone --nproc-per-node 2 examples/pipeline_torchrun.py"
+    assert f"  {command}\n" in (ROOT / "README.md").read_text(encoding="utf-8")  # the README's block, run here
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "examples" / "pipeline_torchrun.py")], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "tied: embed.weight = head.weight: replicated on stages 0 (cpu:0), 1 (cpu:1)" in out
+    assert "each forward" not in out
+    losses = [float(v) for v in re.findall(r"^step \d+: loss ([\d.]+)$", out, re.M)]
+    assert len(losses) == 8 and losses[-1] < losses[0] / 2
+    # the first step's loss (before any update) is the unsplit model's on the same batch
+    spec = importlib.util.spec_from_file_location("pipeline_torchrun", ROOT / "examples" / "pipeline_torchrun.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)  # as every rank does
+    model = example.TinyLM()
+    ids = torch.randint(0, 128, (16, 12))
+    with torch.no_grad():
+        expected = example.loss_fn(model(ids), (ids + 1) % 128).item()
+    assert abs(losses[0] - expected) <= 1e-4

@@ -154,8 +154,6 @@ def test_registry_operations_write_through() -> None:
 
 def test_a_whole_fx_split_saves_and_loads() -> None:
     """torch.save pickles the split (its mirrored registries as plain dicts); the loaded copy runs the same."""
-    # nn.Sequential: a forward without string annotations, which fx's pickling cannot import
-    # (every model in this file has them, through `from __future__ import annotations`).
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
     x = torch.randn(3, 8)

@@ -342,8 +342,9 @@ def test_auto_budgets_are_free_memory_minus_the_reserve() -> None:
         auto_budgets("6GiB")
     with pytest.raises(fxsplit.SpecError, match=r"device 2 is not a visible CUDA index \(0..1\)"):
         auto_budgets(devices=[2])
-    with pytest.raises(fxsplit.SpecError, match=r"fractional reserve must be in \[0, 1\)"):
+    with pytest.raises(fxsplit.SpecError, match=r"reserve 1.5 is a float, which means a fraction of the device.s"):
         auto_budgets(1.5)
+    assert auto_budgets("25%") == auto_budgets(0.25)
     plan = fxsplit.plan(_mlp(), "auto", example_inputs=(torch.randn(2, 64),))  # type: ignore[arg-type]
     assert plan.budgets == {"cuda:0": 9 * GiB, "cuda:1": 5 * GiB}
     assert plan.devices == ("cuda:0", "cuda:1")

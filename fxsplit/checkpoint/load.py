@@ -17,8 +17,9 @@ Three steps, so that a failure leaves everything as it was:
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Iterable, Union
+from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch
 
@@ -76,23 +77,40 @@ class ModelLoad:
         self.slots = slots_of([model], non_persistent_names(model))
         match(self.slots, self.table)  # fail early; matched again on load, against the traced graph too
 
-    def load(self, plan: Plan, traced: torch.nn.Module) -> None:
-        """Fill the model's tensors (shared with ``traced``) on ``plan``'s devices."""
+    @contextlib.contextmanager
+    def onto(self, plan: Plan, traced: torch.nn.Module) -> Iterator[None]:
+        """Fill the model's tensors (shared with ``traced``) on ``plan``'s devices; undo it if the block fails."""
         ours = {id(s.tensor) for s in self.slots}
         graph_only = [s for s in slots_of([traced], frozenset()) if id(s.tensor) not in ours]
         for slot in graph_only:  # constants the trace made: no checkpoint has them
             slot.persistent = False
         try:
             found = match([*self.slots, *graph_only], self.table)
-            _load(found, self.table, plan, [self.model, traced], self.progress)
+            undo = _load(found, self.table, plan, [self.model, traced], self.progress)
         finally:
             self.table.close()
+        try:
+            yield
+        except BaseException:
+            undo()  # a failed call leaves the model as it was
+            raise
 
 
-def prepare(model: torch.nn.Module, checkpoint: PathLike | bool | None, progress: bool | None) -> ModelLoad | None:
-    """A :class:`ModelLoad` when ``checkpoint`` names one (None and False: no checkpoint)."""
-    if checkpoint is None or checkpoint is False:
-        return None
+class _NoCheckpoint:
+    """No checkpoint to load: :meth:`onto` does nothing."""
+
+    def onto(self, plan: Plan, traced: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def prepare(model: Any, checkpoint: PathLike | bool | None, progress: bool | None) -> ModelLoad | _NoCheckpoint:
+    """What ``fxsplit``/``apply`` load once planned: the checked checkpoint, or nothing (None, False).
+
+    Raises:
+        CheckpointError: the checkpoint is not there or does not fit the model.
+    """
+    if checkpoint is None or checkpoint is False or not isinstance(model, torch.nn.Module):
+        return _NoCheckpoint()  # not a module: the caller's own check says so
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint must be a path to a file or directory (got {type(checkpoint).__name__})")
     return ModelLoad(model, checkpoint, progress)
@@ -133,13 +151,14 @@ def load_checkpoint(split: torch.nn.Module, checkpoint: PathLike, *, progress: b
     table = read_table(checkpoint)
     try:
         found = match(slots_of(holders, meta.get(NON_PERSISTENT)), table, also_known=plan.tensors)
-        _load(found, table, plan, holders, progress)
+        _load(found, table, plan, holders, progress)  # nothing fails after the commit: no undo needed
     finally:
         table.close()
 
 
 def _load(found: list[Match], table: TableOfContents, plan: Plan, holders: list[torch.nn.Module],
-          progress: bool | None) -> None:
+          progress: bool | None) -> Callable[[], None]:
+    """Read every matched tensor onto its device, then commit; return what undoes the commit."""
     homes = [_home(m.slot, plan) for m in found]
     bar = Progress("loading checkpoint", items=len(found), nbytes=sum(m.entry.nbytes for m in found),
                    enabled=progress)
@@ -147,7 +166,7 @@ def _load(found: list[Match], table: TableOfContents, plan: Plan, holders: list[
         loaded = [_read(m, table, device, _dtype(m.slot, plan), bar) for m, device in zip(found, homes, strict=True)]
     finally:
         bar.close()
-    _commit(found, loaded, holders)
+    return _commit(found, loaded, holders)
 
 
 def _home(slot: Slot, plan: Plan) -> torch.device:
@@ -179,20 +198,35 @@ def _read(found: Match, table: TableOfContents, device: torch.device, dtype: tor
     return loaded
 
 
-def _commit(found: list[Match], loaded: list[torch.Tensor], holders: list[torch.nn.Module]) -> None:
-    """Give every slot its loaded tensor: in place for real tensors, by replacement for meta ones."""
+def _commit(found: list[Match], loaded: list[torch.Tensor], holders: list[torch.nn.Module]) -> Callable[[], None]:
+    """Give every slot its loaded tensor: in place for real tensors, by replacement for meta ones.
+
+    Returns a function that puts everything back (the old data, the meta tensors).
+    """
     replacements: dict[int, torch.Tensor] = {}
+    originals: dict[int, torch.Tensor] = {}
+    previous: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
     for item, tensor in zip(found, loaded, strict=True):
         old = item.slot.tensor
         if old.device.type == "meta":
-            replacements[id(old)] = _like(old, tensor)
+            new = _like(old, tensor)
+            replacements[id(old)], originals[id(new)] = new, old
             continue
+        previous.append((old, old.data, old.grad))
         with torch.no_grad():
             old.data = tensor
             if old.grad is not None and old.grad.device != tensor.device:
                 old.grad = old.grad.to(tensor.device)
-    if replacements:
-        _replace(holders, replacements)
+    _replace(holders, replacements)
+
+    def undo() -> None:
+        _replace(holders, originals)
+        with torch.no_grad():
+            for tensor, data, grad in previous:
+                tensor.data = data
+                tensor.grad = grad
+
+    return undo
 
 
 def _like(old: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
@@ -210,7 +244,7 @@ def _like(old: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
 def _replace(holders: list[torch.nn.Module], replacements: dict[int, torch.Tensor]) -> None:
     """Put each replacement wherever a module of ``holders`` holds the tensor it replaces."""
     seen: set[int] = set()
-    for holder in holders:
+    for holder in holders if replacements else ():
         for module in holder.modules():
             if id(module) in seen:
                 continue

@@ -1,0 +1,125 @@
+"""Type checks for what users pass to the public entry points, done once, before any work.
+
+Each check raises :class:`~fxsplit.errors.SpecError` with the option's name,
+what it must be and what it got (``'contiguous' must be True or False (got
+'no')``), instead of letting a wrong type surface later as an
+``AttributeError`` deep inside tracing, or, worse, be read as something else
+(``contiguous='no'`` is truthy).
+
+>>> check_option_types({"contiguous": "no"})
+Traceback (most recent call last):
+...
+fxsplit.errors.SpecError: 'contiguous' must be True or False (got 'no')
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Mapping
+
+import torch
+
+from fxsplit.devices import normalize_device
+from fxsplit.errors import SpecError
+
+__all__ = ["check_concrete_args", "check_option_types", "device_option", "require_module"]
+
+
+def require_module(model: Any) -> None:
+    """Refuse anything that is not a ``torch.nn.Module``."""
+    if not isinstance(model, torch.nn.Module):
+        raise SpecError(f"model must be a torch.nn.Module (got {type(model).__name__}); pass the module itself, "
+                        "e.g. fxsplit.plan(model, ...), not its state_dict, a class or a factory")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{type(value).__name__} {text[:70]}..."
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise SpecError(f"'{name}' must be True or False (got {_shown(value)})")
+
+
+def _mapping(example: str) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if value is not None and not isinstance(value, Mapping):
+            raise SpecError(f"'{name}' must be a mapping, like {example}, or None (got {_shown(value)})")
+        for key in value or {}:
+            if not isinstance(key, str) and (name != "pins" or isinstance(key, bool) or not isinstance(key, int)):
+                raise SpecError(f"'{name}' keys must be strings, like {example} (got key {_shown(key)})")
+
+    return check
+
+
+def _leaf_modules(name: str, value: Any) -> None:
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+        hint = f"; write [{value!r}]" if isinstance(value, str) else ""
+        raise SpecError(f"'{name}' must be a list of module classes or module names (got {_shown(value)}){hint}")
+    for index, item in enumerate(value):
+        is_module_class = isinstance(item, type) and issubclass(item, torch.nn.Module)
+        if not is_module_class and not (isinstance(item, str) and item):
+            raise SpecError(f"'{name}'[{index}] must be an nn.Module subclass (like torch.nn.MultiheadAttention) or "
+                            f"a module path or class name as a string (got {_shown(item)})")
+
+
+def _dynamic_shapes(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, (str, Mapping, tuple, list)):
+        raise SpecError(f"'{name}' must be 'batch', 'all', a torch.export dynamic_shapes spec (a dict, tuple or "
+                        f"list) or None (got {_shown(value)})")
+
+
+_CHECKS: dict[str, Callable[[str, Any], None]] = {
+    "example_kwargs": _mapping("{'attention_mask': mask}"),
+    "leaf_modules": _leaf_modules,
+    "concrete_args": _mapping("{'use_cache': False}"),
+    "pins": _mapping("{'lm_head': 'cuda:1'}"),
+    "contiguous": _bool,
+    "check": _bool,
+    "dynamic_shapes": _dynamic_shapes,
+}
+"""Options whose type is checked here; the others are checked where they are parsed: sizes, devices, specs,
+and the choices (``trace``, ``objective``, ``mode``, ``dtype``) against their lists of names."""
+
+
+def check_option_types(options: Mapping[str, Any]) -> None:
+    """Check the type of every option in ``options`` that has a rule in ``_CHECKS``.
+
+    Raises:
+        SpecError: ``'<option>' must be ... (got ...)``.
+    """
+    for name, value in options.items():
+        check = _CHECKS.get(name)
+        if check is not None:
+            check(name, value)
+
+
+def device_option(where: str, value: Any) -> str:
+    """:func:`~fxsplit.devices.normalize_device`, its error prefixed with the option it came from."""
+    try:
+        return normalize_device(value)
+    except SpecError as error:
+        raise SpecError(f"{where}: {error}") from None
+
+
+def check_concrete_args(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None) -> None:
+    """Every name in ``concrete_args`` must be an argument of ``model.forward`` (unless it takes ``**kwargs``).
+
+    Raises:
+        SpecError: names the unknown keys and forward's arguments.
+    """
+    if not concrete_args:
+        return
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return  # a forward without a readable signature: fx will say what it can
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = [name for name in concrete_args if name not in parameters]
+    if unknown:
+        named = ", ".join(repr(name) for name in unknown)
+        arguments = ", ".join(parameters) or "none"
+        raise SpecError(f"concrete_args names {named}, which {'is' if len(unknown) == 1 else 'are'} not an argument "
+                        f"of {type(model).__name__}.forward (its arguments: {arguments}); fix the name or drop it")
