@@ -150,10 +150,20 @@ def load_checkpoint(split: torch.nn.Module, checkpoint: PathLike, *, progress: b
     holders = list(stages) if isinstance(stages, torch.nn.ModuleList) else [split]
     table = read_table(checkpoint)
     try:
-        found = match(slots_of(holders, meta.get(NON_PERSISTENT)), table, also_known=plan.tensors)
+        slots = _with_tied(slots_of(holders, meta.get(NON_PERSISTENT)), plan.tied)
+        found = match(slots, table, also_known=plan.tensors)
         _load(found, table, plan, holders, progress)  # nothing fails after the commit: no undo needed
     finally:
         table.close()
+
+
+def _with_tied(slots: list[Slot], tied: tuple[tuple[str, ...], ...]) -> list[Slot]:
+    """Slots with every name the plan ties to theirs (an export split holds a tied tensor under one name)."""
+    for slot in slots:
+        for group in tied:
+            if any(name in group for name in slot.names):
+                slot.names += tuple(name for name in group if name not in slot.names)
+    return slots
 
 
 def _load(found: list[Match], table: TableOfContents, plan: Plan, holders: list[torch.nn.Module],
