@@ -293,6 +293,9 @@ def fxsplit(
             directory) straight onto their planned devices, as the plan's
             ``dtype`` when one is given; for models built on ``meta`` (see
             docs/CHECKPOINTS.md). Checked against the model before tracing.
+            The model's meta tensors are replaced by the loaded ones (as
+            ``load_state_dict(assign=True)`` does; model and split share
+            them); real ones keep their objects and get the loaded data.
             ``False``: return a split of a meta model with meta weights, to
             fill later with :func:`fxsplit.load_checkpoint`.
         progress: progress bar while loading: None (default) on a terminal
@@ -330,11 +333,12 @@ def fxsplit(
     """
     loading = prepare(model, checkpoint, progress)  # checks the checkpoint before the (long) trace
     planned = _plan(model, budgets, example_inputs, options, runnable=True)
-    with loading.onto(planned.plan, planned.traced.graph_module):  # loaded, and unloaded if what follows fails
+    with loading.onto(planned.plan, planned.traced.graph_module) as loaded:  # unloaded if what follows fails
         if checkpoint is None:
             _refuse_meta(model)
         by_node = weights_by_node(planned.costs)
-        moved = move_weights(planned.traced.graph_module, planned.plan, planned.costs.weights + planned.costs.unused)
+        moved = move_weights(planned.traced.graph_module, planned.plan,
+                             loaded.not_loaded(planned.costs.weights + planned.costs.unused))
         try:
             split = remember_non_persistent(emit(planned.traced.graph_module, planned.plan, by_node), model)
             if planned.options is not None and planned.options.check:

@@ -163,10 +163,10 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, che
     require_usable([*plan.devices, plan.output_device], plan.budgets)
     loading = prepare(model, checkpoint, progress)
     traced, costs = retrace(model, plan, example_inputs=example_inputs, **options)
-    with loading.onto(plan, traced.graph_module):  # loaded, and unloaded if what follows fails
+    with loading.onto(plan, traced.graph_module) as loaded:  # unloaded if what follows fails
         if checkpoint is None:
             _refuse_meta(model)
-        moved = move_weights(traced.graph_module, plan, costs.weights + costs.unused)
+        moved = move_weights(traced.graph_module, plan, loaded.not_loaded(costs.weights + costs.unused))
         try:
             return remember_non_persistent(emit(traced.graph_module, plan, weights_by_node(costs)), model)
         except BaseException:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch
 
 from fxsplit.checkpoint.formats import TableOfContents, read_table
 from fxsplit.checkpoint.match import Match, Slot, match
-from fxsplit.cost import model_tensors
+from fxsplit.cost import Weight, model_tensors
 from fxsplit.errors import CheckpointError
 from fxsplit.plan import Plan
 from fxsplit.progress import Progress
@@ -78,8 +79,11 @@ class ModelLoad:
         match(self.slots, self.table)  # fail early; matched again on load, against the traced graph too
 
     @contextlib.contextmanager
-    def onto(self, plan: Plan, traced: torch.nn.Module) -> Iterator[None]:
-        """Fill the model's tensors (shared with ``traced``) on ``plan``'s devices; undo it if the block fails."""
+    def onto(self, plan: Plan, traced: torch.nn.Module) -> Iterator[Loaded]:
+        """Fill the model's tensors (shared with ``traced``) on ``plan``'s devices; undo it if the block fails.
+
+        Yields what was loaded, so that the caller does not move those tensors again.
+        """
         ours = {id(s.tensor) for s in self.slots}
         graph_only = [s for s in slots_of([traced], frozenset()) if id(s.tensor) not in ours]
         for slot in graph_only:  # constants the trace made: no checkpoint has them
@@ -90,17 +94,28 @@ class ModelLoad:
         finally:
             self.table.close()
         try:
-            yield
+            yield Loaded(frozenset(name for item in found for name in item.slot.names))
         except BaseException:
             undo()  # a failed call leaves the model as it was
             raise
 
 
-class _NoCheckpoint:
-    """No checkpoint to load: :meth:`onto` does nothing."""
+@dataclass(frozen=True)
+class Loaded:
+    """The names of the tensors a checkpoint filled (already on their planned devices)."""
 
-    def onto(self, plan: Plan, traced: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    names: frozenset[str] = frozenset()
+
+    def not_loaded(self, weights: list[Weight]) -> list[Weight]:
+        """The weights still to move: a copy of a loaded one (``cpu`` to ``cpu:1`` copies) would double memory."""
+        return [w for w in weights if not self.names.intersection(w.names)]
+
+
+class _NoCheckpoint:
+    """No checkpoint to load: :meth:`onto` loads nothing."""
+
+    def onto(self, plan: Plan, traced: torch.nn.Module) -> contextlib.AbstractContextManager[Loaded]:
+        return contextlib.nullcontext(Loaded())
 
 
 def prepare(model: Any, checkpoint: PathLike | bool | None, progress: bool | None) -> ModelLoad | _NoCheckpoint:
