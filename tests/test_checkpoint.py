@@ -282,3 +282,17 @@ def test_benchmark_small_checkpoint_meets_the_memory_bar(tmp_path: Path) -> None
     out = io.StringIO()
     bench.report([result], out)
     assert "fxsplit" in out.getvalue()
+
+
+def test_load_checkpoint_into_a_pipeline(tmp_path: Path) -> None:
+    reference = saved(two_layers, tmp_path / "model.safetensors")
+    pipeline = fxsplit.fxsplit(on_meta(two_layers), BUDGETS, example_inputs=(X,), mode="weights", pipeline=2,
+                               checkpoint=False)
+    fxsplit.load_checkpoint(pipeline, tmp_path)
+    torch.testing.assert_close(pipeline(X), reference(X))
+
+
+def test_a_legacy_torch_save_file_says_how_to_convert_it(tmp_path: Path) -> None:
+    torch.save(two_layers().state_dict(), tmp_path / "old.bin", _use_new_zipfile_serialization=False)
+    with pytest.raises(fxsplit.CheckpointError, match="save it again with torch.save"):
+        fxsplit.fxsplit(on_meta(two_layers), BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path / "old.bin")
