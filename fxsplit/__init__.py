@@ -7,9 +7,11 @@ Trace (torch.fx / torch.export) -> partition under per-device memory budgets
 from fxsplit.api import fxsplit, plan
 from fxsplit.apply_plan import apply, check_plan
 from fxsplit.autobudget import auto_budgets
+from fxsplit.checkpoint import empty_weights, load_checkpoint
 from fxsplit.distributed import PipelineStages, pipeline_stages
 from fxsplit.errors import (
     BudgetError,
+    CheckpointError,
     DeviceError,
     FxsplitError,
     InputMismatchError,
@@ -25,6 +27,7 @@ from fxsplit.units import format_size, parse_size
 
 __all__ = [
     "BudgetError",
+    "CheckpointError",
     "Cut",
     "DeviceError",
     "FxsplitError",
@@ -40,8 +43,10 @@ __all__ = [
     "apply",
     "auto_budgets",
     "check_plan",
+    "empty_weights",
     "format_size",
     "fxsplit",
+    "load_checkpoint",
     "load_spec",
     "parse_size",
     "pipeline_stages",

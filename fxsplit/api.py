@@ -14,6 +14,7 @@ import torch.fx
 from fxsplit.activations import profile_activations
 from fxsplit.autobudget import auto_budgets
 from fxsplit.check import verify_plan, verify_split
+from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.codegen import emit, move_weights
 from fxsplit.constraints import (
     check_constraints,
@@ -227,6 +228,8 @@ def fxsplit(
     budgets: Mapping[Any, Any] | None = None,
     *,
     example_inputs: Any = None,
+    checkpoint: Any = None,
+    progress: bool | None = None,
     **options: Any,
 ) -> torch.fx.GraphModule | Pipeline:
     """Split ``model`` over devices under per-device memory budgets.
@@ -285,6 +288,18 @@ def fxsplit(
             verifies the invariants of the plan and of the generated graph
             (:mod:`fxsplit.check`), raising ``InvariantError`` on a
             violation; for debugging fxsplit.
+        checkpoint: load the weights from this checkpoint (safetensors or
+            ``torch.save`` file, index ``.json``, or ``save_pretrained``
+            directory) straight onto their planned devices, as the plan's
+            ``dtype`` when one is given; for models built on ``meta`` (see
+            docs/CHECKPOINTS.md). Checked against the model before tracing.
+            The model's meta tensors are replaced by the loaded ones (as
+            ``load_state_dict(assign=True)`` does; model and split share
+            them); real ones keep their objects and get the loaded data.
+            ``False``: return a split of a meta model with meta weights, to
+            fill later with :func:`fxsplit.load_checkpoint`.
+        progress: progress bar while loading: None (default) on a terminal
+            only, True always, False never.
 
     Returns:
         The split ``torch.fx.GraphModule``. Call it like ``model``. With
@@ -296,6 +311,8 @@ def fxsplit(
         BudgetError: it does not fit; says what, where and by how much.
         TraceError: the model cannot be traced; says why and what to try.
         SpecError: a malformed argument.
+        CheckpointError: the checkpoint does not fit the model; lists every
+            problem; nothing was loaded.
         DeviceError: a device cannot be used here (checked before any work),
             or moving a weight failed (what was moved is put back first).
 
@@ -314,26 +331,31 @@ def fxsplit(
             _2 = getattr(self, "2")(to_1);  to_1 = None
             return _2
     """
+    loading = prepare(model, checkpoint, progress)  # checks the checkpoint before the (long) trace
     planned = _plan(model, budgets, example_inputs, options, runnable=True)
-    _refuse_meta(model)
-    by_node = weights_by_node(planned.costs)
-    moved = move_weights(planned.traced.graph_module, planned.plan, planned.costs.weights + planned.costs.unused)
-    try:
-        split = emit(planned.traced.graph_module, planned.plan, by_node)
-        if planned.options is not None and planned.options.check:
-            verify_split(split)
-        if planned.options is not None and isinstance(planned.options.pipeline, PipelineConfig):
-            return pipelined(split, planned.options.pipeline)
-        return split
-    except BaseException:
-        moved.undo()  # a failed call leaves the model as it was
-        raise
+    with loading.onto(planned.plan, planned.traced.graph_module) as loaded:  # unloaded if what follows fails
+        if checkpoint is None:
+            _refuse_meta(model)
+        by_node = weights_by_node(planned.costs)
+        moved = move_weights(planned.traced.graph_module, planned.plan,
+                             loaded.not_loaded(planned.costs.weights + planned.costs.unused))
+        try:
+            split = remember_non_persistent(emit(planned.traced.graph_module, planned.plan, by_node), model)
+            if planned.options is not None and planned.options.check:
+                verify_split(split)
+            if planned.options is not None and isinstance(planned.options.pipeline, PipelineConfig):
+                return remember_non_persistent(pipelined(split, planned.options.pipeline), model)
+            return split
+        except BaseException:
+            moved.undo()  # a failed call leaves the model as it was
+            raise
 
 
 def _refuse_meta(model: torch.nn.Module) -> None:
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.device.type == "meta":
             raise FxsplitError(
-                f"'{name}' is on the meta device, so the split model could not run; use fxsplit.plan() to "
-                "plan a meta model, or load real weights first (model.to_empty(device=...) then load_state_dict)"
+                f"'{name}' is on the meta device, so the split model could not run; pass checkpoint='path' to "
+                "load the weights onto their planned devices (checkpoint=False: split now, fxsplit.load_checkpoint "
+                "later), or use fxsplit.plan() to plan a meta model"
             )

@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from fxsplit.api import _refuse_meta
+from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.codegen import emit, move_weights
 from fxsplit.constraints import locator, resolve_leaf_modules
 from fxsplit.cost import GraphCosts, build_problem
@@ -112,7 +113,8 @@ def _check_nodes(graph_module: torch.fx.GraphModule, plan: Plan) -> None:
                                          wrong))
 
 
-def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, **options: Any) -> torch.fx.GraphModule:
+def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, checkpoint: Any = None,
+          progress: bool | None = None, **options: Any) -> torch.fx.GraphModule:
     """Split ``model`` as ``plan`` says, without solving again: same plan, same generated code.
 
     The model is traced again (as the plan was: ``plan.trace``, its leaf
@@ -128,9 +130,14 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, **o
         **options: ``example_kwargs``, ``concrete_args``, ``leaf_modules`` (added
             to the plan's), ``dynamic_shapes`` (default: the plan's), as for
             :func:`fxsplit.fxsplit`.
+        checkpoint: load the weights from this checkpoint onto the plan's
+            devices, as for :func:`fxsplit.fxsplit` (``False``: a meta model
+            gives a split with meta weights, for :func:`fxsplit.load_checkpoint`).
+        progress: progress bar while loading (None: on a terminal only).
 
     Raises:
         PlanMismatchError: the plan does not describe this model; says what differs.
+        CheckpointError: the checkpoint does not fit the model; nothing was loaded.
         DeviceError: a device of the plan cannot be used here (checked before
             any work), or moving a weight failed (what was moved is put back).
         SpecError: an unknown option, or one of the wrong type.
@@ -154,14 +161,17 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, **o
     """
     _known_options(options, "apply")
     require_usable([*plan.devices, plan.output_device], plan.budgets)
+    loading = prepare(model, checkpoint, progress)
     traced, costs = retrace(model, plan, example_inputs=example_inputs, **options)
-    _refuse_meta(model)
-    moved = move_weights(traced.graph_module, plan, costs.weights + costs.unused)
-    try:
-        return emit(traced.graph_module, plan, weights_by_node(costs))
-    except BaseException:
-        moved.undo()  # a failed call leaves the model as it was
-        raise
+    with loading.onto(plan, traced.graph_module) as loaded:  # unloaded if what follows fails
+        if checkpoint is None:
+            _refuse_meta(model)
+        moved = move_weights(traced.graph_module, plan, loaded.not_loaded(costs.weights + costs.unused))
+        try:
+            return remember_non_persistent(emit(traced.graph_module, plan, weights_by_node(costs)), model)
+        except BaseException:
+            moved.undo()  # a failed call leaves the model as it was
+            raise
 
 
 _RETRACE_OPTIONS = ("example_kwargs", "concrete_args", "leaf_modules", "dynamic_shapes")

@@ -23,6 +23,7 @@ from fxsplit.errors import DeviceError, FxsplitError, InputMismatchError
 from fxsplit.fastattr import mirror_registries
 from fxsplit.gradmode import is_grad_mode_node
 from fxsplit.graphinfo import TENSOR, input_writers, value_kind
+from fxsplit.nested import pin_subgraph_devices
 from fxsplit.plan import Plan
 from fxsplit.planning import Read, reads_of
 from fxsplit.units import format_size
@@ -497,6 +498,7 @@ def emit(graph_module: torch.fx.GraphModule, plan: Plan, by_node: dict[str, list
         split = GradModeSafeSplit(graph_module, graph, type(graph_module).__name__)
     else:
         split = torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
+    pin_subgraph_devices(split, {n.name: n.meta[DEVICE_META] for n in split.graph.nodes if DEVICE_META in n.meta})
     split.recompile()
     mirror_registries(split)  # weights by path at dict speed (see fxsplit.fastattr)
     split.meta["fxsplit_plan"] = plan

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "BudgetError",
+    "CheckpointError",
     "DeviceError",
     "FxsplitError",
     "InputMismatchError",
@@ -27,6 +28,20 @@ class BudgetError(FxsplitError, ValueError):
 
     The message says what does not fit, on which device, and by how many bytes.
     """
+
+
+class CheckpointError(FxsplitError, ValueError):
+    """A checkpoint cannot be loaded into the model or split it was given for.
+
+    The message lists every problem at once (tensors missing, unexpected, of
+    another shape or dtype, buffers that cannot be materialised), each with
+    the file it came from; ``problems`` holds the same lines. Nothing was
+    loaded or moved.
+    """
+
+    def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems
 
 
 class TraceError(FxsplitError):

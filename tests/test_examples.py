@@ -74,3 +74,10 @@ def test_pipeline_torchrun_command_of_the_readme() -> None:
     with torch.no_grad():
         expected = example.loss_fn(model(ids), (ids + 1) % 128).item()
     assert abs(losses[0] - expected) <= 1e-4
+
+
+def test_from_checkpoint() -> None:
+    out = run_example("from_checkpoint.py")
+    assert "shards + model.safetensors.index.json" in out
+    assert [line.split()[0] for line in out.splitlines() if line.startswith("cpu:")] == ["cpu:0:", "cpu:1:"]
+    assert "the split loaded from the checkpoint gives the same logits as from_pretrained" in out

@@ -1,0 +1,14 @@
+"""Checkpoints onto a plan: read safetensors and ``torch.save`` files straight onto the planned devices.
+
+* :mod:`~fxsplit.checkpoint.formats`: find the files, read headers, map data.
+* :mod:`~fxsplit.checkpoint.match`: check a checkpoint against the tensors to fill.
+* :mod:`~fxsplit.checkpoint.load`: read each tensor onto its device, then commit.
+* :mod:`~fxsplit.checkpoint.empty`: build a model with its parameters on meta.
+
+See docs/CHECKPOINTS.md.
+"""
+
+from fxsplit.checkpoint.empty import empty_weights
+from fxsplit.checkpoint.load import load_checkpoint, prepare, remember_non_persistent
+
+__all__ = ["empty_weights", "load_checkpoint", "prepare", "remember_non_persistent"]

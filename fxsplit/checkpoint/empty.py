@@ -1,0 +1,64 @@
+"""Build a model without memory for its weights: parameters on ``meta``, buffers for real.
+
+``with torch.device("meta")`` puts *everything* on meta, buffers included; a
+buffer that the module computes when it is built and never saves (a rotary
+embedding's ``inv_freq``, a causal mask) is then lost, and no checkpoint can
+bring it back. :func:`empty_weights` puts only parameters on meta: every
+parameter is moved there the moment a module registers it, so the few bytes
+of buffers are computed as usual and the parameters cost nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import torch
+
+__all__ = ["empty_weights"]
+
+_LOCK = threading.RLock()  # one patch at a time; nesting in one thread is fine
+
+
+@contextlib.contextmanager
+def empty_weights() -> Iterator[None]:
+    """Within the block, every parameter a module registers goes to ``meta``; buffers stay where they are made.
+
+    The model built inside needs no memory for its parameters, keeps its
+    computed buffers, and can be planned and then loaded from a checkpoint
+    (``fxsplit.fxsplit(model, budgets, checkpoint=...)``). The block patches
+    ``torch.nn.Module.register_parameter`` for its duration (all threads).
+
+    Example:
+        >>> import torch, fxsplit
+        >>> with fxsplit.empty_weights():
+        ...     layer = torch.nn.BatchNorm1d(4)
+        >>> layer.weight.device.type, layer.running_mean.device.type
+        ('meta', 'cpu')
+    """
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        held = module._parameters.get(name)
+        if held is not None and held.device.type != "meta":
+            module._parameters[name] = _on_meta(held)
+
+    with _LOCK:
+        torch.nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _on_meta(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A parameter like ``param`` (class, ``requires_grad``, attributes), with its data on meta."""
+    data = param.data.to("meta")
+    try:
+        moved = type(param)(data, requires_grad=param.requires_grad)
+    except TypeError:  # a Parameter subclass with another constructor
+        moved = torch.nn.Parameter(data, requires_grad=param.requires_grad)
+    moved.__dict__.update(param.__dict__)
+    return moved

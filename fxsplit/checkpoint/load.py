@@ -1,0 +1,283 @@
+"""Load a checkpoint onto the devices a plan chose: check every header, read, then commit at once.
+
+Three steps, so that a failure leaves everything as it was:
+
+1. check: the checkpoint's headers against the tensors to fill
+   (:func:`~fxsplit.checkpoint.match.match`); nothing is read yet.
+2. read: one tensor at a time, from the memory-mapped file straight into a
+   new tensor on its planned device, converted to the plan's ``dtype`` on
+   the way (one copy, no intermediate in host memory). Held aside.
+3. commit: every tensor that was real gets the loaded data in place
+   (``param.data = loaded``: the same ``Parameter`` object, like
+   ``Module.to``); every tensor on ``meta`` is *replaced*, in every module
+   that holds it, by a new ``Parameter`` (or buffer) holding the loaded data,
+   like ``load_state_dict(assign=True)`` (torch cannot turn a meta tensor into
+   a real one in place).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Union
+
+import torch
+
+from fxsplit.checkpoint.formats import TableOfContents, read_table
+from fxsplit.checkpoint.match import Match, Slot, match
+from fxsplit.cost import Weight, model_tensors
+from fxsplit.errors import CheckpointError
+from fxsplit.plan import Plan
+from fxsplit.progress import Progress
+
+__all__ = ["ModelLoad", "NON_PERSISTENT", "load_checkpoint", "prepare", "remember_non_persistent"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+NON_PERSISTENT = "fxsplit_non_persistent"
+"""``split.meta`` key: names of the model's non-persistent buffers (not expected in a checkpoint)."""
+
+
+def non_persistent_names(module: torch.nn.Module) -> frozenset[str]:
+    """Qualified names of the buffers ``module`` keeps out of its state dict."""
+    return frozenset(f"{path}.{name}" if path else name for path, sub in module.named_modules(remove_duplicate=False)
+                     for name in sub._non_persistent_buffers_set)
+
+
+def remember_non_persistent(split: Any, model: torch.nn.Module) -> Any:
+    """Record the model's non-persistent buffer names on ``split`` (a fx copy of a buffer forgets it); return it."""
+    split.meta[NON_PERSISTENT] = non_persistent_names(model)
+    return split
+
+
+def slots_of(holders: Iterable[torch.nn.Module], non_persistent: frozenset[str] | None = None) -> list[Slot]:
+    """One slot per distinct tensor the holders hold, with all its names (across holders, each once)."""
+    by_id: dict[int, Slot] = {}
+    for holder in holders:
+        local = non_persistent_names(holder) if non_persistent is None else non_persistent
+        for names, tensor, is_buffer in model_tensors(holder).values():
+            persistent = not is_buffer or any(n not in local for n in names)
+            slot = by_id.setdefault(id(tensor), Slot((), tensor, False))
+            slot.names += tuple(n for n in names if n not in slot.names)
+            slot.persistent = slot.persistent or persistent
+    return list(by_id.values())
+
+
+class ModelLoad:
+    """A checkpoint checked against a model, loaded once the plan says where each tensor goes.
+
+    Made before planning, so that a checkpoint that does not fit fails in
+    seconds, before a long trace.
+    """
+
+    def __init__(self, model: torch.nn.Module, checkpoint: PathLike, progress: bool | None) -> None:
+        self.model = model
+        self.progress = progress
+        self.table = read_table(checkpoint)
+        self.slots = slots_of([model], non_persistent_names(model))
+        match(self.slots, self.table)  # fail early; matched again on load, against the traced graph too
+
+    @contextlib.contextmanager
+    def onto(self, plan: Plan, traced: torch.nn.Module) -> Iterator[Loaded]:
+        """Fill the model's tensors (shared with ``traced``) on ``plan``'s devices; undo it if the block fails.
+
+        Yields what was loaded, so that the caller does not move those tensors again.
+        """
+        ours = {id(s.tensor) for s in self.slots}
+        graph_only = [s for s in slots_of([traced], frozenset()) if id(s.tensor) not in ours]
+        for slot in graph_only:  # constants the trace made: no checkpoint has them
+            slot.persistent = False
+        try:
+            found = match([*self.slots, *graph_only], self.table)
+            undo = _load(found, self.table, plan, [self.model, traced], self.progress)
+        finally:
+            self.table.close()
+        try:
+            yield Loaded(frozenset(name for item in found for name in item.slot.names))
+        except BaseException:
+            undo()  # a failed call leaves the model as it was
+            raise
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The names of the tensors a checkpoint filled (already on their planned devices)."""
+
+    names: frozenset[str] = frozenset()
+
+    def not_loaded(self, weights: list[Weight]) -> list[Weight]:
+        """The weights still to move: a copy of a loaded one (``cpu`` to ``cpu:1`` copies) would double memory."""
+        return [w for w in weights if not self.names.intersection(w.names)]
+
+
+class _NoCheckpoint:
+    """No checkpoint to load: :meth:`onto` loads nothing."""
+
+    def onto(self, plan: Plan, traced: torch.nn.Module) -> contextlib.AbstractContextManager[Loaded]:
+        return contextlib.nullcontext(Loaded())
+
+
+def prepare(model: Any, checkpoint: PathLike | bool | None, progress: bool | None) -> ModelLoad | _NoCheckpoint:
+    """What ``fxsplit``/``apply`` load once planned: the checked checkpoint, or nothing (None, False).
+
+    Raises:
+        CheckpointError: the checkpoint is not there or does not fit the model.
+    """
+    if checkpoint is None or checkpoint is False or not isinstance(model, torch.nn.Module):
+        return _NoCheckpoint()  # not a module: the caller's own check says so
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise CheckpointError(f"checkpoint must be a path to a file or directory (got {type(checkpoint).__name__})")
+    return ModelLoad(model, checkpoint, progress)
+
+
+def load_checkpoint(split: torch.nn.Module, checkpoint: PathLike, *, progress: bool | None = None) -> None:
+    """Load ``checkpoint`` into a split, each tensor straight onto the device its plan chose.
+
+    ``split`` is what :func:`fxsplit.fxsplit` or :func:`fxsplit.apply` returned
+    (a split ``GraphModule`` or a :class:`~fxsplit.Pipeline`), with real or
+    ``meta`` weights (``checkpoint=False`` makes one from a meta model).
+    Tensors the split holds for real keep their objects and get the loaded
+    data; tensors on ``meta`` are replaced by loaded ones wherever the split
+    holds them. The model the split was made from shares the replaced
+    tensors only where the split shares its modules (modules an fx split
+    calls); pass ``checkpoint=`` to ``fxsplit``/``apply`` to load model and
+    split together.
+
+    Args:
+        split: the split to fill.
+        checkpoint: a safetensors or ``torch.save`` file, an index ``.json``,
+            or a directory written by ``save_pretrained`` (sharded or not).
+        progress: draw a progress bar on stderr: None (default) when stderr is
+            a terminal, True always, False never.
+
+    Raises:
+        CheckpointError: the checkpoint does not fit the split (every problem
+            listed, each with its file); nothing was loaded.
+    """
+    meta = getattr(split, "meta", None)
+    meta = meta if isinstance(meta, dict) else {}
+    plan = meta.get("fxsplit_plan")
+    if not isinstance(plan, Plan):
+        raise CheckpointError(f"load_checkpoint needs a split made by fxsplit.fxsplit or fxsplit.apply (got a "
+                              f"{type(split).__name__} without meta['fxsplit_plan'])")
+    stages = getattr(split, "stages", None)  # a Pipeline holds its weights in its stages
+    holders = list(stages) if isinstance(stages, torch.nn.ModuleList) else [split]
+    table = read_table(checkpoint)
+    try:
+        slots = _with_tied(slots_of(holders, meta.get(NON_PERSISTENT)), plan.tied)
+        found = match(slots, table, also_known=plan.tensors)
+        _load(found, table, plan, holders, progress)  # nothing fails after the commit: no undo needed
+    finally:
+        table.close()
+
+
+def _with_tied(slots: list[Slot], tied: tuple[tuple[str, ...], ...]) -> list[Slot]:
+    """Slots with every name the plan ties to theirs (an export split holds a tied tensor under one name)."""
+    for slot in slots:
+        for group in tied:
+            if any(name in group for name in slot.names):
+                slot.names += tuple(name for name in group if name not in slot.names)
+    return slots
+
+
+def _load(found: list[Match], table: TableOfContents, plan: Plan, holders: list[torch.nn.Module],
+          progress: bool | None) -> Callable[[], None]:
+    """Read every matched tensor onto its device, then commit; return what undoes the commit."""
+    homes = [_home(m.slot, plan) for m in found]
+    bar = Progress("loading checkpoint", items=len(found), nbytes=sum(m.entry.nbytes for m in found),
+                   enabled=progress)
+    try:
+        loaded = [_read(m, table, device, _dtype(m.slot, plan), bar) for m, device in zip(found, homes, strict=True)]
+    finally:
+        bar.close()
+    return _commit(found, loaded, holders)
+
+
+def _home(slot: Slot, plan: Plan) -> torch.device:
+    for name in slot.names:
+        if name in plan.param_devices:
+            return torch.device(plan.param_devices[name])
+    if slot.tensor.device.type != "meta":
+        return slot.tensor.device
+    raise CheckpointError(f"the plan does not place '{slot.names[0]}'; was it made for this model? "
+                          "(fxsplit.check_plan says what differs)")
+
+
+def _dtype(slot: Slot, plan: Plan) -> torch.dtype:
+    if plan.dtype and slot.tensor.dtype.is_floating_point:
+        planned: torch.dtype = getattr(torch, plan.dtype)
+        return planned
+    return slot.tensor.dtype
+
+
+def _read(found: Match, table: TableOfContents, device: torch.device, dtype: torch.dtype,
+          bar: Progress) -> torch.Tensor:
+    """One tensor from its mapped file into new memory on ``device`` as ``dtype``: one copy."""
+    source = table.read(found.entry.name)
+    loaded = torch.empty(found.entry.shape, dtype=dtype, device=device)
+    with torch.no_grad():
+        loaded.copy_(source)
+    del source
+    bar.advance(found.entry.nbytes)
+    return loaded
+
+
+def _commit(found: list[Match], loaded: list[torch.Tensor], holders: list[torch.nn.Module]) -> Callable[[], None]:
+    """Give every slot its loaded tensor: in place for real tensors, by replacement for meta ones.
+
+    Returns a function that puts everything back (the old data, the meta tensors).
+    """
+    replacements: dict[int, torch.Tensor] = {}
+    originals: dict[int, torch.Tensor] = {}
+    previous: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    for item, tensor in zip(found, loaded, strict=True):
+        old = item.slot.tensor
+        if old.device.type == "meta":
+            new = _like(old, tensor)
+            replacements[id(old)], originals[id(new)] = new, old
+            continue
+        previous.append((old, old.data, old.grad))
+        with torch.no_grad():
+            old.data = tensor
+            if old.grad is not None and old.grad.device != tensor.device:
+                old.grad = old.grad.to(tensor.device)
+    _replace(holders, replacements)
+
+    def undo() -> None:
+        _replace(holders, originals)
+        with torch.no_grad():
+            for tensor, data, grad in previous:
+                tensor.data = data
+                tensor.grad = grad
+
+    return undo
+
+
+def _like(old: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``data`` as what ``old`` was: a Parameter (same class, ``requires_grad``, attributes) or a buffer."""
+    if not isinstance(old, torch.nn.Parameter):
+        return data
+    try:
+        new = type(old)(data, requires_grad=old.requires_grad)
+    except TypeError:  # a Parameter subclass with another constructor
+        new = torch.nn.Parameter(data, requires_grad=old.requires_grad)
+    new.__dict__.update(old.__dict__)
+    return new
+
+
+def _replace(holders: list[torch.nn.Module], replacements: dict[int, torch.Tensor]) -> None:
+    """Put each replacement wherever a module of ``holders`` holds the tensor it replaces."""
+    seen: set[int] = set()
+    for holder in holders if replacements else ():
+        for module in holder.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for registry in (module._parameters, module._buffers):
+                for key, value in list(registry.items()):
+                    if value is not None and id(value) in replacements:
+                        registry[key] = replacements[id(value)]  # type: ignore[assignment]
+            for key, value in list(vars(module).items()):  # plain tensor attributes (graph constants)
+                if isinstance(value, torch.Tensor) and id(value) in replacements:
+                    setattr(module, key, replacements[id(value)])

@@ -1,0 +1,157 @@
+"""Match a checkpoint's table of contents to the tensors it must fill; list every problem at once.
+
+A *slot* is one tensor of a model or split (tied names together) that a
+checkpoint may fill. :func:`match` pairs each slot with the checkpoint entry
+that fills it, from the headers alone, and raises one
+:class:`~fxsplit.errors.CheckpointError` naming everything that does not fit:
+tensors missing from the checkpoint, tensors the model does not have, shapes
+and dtypes that differ, buffers on ``meta`` that no checkpoint can fill. Like
+``load_state_dict(strict=True)``, with the file each tensor came from.
+
+Dtypes: a floating tensor may be stored in any floating dtype (it is
+converted when read); any other dtype must be the model's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from fxsplit.checkpoint.formats import Entry, TableOfContents
+from fxsplit.errors import CheckpointError
+from fxsplit.fingerprint import tensor_signature
+
+__all__ = ["Match", "Slot", "match"]
+
+_SHOWN = 20
+
+
+@dataclass
+class Slot:
+    """One tensor to fill: every name it has where it is held, the live tensor, and whether a checkpoint has it.
+
+    Attributes:
+        names: qualified names (several when tied), canonical first.
+        tensor: the parameter or buffer now held (``meta`` or real).
+        persistent: a parameter or persistent buffer (in a state dict), so a
+            checkpoint must hold it; non-persistent buffers are not saved.
+    """
+
+    names: tuple[str, ...]
+    tensor: torch.Tensor
+    persistent: bool
+
+
+@dataclass(frozen=True)
+class Match:
+    """A slot and the checkpoint entry that fills it."""
+
+    slot: Slot
+    entry: Entry
+
+
+def match(slots: list[Slot], table: TableOfContents, *, also_known: Iterable[str] = ()) -> list[Match]:
+    """Pair every slot the checkpoint holds with its entry; raise if anything does not fit.
+
+    ``also_known``: names the checkpoint may hold although no slot takes them
+    (tensors of the model that the split does not hold); they are not loaded.
+
+    Raises:
+        CheckpointError: every problem found, with its file; nothing is read.
+    """
+    problems = list(table.problems)
+    found: list[Match] = []
+    used: set[str] = set()
+    missing: list[str] = []
+    for slot in slots:
+        present = [n for n in slot.names if n in table.entries]
+        used.update(present)
+        if not present:
+            if slot.persistent:
+                missing.append(slot.names[0])
+                problems.append(f"missing: '{slot.names[0]}' ({tensor_signature(slot.tensor)}){_tied(slot)} is not "
+                                "in the checkpoint")
+            elif slot.tensor.device.type == "meta":
+                problems.append(f"meta buffer: '{slot.names[0]}' ({tensor_signature(slot.tensor)}) is on the meta "
+                                "device and no checkpoint holds it (a non-persistent buffer, computed when the module "
+                                "is built)")
+            continue
+        for name in present:
+            problems += _fit(slot, table.entries[name])
+        found.append(Match(slot, table.entries[present[0]]))
+    known = used | set(also_known)
+    unexpected = [e for name, e in table.entries.items() if name not in known]
+    problems += [f"unexpected: '{e.name}' ({_signature(e)}) in '{e.file.name}' is not a tensor of the model"
+                 for e in unexpected]
+    if problems:
+        raise CheckpointError(_message(table, problems, missing, [e.name for e in unexpected]), tuple(problems))
+    return found
+
+
+def _tied(slot: Slot) -> str:
+    return f" (tied to {', '.join(repr(n) for n in slot.names[1:])})" if len(slot.names) > 1 else ""
+
+
+def _signature(entry: Entry) -> str:
+    dtype = str(entry.dtype).removeprefix("torch.") if entry.dtype is not None else entry.dtype_name
+    return f"{dtype}[{', '.join(str(d) for d in entry.shape)}]"
+
+
+def _fit(slot: Slot, entry: Entry) -> list[str]:
+    """What keeps ``entry`` from filling ``slot``: shape, then dtype."""
+    where = f"in '{entry.file.name}'"
+    if entry.dtype is None:
+        return [f"dtype: '{entry.name}' {where} is {entry.dtype_name}, which this torch ({torch.__version__}) has "
+                "no dtype for"]
+    if tuple(slot.tensor.shape) != entry.shape:
+        return [f"shape: '{entry.name}' is {_signature(entry)} {where}, {tensor_signature(slot.tensor)} in the model"]
+    ours = slot.tensor.dtype
+    if entry.dtype != ours and not (entry.dtype.is_floating_point and ours.is_floating_point):
+        return [f"dtype: '{entry.name}' is {_signature(entry)} {where}, {tensor_signature(slot.tensor)} in the model; "
+                "only floating dtypes are converted"]
+    return []
+
+
+def _message(table: TableOfContents, problems: list[str], missing: list[str], unexpected: list[str]) -> str:
+    kinds = Counter(p.split(":", 1)[0] for p in problems)
+    summary = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+    lines: list[str] = []
+    for kind in kinds:
+        of_kind = [p for p in problems if p.split(":", 1)[0] == kind]
+        lines += of_kind[:_SHOWN] + ([f"... and {len(of_kind) - _SHOWN} more {kind}"] if len(of_kind) > _SHOWN else [])
+    fixes = _fixes(kinds, missing, unexpected)
+    return (f"checkpoint '{table.path}' does not fit the model ({summary}); nothing was loaded:\n  "
+            + "\n  ".join(lines) + ("\n" + "\n".join(fixes) if fixes else ""))
+
+
+def _fixes(kinds: Counter[str], missing: list[str], unexpected: list[str]) -> list[str]:
+    fixes = []
+    prefix = _prefix_hint(missing, unexpected)
+    if prefix:
+        fixes.append(prefix)
+    if kinds.get("meta buffer"):
+        fixes.append("fix for meta buffers: build the model inside fxsplit.empty_weights() (parameters on meta, "
+                     "buffers computed for real) instead of torch.device('meta')")
+    if kinds.get("shape") or kinds.get("missing") or kinds.get("unexpected"):
+        fixes.append("check that the model was built from the checkpoint's own config")
+    return fixes
+
+
+def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
+    """A hint when the checkpoint's names are the model's with a first component added or removed."""
+    if not missing or not unexpected:
+        return ""
+    extra, lacking = set(unexpected), set(missing)
+    stripped = Counter(n.split(".", 1)[0] for n in unexpected if "." in n and n.split(".", 1)[1] in lacking)
+    if stripped:
+        head, _ = stripped.most_common(1)[0]
+        return f"the checkpoint's names start with '{head}.' where the model's do not: was it saved from a wrapper?"
+    added = Counter(n.split(".", 1)[0] for n in missing if "." in n and n.split(".", 1)[1] in extra)
+    if added:
+        head, _ = added.most_common(1)[0]
+        return (f"the model's names start with '{head}.' where the checkpoint's do not: load it into "
+                f"model.{head}, or save the whole model")
+    return ""

@@ -1,0 +1,298 @@
+"""Checkpoints onto the plan: a meta model split and loaded from safetensors / torch.save files.
+
+Each test writes its own checkpoint from a model with random weights, builds
+the same architecture on ``meta`` (or with :func:`fxsplit.empty_weights`), and
+checks the split against the model it was saved from: outputs and gradients,
+tensors on their planned devices, tied weights loaded once, and bad
+checkpoints refused with one error that lists every problem while nothing of
+the model changes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import Tied, assert_same_grads, default_loss
+
+import fxsplit
+from fxsplit.checkpoint import load as checkpoint_load
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+X = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+BUDGETS = {"cpu:0": "1.5KiB", "cpu:1": "1.5KiB"}  # one Linear(16, 16) (1088 bytes) on each
+
+
+class WithTable(nn.Module):
+    """Two layers and a non-persistent buffer computed when built (like a rotary embedding's ``inv_freq``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 16)
+        self.fc2 = nn.Linear(16, 16)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 16), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)) * self.scale)
+
+
+def two_layers() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+
+
+def saved(factory: Callable[[], nn.Module], path: Path, fmt: str = "safetensors") -> nn.Module:
+    """A model with seeded random weights, saved at ``path``; returned for reference."""
+    torch.manual_seed(1)
+    model = factory().eval()
+    state = model.state_dict()
+    if fmt == "safetensors":
+        names = {}
+        for name, tensor in state.items():  # shared tensors once, as save_pretrained writes them
+            names.setdefault(tensor.data_ptr(), name)
+        safetensors_torch.save_file({n: state[n].contiguous() for n in names.values()}, str(path))
+    else:
+        torch.save(state, path)
+    return model
+
+
+def on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
+    with torch.device("meta"):
+        return factory().eval()
+
+
+def assert_matches(split: torch.nn.Module, model: nn.Module, reference: nn.Module, inputs: tuple) -> None:
+    """Same outputs and gradients as ``reference``; the split's weights are ``model``'s."""
+    out, expected = split(*inputs), reference(*inputs)
+    torch.testing.assert_close(out, expected)
+    default_loss(out).backward()
+    default_loss(expected).backward()
+    assert_same_grads(model, reference)
+
+
+def test_meta_model_loads_from_safetensors_onto_planned_devices(tmp_path: Path) -> None:
+    reference = saved(two_layers, tmp_path / "model.safetensors")
+    model = on_meta(two_layers)
+    split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), mode="weights", checkpoint=tmp_path, progress=False)
+    plan = split.meta["fxsplit_plan"]
+    assert set(plan.param_devices.values()) == {"cpu:0", "cpu:1"}
+    for name, param in model.named_parameters():
+        assert type(param) is nn.Parameter and param.requires_grad and param.device.type == "cpu"
+        assert split.get_parameter(name) is param  # the model and the split share the loaded tensors
+    assert_matches(split, model, reference, (X,))
+
+
+def test_real_model_keeps_its_parameter_objects_and_gets_the_checkpoint_values(tmp_path: Path) -> None:
+    reference = saved(two_layers, tmp_path / "weights.safetensors")
+    torch.manual_seed(7)
+    model = two_layers().eval()
+    before = dict(model.named_parameters())
+    split = fxsplit.fxsplit(model, BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path / "weights.safetensors")
+    assert dict(model.named_parameters()) == before  # same objects
+    assert_matches(split, model, reference, (X,))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_tied_weights_load_once_and_stay_tied(tmp_path: Path, fmt: str) -> None:
+    path = tmp_path / ("model.safetensors" if fmt == "safetensors" else "pytorch_model.bin")
+    reference = saved(Tied, path, fmt)  # safetensors: 'emb.weight' only; torch.save: both names
+    model = on_meta(Tied)
+    ids = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(2))
+    split = fxsplit.fxsplit(model, {"cpu:0": "4KiB", "cpu:1": "4KiB"}, example_inputs=(ids,), mode="weights",
+                            checkpoint=tmp_path)
+    assert model.head.weight is model.emb.weight
+    assert split.get_parameter("head.weight") is model.emb.weight  # export keeps one name of a tied tensor
+    assert_matches(split, model, reference, (ids,))
+
+
+def test_load_checkpoint_fills_a_tied_weight_the_split_holds_under_its_other_name(tmp_path: Path) -> None:
+    reference = saved(Tied, tmp_path / "model.safetensors")  # holds 'emb.weight' only
+    ids = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(2))
+    split = fxsplit.fxsplit(on_meta(Tied), {"cpu:0": "4KiB", "cpu:1": "4KiB"}, example_inputs=(ids,),
+                            mode="weights", checkpoint=False)
+    assert "emb.weight" not in dict(split.named_parameters())
+    fxsplit.load_checkpoint(split, tmp_path)
+    torch.testing.assert_close(split(ids), reference(ids))
+
+
+def test_sharded_index_and_dtype_of_the_plan(tmp_path: Path) -> None:
+    reference = saved(two_layers, tmp_path / "full.safetensors")
+    state = reference.state_dict()
+    shards = {"a.safetensors": ["0.weight", "0.bias"], "b.safetensors": ["2.weight", "2.bias"]}
+    for file, names in shards.items():
+        safetensors_torch.save_file({n: state[n] for n in names}, str(tmp_path / file))
+    (tmp_path / "full.safetensors").unlink()
+    weight_map = {n: file for file, names in shards.items() for n in names}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    model = on_meta(two_layers)
+    split = fxsplit.fxsplit(model, {"cpu:0": "600B", "cpu:1": "600B"}, trace="fx", mode="weights", dtype="bfloat16",
+                            checkpoint=tmp_path)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    out = split(X.to(torch.bfloat16))
+    torch.testing.assert_close(out, reference.to(torch.bfloat16)(X.to(torch.bfloat16)))
+
+
+def test_apply_a_saved_plan_with_a_checkpoint(tmp_path: Path) -> None:
+    reference = saved(two_layers, tmp_path / "model.safetensors")
+    plan = fxsplit.plan(on_meta(two_layers), BUDGETS, example_inputs=(X,), mode="weights")
+    model = on_meta(two_layers)
+    split = fxsplit.apply(model, fxsplit.Plan.from_yaml(plan.to_yaml()), example_inputs=(X,), checkpoint=tmp_path)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert_matches(split, model, reference, (X,))
+
+
+def test_load_checkpoint_into_a_split_made_with_checkpoint_false(tmp_path: Path) -> None:
+    reference = saved(WithTable, tmp_path / "model.safetensors")
+    with fxsplit.empty_weights():  # parameters on meta, the buffer computed
+        model = WithTable().eval()
+    assert model.fc1.weight.device.type == "meta" and model.scale.device.type == "cpu"
+    with pytest.raises(fxsplit.FxsplitError, match="checkpoint="):
+        fxsplit.fxsplit(model, BUDGETS, trace="fx", mode="weights")
+    split = fxsplit.fxsplit(model, BUDGETS, trace="fx", mode="weights", checkpoint=False)
+    assert split.get_parameter("fc1.weight").device.type == "meta"
+    # fx copies the buffer into the split as a persistent one; the split remembers it is not in checkpoints
+    fxsplit.load_checkpoint(split, tmp_path / "model.safetensors")
+    torch.testing.assert_close(split(X), reference(X))
+
+
+def test_load_checkpoint_into_a_real_split_replaces_values_in_place(tmp_path: Path) -> None:
+    reference = saved(two_layers, tmp_path / "model.pt", "bin")
+    torch.manual_seed(5)
+    model = two_layers().eval()
+    split = fxsplit.fxsplit(model, BUDGETS, trace="fx", mode="weights")
+    before = dict(split.named_parameters())
+    fxsplit.load_checkpoint(split, tmp_path / "model.pt")
+    assert dict(split.named_parameters()) == before
+    assert_matches(split, model, reference, (X,))
+
+
+def test_meta_buffers_the_checkpoint_cannot_fill_are_named(tmp_path: Path) -> None:
+    saved(WithTable, tmp_path / "model.safetensors")
+    model = on_meta(WithTable)  # the buffer is on meta too: lost
+    with pytest.raises(fxsplit.CheckpointError) as raised:
+        fxsplit.fxsplit(model, BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path)
+    message = str(raised.value)
+    assert "meta buffer: 'scale' (float32[16])" in message and "fxsplit.empty_weights()" in message
+    assert model.fc1.weight.device.type == "meta"
+
+
+def test_a_bad_checkpoint_lists_every_problem_with_its_file_and_loads_nothing(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    good = two_layers().state_dict()
+    safetensors_torch.save_file({"0.weight": good["0.weight"], "0.bias": good["0.bias"].long()},
+                                str(tmp_path / "one.safetensors"))
+    safetensors_torch.save_file({"2.weight": torch.zeros(8, 16), "extra.table": torch.zeros(3)},
+                                str(tmp_path / "two.safetensors"))
+    model = on_meta(two_layers)
+    before = dict(model.named_parameters())
+    with pytest.raises(fxsplit.CheckpointError) as raised:
+        fxsplit.fxsplit(model, BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path)
+    assert isinstance(raised.value, ValueError)
+    assert sorted(raised.value.problems) == sorted([
+        "missing: '2.bias' (float32[16]) is not in the checkpoint",
+        "dtype: '0.bias' is int64[16] in 'one.safetensors', float32[16] in the model; only floating dtypes are "
+        "converted",
+        "shape: '2.weight' is float32[8, 16] in 'two.safetensors', float32[16, 16] in the model",
+        "unexpected: 'extra.table' (float32[3]) in 'two.safetensors' is not a tensor of the model",
+    ])
+    assert "nothing was loaded" in str(raised.value)
+    assert dict(model.named_parameters()) == before
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_a_failure_while_reading_leaves_the_model_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved(two_layers, tmp_path / "model.safetensors")
+    torch.manual_seed(3)
+    model = two_layers().eval()
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    read = checkpoint_load._read
+    calls = []
+
+    def fail_third(*args: object) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("out of memory on the device")
+        return read(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checkpoint_load, "_read", fail_third)
+    with pytest.raises(MemoryError):
+        fxsplit.fxsplit(model, BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param, values[name])
+
+
+def test_a_failure_after_loading_puts_the_meta_tensors_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved(two_layers, tmp_path / "model.safetensors")
+    model = on_meta(two_layers)
+    before = dict(model.named_parameters())
+
+    def broken_emit(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("codegen failed")
+
+    monkeypatch.setattr(fxsplit.api, "emit", broken_emit)
+    with pytest.raises(RuntimeError, match="codegen failed"):
+        fxsplit.fxsplit(model, BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path)
+    assert dict(model.named_parameters()) == before  # the meta Parameters, back in their modules
+
+
+def test_a_truncated_file_is_refused(tmp_path: Path) -> None:
+    saved(two_layers, tmp_path / "model.safetensors")
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(fxsplit.CheckpointError, match="corrupt or truncated"):
+        fxsplit.fxsplit(on_meta(two_layers), BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path)
+
+
+def test_an_empty_directory_says_what_was_looked_for(tmp_path: Path) -> None:
+    with pytest.raises(fxsplit.CheckpointError, match="model.safetensors.index.json"):
+        fxsplit.fxsplit(on_meta(two_layers), BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path)
+
+
+def test_progress_is_silent_off_a_terminal_and_drawn_when_asked(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    saved(two_layers, tmp_path / "model.safetensors")
+    fxsplit.fxsplit(on_meta(two_layers), BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path)
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here
+    fxsplit.fxsplit(on_meta(two_layers), BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path, progress=True)
+    assert "loading checkpoint [########################] 4/4 tensors" in capsys.readouterr().err
+
+
+def test_empty_weights_puts_parameters_on_meta_and_restores_register_parameter() -> None:
+    register = nn.Module.register_parameter
+    with fxsplit.empty_weights():
+        norm = nn.BatchNorm1d(4)
+    assert nn.Module.register_parameter is register
+    assert norm.weight.device.type == "meta" and isinstance(norm.weight, nn.Parameter)
+    assert norm.running_mean.device.type == "cpu"
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+def test_benchmark_small_checkpoint_meets_the_memory_bar(tmp_path: Path) -> None:
+    from benchmarks import checkpoint_load as bench
+
+    result = bench.measure_fxsplit(bench.write_checkpoint(tmp_path, 64 * 2**20))
+    assert result["peak_anon"] <= result["bar"], result
+    # what loading added: the weights once and one tensor in flight (a second copy of each would show)
+    assert result["peak_anon"] - result["baseline_anon"] <= result["model_bytes"] + result["largest"] + 32 * 2**20
+    out = io.StringIO()
+    bench.report([result], out)
+    assert "fxsplit" in out.getvalue()
+
+
+def test_load_checkpoint_into_a_pipeline(tmp_path: Path) -> None:
+    reference = saved(two_layers, tmp_path / "model.safetensors")
+    pipeline = fxsplit.fxsplit(on_meta(two_layers), BUDGETS, example_inputs=(X,), mode="weights", pipeline=2,
+                               checkpoint=False)
+    fxsplit.load_checkpoint(pipeline, tmp_path)
+    torch.testing.assert_close(pipeline(X), reference(X))
+
+
+def test_a_legacy_torch_save_file_says_how_to_convert_it(tmp_path: Path) -> None:
+    torch.save(two_layers().state_dict(), tmp_path / "old.bin", _use_new_zipfile_serialization=False)
+    with pytest.raises(fxsplit.CheckpointError, match="save it again with torch.save"):
+        fxsplit.fxsplit(on_meta(two_layers), BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path / "old.bin")
