@@ -8,7 +8,16 @@ from fxsplit.api import fxsplit, plan
 from fxsplit.apply_plan import apply, check_plan
 from fxsplit.autobudget import auto_budgets
 from fxsplit.distributed import PipelineStages, pipeline_stages
-from fxsplit.errors import BudgetError, FxsplitError, InputMismatchError, PlanMismatchError, SpecError, TraceError
+from fxsplit.errors import (
+    BudgetError,
+    ExampleInputError,
+    FxsplitError,
+    FxsplitWarning,
+    InputMismatchError,
+    PlanMismatchError,
+    SpecError,
+    TraceError,
+)
 from fxsplit.pipeline import Pipeline, PipelineConfig
 from fxsplit.plan import Cut, Plan
 from fxsplit.spec import Spec, load_spec
@@ -17,7 +26,9 @@ from fxsplit.units import format_size, parse_size
 __all__ = [
     "BudgetError",
     "Cut",
+    "ExampleInputError",
     "FxsplitError",
+    "FxsplitWarning",
     "InputMismatchError",
     "Pipeline",
     "PipelineConfig",
