@@ -26,7 +26,7 @@ from fxsplit.constraints import (
 from fxsplit.cost import GraphCosts, build_problem
 from fxsplit.devices import normalize_budgets, require_usable
 from fxsplit.dynamic import describe as describe_dynamic
-from fxsplit.errors import BudgetError, FxsplitError, SpecError
+from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
 from fxsplit.fingerprint import describe
 from fxsplit.memory import MemoryModel, MemorySpec, fit_budgets
 from fxsplit.microbatch import first_microbatch
@@ -137,8 +137,8 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
     index = {d: i for i, d in enumerate(devices)}
     costs = build_problem(traced.graph_module, model, device_index=index, pins=pins, together=together,
                           dtype=getattr(torch, dtype) if dtype else None)
-    memory = _memory_model(MemorySpec.coerce(options.mode, options.optimizer), traced, costs, model,
-                           getattr(torch, dtype) if dtype else None)
+    memory, uncounted = _memory_model(MemorySpec.coerce(options.mode, options.optimizer), traced, costs, model,
+                                      getattr(torch, dtype) if dtype else None)
     if isinstance(options.pipeline, PipelineConfig):  # the profile is one micro-batch's
         pipeline = options.pipeline
         memory = dataclasses.replace(memory, chunks=pipeline.chunks, checkpoint=str(pipeline.checkpoint))
@@ -160,28 +160,50 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
     made = fit_budgets(memory, usable, solve)
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
     made = _record(made, model, limits, reserved, dtype, leaves, dynamic)
+    if uncounted is not None:
+        made = dataclasses.replace(made, activations_not_counted=uncounted)
     if options.check:
         verify_plan(made, traced.graph_module, model)
     return _Planned(traced, costs, made, options)
 
 
 def _memory_model(spec: MemorySpec, traced: Traced, costs: GraphCosts, model: torch.nn.Module,
-                  dtype: torch.dtype | None = None) -> MemoryModel:
-    """What the plan charges: trainable parameters and, with shapes, the activation profile."""
+                  dtype: torch.dtype | None = None) -> tuple[MemoryModel, str | None]:
+    """What the plan charges: trainable parameters and, with shapes, the activation profile.
+
+    Also why the activations are not counted where ``spec`` counts them (warned), else None.
+    """
     named = dict(model.named_parameters(remove_duplicate=False))
     trainable = {w.names[0]: named[w.names[0]].numel() for w in costs.weights
                  if w.names[0] in named and named[w.names[0]].requires_grad}
-    profile = None
-    if spec.counts_activations and traced.has_shapes:
+    profile, uncounted = None, None
+    if spec.counts_activations and not traced.has_shapes:
+        uncounted = traced.shapes_missing or "the traced graph has no sizes"
+    elif spec.counts_activations:
         try:
             profile = profile_activations(traced.graph_module, costs, training=spec.training, dtype=dtype)
         except Exception as error:  # noqa: BLE001 - fake execution of any graph can raise anything
             first = (str(error).strip().splitlines() or [""])[0]
-            warnings.warn(
-                f"fxsplit could not profile the activations on fake tensors ({type(error).__name__}: {first}); "
-                "this plan does not count them, so leave room for them in the budgets (mode='weights' plans "
-                "on parameters and buffers alone without this warning)", stacklevel=4)
-    return MemoryModel(spec, costs, trainable, profile)
+            uncounted = f"profiling them on fake tensors failed ({type(error).__name__}: {first})"
+        if profile is None and uncounted is None:
+            uncounted = _inputs_without_values(traced.graph_module)
+    if uncounted is not None:
+        warnings.warn(FxsplitWarning(
+            f"activations not counted: {uncounted}; this plan charges parameters and buffers{_also(spec)} but no "
+            f"activations (nor cut sizes, where the graph has no sizes), although mode={spec.mode!r} counts them: "
+            "leave room for them in the budgets or pass example_inputs the model runs on (mode='weights' plans "
+            "without activations and without this warning)"), stacklevel=4)
+    return MemoryModel(spec, costs, trainable, profile), uncounted
+
+
+def _inputs_without_values(graph_module: torch.fx.GraphModule) -> str:
+    unknown = [n.name for n in graph_module.graph.nodes if n.op == "placeholder" and "val" not in n.meta]
+    return (f"no example value recorded for input(s) {', '.join(unknown) or '?'} (fake shape propagation "
+            "records tensors and numbers only)")
+
+
+def _also(spec: MemorySpec) -> str:
+    return ", gradients and optimizer state" if spec.training else ""
 
 
 def _record(made: Plan, model: torch.nn.Module, budgets: dict[str, int], reserved: dict[str, int],

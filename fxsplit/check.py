@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from fxsplit import runtime
 from fxsplit.codegen import COPY_META, DEVICE_META
 from fxsplit.errors import FxsplitError
 from fxsplit.graphinfo import NONTENSOR, value_kind
@@ -244,7 +245,7 @@ def _module_weight_devices(gm: torch.fx.GraphModule, plan: Plan, node: torch.fx.
     """Devices of the parameters and buffers a module call reads in place (not passed in as copies)."""
     if node.op == "call_module":
         path, replaced = str(node.target), set()
-    elif node.op == "call_function" and node.target is torch.func.functional_call:
+    elif node.op == "call_function" and node.target is runtime.call_with_weights:
         path, replaced = str(node.args[0].target), set(node.args[1])  # type: ignore[union-attr,arg-type]
     else:
         return []

@@ -245,7 +245,7 @@ class _Emitter:
         module_node.meta[DEVICE_META] = self.plan.placement[node.name]
         args = torch.fx.map_arg(node.args, remap)
         kwargs = torch.fx.map_arg(node.kwargs, remap)
-        new = self.graph.call_function(torch.func.functional_call, (module_node, local, tuple(args), dict(kwargs)))
+        new = self.graph.call_function(runtime.call_with_weights, (module_node, local, tuple(args), dict(kwargs)))
         new.meta = dict(node.meta)
         return new
 

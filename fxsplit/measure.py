@@ -214,8 +214,14 @@ class _Runner(torch.fx.Interpreter):
     """Runs the split graph node by node, telling the meter which device each node is on."""
 
     def __init__(self, split: torch.fx.GraphModule, meter: ActivationMeter) -> None:
-        super().__init__(split)
+        super().__init__(split, garbage_collect_values=True)
         self.meter = meter
+        # The Interpreter frees a value after its last user; a value nobody reads
+        # (``mul = a * 2;  mul = None`` in the generated code) it would keep to the
+        # end, counting bytes the real forward frees at once.
+        for node in split.graph.nodes:
+            if not node.users and node.op != "output":
+                self.user_to_last_uses.setdefault(node, []).append(node)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         copy = n.meta.get(COPY_META)

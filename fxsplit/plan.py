@@ -80,6 +80,10 @@ class Plan:
             ``"batch"``, ``"all"``, ``"custom"`` (a torch.export spec, to be
             passed again when applying), or None (the example's sizes only;
             always None for fx graphs, which take any size).
+        activations_not_counted: why the plan does not count activations
+            (and, without sizes, cut bytes) although its memory mode does,
+            e.g. ``"no example_inputs, so the graph has no sizes"``; None
+            when they are counted or the mode does not count them.
     """
 
     devices: tuple[str, ...]
@@ -100,6 +104,7 @@ class Plan:
     leaf_modules: tuple[str, ...] = ()
     memory: dict[str, dict[str, int]] = field(default_factory=dict)
     dynamic_shapes: str | None = None
+    activations_not_counted: str | None = None
 
     @property
     def transfer_bytes(self) -> int:
@@ -144,6 +149,7 @@ class Plan:
             "leaf_modules": list(self.leaf_modules),
             "memory": {d: dict(row) for d, row in self.memory.items()},
             "dynamic_shapes": self.dynamic_shapes,
+            "activations_not_counted": self.activations_not_counted,
         }
 
     @classmethod
@@ -168,6 +174,7 @@ class Plan:
             leaf_modules=tuple(data.get("leaf_modules", ())),
             memory={d: dict(row) for d, row in data.get("memory", {}).items()},
             dynamic_shapes=data.get("dynamic_shapes"),
+            activations_not_counted=data.get("activations_not_counted"),
         )
 
     def to_yaml(self) -> str:
@@ -211,6 +218,9 @@ class Plan:
         lines.extend(self.tied_summary())
         if self.memory:
             lines.extend(self._memory_table())
+        if self.activations_not_counted:
+            lines.append(f"activations not counted: {self.activations_not_counted}; "
+                         "leave room in the budgets or pass example_inputs")
         return "\n".join(lines)
 
     def tied_summary(self) -> list[str]:

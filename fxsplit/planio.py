@@ -103,6 +103,8 @@ def plan_to_yaml(plan: Plan) -> str:
         f"output_device: {k(plan.output_device)}",
         f"leaf_modules: {_flow_list(plan.leaf_modules)}",
         *([f"dynamic_shapes: {k(plan.dynamic_shapes)}"] if plan.dynamic_shapes else []),
+        *([f"activations_not_counted: {k(plan.activations_not_counted)}"]
+          if plan.activations_not_counted is not None else []),
         "devices:",
     ]
     for device in plan.devices:
@@ -240,6 +242,8 @@ class _Reader:
                 r, _is_int)), "device -> {component: bytes}") or {}).items()},
             dynamic_shapes=get(data, "dynamic_shapes", lambda v: v is None or v in ("batch", "all", "custom"),
                                "batch, all, custom or null") if "dynamic_shapes" in data else None,
+            activations_not_counted=get(data, "activations_not_counted", lambda v: v is None or _is_str(v),
+                                        "a reason (text) or null") if "activations_not_counted" in data else None,
         )
 
     def cut(self, index: int, entry: Any) -> Cut | None:

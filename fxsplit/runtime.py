@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["move", "write_back"]
+__all__ = ["call_with_weights", "move", "write_back"]
 
 
 def move(value: Any, device: str) -> Any:
@@ -44,3 +44,17 @@ def write_back(original: Any, moved: Any) -> None:
     elif isinstance(original, dict) and isinstance(moved, dict):
         for key, item in original.items():
             write_back(item, moved[key])
+
+
+def call_with_weights(module: torch.nn.Module, weights: Mapping[str, torch.Tensor], args: Sequence[Any],
+                      kwargs: Mapping[str, Any]) -> Any:
+    """Call ``module(*args, **kwargs)`` with some of its parameters and buffers replaced by ``weights``.
+
+    The generated code calls this where a module runs on one device while
+    some of its weights live on another (a tied weight): ``weights`` holds
+    their copies, by name inside ``module``. Same as
+    :func:`torch.func.functional_call`, which it calls on plain copies of the
+    containers: an fx graph hands its arguments over as immutable containers
+    (``torch.fx.Interpreter`` does), and ``functional_call`` may change them.
+    """
+    return torch.func.functional_call(module, dict(weights), tuple(args), dict(kwargs))

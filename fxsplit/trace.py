@@ -10,13 +10,15 @@ Two tracers:
   transformers 5.x, for instance). Its graph is in ATen ops, and input/output
   structure (tuples, dicts, ``ModelOutput``) is restored by its codegen.
 
-``"auto"`` uses export when example inputs are given (falling back to fx),
-else fx.
+``"auto"`` uses export when example inputs are given, else fx. When export
+fails, the example inputs are checked (:mod:`fxsplit.example_inputs`): inputs the
+model cannot run are an :class:`~fxsplit.errors.ExampleInputError`; otherwise
+fx traces the model, with a :class:`~fxsplit.errors.FxsplitWarning` that says why.
 """
 
 from __future__ import annotations
 
-import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -25,7 +27,10 @@ import torch.fx
 from torch.fx.graph import CodeGen, _PyTreeCodeGen
 
 from fxsplit.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_inputs, export_spec
-from fxsplit.errors import TraceError
+from fxsplit.errors import FxsplitWarning, TraceError
+from fxsplit.example_inputs import check_example_inputs, quiet_fake_tensor_log
+from fxsplit.example_inputs import first_line as _first_line
+from fxsplit.example_inputs import user_frame as _user_frame
 from fxsplit.gradmode import recording_grad_mode, refusing_inference_mode
 
 __all__ = ["TRACE_MODES", "Traced", "trace"]
@@ -43,12 +48,14 @@ class Traced:
         method: ``"fx"`` or ``"export"``.
         has_shapes: whether nodes carry ``meta["val"]`` with shapes and dtypes.
         notes: what happened on the way (e.g. why export fell back to fx).
+        shapes_missing: why nodes carry no shapes, when ``has_shapes`` is False.
     """
 
     graph_module: torch.fx.GraphModule
     method: str
     has_shapes: bool
     notes: tuple[str, ...] = ()
+    shapes_missing: str | None = None
 
 
 class _LeafTracer(torch.fx.Tracer):
@@ -85,6 +92,10 @@ def trace(
 
     Raises:
         TraceError: neither tracer worked; says why and what to try.
+        ExampleInputError: the model cannot run on the example inputs.
+
+    Warns:
+        FxsplitWarning: export failed and fx traced the model instead.
     """
     if mode not in TRACE_MODES:
         raise TraceError(f"trace mode must be one of {', '.join(TRACE_MODES)} (got {mode!r})")
@@ -95,20 +106,37 @@ def trace(
         raise TraceError("trace mode 'export' needs example_inputs (a tuple of the forward's positional inputs)")
     leaves = list(leaf_modules)
     if mode == "export" or (mode == "auto" and has_examples):
+        export_error = None
         try:
-            return _export(model, tuple(example_inputs or ()), dict(example_kwargs or {}), dynamic_shapes)
+            with quiet_fake_tensor_log():
+                return _export(model, tuple(example_inputs or ()), dict(example_kwargs or {}), dynamic_shapes)
         except TraceError:
             raise  # ours, already specific (dynamic_shapes not kept)
-        except Exception as export_error:  # noqa: BLE001 - torch raises many kinds
-            if mode == "export":
-                raise TraceError(_export_message(export_error)) from export_error
-            try:
-                traced = _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
-            except TraceError as fx_error:
-                raise TraceError(f"{_export_message(export_error)}\n\nfx also failed: {fx_error}") from fx_error
-            note = f"torch.export failed, used torch.fx: {_first_line(export_error)}"
-            return Traced(traced.graph_module, traced.method, traced.has_shapes, (note,))
+        except Exception as error:  # noqa: BLE001 - torch raises many kinds
+            export_error = error
+        check_example_inputs(model, tuple(example_inputs or ()), example_kwargs or {})
+        if mode == "export":
+            raise TraceError(_export_message(export_error)) from export_error
+        try:
+            traced = _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs, checked=True)
+        except TraceError as fx_error:
+            raise TraceError(f"{_export_message(export_error)}\n\nfx also failed: {fx_error}") from fx_error
+        note = f"torch.export failed, used torch.fx: {_first_line(export_error)}"
+        warnings.warn(FxsplitWarning(_fallback_message(export_error, traced)), stacklevel=4)
+        return Traced(traced.graph_module, traced.method, traced.has_shapes, (note,), traced.shapes_missing)
     return _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
+
+
+def _fallback_message(export_error: BaseException, traced: Traced) -> str:
+    if traced.has_shapes:
+        outcome = "its sizes come from running the fx graph on fake tensors"
+    else:
+        outcome = f"that graph has no sizes ({traced.shapes_missing}), so the plan counts no activations or cut sizes"
+    return (
+        f"torch.export could not trace the model ({_first_line(export_error)}); fxsplit traced it with torch.fx "
+        f"instead: {outcome}. Pass trace='fx' to choose fx (no warning), or fix what export reports "
+        "(trace='export' raises it in full)"
+    )
 
 
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic_shapes: Any) -> Traced:
@@ -173,7 +201,16 @@ def _symbolic(
     concrete_args: Mapping[str, Any] | None,
     example_inputs: tuple[Any, ...] | None,
     example_kwargs: Mapping[str, Any] | None,
+    *,
+    checked: bool = False,
 ) -> Traced:
+    """Trace with torch.fx; with example inputs, shapes from fake tensors.
+
+    ``checked``: the example inputs were already checked (do not run the model again).
+
+    Raises:
+        ExampleInputError: shapes could not be found because the model cannot run the example inputs.
+    """
     leaf_types = tuple(leaf for leaf in leaves if isinstance(leaf, type))
     leaf_names = frozenset(leaf for leaf in leaves if isinstance(leaf, str))
     tracer = _LeafTracer(leaf_types, leaf_names)
@@ -186,19 +223,29 @@ def _symbolic(
         raise TraceError(_fx_message(error)) from error
     name = type(model).__name__
     graph_module = torch.fx.GraphModule(tracer.root, graph, name)
-    has_shapes = False
-    if example_inputs is not None or example_kwargs:
-        has_shapes = _propagate_shapes(graph_module, example_inputs or (), example_kwargs or {})
-    return Traced(graph_module, "fx", has_shapes)
+    if example_inputs is None and not example_kwargs:
+        return Traced(graph_module, "fx", False, shapes_missing="no example_inputs, so the graph has no sizes")
+    args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
+    failure = _propagate_shapes(graph_module, args, kwargs)
+    if failure is None:
+        return Traced(graph_module, "fx", True)
+    if not checked:
+        check_example_inputs(model, args, kwargs)
+    return Traced(graph_module, "fx", False, shapes_missing=f"running the fx graph on fake tensors failed: {failure}")
 
 
-def _propagate_shapes(graph_module: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
-    """Record ``meta["val"]`` on every node by running on fake tensors; False if that fails."""
+def _propagate_shapes(
+    graph_module: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> str | None:
+    """Record ``meta["val"]`` on every node by running on fake tensors; why that failed, or None."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     from torch.nn.utils.stateless import _reparametrize_module
 
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    unknown = sorted(set(kwargs) - {str(n.target) for n in placeholders[len(args):]})
+    if unknown:
+        return f"example_kwargs {unknown} are not inputs of the traced graph"
     flat = list(args) + [kwargs[n.target] for n in placeholders[len(args):] if n.target in kwargs]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     grad_enabled = torch.is_grad_enabled()  # the graph may set it (recorded no_grad blocks)
@@ -207,34 +254,20 @@ def _propagate_shapes(graph_module: torch.fx.GraphModule, args: tuple[Any, ...],
         # Run on fake copies of the weights, so in-place updates (BatchNorm's
         # running stats) never reach the user's tensors.
         state: dict[str, torch.Tensor] = {name: mode.from_tensor(t) for name, t in _named_tensors(graph_module)}
-        with _reparametrize_module(graph_module, state, tie_weights=True, strict=False):
+        with quiet_fake_tensor_log(), _reparametrize_module(graph_module, state, tie_weights=True, strict=False):
             FakeTensorProp(graph_module, mode).propagate(*fake)
-    except Exception:  # noqa: BLE001 - shapes are an optimisation; plan without them
+    except Exception as error:  # noqa: BLE001 - shapes are an optimisation; plan without them (and say so)
         for node in graph_module.graph.nodes:
             node.meta.pop("val", None)
-        return False
+        return _first_line(error)
     finally:
         torch._C._set_grad_enabled(grad_enabled)
-    return True
+    return None
 
 
 def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     found = list(module.named_parameters(remove_duplicate=False))
     return found + [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
-
-
-def _user_frame(error: BaseException) -> str:
-    """The innermost frame of the traceback that is not inside torch, as 'file:line: code'."""
-    frames = traceback.extract_tb(error.__traceback__)
-    for frame in reversed(frames):
-        if "/torch/" not in frame.filename and "/fxsplit/" not in frame.filename:
-            return f"{frame.filename}:{frame.lineno}: {frame.line}"
-    return ""
 
 
 def _fx_message(error: BaseException) -> str:

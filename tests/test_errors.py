@@ -151,8 +151,10 @@ def test_untraceable_by_both_tracers_reports_both() -> None:
 
 
 def test_export_with_wrong_inputs() -> None:
-    with pytest.raises(fxsplit.TraceError, match="check example_inputs match forward"):
+    with pytest.raises(fxsplit.TraceError, match=r"(?s)the model cannot run on the example inputs: RuntimeError: .*"
+                                                 r"input \(example_inputs\[0\]\) = float32\[2, 3\]") as caught:
         fxsplit.plan(three_linears(), {"cpu:0": 10**6}, example_inputs=(torch.randn(2, 3),), trace="export")
+    assert isinstance(caught.value, fxsplit.ExampleInputError)
 
 
 def test_meta_model_cannot_be_split() -> None:

@@ -155,9 +155,11 @@ def test_a_graph_that_cannot_be_profiled_is_planned_without_activations_and_says
         raise NotImplementedError("no fake kernel for my_op\nmore detail")
 
     monkeypatch.setattr("fxsplit.api.profile_activations", fail)
-    with pytest.warns(UserWarning, match=r"could not profile .*\(NotImplementedError: no fake kernel for my_op\)"):
+    with pytest.warns(fxsplit.FxsplitWarning, match=r"activations not counted: profiling them on fake tensors failed "
+                                                    r"\(NotImplementedError: no fake kernel for my_op\)"):
         plan = fxsplit.plan(_mlp(), {"cpu:0": "1MiB"}, example_inputs=(torch.randn(2, 64),), mode="inference")
     assert "activations_peak" not in plan.memory["cpu:0"]
+    assert "activations not counted: profiling them on fake tensors failed" in str(plan)
 
 
 def test_plan_prints_and_round_trips_the_breakdown() -> None:

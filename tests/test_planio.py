@@ -50,6 +50,7 @@ def plans(draw: st.DrawFn) -> Plan:
         reserved={d: draw(sizes) for d in draw(st.lists(device, unique=True))},
         dtype=draw(st.none() | st.sampled_from(["bfloat16", "float16"]) | names),
         leaf_modules=tuple(draw(st.lists(names, max_size=3))),
+        activations_not_counted=draw(st.none() | names),
     )
 
 

@@ -70,7 +70,8 @@ def test_auto_picks_export_with_examples() -> None:
 
 
 def test_auto_falls_back_to_fx_with_a_note() -> None:
-    traced = trace(WithBatchNorm(cumulative=True), example_inputs=(torch.randn(4, 8),))
+    with pytest.warns(fxsplit.FxsplitWarning, match="fxsplit traced it with torch.fx instead"):
+        traced = trace(WithBatchNorm(cumulative=True), example_inputs=(torch.randn(4, 8),))
     assert traced.method == "fx"
     assert len(traced.notes) == 1 and traced.notes[0].startswith("torch.export failed, used torch.fx:")
 

@@ -1,0 +1,186 @@
+"""Example inputs the model cannot run are an error; a fallback or a plan without activations is a warning."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import WithBatchNorm
+
+import fxsplit
+from fxsplit.errors import BudgetError, ExampleInputError, FxsplitWarning, TraceError
+from fxsplit.plan import Plan
+from fxsplit.trace import trace
+
+BUDGETS = {"cpu:0": "20KiB", "cpu:1": "20KiB"}
+X = torch.randn(512, 64)
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+MODEL_LINE = re.escape(inspect.getsource(TwoLayers.forward).splitlines()[-1].strip())  # the user's line, in the message
+
+
+def test_inputs_the_model_runs_give_the_budget_error() -> None:
+    with pytest.raises(BudgetError, match=r"activations peak 256.00 KiB = 288.50 KiB"):
+        fxsplit.plan(TwoLayers(), BUDGETS, example_inputs=(X,))
+
+
+BAD_INPUTS: dict[str, tuple[Any, dict[str, Any] | None, list[str]]] = {
+    "wrong width": ((torch.randn(512, 32),), None,
+                    [r"RuntimeError: a and b must have same reduction dim, but got \[512, 32\] X \[64, 64\]",
+                     r"x \(example_inputs\[0\]\) = float32\[512, 32\]", MODEL_LINE]),
+    "a list": ([X], None, [r"TypeError: linear\(\): argument 'input' \(position 1\) must be Tensor, not list",
+                           r"x \(example_inputs\[0\]\) = a list of 1: \[float32\[512, 64\]\]",
+                           r"a list given as example_inputs \(or inside its tuple\) reaches forward\(\) as one input: "
+                           r"only a tuple is spread over forward\(\)'s positional inputs", MODEL_LINE]),
+    "a dict": ({"x": X}, None, [r"not dict", r"a dict of 1: \{'x': float32\[512, 64\]\}", r"example_kwargs"]),
+    "an unknown keyword": ((X,), {"y": 1}, [r"forward\(x\) does not take them: got an unexpected keyword "
+                                            r"argument 'y'",
+                                            r"y \(example_kwargs\['y'\]\) = 1"]),
+    "a missing input": ((), {"mask": X}, [r"missing a required argument: 'x'"]),
+}
+
+
+@pytest.mark.parametrize("mode", ["auto", "fx", "export"])
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_inputs_the_model_cannot_run_are_an_error_naming_them(case: str, mode: str) -> None:
+    inputs, keywords, expected = BAD_INPUTS[case]
+    model = TwoLayers()
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    with pytest.raises(ExampleInputError) as caught:
+        fxsplit.plan(model, BUDGETS, example_inputs=inputs, example_kwargs=keywords, trace=mode)
+    message = str(caught.value)
+    assert message.startswith("the model cannot run on the example inputs: ")
+    for pattern in expected:
+        assert re.search(pattern, message), (pattern, message)
+    assert isinstance(caught.value, TraceError) and isinstance(caught.value, ValueError)
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__  # no torch traceback under it
+    for name, parameter in model.named_parameters():
+        assert parameter is before[name][0] and torch.equal(parameter, before[name][1])
+
+
+def test_refusing_inputs_leaves_the_model_as_it_was() -> None:
+    """A model in training mode with batch norm: the fake run must not touch its running statistics."""
+    model = WithBatchNorm().train()
+    state = copy.deepcopy(model.state_dict())
+    with pytest.raises(ExampleInputError, match=r"float32\[4, 5\]"):
+        fxsplit.plan(model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(torch.randn(4, 5),))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    assert model.training
+
+
+class Settings:
+    """A plain object as an input: torch.export refuses it, torch.fx follows its attributes."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, settings: Settings) -> torch.Tensor:
+        return self.b(self.a(x) * settings.scale)
+
+
+def test_export_failing_on_good_inputs_falls_back_to_fx_with_a_warning() -> None:
+    with pytest.warns(FxsplitWarning, match=r"torch.export could not trace the model \(ValueError: Unsupported input "
+                                            r"type .*Settings.*\); fxsplit traced it with torch.fx instead"):
+        traced = trace(Scaled(), example_inputs=(X, Settings(2.0)))
+    assert traced.method == "fx" and traced.has_shapes
+    assert issubclass(FxsplitWarning, UserWarning) and fxsplit.FxsplitWarning is FxsplitWarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert trace(Scaled(), example_inputs=(X, Settings(2.0)), mode="fx").method == "fx"  # chosen: no warning
+
+
+def test_an_input_fake_propagation_cannot_record_is_not_a_silent_gap() -> None:
+    """The fx graph has sizes, but not of ``settings``: the activations cannot be profiled, and the plan says so."""
+    with pytest.warns(FxsplitWarning) as caught:
+        plan = fxsplit.plan(Scaled(), BUDGETS, example_inputs=(X, Settings(2.0)))
+    reason = "no example value recorded for input(s) settings (fake shape propagation records tensors and numbers only)"
+    assert plan.activations_not_counted == reason
+    assert any(str(w.message).startswith(f"activations not counted: {reason}") for w in caught)
+
+
+def test_fallback_without_sizes_warns_and_the_plan_says_so() -> None:
+    """Cumulative batch norm: export fails on good inputs, and fake propagation of the fx graph fails too."""
+    model = WithBatchNorm(cumulative=True)
+    with pytest.warns(FxsplitWarning) as caught:
+        plan = fxsplit.plan(model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(torch.randn(4, 8),))
+    messages = [str(w.message) for w in caught]
+    assert any("fxsplit traced it with torch.fx instead: that graph has no sizes" in m for m in messages)
+    assert any(m.startswith("activations not counted: running the fx graph on fake tensors failed") for m in messages)
+    assert plan.trace == "fx" and "activations_peak" not in plan.memory["cpu:0"]
+    assert plan.activations_not_counted is not None
+    assert plan.activations_not_counted.startswith("running the fx graph on fake tensors failed: ")
+
+
+class Host(nn.Module):
+    """Computes on the host with numpy: runs on real tensors only (not on fake ones)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(x.detach().numpy() * 2)
+
+
+class WithHost(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.host = Host()
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.host(self.a(x)))
+
+
+def test_a_model_fake_tensors_cannot_run_is_not_blamed_on_its_inputs() -> None:
+    with pytest.warns(FxsplitWarning, match=r"activations not counted: running the fx graph on fake tensors failed: "
+                                            r"RuntimeError: .numpy\(\) is not supported"):
+        plan = fxsplit.plan(WithHost(), BUDGETS, example_inputs=(X,), trace="fx", leaf_modules=[Host])
+    assert "activations not counted: running the fx graph" in str(plan)
+
+
+def test_print_plan_says_activations_are_not_counted_and_the_file_keeps_it() -> None:
+    with pytest.warns(FxsplitWarning, match="activations not counted: no example_inputs"):
+        plan = fxsplit.plan(TwoLayers(), BUDGETS)
+    assert plan.activations_not_counted == "no example_inputs, so the graph has no sizes"
+    assert str(plan).splitlines()[-1] == ("activations not counted: no example_inputs, so the graph has no sizes; "
+                                          "leave room in the budgets or pass example_inputs")
+    text = plan.to_yaml()
+    assert "activations_not_counted: no example_inputs, so the graph has no sizes\n" in text
+    assert Plan.from_yaml(text) == plan and Plan.from_dict(plan.to_dict()) == plan
+    old_file = "".join(line for line in text.splitlines(keepends=True) if "activations_not_counted" not in line)
+    assert Plan.from_yaml(old_file).activations_not_counted is None
+    with pytest.raises(fxsplit.SpecError, match=r"activations_not_counted: must be a reason \(text\) or null"):
+        Plan.from_yaml(text.replace("activations_not_counted: no example_inputs, so the graph has no sizes",
+                                    "activations_not_counted: [1]"))
+
+
+def test_plans_that_count_activations_or_need_not_say_nothing() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weights = fxsplit.plan(TwoLayers(), BUDGETS, mode="weights")
+        counted = fxsplit.plan(TwoLayers(), {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(X,))
+    for plan in (weights, counted):
+        assert plan.activations_not_counted is None and "not counted" not in str(plan)
+        assert "activations_not_counted" not in plan.to_yaml()
