@@ -235,8 +235,8 @@ def _check_budgets(plan: Plan, held: dict[str, int], limits: dict[str, int], *, 
         reserved = plan.reserved.get(device, 0) if own else 0
         of = f" (its budget {format_size(plan.budgets[device])} less {format_size(reserved)} reserved)" if (
             reserved) else ""
-        over.append(f"'{device}' needs {format_size(nbytes)} ({nbytes} bytes) of parameters and buffers but may hold "
-                    f"{format_size(limit)}{of}: short by {format_size(nbytes - limit)} ({nbytes - limit} bytes)")
+        over.append(f"'{device}' holds {format_size(nbytes)} ({nbytes} bytes) of parameters and buffers but may hold "
+                    f"{format_size(limit)}{of}: over by {format_size(nbytes - limit)} ({nbytes - limit} bytes)")
     if over:
         fix = ("the plan was edited or made for a smaller model: plan again for this model" if own
                else "plan again with these budgets")

@@ -47,11 +47,12 @@ class PlanProblems(YamlProblems, PlanMismatchError):
 
 
 def validate_plan(plan: Plan, source: str = "<plan>", lines: dict[YamlPath, int] | None = None) -> None:
-    """Raise :class:`PlanProblems` listing every rule ``plan`` breaks (``lines``: YAML path -> line, from its file)."""
+    """Raise :class:`PlanProblems` listing every rule ``plan`` breaks, by line (``lines``: YAML path -> line)."""
     problems = plan_problems(plan)
     if problems:
         where = lines or {}
-        raise PlanProblems(source, [Problem(p.path, line_of(p.path, where), p.message) for p in problems])
+        located = [Problem(p.path, line_of(p.path, where), p.message) for p in problems]
+        raise PlanProblems(source, sorted(located, key=lambda p: p.line or 0))
 
 
 def plan_problems(plan: Plan) -> list[Problem]:
