@@ -46,7 +46,14 @@ from fxsplit.pipeline import PipelineConfig
 from fxsplit.trace import TRACE_MODES
 from fxsplit.units import format_size, parse_size
 from fxsplit.yamlfile import (
-    MAX_SPEC_BYTES, Problem, YamlPath, YamlProblems, format_path, line_of, load_yaml, read_limited,
+    MAX_SPEC_BYTES,
+    Problem,
+    YamlPath,
+    YamlProblems,
+    format_path,
+    line_of,
+    load_yaml,
+    read_limited,
 )
 from fxsplit.yamlfile import short_repr as _short
 
@@ -98,7 +105,8 @@ def parse_headroom(value: Any, *, what: str = "reserve") -> Headroom:
     if isinstance(value, str) and "%" in value:
         match = _PERCENT.match(value)
         if match is None or float(match.group(1)) >= 100:
-            raise SpecError(f"{what} {_short(value)} is not a percentage of the budget from 0% to below 100%, like '10%'")
+            raise SpecError(f"{what} {_short(value)} is not a percentage of the budget from 0% to below 100%, "
+                            "like '10%'")
         return Headroom(fraction=float(match.group(1)) / 100)
     return Headroom(nbytes=parse_size(value, what=what))
 
