@@ -50,6 +50,7 @@ from fxsplit.microbatch import first_microbatch
 from fxsplit.pipeline import PipelineConfig
 from fxsplit.plan import Plan
 from fxsplit.planning import weights_by_node
+from fxsplit.planrules import validate_plan
 from fxsplit.stages import StageSpec, split_stages
 from fxsplit.trace import trace
 
@@ -193,7 +194,8 @@ def pipeline_stages(
 
 def _apply(model: torch.nn.Module, plan: Plan, example_inputs: Any, chunks: int,
            options: Mapping[str, Any]) -> tuple[torch.fx.GraphModule, Plan, dict[str, Any]]:
-    """Trace ``model`` as ``plan`` was traced and check that the plan names its graph."""
+    """Trace ``model`` as ``plan`` was traced and check that the plan meets its rules and names its graph."""
+    validate_plan(plan)
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     args, kwargs = first_microbatch(example_inputs, options.get("example_kwargs"), chunks)

@@ -271,3 +271,10 @@ def test_a_damaged_plan_file_raises_only_fxsplit_errors() -> None:
         with pytest.raises(fxsplit.FxsplitError) as caught:
             Plan.from_yaml(case)
         assert isinstance(caught.value, fxsplit.SpecError) and len(str(caught.value)) < 2000
+
+
+def test_pipeline_stages_hold_a_given_plan_to_the_rules() -> None:
+    plan = saved_plan()
+    with pytest.raises(PlanProblems, match="fingerprint: is 'sha256:0123456789abcdef'"):
+        fxsplit.pipeline_stages(small(), dataclasses.replace(plan, fingerprint="sha256:0123456789abcdef"),
+                                example_inputs=(torch.randn(4, 48),), chunks=2)
