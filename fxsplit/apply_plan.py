@@ -3,8 +3,13 @@
 :func:`apply` rebuilds the ``GraphModule`` a plan was made with (the same
 generated code), on this or another machine. :func:`check_plan` validates a
 plan against a model and budgets without touching the weights (a ``meta``
-model works). Both fail with :class:`PlanMismatchError` saying what differs:
-parameters missing, extra or changed, graph nodes the plan does not place.
+model works). Both trust nothing the plan says that can be checked: the plan
+must meet the rules of :mod:`fxsplit.planrules` (its fingerprint, tensors,
+devices and tied groups agree), describe the model (parameters and buffers,
+graph nodes), fit its budgets less its reserve with the bytes of the model's
+own tensors, and list the cuts its placement implies on the re-traced graph.
+They fail with :class:`PlanMismatchError` saying what differs, or
+:class:`BudgetError` saying which device is short and by how much.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch.fx
 
 from fxsplit.api import _refuse_meta
 from fxsplit.checkpoint import prepare, remember_non_persistent
-from fxsplit.codegen import emit, move_weights
+from fxsplit.codegen import check_input_writes, emit, move_weights
 from fxsplit.constraints import locator, resolve_leaf_modules
 from fxsplit.cost import GraphCosts, build_problem
 from fxsplit.devices import require_usable
@@ -26,11 +31,12 @@ from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError, SpecErr
 from fxsplit.fingerprint import describe, differences
 from fxsplit.plan import Cut, Plan
 from fxsplit.planning import cuts_for, weights_by_node
+from fxsplit.planrules import validate_plan
 from fxsplit.trace import Traced, trace
 from fxsplit.units import format_size
 from fxsplit.validate import check_concrete_args, check_option_types, require_module
 
-__all__ = ["PlanCheck", "apply", "check_plan", "retrace"]
+__all__ = ["PlanCheck", "apply", "check_plan", "checked_retrace", "retrace"]
 
 _SHOWN = 12
 
@@ -41,8 +47,6 @@ def _listing(title: str, lines: list[str]) -> str:
 
 
 def _check_structure(model: torch.nn.Module, plan: Plan) -> None:
-    if not plan.tensors:
-        return
     found = differences(plan.tensors, plan.tied, model, dtype=plan.dtype)
     if found:
         ours = describe(model)[0]
@@ -64,13 +68,16 @@ def retrace(
     """Trace ``model`` the way ``plan`` was made and check that the plan places exactly its nodes.
 
     Raises:
-        PlanMismatchError: the model's parameters or graph differ from the plan's.
+        PlanMismatchError: the plan breaks the rules of :mod:`fxsplit.planrules`
+            (a :class:`~fxsplit.planrules.PlanProblems` listing each), or the
+            model's parameters or graph differ from the plan's.
         TraceError: the model cannot be traced.
     """
     require_module(model)
     check_option_types({"example_kwargs": example_kwargs, "concrete_args": concrete_args,
                         "leaf_modules": leaf_modules, "dynamic_shapes": dynamic_shapes})
     check_concrete_args(model, concrete_args)
+    validate_plan(plan)
     _check_structure(model, plan)
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
@@ -106,11 +113,6 @@ def _check_nodes(graph_module: torch.fx.GraphModule, plan: Plan) -> None:
             f"the traced graph has {len(extra)} node(s) the plan does not place and the plan places {len(missing)} "
             f"node(s) the graph does not have; was the model's code changed? (the plan was made with {how})",
             lines))
-    known = set(plan.devices) | {plan.output_device}
-    wrong = [f"'{n}' -> '{d}'" for n, d in [*plan.placement.items(), *plan.param_devices.items()] if d not in known]
-    if wrong:
-        raise PlanMismatchError(_listing(f"the plan places these on devices it has no budget for ({', '.join(known)}):",
-                                         wrong))
 
 
 def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, checkpoint: Any = None,
@@ -135,8 +137,14 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, che
             gives a split with meta weights, for :func:`fxsplit.load_checkpoint`).
         progress: progress bar while loading (None: on a terminal only).
 
+    Before anything moves, the plan is checked as :func:`check_plan` checks
+    it against its own budgets less its reserve.
+
     Raises:
-        PlanMismatchError: the plan does not describe this model; says what differs.
+        PlanMismatchError: the plan does not describe this model, or
+            contradicts itself (was edited); says what differs.
+        BudgetError: the model's parameters and buffers, placed as the plan
+            says, do not fit a device's budget less its reserve.
         CheckpointError: the checkpoint does not fit the model; nothing was loaded.
         DeviceError: a device of the plan cannot be used here (checked before
             any work), or moving a weight failed (what was moved is put back).
@@ -160,9 +168,10 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, che
           changed: '0.bias' is float32[32] in the model, float32[64] in the plan
     """
     _known_options(options, "apply")
+    _require_plan(plan, "apply")
     require_usable([*plan.devices, plan.output_device], plan.budgets)
     loading = prepare(model, checkpoint, progress)
-    traced, costs = retrace(model, plan, example_inputs=example_inputs, **options)
+    traced, costs, _ = checked_retrace(model, plan, example_inputs=example_inputs, **options)
     with loading.onto(plan, traced.graph_module) as loaded:  # unloaded if what follows fails
         if checkpoint is None:
             _refuse_meta(model)
@@ -175,6 +184,13 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, che
 
 
 _RETRACE_OPTIONS = ("example_kwargs", "concrete_args", "leaf_modules", "dynamic_shapes")
+
+
+def _require_plan(plan: Any, caller: str) -> None:
+    if not isinstance(plan, Plan):
+        hint = (f"; to use the plan file {plan!r}, pass fxsplit.Plan.from_yaml(Path({plan!r}).read_text())"
+                if isinstance(plan, str) and len(plan) < 200 else "")
+        raise SpecError(f"{caller}() takes a fxsplit.Plan (got {type(plan).__name__}){hint}")
 
 
 def _known_options(options: Mapping[str, Any], caller: str) -> None:
@@ -212,33 +228,81 @@ def check_plan(
 ) -> PlanCheck:
     """Check that ``plan`` fits ``model`` and ``budgets`` (default: the plan's own, less its reserve).
 
-    Verifies the structure and graph (as :func:`apply`), that every parameter
-    and buffer's bytes, counted once per tensor at the plan's dtype, fit each
-    device, and that the plan's cuts are those its placement implies (one copy
-    per value and destination, none to the same device). Moves nothing.
+    Verifies the plan's own rules, the structure and graph (as :func:`apply`),
+    that every parameter and buffer's bytes, counted once per tensor at the
+    plan's dtype, fit each device, and that the plan's cuts are those its
+    placement implies on the re-traced graph (one copy per value and
+    destination, none to the same device). Moves nothing.
 
     Raises:
         PlanMismatchError: the plan does not describe the model, or contradicts itself.
         BudgetError: a device holds more than its budget; says which and by how much.
     """
     _known_options(options, "check_plan")
+    _require_plan(plan, "check_plan")
+    return checked_retrace(model, plan, budgets, example_inputs=example_inputs, **options)[2]
+
+
+def checked_retrace(
+    model: torch.nn.Module,
+    plan: Plan,
+    budgets: Mapping[str, int] | None = None,
+    *,
+    example_inputs: Any = None,
+    **options: Any,
+) -> tuple[Traced, GraphCosts, PlanCheck]:
+    """:func:`retrace`, then the budget and cut checks of :func:`check_plan`; returns all three results.
+
+    Raises:
+        PlanMismatchError: as :func:`check_plan`.
+        BudgetError: as :func:`check_plan`.
+    """
     traced, costs = retrace(model, plan, example_inputs=example_inputs, **options)
+    check_input_writes(traced.graph_module, plan)  # the most specific refusal first
     limits = dict(budgets) if budgets is not None else {d: b - plan.reserved.get(d, 0) for d, b in plan.budgets.items()}
     held = {d: 0 for d in plan.devices}
     for weight in [*costs.weights, *costs.unused]:
         held[plan.param_devices[weight.names[0]]] += weight.nbytes
+    _check_budgets(plan, held, limits, own=budgets is None)
     notes = [f"plan.device_bytes says {format_size(plan.device_bytes.get(d))} on '{d}', the placement puts "
              f"{format_size(n)} there" for d, n in held.items() if plan.device_bytes.get(d) != n]
-    over = [f"'{d}' holds {format_size(n)} ({n} bytes) but may hold {format_size(limits.get(d, 0))}: over by "
-            f"{format_size(n - limits.get(d, 0))}" for d, n in held.items() if n > limits.get(d, 0)]
+    notes += _check_cuts(plan, traced, costs)
+    rows = tuple((d, limits.get(d, 0), held[d]) for d in plan.devices)
+    return traced, costs, PlanCheck(rows, len(plan.placement), tuple(notes))
+
+
+def _check_budgets(plan: Plan, held: dict[str, int], limits: dict[str, int], *, own: bool) -> None:
+    """Refuse when a device's tensors (the model's own bytes, as placed) exceed what it may hold."""
+    over = []
+    for device, nbytes in held.items():
+        limit = limits.get(device, 0)
+        if nbytes <= limit:
+            continue
+        reserved = plan.reserved.get(device, 0) if own else 0
+        of = f" (its budget {format_size(plan.budgets[device])} less {format_size(reserved)} reserved)" if (
+            reserved) else ""
+        over.append(f"'{device}' holds {format_size(nbytes)} ({nbytes} bytes) of parameters and buffers but may hold "
+                    f"{format_size(limit)}{of}: over by {format_size(nbytes - limit)} ({nbytes - limit} bytes)")
     if over:
-        raise BudgetError("the plan does not fit the budgets: " + "; ".join(over) + "; plan again with these budgets")
+        fix = ("the plan was edited or made for a smaller model: plan again for this model" if own
+               else "plan again with these budgets")
+        raise BudgetError("the plan does not fit the budgets: " + "; ".join(over) + f"; {fix}")
+
+
+def _check_cuts(plan: Plan, traced: Traced, costs: GraphCosts) -> list[str]:
+    """Refuse when the plan's cuts are not those its placement implies; notes on sizes that differ."""
     weight_home = {w.names[0]: plan.param_devices[w.names[0]] for w in costs.weights}
     expected = cuts_for(costs, traced.graph_module, plan.placement, weight_home)
-    if tuple(expected) != plan.cuts:
-        stale = [f"plan lists {_cut_text(c)}" for c in plan.cuts if c not in expected]
-        stale += [f"placement implies {_cut_text(c)}" for c in expected if c not in plan.cuts]
+    if [_route(c) for c in expected] != [_route(c) for c in plan.cuts]:
+        routes = {_route(c) for c in expected}
+        stale = [f"plan lists {_cut_text(c)}" for c in plan.cuts if _route(c) not in routes]
+        listed = {_route(c) for c in plan.cuts}
+        stale += [f"placement implies {_cut_text(c)}" for c in expected if _route(c) not in listed]
         raise PlanMismatchError(_listing("the plan's cuts are not those its placement implies (was it edited?):",
                                          stale or ["same cuts, different order"]))
-    rows = tuple((d, limits.get(d, 0), held[d]) for d in plan.devices)
-    return PlanCheck(rows, len(plan.placement), tuple(notes))
+    return [f"cut {_cut_text(c)} is {format_size(e.nbytes)} with these inputs" for c, e in zip(
+        plan.cuts, expected, strict=True) if c.nbytes != e.nbytes]
+
+
+def _route(cut: Cut) -> tuple[str, str, str, str]:
+    return cut.producer, cut.source, cut.destination, cut.kind

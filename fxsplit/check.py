@@ -1,7 +1,8 @@
 """Invariants of plans and split modules, checked by tests and on request.
 
-* :func:`verify_plan`: every node placed once on a known device, every
-  parameter and buffer placed, budgets held, cuts that go somewhere, once.
+* :func:`verify_plan`: the rules of :mod:`fxsplit.planrules` (devices known,
+  budgets held, cuts that go somewhere, once; fingerprint, tensors and tied
+  groups consistent), and every node and every parameter and buffer placed.
 * :func:`verify_split`: the generated graph copies each value once per
   destination device, never to where it already lives, exactly at the plan's
   cuts, and no op reads values from two devices (found by following devices
@@ -42,7 +43,9 @@ from fxsplit import runtime
 from fxsplit.codegen import COPY_META, DEVICE_META
 from fxsplit.errors import FxsplitError
 from fxsplit.graphinfo import NONTENSOR, value_kind
-from fxsplit.plan import CUT_KINDS, Plan
+from fxsplit.plan import Plan
+from fxsplit.planrules import plan_problems
+from fxsplit.yamlfile import format_path
 
 __all__ = ["DeviceChecker", "InvariantError", "verify_plan", "verify_split"]
 
@@ -71,20 +74,7 @@ def verify_plan(plan: Plan, graph_module: torch.fx.GraphModule | None = None,
     Raises:
         InvariantError: listing every violation.
     """
-    problems: list[str] = []
-    known = set(plan.devices) | {plan.output_device}
-    for name, device in plan.placement.items():
-        if device not in known:
-            problems.append(f"node '{name}' is placed on '{device}', which is neither a budget device nor the output")
-    for name, device in plan.param_devices.items():
-        if device not in plan.devices:
-            problems.append(f"'{name}' is placed on '{device}', which has no budget")
-    for device, used in plan.device_bytes.items():
-        if device not in plan.budgets:
-            problems.append(f"device_bytes names '{device}', which has no budget")
-        elif used > plan.budgets[device]:
-            problems.append(f"'{device}' holds {used} bytes, over its budget of {plan.budgets[device]}")
-    problems += _cut_problems(plan, known)
+    problems = [f"{format_path(p.path)}: {p.message}" for p in plan_problems(plan)]
     if graph_module is not None:
         names = [n.name for n in graph_module.graph.nodes]
         problems += [f"node '{n}' is not placed" for n in names if n not in plan.placement]
@@ -93,24 +83,6 @@ def verify_plan(plan: Plan, graph_module: torch.fx.GraphModule | None = None,
     if model is not None:
         problems += _param_problems(plan, model)
     _raise("the plan", problems)
-
-
-def _cut_problems(plan: Plan, known: set[str]) -> list[str]:
-    problems: list[str] = []
-    seen: set[tuple[str, str]] = set()
-    for cut in plan.cuts:
-        if cut.source == cut.destination:
-            problems.append(f"cut of '{cut.producer}' goes from '{cut.source}' to itself")
-        if (cut.producer, cut.destination) in seen:
-            problems.append(f"'{cut.producer}' is cut to '{cut.destination}' more than once")
-        seen.add((cut.producer, cut.destination))
-        if cut.source not in known or cut.destination not in known:
-            problems.append(f"cut of '{cut.producer}' names an unknown device ({cut.source} -> {cut.destination})")
-        if cut.kind not in CUT_KINDS:
-            problems.append(f"cut of '{cut.producer}' has unknown kind {cut.kind!r}")
-        if cut.nbytes is not None and cut.nbytes < 0:
-            problems.append(f"cut of '{cut.producer}' has negative size {cut.nbytes}")
-    return problems
 
 
 def _param_problems(plan: Plan, model: torch.nn.Module) -> list[str]:

@@ -138,19 +138,17 @@ def _options(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
 
 
 def _read_plan(path: str) -> Any:
-    from fxsplit.plan import Plan
+    from fxsplit.planio import plan_from_yaml
+    from fxsplit.yamlfile import MAX_PLAN_BYTES, read_limited
 
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as error:
-        raise FxsplitError(f"cannot read plan file '{path}': {error.strerror or error}") from None
-    return Plan.from_yaml(text)
+    return plan_from_yaml(read_limited(path, "plan", MAX_PLAN_BYTES), path)
 
 
 def _planned(args: argparse.Namespace, loaded: Any, progress: _Progress) -> tuple[Any, Any, Any]:
-    """``(traced graph module, costs, plan)`` from --spec (solving) or --plan (re-tracing); moves no weights."""
+    """``(traced graph module, costs, plan)`` from --spec (solving) or --plan (re-tracing, checked as by
+    ``fxsplit check``); moves no weights."""
     from fxsplit.api import _plan
-    from fxsplit.apply_plan import retrace
+    from fxsplit.apply_plan import checked_retrace
 
     if getattr(args, "plan", None):
         if args.budget:
@@ -158,9 +156,9 @@ def _planned(args: argparse.Namespace, loaded: Any, progress: _Progress) -> tupl
                                "budgets; give one of them (fxsplit check --plan PLAN --budget ... checks a plan "
                                "against other budgets)")
         plan = _read_plan(args.plan)
-        with progress.stage("tracing"):
-            traced, costs = retrace(loaded.model, plan, example_inputs=loaded.example_inputs,
-                                    example_kwargs=loaded.example_kwargs)
+        with progress.stage("tracing and checking"):
+            traced, costs, _ = checked_retrace(loaded.model, plan, example_inputs=loaded.example_inputs,
+                                               example_kwargs=loaded.example_kwargs)
         return traced.graph_module, costs, plan
     if not args.spec and not args.budget:
         raise FxsplitError(f"fxsplit {args.command} needs --spec SPEC, --plan PLAN or --budget DEVICE=SIZE (one per "

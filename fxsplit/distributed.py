@@ -210,19 +210,22 @@ def pipeline_stages(
 
 def _apply(model: torch.nn.Module, plan: Plan, example_inputs: Any, chunks: int,
            options: Mapping[str, Any]) -> tuple[torch.fx.GraphModule, Plan, dict[str, Any]]:
-    """Trace ``model`` as ``plan`` was traced (the one re-trace path, :func:`fxsplit.apply_plan.retrace`).
+    """Trace ``model`` as ``plan`` was traced, through apply's one checked re-trace path.
 
-    The plan's fingerprint, ``leaf_modules``, ``dtype`` and ``dynamic_shapes`` are honoured exactly as
-    by :func:`fxsplit.apply`; only the example batch is cut to its first micro-batch first.
+    The plan's rules, fingerprint, ``leaf_modules``, ``dtype`` and ``dynamic_shapes``, its budgets
+    and its cuts are checked exactly as by :func:`fxsplit.apply`
+    (:func:`fxsplit.apply_plan.checked_retrace`); only the example batch is cut to its first
+    micro-batch first.
     """
-    from fxsplit.apply_plan import retrace
+    from fxsplit.apply_plan import checked_retrace
 
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     args, kwargs = first_microbatch(example_inputs, options.get("example_kwargs"), chunks)
-    traced, costs = retrace(model, plan, example_inputs=args, example_kwargs=kwargs,
-                            concrete_args=options.get("concrete_args"), leaf_modules=options.get("leaf_modules", ()),
-                            dynamic_shapes=options.get("dynamic_shapes"))
+    traced, costs, _ = checked_retrace(model, plan, example_inputs=args, example_kwargs=kwargs,
+                                       concrete_args=options.get("concrete_args"),
+                                       leaf_modules=options.get("leaf_modules", ()),
+                                       dynamic_shapes=options.get("dynamic_shapes"))
     return traced.graph_module, plan, weights_by_node(costs)
 
 

@@ -20,9 +20,7 @@ import hashlib
 import json
 from typing import Any
 
-from fxsplit.cost import model_tensors
-
-__all__ = ["describe", "differences", "tensor_signature"]
+__all__ = ["describe", "differences", "fingerprint_of", "tensor_signature"]
 
 
 def tensor_signature(tensor: Any) -> str:
@@ -33,6 +31,8 @@ def tensor_signature(tensor: Any) -> str:
 
 def describe(model: Any) -> tuple[str, dict[str, str], tuple[tuple[str, ...], ...]]:
     """``(fingerprint, name -> signature, tied name groups)`` of ``model``'s parameters and buffers."""
+    from fxsplit.cost import model_tensors  # torch: only here, so that a plan's fingerprint checks without it
+
     tensors: dict[str, str] = {}
     for name, tensor in model.named_parameters(remove_duplicate=False):
         tensors[name] = tensor_signature(tensor)

@@ -8,19 +8,25 @@ exact: ``plan_from_yaml(plan_to_yaml(plan)) == plan``.
 
 The writer emits each line itself (so that comments with human units sit next
 to the exact integers); every key and value goes through PyYAML's emitter, so
-any string survives. The reader uses ``yaml.safe_load``: a plan file cannot
-run code. No torch needed.
+any string survives. The reader uses PyYAML's safe loader with limits (at
+most 8 MiB, no aliases: :mod:`fxsplit.yamlfile`), so a plan file cannot run
+code or take long to read, and then holds the plan to the rules of
+:mod:`fxsplit.planrules` (fingerprint, tensors, devices, tied groups, cuts),
+reporting every problem at once. No torch needed.
 
+>>> from fxsplit.fingerprint import fingerprint_of
 >>> from fxsplit.plan import Cut, Plan
+>>> tensors = {"l0.weight": "float32[16, 16]", "l1.weight": "float32[16, 16]"}
 >>> plan = Plan(devices=("cpu:0", "cpu:1"), budgets={"cpu:0": 4096, "cpu:1": 4096},
 ...             placement={"x": "cpu:0", "l0": "cpu:0", "l1": "cpu:1", "output": "cpu:1"},
 ...             param_devices={"l0.weight": "cpu:0", "l1.weight": "cpu:1"},
 ...             device_bytes={"cpu:0": 1024, "cpu:1": 1024},
 ...             cuts=(Cut("l0", "cpu:0", "cpu:1", 64),), output_device="cpu:1",
-...             modules={"cpu:0": ("l0",), "cpu:1": ("l1",)})
+...             modules={"cpu:0": ("l0",), "cpu:1": ("l1",)},
+...             tensors=tensors, fingerprint=fingerprint_of(tensors, ()))
 >>> print(plan_to_yaml(plan).split("# ----")[0].split("\\n", 3)[3].rstrip())  # doctest: +NORMALIZE_WHITESPACE
 format: fxsplit-plan/1
-fingerprint: null
+fingerprint: sha256:a197f7e97c988ec6
 trace: fx
 objective: min_transfer
 dtype: null
@@ -40,6 +46,13 @@ cuts:  # 1, 64 B per forward
 tied: []
 >>> plan_from_yaml(plan_to_yaml(plan)) == plan
 True
+>>> edited = plan_to_yaml(plan).replace("l1.weight: cpu:1", "l1.weight: cpu:7")
+>>> plan_from_yaml(edited.replace("sha256:a1", "sha256:b1"), "plan.yaml")  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+fxsplit.planrules.PlanProblems: plan.yaml: 2 problems:
+  plan.yaml:5: fingerprint: is 'sha256:b197f7e97c988ec6' but the plan's tensors and tied groups give ...
+  plan.yaml:36: param_devices['l1.weight']: 'l1.weight' is placed on 'cpu:7', which has no budget (devices: ...)
 """
 
 from __future__ import annotations
@@ -50,8 +63,10 @@ import yaml
 
 from fxsplit.errors import SpecError
 from fxsplit.plan import Cut, Plan
+from fxsplit.planrules import validate_plan
 from fxsplit.ranges import summarize_modules
 from fxsplit.units import format_size
+from fxsplit.yamlfile import Problem, YamlPath, YamlProblems, line_of, load_yaml, short_repr
 
 __all__ = ["FORMAT", "plan_from_yaml", "plan_to_yaml"]
 
@@ -86,7 +101,7 @@ def plan_to_yaml(plan: Plan) -> str:
     """Write ``plan`` as YAML: summary and cuts first, the full placement below.
 
     Raises:
-        ValueError: the plan's budgets, bytes or reserves name devices that
+        SpecError: the plan's budgets, bytes or reserves name devices that
             are not among ``plan.devices``.
     """
     _check_devices(plan)
@@ -153,101 +168,116 @@ def _check_devices(plan: Plan) -> None:
     known = set(plan.devices)
     for what, mapping in (("budgets", plan.budgets), ("device_bytes", plan.device_bytes)):
         if set(mapping) != known:
-            raise ValueError(f"plan.{what} must have one entry per device {list(plan.devices)} (got {list(mapping)})")
+            raise SpecError(f"plan.{what} must have one entry per device {list(plan.devices)} (got {list(mapping)})")
     if not set(plan.reserved) <= known:
         extra = sorted(set(plan.reserved) - known)
-        raise ValueError(f"plan.reserved names devices not in {list(plan.devices)}: {extra}")
+        raise SpecError(f"plan.reserved names devices not in {list(plan.devices)}: {extra}")
 
 
-def plan_from_yaml(text: str) -> Plan:
-    """Read a plan file written by :func:`plan_to_yaml`.
+def plan_from_yaml(text: str, source: str = "<plan>") -> Plan:
+    """Read a plan file written by :func:`plan_to_yaml` and hold it to the rules of :mod:`fxsplit.planrules`.
+
+    The text may hold at most 8 MiB and no YAML aliases (see
+    :mod:`fxsplit.yamlfile`). ``source`` names the file in messages.
 
     Raises:
-        SpecError: not YAML, not a plan file, or a field of the wrong type;
-            every such problem is listed.
+        SpecError: not YAML, not a plan file, or fields of the wrong type:
+            a :class:`~fxsplit.yamlfile.YamlProblems` listing every such
+            problem with its YAML path and line.
+        PlanProblems: (a SpecError and a PlanMismatchError) the plan breaks
+            rules a plan made by fxsplit meets (an edited fingerprint, tensors
+            left out, a device without a budget, tied names on two devices);
+            lists every one.
     """
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise SpecError(f"plan file is not valid YAML: {error}") from None
-    reader = _Reader(data)
-    plan = reader.plan()
-    if reader.problems:
-        listed = "\n  ".join(reader.problems)
-        raise SpecError(f"not a readable fxsplit plan ({len(reader.problems)} problems):\n  {listed}")
-    assert plan is not None
+    data, lines, problems = load_yaml(text, "plan", source)
+    reader = _Reader(lines, problems)
+    plan = reader.plan(data)
+    if plan is None or reader.problems:
+        raise YamlProblems(source, reader.problems)
+    validate_plan(plan, source, lines)
     return plan
 
 
+_Check = Callable[[Any], bool]
+
+
 class _Reader:
-    """Pulls typed fields out of loaded YAML, collecting every problem."""
+    """Pulls typed fields out of loaded YAML, collecting every problem at its YAML path."""
 
-    def __init__(self, data: Any) -> None:
-        self.data = data
-        self.problems: list[str] = []
+    def __init__(self, lines: dict[YamlPath, int], problems: list[Problem]) -> None:
+        self.lines = lines
+        self.problems = list(problems)
 
-    def field(self, mapping: Any, key: str, check: Callable[[Any], bool], what: str, where: str = "") -> Any:
+    def problem(self, path: YamlPath, message: str) -> None:
+        self.problems.append(Problem(path, line_of(path, self.lines), message))
+
+    def field(self, mapping: Any, key: str, check: _Check, what: str, where: YamlPath = ()) -> Any:
         if not isinstance(mapping, dict) or key not in mapping:
-            self.problems.append(f"{where}{key}: missing")
+            self.problem((*where, key), "missing")
             return None
         value = mapping[key]
         if not check(value):
-            self.problems.append(f"{where}{key}: must be {what} (got {value!r})")
+            self.problem((*where, key), f"must be {what} (got {short_repr(value)})")
             return None
         return value
 
-    def plan(self) -> Plan | None:
-        data = self.data
+    def optional(self, mapping: dict[str, Any], key: str, check: _Check, what: str, where: YamlPath = ()) -> Any:
+        return self.field(mapping, key, check, what, where) if key in mapping else None
+
+    def plan(self, data: Any) -> Plan | None:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            self.problems.append(f"format: must be {FORMAT!r} (got {found!r}); is this a plan file made by fxsplit?")
+            self.problem(("format",), f"must be {FORMAT!r} (got {short_repr(found)}); is this a plan file made by "
+                         "fxsplit?")
             return None
         get = self.field
-        devices_data = get(data, "devices", lambda v: isinstance(v, dict) and bool(v), "device -> budget, used") or {}
+        devices = get(data, "devices", lambda v: isinstance(v, dict) and bool(v), "device -> budget, used") or {}
+        budgets, used, reserved = self.devices(devices)
+        cuts = tuple(self.cut(i, c) for i, c in enumerate(get(data, "cuts", _is_list, "a list") or []))
+        tied = [get(g, "names", _is_str_list, "a list of names", ("tied", i))
+                for i, g in enumerate(get(data, "tied", _is_list, "a list") or [])]
+        modules = get(data, "modules", lambda v: _is_map(v, _is_str_list), "device -> list of module paths") or {}
+        fields = {
+            "placement": dict(get(data, "placement", lambda v: _is_map(v, _is_str), "node -> device") or {}),
+            "param_devices": dict(get(data, "param_devices", lambda v: _is_map(v, _is_str), "name -> device") or {}),
+            "output_device": get(data, "output_device", _is_str, "a device name"),
+            "trace": get(data, "trace", _is_str, "'fx' or 'export'"),
+            "objective": get(data, "objective", _is_str, "an objective name"),
+            "fingerprint": get(data, "fingerprint", lambda v: v is None or _is_str(v), "a string or null"),
+            "tensors": dict(get(data, "tensors", lambda v: _is_map(v, _is_str), "name -> 'dtype[shape]'") or {}),
+            "dtype": get(data, "dtype", lambda v: v is None or _is_str(v), "a dtype name or null"),
+            "leaf_modules": tuple(get(data, "leaf_modules", _is_str_list, "a list of strings") or ()),
+            "memory": {d: dict(row) for d, row in (get(data, "memory", lambda v: _is_map(v, lambda r: _is_map(
+                r, _is_int)), "device -> {component: bytes}") or {}).items()},
+            "dynamic_shapes": self.optional(data, "dynamic_shapes", lambda v: v is None or v in ("batch", "all",
+                                            "custom"), "batch, all, custom or null"),
+            "activations_not_counted": self.optional(data, "activations_not_counted",
+                                                     lambda v: v is None or _is_str(v), "a reason (text) or null"),
+        }
+        if self.problems:
+            return None
+        return Plan(devices=tuple(devices), budgets=budgets, device_bytes=used, reserved=reserved,
+                    cuts=cuts,  # type: ignore[arg-type]
+                    tied=tuple(tuple(g) for g in tied if g is not None),
+                    modules={d: tuple(m) for d, m in modules.items()}, **fields)
+
+    def devices(self, entries: dict[Any, Any]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """``(budgets, bytes used, bytes reserved)`` per device, from the ``devices`` mapping."""
         budgets: dict[str, int] = {}
         used: dict[str, int] = {}
         reserved: dict[str, int] = {}
-        for device, entry in devices_data.items():
-            where = f"devices[{device!r}]."
+        for device, entry in entries.items():
+            where = ("devices", device)
             if not isinstance(device, str):
-                self.problems.append(f"{where[:-1]}: device names must be strings (quote them)")
-            budgets[device] = get(entry, "budget", _is_int, "a byte count", where)
-            used[device] = get(entry, "used", _is_int, "a byte count", where)
+                self.problem(where, "device names must be strings (quote them)")
+            budgets[device] = self.field(entry, "budget", _is_int, "a byte count", where)
+            used[device] = self.field(entry, "used", _is_int, "a byte count", where)
             if isinstance(entry, dict) and "reserved" in entry:
-                reserved[device] = get(entry, "reserved", _is_int, "a byte count", where)
-        cuts = tuple(self.cut(i, c) for i, c in enumerate(get(data, "cuts", _is_list, "a list") or []))
-        tied = [get(g, "names", _is_str_list, "a list of names", f"tied[{i}].")
-                for i, g in enumerate(get(data, "tied", _is_list, "a list") or [])]
-        modules = get(data, "modules", lambda v: _is_map(v, _is_str_list), "device -> list of module paths") or {}
-        if self.problems:
-            return None
-        return Plan(
-            devices=tuple(devices_data),
-            budgets=budgets,
-            placement=dict(get(data, "placement", lambda v: _is_map(v, _is_str), "node -> device") or {}),
-            param_devices=dict(get(data, "param_devices", lambda v: _is_map(v, _is_str), "name -> device") or {}),
-            device_bytes=used,
-            cuts=cuts,  # type: ignore[arg-type]
-            output_device=get(data, "output_device", _is_str, "a device name"),
-            trace=get(data, "trace", _is_str, "'fx' or 'export'"),
-            objective=get(data, "objective", _is_str, "an objective name"),
-            modules={d: tuple(m) for d, m in modules.items()},
-            fingerprint=get(data, "fingerprint", lambda v: v is None or _is_str(v), "a string or null"),
-            tensors=dict(get(data, "tensors", lambda v: _is_map(v, _is_str), "name -> 'dtype[shape]'") or {}),
-            tied=tuple(tuple(g) for g in tied if g is not None),
-            reserved=reserved,
-            dtype=get(data, "dtype", lambda v: v is None or _is_str(v), "a dtype name or null"),
-            leaf_modules=tuple(get(data, "leaf_modules", _is_str_list, "a list of strings") or ()),
-            memory={d: dict(row) for d, row in (get(data, "memory", lambda v: _is_map(v, lambda r: _is_map(
-                r, _is_int)), "device -> {component: bytes}") or {}).items()},
-            dynamic_shapes=get(data, "dynamic_shapes", lambda v: v is None or v in ("batch", "all", "custom"),
-                               "batch, all, custom or null") if "dynamic_shapes" in data else None,
-            activations_not_counted=get(data, "activations_not_counted", lambda v: v is None or _is_str(v),
-                                        "a reason (text) or null") if "activations_not_counted" in data else None,
-        )
+                reserved[device] = self.field(entry, "reserved", _is_int, "a byte count", where)
+        return budgets, used, reserved
 
     def cut(self, index: int, entry: Any) -> Cut | None:
-        where = f"cuts[{index}]."
+        where = ("cuts", index)
         get = self.field
         values = (
             get(entry, "value", _is_str, "a node or parameter name", where),

@@ -3,7 +3,8 @@
 A spec names the devices and their budgets, headroom to keep free, pins, groups
 of modules that must share a device, and how to trace and plan. It is loaded
 with a safe YAML loader (a spec can never run code), and *every* problem is
-reported at once, each with its YAML path and line::
+reported at once, each with its YAML path and line (a file too large, or with a
+YAML alias, is refused at once: see :mod:`fxsplit.yamlfile`)::
 
     specs/mine.yaml:3: devices['cuda:1']: budget '10 GiBs' has unknown unit 'GiBs'; ...
     specs/mine.yaml:6: pinn: unknown key; did you mean 'pin'?
@@ -36,8 +37,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import yaml
-
 from fxsplit.devices import normalize_device
 from fxsplit.dynamic import SHORTHANDS
 from fxsplit.errors import SpecError
@@ -46,13 +45,22 @@ from fxsplit.partition import OBJECTIVES
 from fxsplit.pipeline import PipelineConfig
 from fxsplit.trace import TRACE_MODES
 from fxsplit.units import format_size, parse_size
+from fxsplit.yamlfile import (
+    MAX_SPEC_BYTES,
+    Problem,
+    YamlPath,
+    YamlProblems,
+    format_path,
+    line_of,
+    load_yaml,
+    read_limited,
+)
+from fxsplit.yamlfile import short_repr as _short
 
 __all__ = [
     "DTYPES", "Headroom", "Problem", "Spec", "SpecProblems", "load_spec", "merge_spec", "parse_headroom",
     "planning_dtype", "reserve_bytes", "spec_device",
 ]
-
-YamlPath = tuple[Any, ...]
 
 DTYPES = {
     "float32": "float32", "fp32": "float32", "float": "float32",
@@ -65,36 +73,8 @@ DEVICE_KEYS = ("budget", "reserve")
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
 
 
-def format_path(path: YamlPath) -> str:
-    """``("devices", "cuda:1")`` -> ``devices['cuda:1']``; ``("together", 0, 1)`` -> ``together[0][1]``."""
-    if not path:
-        return "<top>"
-    head, *rest = path
-    return str(head) + "".join(f"[{p}]" if isinstance(p, int) else f"[{p!r}]" for p in rest)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a spec: where (YAML path and line) and what."""
-
-    path: YamlPath
-    line: int | None
-    message: str
-
-    def render(self, source: str) -> str:
-        where = f"{source}:{self.line}" if self.line else source
-        return f"{where}: {format_path(self.path)}: {self.message}"
-
-
-class SpecProblems(SpecError):
-    """A spec with problems; ``problems`` lists each, the message shows them all."""
-
-    def __init__(self, source: str, problems: list[Problem]) -> None:
-        self.source = source
-        self.problems = tuple(problems)
-        count = f"{len(problems)} problem" + ("s" if len(problems) != 1 else "")
-        lines = "\n  ".join(p.render(source) for p in problems)
-        super().__init__(f"{source}: {count}:\n  {lines}")
+class SpecProblems(YamlProblems):
+    """A spec with problems; ``problems`` lists each, the message shows them (the first 50)."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +113,8 @@ def parse_headroom(value: Any, *, what: str = "reserve", share_of: str = "the bu
     if isinstance(value, str) and "%" in value:
         match = _PERCENT.match(value)
         if match is None or float(match.group(1)) >= 100:
-            raise SpecError(f"{what} {value!r} is not a percentage of {share_of} from 0% to below 100%, like '10%'")
+            raise SpecError(f"{what} {_short(value)} is not a percentage of {share_of} from 0% to below 100%, "
+                            "like '10%'")
         return Headroom(fraction=float(match.group(1)) / 100)
     return Headroom(nbytes=parse_size(value, what=what))
 
@@ -245,7 +226,7 @@ def planning_dtype(value: Any) -> str | None:
         return None
     name = str(value).removeprefix("torch.")
     if name not in DTYPES:
-        raise SpecError(f"dtype must be one of {', '.join(DTYPES)} (got {value!r})")
+        raise SpecError(f"dtype must be one of {', '.join(DTYPES)} (got {_short(value)})")
     return DTYPES[name]
 
 
@@ -269,46 +250,13 @@ def _device_or_key(key: Any) -> Any:
         return key
 
 
-class _LineLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, building values while recording the line of every key and item."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self.lines: dict[YamlPath, int] = {}
-        self.problems: list[Problem] = []
-
-    def load(self) -> Any:
-        node = self.get_single_node()
-        return None if node is None else self.build(node, ())
-
-    def build(self, node: yaml.Node, path: YamlPath) -> Any:
-        self.lines.setdefault(path, node.start_mark.line + 1)
-        if node.tag not in (self.DEFAULT_MAPPING_TAG, self.DEFAULT_SEQUENCE_TAG):
-            return self.construct_object(node, deep=True)  # scalars, and tagged nodes: the safe constructor decides
-        if isinstance(node, yaml.MappingNode):
-            self.flatten_mapping(node)
-            result: dict[Any, Any] = {}
-            for key_node, value_node in node.value:
-                key = self.construct_object(key_node, deep=True)
-                line = key_node.start_mark.line + 1
-                if not isinstance(key, (str, int, float, bool)) and key is not None:
-                    self.problems.append(Problem(path, line, f"a key must be a plain scalar (got {key!r})"))
-                    continue
-                if key in result:
-                    self.problems.append(Problem((*path, key), line, "duplicate key; YAML would keep only the last"))
-                self.lines[(*path, key)] = line
-                result[key] = self.build(value_node, (*path, key))
-            return result
-        if isinstance(node, yaml.SequenceNode):
-            return [self.build(item, (*path, i)) for i, item in enumerate(node.value)]
-        return self.construct_object(node, deep=True)
-
-
 def load_spec(source: str | os.PathLike[str] | Mapping[str, Any] | Spec) -> Spec:
     """Read and validate a spec from a file path, YAML text, or an already-loaded mapping.
 
     A string is a path when it names an existing file or ends in ``.yaml`` /
-    ``.yml`` without a newline; otherwise it is YAML text.
+    ``.yml`` without a newline; otherwise it is YAML text. A spec may hold
+    at most 1 MiB (a larger file is refused before it is read) and no YAML
+    aliases (``*name``); see :mod:`fxsplit.yamlfile`.
 
     Raises:
         SpecProblems: (a :class:`SpecError`, so also a ``ValueError``) listing
@@ -319,32 +267,18 @@ def load_spec(source: str | os.PathLike[str] | Mapping[str, Any] | Spec) -> Spec
     if isinstance(source, Mapping):
         return _validate(dict(source), "<spec>", {})
     text, name = _read(source)
-    loader = _LineLoader(text)
     try:
-        data = loader.load()
-    except yaml.MarkedYAMLError as error:
-        mark = error.problem_mark or error.context_mark
-        line = mark.line + 1 if mark else None
-        problem = str(error.problem or error)
-        if "could not determine a constructor" in problem:
-            problem += " (specs are read with a safe loader: no Python objects, no code)"
-        raise SpecProblems(name, [Problem((), line, f"not valid YAML: {problem}")]) from None
-    except yaml.YAMLError as error:
-        raise SpecProblems(name, [Problem((), None, f"not valid YAML: {error}")]) from None
-    finally:
-        loader.dispose()
-    return _validate(data, name, loader.lines, loader.problems)
+        data, lines, problems = load_yaml(text, "spec", name)
+    except YamlProblems as error:
+        raise SpecProblems(name, list(error.problems)) from None
+    return _validate(data, name, lines, problems)
 
 
 def _read(source: str | os.PathLike[str]) -> tuple[str, str]:
     looks_like_path = isinstance(source, str) and "\n" not in source and (
         source.endswith((".yaml", ".yml")) or os.path.isfile(source))
     if isinstance(source, os.PathLike) or looks_like_path:
-        path = Path(source)
-        try:
-            return path.read_text(encoding="utf-8"), str(path)
-        except OSError as error:
-            raise SpecError(f"cannot read spec file '{path}': {error.strerror or error}") from None
+        return read_limited(source, "spec", MAX_SPEC_BYTES), str(Path(source))
     if not isinstance(source, str):
         raise SpecError(f"a spec must be a file path, YAML text or a mapping (got {type(source).__name__})")
     return source, "<spec>"
@@ -358,12 +292,7 @@ class _Checker:
         self.problems = problems
 
     def problem(self, path: YamlPath, message: str) -> None:
-        line = self.lines.get(path)
-        probe = path
-        while line is None and probe:
-            probe = probe[:-1]
-            line = self.lines.get(probe)
-        self.problems.append(Problem(path, line, message))
+        self.problems.append(Problem(path, line_of(path, self.lines), message))
 
     def attempt(self, path: YamlPath, parse: Callable[[], Any]) -> Any:
         """``parse()``, or None after recording its SpecError at ``path``."""
@@ -385,7 +314,7 @@ class _Checker:
             return str(value)
         close = difflib.get_close_matches(str(value), list(choices), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        self.problem(path, f"must be one of {', '.join(choices)} (got {value!r}){hint}")
+        self.problem(path, f"must be one of {', '.join(choices)} (got {_short(value)}){hint}")
         return None
 
     def string_list(self, value: Any, path: YamlPath, what: str) -> tuple[str, ...]:
@@ -404,7 +333,7 @@ class _Checker:
 
 
 def _kind(value: Any) -> str:
-    return "nothing" if value is None else f"{type(value).__name__} {value!r}"
+    return "nothing" if value is None else f"{type(value).__name__} {_short(value)}"
 
 
 _DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu", "hpu", "mtia")
@@ -427,7 +356,7 @@ def spec_device(value: Any) -> str:
     kind = kind.lower()
     close = ["cuda"] if kind in ("gpu", "nvidia") else difflib.get_close_matches(kind, _DEVICE_TYPES, n=1)
     hint = f"did you mean '{close[0]}{colon}{index}'? " if close else ""
-    raise SpecError(f"unknown device {value!r}; {hint}(devices look like cuda:0, cpu, cpu:1)") from None
+    raise SpecError(f"unknown device {_short(value)}; {hint}(devices look like cuda:0, cpu, cpu:1)") from None
 
 
 def _module_key(key: Any) -> str | None:
@@ -462,7 +391,7 @@ def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list
         dtype = DTYPES[name] if name else None
     contiguous = data.get("contiguous")
     if contiguous is not None and not isinstance(contiguous, bool):
-        check.problem(("contiguous",), f"must be true or false (got {contiguous!r})")
+        check.problem(("contiguous",), f"must be true or false (got {_short(contiguous)})")
         contiguous = None
     pipeline = None
     if "pipeline" in data:
@@ -472,7 +401,7 @@ def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list
     if optimizer is not None:
         if isinstance(optimizer, bool) or not isinstance(optimizer, (str, int)):
             check.problem(("optimizer",), f"must be one of {', '.join(OPTIMIZERS)} or bytes per parameter element "
-                          f"(got {optimizer!r})")
+                          f"(got {_short(optimizer)})")
             optimizer = None
         elif isinstance(optimizer, str):
             optimizer = check.choice(optimizer, OPTIMIZERS, ("optimizer",))
@@ -544,7 +473,7 @@ def _pins(check: _Checker, value: Any, devices: dict[str, int]) -> dict[str, str
         pattern = _module_key(key)
         if pattern is None:
             check.problem(path, f"a pin's key must be a module path or glob; quote paths that look like numbers "
-                          f"(got {key!r})")
+                          f"(got {_short(key)})")
             continue
         name = check.attempt(path, partial(spec_device, device))
         if name is None:

@@ -290,9 +290,10 @@ CLI_CASES: list[tuple[str, Callable[[Path], list[str]], int, str]] = [
     ("spec-alias-bomb", lambda t: ["plan", MODEL_FILE, "--spec", _write(t, "bomb.yaml", _alias_bomb())], 2,
      "alias"),
     ("plan-missing", lambda t: ["code", MODEL_FILE, "--plan", "no/such-plan.yaml"], 2, "no/such-plan.yaml"),
-    ("plan-alias-bomb", lambda t: ["code", MODEL_FILE, "--plan", _write(t, "bomb.yaml", _alias_bomb("placement"))],
+    ("plan-alias-bomb", lambda t: ["code", MODEL_FILE, "--plan", _write(t, "bomb.yaml", _alias_bomb(top="placement"))],
      2, "alias"),
-    ("plan-garbage", lambda t: ["check", MODEL_FILE, "--plan", _write(t, "p.yaml", "devices: [\n")], 2, "plan"),
+    ("plan-garbage", lambda t: ["check", MODEL_FILE, "--plan", _write(t, "p.yaml", "devices: [\n")], 2,
+     "not valid YAML"),
 ]
 
 

@@ -88,7 +88,10 @@ def test_plan_method_and_a_plan_that_cannot_be_staged() -> None:
     assert [s.device for s in stages.specs] == ["cpu:0", "cpu:1"] and stages.plan is plan
     swap = {"cpu:0": "cpu:1", "cpu:1": "cpu:0"}
     backwards = dataclasses.replace(plan, placement={k: swap[v] for k, v in plan.placement.items()},
-                                    param_devices={k: swap[v] for k, v in plan.param_devices.items()})
+                                    param_devices={k: swap[v] for k, v in plan.param_devices.items()},
+                                    cuts=tuple(dataclasses.replace(c, source=swap[c.source],
+                                                                   destination=swap[c.destination])
+                                               for c in plan.cuts))
     with pytest.raises(fxsplit.FxsplitError, match="cannot run as a pipeline.*list cpu:1 before cpu:0"):
         fxsplit.pipeline_stages(model, backwards, example_inputs=x, chunks=2)
     with pytest.raises(fxsplit.PlanMismatchError, match="made for another model"):

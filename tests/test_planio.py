@@ -15,6 +15,7 @@ from torch import nn
 
 import fxsplit
 from fxsplit.factory import load_model
+from fxsplit.fingerprint import fingerprint_of
 from fxsplit.plan import CUT_KINDS, Cut, Plan
 from fxsplit.ranges import summarize_modules
 
@@ -27,26 +28,34 @@ sizes = st.integers(min_value=0, max_value=2**70)
 
 @st.composite
 def plans(draw: st.DrawFn) -> Plan:
+    """Plans with any strings, that meet the rules a plan file is held to (fxsplit.planrules)."""
     devices = tuple(draw(st.lists(names, min_size=1, max_size=4, unique=True)))
     device = st.sampled_from(devices)
-    nodes = draw(st.dictionaries(names, device, max_size=8))
+    output_device = draw(device | names)
+    known = st.sampled_from([*devices, output_device])
+    nodes = draw(st.dictionaries(names, known, max_size=8))
     params = draw(st.dictionaries(names, device, max_size=8))
-    cuts = draw(st.lists(st.builds(Cut, names, device, device, st.none() | sizes, st.sampled_from(CUT_KINDS) | names),
-                         max_size=5))
+    tensors = {name: draw(names) for name in params}
+    by_device = [[n for n, d in params.items() if d == home] for home in devices]
+    tied = tuple(tuple(draw(st.lists(st.sampled_from(group), min_size=2, max_size=3, unique=True)))
+                 for group in by_device if len(group) > 1 and draw(st.booleans()))
+    cuts = draw(st.lists(st.builds(Cut, names, known, known, st.none() | sizes, st.sampled_from(CUT_KINDS)),
+                         max_size=5, unique_by=lambda c: (c.producer, c.destination)))
+    used = {d: draw(sizes) for d in devices}
     return Plan(
         devices=devices,
-        budgets={d: draw(sizes) for d in devices},
+        budgets={d: used[d] + draw(sizes) for d in devices},
         placement=nodes,
         param_devices=params,
-        device_bytes={d: draw(sizes) for d in devices},
-        cuts=tuple(cuts),
-        output_device=draw(names),
+        device_bytes=used,
+        cuts=tuple(c for c in cuts if c.source != c.destination),
+        output_device=output_device,
         trace=draw(st.sampled_from(["fx", "export"]) | names),
         objective=draw(st.sampled_from(["min_transfer", "balanced"]) | names),
         modules={d: tuple(draw(st.lists(names, max_size=4))) for d in draw(st.lists(device, unique=True))},
-        fingerprint=draw(st.none() | names),
-        tensors=draw(st.dictionaries(names, names, max_size=4)),
-        tied=tuple(tuple(g) for g in draw(st.lists(st.lists(names, min_size=1, max_size=3), max_size=3))),
+        fingerprint=fingerprint_of(tensors, tied),
+        tensors=tensors,
+        tied=tied,
         reserved={d: draw(sizes) for d in draw(st.lists(device, unique=True))},
         dtype=draw(st.none() | st.sampled_from(["bfloat16", "float16"]) | names),
         leaf_modules=tuple(draw(st.lists(names, max_size=3))),
@@ -96,15 +105,17 @@ def test_plan_files_reject_what_they_cannot_read() -> None:
         Plan.from_yaml("format: [")
     good = _small_plan().to_yaml()
     broken = good.replace("    budget: 4096", "    budget: lots", 1)
-    with pytest.raises(fxsplit.SpecError, match=r"devices\['cpu:0'\].budget: must be a byte count \(got 'lots'\)"):
+    with pytest.raises(fxsplit.SpecError, match=r"devices\['cpu:0'\]\['budget'\]: must be a byte count \(got 'lots'\)"):
         Plan.from_yaml(broken)
 
 
 def _small_plan() -> Plan:
+    tensors = {"a.weight": "float32[16, 16]", "b.weight": "float32[16, 16]"}
     return Plan(devices=("cpu:0", "cpu:1"), budgets={"cpu:0": 4096, "cpu:1": 4096},
                 placement={"x": "cpu:0", "a": "cpu:0", "b": "cpu:1", "output": "cpu:1"},
                 param_devices={"a.weight": "cpu:0", "b.weight": "cpu:1"}, device_bytes={"cpu:0": 1024, "cpu:1": 1024},
-                cuts=(Cut("a", "cpu:0", "cpu:1", 64),), output_device="cpu:1")
+                cuts=(Cut("a", "cpu:0", "cpu:1", 64),), output_device="cpu:1", tensors=tensors,
+                fingerprint=fingerprint_of(tensors, ()))
 
 
 X = torch.randint(0, 100, (2, 6))
@@ -222,7 +233,7 @@ def test_check_plan_validates_budgets_and_consistency() -> None:
     with pytest.raises(fxsplit.PlanMismatchError, match="cuts are not those its placement implies"):
         fxsplit.check_plan(model, edited, example_inputs=(X,))
     elsewhere = dataclasses.replace(plan, placement={**plan.placement, last_op: "cuda:7"})
-    with pytest.raises(fxsplit.PlanMismatchError, match="devices it has no budget for"):
+    with pytest.raises(fxsplit.PlanMismatchError, match=f"'{last_op}' is placed on 'cuda:7', which is neither"):
         fxsplit.check_plan(model, elsewhere, example_inputs=(X,))
 
 
