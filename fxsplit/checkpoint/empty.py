@@ -43,7 +43,7 @@ def empty_weights() -> Iterator[None]:
         register(module, name, param)
         held = module._parameters.get(name)
         if held is not None and held.device.type != "meta":
-            module._parameters[name] = _on_meta(held)
+            module._parameters[name] = tensor_like(held, held.data.to("meta"))  # type: ignore[assignment]
 
     with _LOCK:
         torch.nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
@@ -53,12 +53,13 @@ def empty_weights() -> Iterator[None]:
             torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def _on_meta(param: torch.nn.Parameter) -> torch.nn.Parameter:
-    """A parameter like ``param`` (class, ``requires_grad``, attributes), with its data on meta."""
-    data = param.data.to("meta")
+def tensor_like(old: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``data`` as what ``old`` was: a Parameter (same class, ``requires_grad``, attributes) or a buffer."""
+    if not isinstance(old, torch.nn.Parameter):
+        return data
     try:
-        moved = type(param)(data, requires_grad=param.requires_grad)
+        new = type(old)(data, requires_grad=old.requires_grad)
     except TypeError:  # a Parameter subclass with another constructor
-        moved = torch.nn.Parameter(data, requires_grad=param.requires_grad)
-    moved.__dict__.update(param.__dict__)
-    return moved
+        new = torch.nn.Parameter(data, requires_grad=old.requires_grad)
+    new.__dict__.update(old.__dict__)
+    return new

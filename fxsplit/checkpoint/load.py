@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch
 
+from fxsplit.checkpoint.empty import tensor_like
 from fxsplit.checkpoint.formats import TableOfContents, read_table
 from fxsplit.checkpoint.match import Match, Slot, match
 from fxsplit.cost import Weight, model_tensors
@@ -234,7 +235,7 @@ def _commit(found: list[Match], loaded: list[torch.Tensor], holders: list[torch.
     for item, tensor in zip(found, loaded, strict=True):
         old = item.slot.tensor
         if old.device.type == "meta":
-            new = _like(old, tensor)
+            new = tensor_like(old, tensor)
             replacements[id(old)], originals[id(new)] = new, old
             continue
         previous.append((old, old.data, old.grad))
@@ -254,16 +255,6 @@ def _commit(found: list[Match], loaded: list[torch.Tensor], holders: list[torch.
     return undo
 
 
-def _like(old: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
-    """``data`` as what ``old`` was: a Parameter (same class, ``requires_grad``, attributes) or a buffer."""
-    if not isinstance(old, torch.nn.Parameter):
-        return data
-    try:
-        new = type(old)(data, requires_grad=old.requires_grad)
-    except TypeError:  # a Parameter subclass with another constructor
-        new = torch.nn.Parameter(data, requires_grad=old.requires_grad)
-    new.__dict__.update(old.__dict__)
-    return new
 
 
 def _replace(holders: list[torch.nn.Module], replacements: dict[int, torch.Tensor]) -> None:
