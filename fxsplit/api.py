@@ -27,6 +27,7 @@ from fxsplit.devices import normalize_budgets, normalize_device
 from fxsplit.dynamic import describe as describe_dynamic
 from fxsplit.errors import BudgetError, FxsplitError, SpecError
 from fxsplit.fingerprint import describe
+from fxsplit.gcpause import gc_paused
 from fxsplit.memory import MemoryModel, MemorySpec, fit_budgets
 from fxsplit.microbatch import first_microbatch
 from fxsplit.partition import OBJECTIVES, partition
@@ -156,6 +157,7 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
     return _Planned(traced, costs, made, options)
 
 
+@gc_paused()
 def _memory_model(spec: MemorySpec, traced: Traced, costs: GraphCosts, model: torch.nn.Module,
                   dtype: torch.dtype | None = None) -> MemoryModel:
     """What the plan charges: trainable parameters and, with shapes, the activation profile."""

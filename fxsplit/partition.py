@@ -51,7 +51,7 @@ from fxsplit.errors import BudgetError, SpecError
 from fxsplit.mincut import exchange
 from fxsplit.problem import PartitionProblem
 from fxsplit.refine import device_loads, frozen_ops, improve, pack, repair
-from fxsplit.ring import has_long_reach, wrap_points, wrapped_placement
+from fxsplit.ring import cheapest_wraps, has_long_reach, step_matrices, wrap_points
 from fxsplit.units import format_size
 
 __all__ = ["EXACT_LIMIT", "OBJECTIVES", "Partition", "partition", "transfer_bytes"]
@@ -180,10 +180,8 @@ def _wrapped_candidates(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]
     if not points:
         return []
     m = matrices or _Matrices.of(ctx, cands, budgets)
-    found = [p for w in points
-             if (p := wrapped_placement(ctx, cands, m.cost, m.seg_weight, m.masks, budgets, w)) is not None]
-    found.sort(key=lambda p: transfer_bytes(ctx.problem, p))
-    return [improve(ctx.problem, p, budgets) for p in found[:RING_KEEP]]
+    found = cheapest_wraps(ctx, cands, m.cost, m.seg_weight, m.steps, budgets, points, RING_KEEP)
+    return [improve(ctx.problem, p, budgets) for p in found]
 
 
 def _folded(problem: PartitionProblem, ctx: _Context, names: Sequence[str], contiguous: bool) -> Partition:
@@ -218,6 +216,11 @@ class _Context:
         self._sparse = _SparseMax(self.transient) if self.has_transient else None
         self.forbidden = problem.forbidden_cuts()
         self.crossing = self._crossing()
+        reaching = [v for v in problem.values if v.nbytes and v.consumers]
+        # start, last reader and bytes of every copied value, for the wrapped programme
+        self.reach = (np.array([v.start for v in reaching], dtype=np.int64),
+                      np.array([v.last for v in reaching], dtype=np.int64),
+                      np.array([v.nbytes for v in reaching], dtype=np.float64))
         # last_bad[k][t]: 1 + index of the last op before t pinned to a device other than k.
         self.last_bad: list[list[int]] = []
         for k in range(len(budgets)):
@@ -404,11 +407,15 @@ def _segment_masks(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> 
     base = np.triu(np.ones((m, m), dtype=bool), k=1)
     starts_ok = np.array([t == 0 or not ctx.forbidden[t] for t in cands.tolist()])
     base &= starts_ok[:, None]
-    masks = []
+    masks: list[np.ndarray] = []
+    shared: dict[tuple[int, int], np.ndarray] = {}  # devices alike (same budget, no pins) share one mask
     for k, budget in enumerate(budgets):
-        last_bad = np.asarray(ctx.last_bad[k])[cands]
-        pins_ok = last_bad[None, :] <= cands[:, None]
-        masks.append(base & (seg_weight <= budget) & pins_ok)
+        key = (budget, k if ctx.problem.pinned else -1)
+        if key not in shared:
+            last_bad = np.asarray(ctx.last_bad[k])[cands]
+            pins_ok = last_bad[None, :] <= cands[:, None]
+            shared[key] = base & (seg_weight <= budget) & pins_ok
+        masks.append(shared[key])
     return seg_weight, masks
 
 
@@ -418,32 +425,31 @@ class _Matrices:
 
     ``cost[i, j]``: bytes copied into a device running ``[cands[i], cands[j])``;
     ``seg_weight[i, j]``: the bytes it needs; ``masks[k][i, j]``: whether device
-    ``k`` may run that segment.
+    ``k`` may run that segment; ``steps[k][i, j]``: what that segment adds to
+    the objective (:func:`fxsplit.ring.step_matrices`).
     """
 
     cost: np.ndarray
     seg_weight: np.ndarray
     masks: list[np.ndarray]
+    steps: list[np.ndarray]
 
     @classmethod
     def of(cls, ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> _Matrices:
         seg_weight, masks = _segment_masks(ctx, cands, budgets)
-        return cls(_cut_cost_matrix(ctx, cands), seg_weight, masks)
+        cost = _cut_cost_matrix(ctx, cands)
+        return cls(cost, seg_weight, masks, step_matrices(cost, seg_weight, masks, budgets))
 
 
 def _exact_boundaries(ctx: _Context, cands: np.ndarray, budgets: Sequence[int],
                       matrices: _Matrices) -> list[int] | None:
     """Cheapest placement (true copy cost, then balance) with boundaries in ``cands``."""
-    cost, seg_weight, masks = matrices.cost, matrices.seg_weight, matrices.masks
-    epsilon = 0.5 / len(budgets)
     m = len(cands)
     previous = np.full(m, _INF)
     previous[0] = 0.0
     choices: list[list[int]] = []
-    for k, budget in enumerate(budgets):
-        fraction = seg_weight / budget if budget > 0 else np.where(seg_weight > 0, _INF, 0.0)
-        total = previous[:, None] + cost + epsilon * fraction**2
-        total = np.where(masks[k], total, _INF)
+    for k in range(len(budgets)):
+        total = previous[:, None] + matrices.steps[k]
         # On ties take the latest start: ops without weights stay with the stage before.
         best_start = m - 1 - np.argmin(total[::-1], axis=0)
         best = total[best_start, np.arange(m)]

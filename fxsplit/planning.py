@@ -107,11 +107,10 @@ def make_plan(
             placement[node.name] = op_device[costs.ops[min(readers)].name] if readers else out_device
 
     param_devices = {name: weight_home[w.names[0]] for w in [*costs.weights, *costs.unused] for name in w.names}
-    modules: dict[str, list[str]] = {d: [] for d in devices}
+    modules: dict[str, dict[str, None]] = {d: {} for d in devices}  # ordered sets: first use order
     for op, label in zip(costs.ops, costs.problem.op_labels, strict=True):
-        paths = modules[op_device[op.name]]
-        if label and (not paths or paths[-1] != label) and label not in paths:
-            paths.append(label)
+        if label:
+            modules[op_device[op.name]].setdefault(label)
     cuts = _cuts(costs, graph_module, placement, weight_home)
     return Plan(
         devices=tuple(devices),
