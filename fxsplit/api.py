@@ -30,7 +30,7 @@ from fxsplit.fingerprint import describe
 from fxsplit.gcpause import gc_paused
 from fxsplit.memory import MemoryModel, MemorySpec, fit_budgets
 from fxsplit.microbatch import first_microbatch
-from fxsplit.partition import OBJECTIVES, partition
+from fxsplit.partition import OBJECTIVES, Partition, partition
 from fxsplit.pipeline import Pipeline, PipelineConfig, pipelined
 from fxsplit.plan import Plan
 from fxsplit.planning import make_plan, weights_by_node
@@ -137,17 +137,20 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
     output_device = normalize_device(options.output_device) if options.output_device is not None else None
     contiguous = options.contiguous or options.pipeline is not None
 
-    def solve(budgets_now: Sequence[int]) -> Plan:
+    def split(budgets_now: Sequence[int]) -> Partition:
         try:
-            solution = partition(problem, budgets_now, objective=options.objective, device_names=devices,
-                                 contiguous=contiguous)
+            return partition(problem, budgets_now, objective=options.objective, device_names=devices,
+                             contiguous=contiguous)
         except BudgetError as error:
             better = explain_infeasible_pins(error, problem, list(budgets_now), devices, pins, len(together), locate)
             if better is None:
                 raise
             raise better from error
-        return make_plan(costs, traced.graph_module, solution, devices, dict(zip(devices, budgets_now, strict=True)),
-                         output_device=output_device, trace=traced.method, objective=options.objective)
+
+    def solve(budgets_now: Sequence[int]) -> Plan:
+        return make_plan(costs, traced.graph_module, split(budgets_now), devices,
+                         dict(zip(devices, budgets_now, strict=True)), output_device=output_device,
+                         trace=traced.method, objective=options.objective, repartition=split)
 
     made = fit_budgets(memory, usable, solve)
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
