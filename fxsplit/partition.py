@@ -41,6 +41,7 @@ are tried instead.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import NoReturn, Sequence
@@ -48,6 +49,7 @@ from typing import NoReturn, Sequence
 import numpy as np
 
 from fxsplit.errors import BudgetError, SpecError
+from fxsplit.exact import exact_placement
 from fxsplit.mincut import exchange
 from fxsplit.problem import PartitionProblem
 from fxsplit.refine import device_loads, frozen_ops, improve, pack, repair
@@ -79,14 +81,14 @@ class Partition:
 
 def transfer_bytes(problem: PartitionProblem, op_devices: Sequence[int]) -> int:
     """Bytes copied per forward: each value once per device, other than its home, that reads it."""
-    total = 0
-    for value in problem.values:
-        if not value.consumers or not value.nbytes:
-            continue
-        home = op_devices[value.start]
-        destinations = {op_devices[c] for c in value.consumers} - {home}
-        total += value.nbytes * len(destinations)
-    return total
+    values, readers, starts, nbytes = problem.read_edges
+    if not len(values):
+        return 0
+    devices = np.asarray(op_devices, dtype=np.int64)
+    destination, home = devices[readers], devices[starts]
+    away = (destination != home) & (nbytes > 0)
+    copies = np.unique(values[away] * (int(devices.max()) + 1) + destination[away], return_index=True)[1]
+    return int(nbytes[away][copies].sum())
 
 
 def partition(
@@ -134,20 +136,23 @@ def partition(
         if scale is not None:
             budgets_used = [min(b, int(b * scale) + 1) for b in ctx.budgets]
     matrices = _Matrices.of(ctx, candidates, budgets_used)
-    boundaries = _exact_boundaries(ctx, candidates, budgets_used, matrices)
-    if boundaries is None:
-        return _folded(problem, ctx, names, contiguous)
     if contiguous:
+        boundaries = _exact_boundaries(ctx, candidates, budgets_used, matrices)
+        if boundaries is None:
+            return _folded(problem, ctx, names, contiguous)
         return _result(problem, ctx, boundaries)
-    op_devices = improve(problem, _devices_of(ctx.n, boundaries), budgets_used)
-    cost = transfer_bytes(problem, op_devices)
-    for wrapped in _wrapped_candidates(ctx, candidates, budgets_used, matrices) if cost else []:
-        wrapped_cost = transfer_bytes(problem, wrapped)
-        if wrapped_cost < cost:
-            op_devices, cost = wrapped, wrapped_cost
+    found = _ordered_candidates(ctx, candidates, budgets_used, matrices)
+    if not found:
+        return _folded(problem, ctx, names, contiguous)
+    costs = [transfer_bytes(problem, p) for p in found]
+    cost = min(costs)
+    op_devices = found[costs.index(cost)]  # ties: the budgets' own order, contiguous before wrapped
     exchanged = _exchanged(problem, op_devices, budgets_used) if cost else op_devices
     if exchanged is not op_devices:
         op_devices, cost = exchanged, transfer_bytes(problem, exchanged)
+    if cost:
+        op_devices = exact_placement(problem, budgets_used, op_devices, cost) or op_devices
+        cost = transfer_bytes(problem, op_devices)
     loads = device_loads(problem, op_devices, len(budgets))
     return Partition(tuple(op_devices), cost, tuple(loads))
 
@@ -166,22 +171,65 @@ def _exchanged(problem: PartitionProblem, op_devices: list[int], budgets: Sequen
     return improve(problem, exchanged, budgets)
 
 
+def _ordered_candidates(ctx: _Context, cands: np.ndarray, budgets: Sequence[int],
+                        matrices: _Matrices) -> list[list[int]]:
+    """Contiguous and wrapped placements, improved, for each order of the devices :func:`_device_orders` gives.
+
+    Out of order nothing ties stage ``k`` to the ``k``-th budget, so with
+    unequal budgets the programmes also run over permuted budgets (the
+    result relabelled back). The budgets' own order comes first.
+    """
+    found: list[list[int]] = []
+    for order in _device_orders(ctx, budgets):
+        permuted = [budgets[d] for d in order]
+        m = matrices if permuted == list(budgets) and not found else _Matrices.of(ctx, cands, permuted, matrices.cost)
+        boundaries = _exact_boundaries(ctx, cands, permuted, m)
+        placed = [] if boundaries is None else [_devices_of(ctx.n, boundaries)]
+        if not placed or transfer_bytes(ctx.problem, placed[0]):
+            placed += _wrapped_candidates(ctx, cands, permuted, m, improved=False)
+        found += [improve(ctx.problem, [order[d] for d in p], budgets) for p in placed]
+    return found
+
+
+def _device_orders(ctx: _Context, budgets: Sequence[int]) -> list[tuple[int, ...]]:
+    """Orders of the devices to try: the given one first; then, with unequal budgets and no pins, every
+    distinct order for up to 4 devices on graphs of up to ``EXACT_LIMIT`` ops, else budgets descending and
+    ascending. Orders that permute equal budgets only are the same problem and are skipped."""
+    identity = tuple(range(len(budgets)))
+    if ctx.problem.pinned or len(set(budgets)) < 2:
+        return [identity]
+    if len(budgets) <= 4 and ctx.n + 1 <= EXACT_LIMIT:
+        orders = list(itertools.permutations(identity))
+    else:
+        descending = tuple(sorted(identity, key=lambda d: (-budgets[d], d)))
+        orders = [identity, descending, descending[::-1]]
+    seen: set[tuple[int, ...]] = set()
+    distinct = []
+    for order in orders:
+        key = tuple(budgets[d] for d in order)
+        if key not in seen:
+            seen.add(key)
+            distinct.append(order)
+    return distinct
+
+
 def _wrapped_candidates(ctx: _Context, cands: np.ndarray, budgets: Sequence[int],
-                        matrices: _Matrices | None = None) -> list[list[int]]:
+                        matrices: _Matrices | None = None, *, improved: bool = True) -> list[list[int]]:
     """The cheapest placements where device 0 also runs the last ops (see :mod:`fxsplit.ring`), improved.
 
-    Only tried when a copied value is made early and read late (skip
-    connections, tied embeddings); each wrap point costs one pass of the exact
-    programme, and only the :data:`RING_KEEP` cheapest are refined.
+    On graphs of more than ``EXACT_LIMIT`` ops only tried when a copied value
+    is made early and read late (skip connections, tied embeddings); each
+    wrap point costs one pass of the exact programme, and only the
+    :data:`RING_KEEP` cheapest are kept.
     """
-    if len(budgets) < 2 or not has_long_reach(ctx):
+    if len(budgets) < 2 or (ctx.n + 1 > EXACT_LIMIT and not has_long_reach(ctx)):
         return []
     points = wrap_points(ctx, cands, budgets[0])
     if not points:
         return []
     m = matrices or _Matrices.of(ctx, cands, budgets)
     found = cheapest_wraps(ctx, cands, m.cost, m.seg_weight, m.steps, budgets, points, RING_KEEP)
-    return [improve(ctx.problem, p, budgets) for p in found]
+    return [improve(ctx.problem, p, budgets) for p in found] if improved else found
 
 
 def _folded(problem: PartitionProblem, ctx: _Context, names: Sequence[str], contiguous: bool) -> Partition:
@@ -195,9 +243,13 @@ def _folded(problem: PartitionProblem, ctx: _Context, names: Sequence[str], cont
     if packed is not None:
         found.append(improve(problem, packed, ctx.budgets))
     if not found:
-        _raise_infeasible(problem, ctx, names, contiguous)
+        searched = exact_placement(problem, ctx.budgets, None)
+        if searched is None:
+            _raise_infeasible(problem, ctx, names, contiguous)
+        found.append(searched)
     op_devices = min(found, key=lambda p: transfer_bytes(problem, p))
     op_devices = _exchanged(problem, op_devices, ctx.budgets)
+    op_devices = exact_placement(problem, ctx.budgets, op_devices, transfer_bytes(problem, op_devices)) or op_devices
     loads = device_loads(problem, op_devices, len(ctx.budgets))
     return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(loads))
 
@@ -435,9 +487,9 @@ class _Matrices:
     steps: list[np.ndarray]
 
     @classmethod
-    def of(cls, ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> _Matrices:
+    def of(cls, ctx: _Context, cands: np.ndarray, budgets: Sequence[int], cost: np.ndarray | None = None) -> _Matrices:
         seg_weight, masks = _segment_masks(ctx, cands, budgets)
-        cost = _cut_cost_matrix(ctx, cands)
+        cost = _cut_cost_matrix(ctx, cands) if cost is None else cost
         return cls(cost, seg_weight, masks, step_matrices(cost, seg_weight, masks, budgets))
 
 
