@@ -20,15 +20,20 @@ Two dynamic programmes do the work:
 So the result is the exact optimum over contiguous placements for graphs of
 up to ``EXACT_LIMIT`` ops, and never worse than the relay optimum otherwise.
 
-Unless ``contiguous=True``, two out-of-order steps follow: *wrapped*
-placements (device 0 also runs the last ops, so skip connections and tied
-embeddings stay home; :mod:`fxsplit.ring`) compete with the contiguous one,
-single ops then move wherever that lowers the bytes copied
-(:mod:`fxsplit.refine`), and, on graphs of up to ``EXACT_LIMIT`` ops, pairs
-of devices exchange whole groups of ops along minimum cuts (networkx
-max-flow, :mod:`fxsplit.mincut`) where single moves are stuck. When no
-contiguous placement fits, wrapped placements and an out-of-order packing
-are tried instead.
+Unless ``contiguous=True``, out-of-order steps follow: *wrapped* placements
+(device 0 also runs the last ops, so skip connections and tied embeddings
+stay home; :mod:`fxsplit.ring`) compete with the contiguous one; with
+unequal budgets both programmes also run over permuted device orders
+(nothing out of order ties stage ``k`` to the ``k``-th budget; every order
+for up to 4 devices on graphs of up to ``EXACT_LIMIT`` ops, else budgets
+descending and ascending); single ops then move wherever that lowers the
+bytes copied (:mod:`fxsplit.refine`); on graphs of up to ``EXACT_LIMIT``
+ops, pairs of devices exchange whole groups of ops along minimum cuts
+(networkx max-flow, :mod:`fxsplit.mincut`) where single moves are stuck;
+and graphs of up to :data:`fxsplit.exact.EXACT_OPS` ops are searched
+exactly (:mod:`fxsplit.exact`). When no contiguous placement fits, wrapped
+placements, an out-of-order packing and (on small graphs) the exact search
+are tried instead. Ties keep the budgets' own order.
 
 >>> from fxsplit.problem import PartitionProblem, Value
 >>> chain = PartitionProblem(
