@@ -5,10 +5,13 @@
   model + partition + plan data; codegen = moving the weights + emitting the
   GraphModule), and the public call end to end; against Accelerate's
   ``infer_auto_device_map`` (the documented call) + ``dispatch_model``.
-* **Scaling**: :func:`fxsplit.partition.partition` on synthetic deep and wide
-  problems (:mod:`benchmarks.synthetic`) of 1k to 100k ops over 4 devices,
+* **Scaling**: :func:`fxsplit.partition.partition` on synthetic deep, wide and
+  long-skip problems (:mod:`benchmarks.synthetic`) of 1k to 100k ops over 4 devices,
   and on the cost model of real FX graphs (deep MLPs traced with torch.fx);
   slope of log(time) on log(ops).
+* **The whole** ``fxsplit.plan()`` on deep MLPs of 1k to 100k ops, split into
+  trace / build / memory / partition / make_plan / other
+  (:mod:`benchmarks.plan_stages`), and the slope of ``plan() - trace``.
 * **Llama-70B** on ``meta`` over 8 devices, in a subprocess
   (:mod:`benchmarks.llama70b`) for its own peak RSS.
 """
@@ -30,7 +33,8 @@ import fxsplit
 from benchmarks.accelerate_maps import accelerate_map, dispatch, logical_cpu_devices
 from benchmarks.measure import fit_slope, median, time_call
 from benchmarks.models import MLP, Case
-from benchmarks.synthetic import deep, wide
+from benchmarks.plan_stages import PLAN_SIZES, QUICK_PLAN_SIZES, plan_scaling
+from benchmarks.synthetic import deep, skips, wide
 from fxsplit.codegen import emit, move_weights
 from fxsplit.cost import build_problem
 from fxsplit.devices import normalize_budgets
@@ -130,7 +134,7 @@ def time_to_split(case: Case, repeats: int, n: int = 2) -> dict[str, Any]:
 def scaling(sizes: Sequence[int], repeats: int) -> dict[str, Any]:
     """Median seconds of ``partition`` per synthetic problem size, and the log-log slope."""
     curves: dict[str, Any] = {}
-    for name, make in (("deep", deep), ("wide", wide)):
+    for name, make in (("deep", deep), ("wide", wide), ("skips", skips)):
         points = []
         for size in sizes:
             problem = make(size)
@@ -186,6 +190,15 @@ def planning_bars(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
                                                          "value": f"{by_size[100_000]:.2f} s"}
         bars[f"{name}: near-linear (log-log slope <= 1.2)"] = {"pass": curve["slope"] <= 1.2,
                                                               "value": f"{curve['slope']:.2f}"}
+    stages = result.get("plan_stages") or {}
+    if len(stages.get("points", ())) > 2:
+        slope = stages["slopes"]["untraced"]
+        bars["plan() minus trace: near-linear (log-log slope <= 1.1)"] = {"pass": slope <= 1.1,
+                                                                          "value": f"{slope:.2f}"}
+        last = stages["points"][-1]
+        factor = last["untraced"] / last["partition"]
+        bars[f"plan() minus trace <= 2 x partition() at {last['ops']} ops"] = {"pass": factor <= 2.0,
+                                                                              "value": f"{factor:.1f}x"}
     big = result.get("llama70b") or {}
     if "trace_plan_s" in big and big.get("layers") == 80:
         bars["Llama-70B on meta, 8 devices: trace + plan <= 30 s"] = {
@@ -202,6 +215,7 @@ def run_planning(cases: Sequence[Case], *, quick: bool, threads: int, llama_laye
         "time_to_split": [time_to_split(case, repeats) for case in cases],
         "scaling": scaling(QUICK_SIZES if quick else SCALING_SIZES, 3 if quick else 5),
         "real_graphs": real_graphs(QUICK_DEPTHS if quick else REAL_DEPTHS, 3),
+        "plan_stages": plan_scaling(QUICK_PLAN_SIZES if quick else PLAN_SIZES, 1 if quick else 3),
         "llama70b": llama70b(llama_layers, threads) if llama_layers else None,
     }
     result["bars"] = planning_bars(result)

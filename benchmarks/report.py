@@ -42,7 +42,8 @@ GraphModule) and the public `fxsplit.fxsplit()` end to end, against Accelerate's
 `infer_auto_device_map` (with the block classes) + `dispatch_model`. Both split models' outputs are
 checked against the unsplit model. Scaling: `fxsplit.partition.partition` alone, over 4 devices with
 budgets 1.2 x total / 4, on synthetic problems (`benchmarks/synthetic.py`: deep residual chains;
-wide stages of 16 parallel branches) and on real torch.fx graphs of deep MLPs. The Llama-70B-sized
+wide stages of 16 parallel branches; chains with long skips from the first half to the second) and on
+real torch.fx graphs of deep MLPs. The Llama-70B-sized
 model is built on the meta device in bfloat16 and planned in a fresh subprocess (`benchmarks/llama70b.py`),
 whose peak RSS is its `VmHWM` (imports included; `getrusage(RUSAGE_SELF).ru_maxrss` is shown too, but
 Linux carries it over from the parent process across fork + exec, so there it reads the suite's size)."""
@@ -140,9 +141,14 @@ def _plot_scaling(planning: dict[str, Any], path: Path) -> None:
     real = planning.get("real_graphs") or []
     if real:
         ax.loglog([r["ops"] for r in real], [r["partition_s"] for r in real], "s", label="real FX graphs (MLP)")
+    stages = (planning.get("plan_stages") or {}).get("points") or []
+    for key, style in (("untraced", "^-"), ("trace", "v:")):
+        if stages:
+            ax.loglog([p["ops"] for p in stages], [p[key] for p in stages], style,
+                      label=f"whole plan(), MLP: {'plan() - trace' if key == 'untraced' else 'trace'}")
     ax.loglog([2_000, 100_000], [0.05, 10.0], "k+", markersize=14, label="bars (50 ms @ 2k, 10 s @ 100k)")
     ax.set_xlabel("ops in the graph")
-    ax.set_ylabel("partition() seconds")
+    ax.set_ylabel("seconds")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -244,6 +250,15 @@ def _planning_md(planning: dict[str, Any]) -> str:
         parts.append(_table(["real FX graph", "graph nodes", "ops", "partition ms", "whole fxsplit.plan s"],
                             [[r["model"], r["graph_nodes"], r["ops"], f"{1000 * r['partition_s']:.1f}",
                               f"{r['fxsplit_plan_s']:.2f}"] for r in planning["real_graphs"]]))
+    stages = planning.get("plan_stages")
+    if stages:
+        names = ("trace", "build", "memory", "partition", "make_plan", "other")
+        parts.append(_table(["ops", *[f"{n} s" for n in names], "plan() - trace s", "/ partition"],
+                            [[p["ops"], *[f"{p[n]:.3f}" for n in names], f"{p['untraced']:.3f}",
+                              f"{p['untraced'] / p['partition']:.1f}x"] for p in stages["points"]]))
+        parts.append("Whole `fxsplit.plan(trace=\"fx\", mode=\"weights\")` on deep MLPs, 4 devices at 1.2 x total / 4, "
+                     "split by stage (`benchmarks/plan_stages.py`). Log-log slopes: " + ", ".join(
+                         f"{k} {v:.2f}" for k, v in stages["slopes"].items()))
     big = planning.get("llama70b")
     if big and "trace_s" in big:
         parts.append(_table(["Llama-70B-sized on meta (bf16, 8 x 20 GiB)", "value"], [

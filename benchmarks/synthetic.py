@@ -2,6 +2,9 @@
 
 * :func:`deep`: a chain of ops, each with its own weight, passing one
   activation on, with a residual skip over four ops from every eighth op.
+* :func:`skips`: a chain like :func:`deep` whose first half also sends a
+  value to its mirror op in the second half every 50 ops (a U-Net's long
+  skip connections: only a wrapped placement keeps them home).
 * :func:`wide`: stages of ``width`` parallel branch ops reading the same
   fork value, merged by one op that reads every branch (fan-out and fan-in).
 
@@ -15,7 +18,7 @@ import random
 
 from fxsplit.problem import PartitionProblem, Value
 
-__all__ = ["deep", "wide"]
+__all__ = ["deep", "skips", "wide"]
 
 
 def deep(num_ops: int, seed: int = 0) -> PartitionProblem:
@@ -29,6 +32,21 @@ def deep(num_ops: int, seed: int = 0) -> PartitionProblem:
             values.append(Value(f"a{op}", 4096, op, (op + 1,)))
         if op % 8 == 0 and op + 4 < num_ops:
             values.append(Value(f"s{op}", 4096, op, (op + 1, op + 4)))
+    labels = tuple(f"layers.{op // 8}.op{op % 8}" for op in range(num_ops))
+    return PartitionProblem(tuple(f"op{op}" for op in range(num_ops)), tuple(values), op_labels=labels)
+
+
+def skips(num_ops: int, seed: int = 0, every: int = 50) -> PartitionProblem:
+    """A chain of ``num_ops`` ops with long skips from the first half to the mirror op in the second."""
+    rng = random.Random(seed)
+    values: list[Value] = []
+    for op in range(num_ops):
+        weight = rng.randint(1, 64) * 4096
+        values.append(Value(f"w{op}", weight, op, (op,), weight=weight))
+        if op + 1 < num_ops:
+            values.append(Value(f"a{op}", 4096, op, (op + 1,)))
+        if op % every == 0 and op < num_ops // 2:
+            values.append(Value(f"s{op}", 8192, op, (op + 1, num_ops - 1 - op)))
     labels = tuple(f"layers.{op // 8}.op{op % 8}" for op in range(num_ops))
     return PartitionProblem(tuple(f"op{op}" for op in range(num_ops)), tuple(values), op_labels=labels)
 

@@ -307,8 +307,10 @@ def _profile(graph_module: torch.fx.GraphModule, costs: GraphCosts, recorder: _R
     values: dict[str, ValueMemory] = dict(recorder.results)
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     weight_names: set[str] = set()
+    attr_targets = {n.name: str(n.target) for n in graph_module.graph.nodes if n.op == "get_attr"}
     for weight in costs.weights:
-        fake = next((fakes[n] for n in (*weight.names, *_targets(graph_module, weight)) if n in fakes), None)
+        targets = [attr_targets[name] for name in weight.nodes if name in attr_targets]
+        fake = next((fakes[n] for n in (*weight.names, *targets) if n in fakes), None)
         if fake is not None:
             values[weight.names[0]] = storages.value(fake)
             weight_names.add(weight.names[0])
@@ -342,6 +344,3 @@ def _profile(graph_module: torch.fx.GraphModule, costs: GraphCosts, recorder: _R
         training=training,
     )
 
-
-def _targets(graph_module: torch.fx.GraphModule, weight: Weight) -> list[str]:
-    return [str(n.target) for n in graph_module.graph.nodes if n.name in weight.nodes and n.op == "get_attr"]

@@ -28,9 +28,10 @@ from fxsplit.devices import normalize_budgets, require_usable
 from fxsplit.dynamic import describe as describe_dynamic
 from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
 from fxsplit.fingerprint import describe
+from fxsplit.gcpause import gc_paused
 from fxsplit.memory import MemoryModel, MemorySpec, fit_budgets
 from fxsplit.microbatch import first_microbatch
-from fxsplit.partition import OBJECTIVES, partition
+from fxsplit.partition import OBJECTIVES, Partition, partition
 from fxsplit.pipeline import Pipeline, PipelineConfig, pipelined
 from fxsplit.plan import Plan
 from fxsplit.planning import make_plan, weights_by_node
@@ -145,17 +146,20 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
     problem = memory.problem()
     contiguous = options.contiguous or options.pipeline is not None
 
-    def solve(budgets_now: Sequence[int]) -> Plan:
+    def split(budgets_now: Sequence[int]) -> Partition:
         try:
-            solution = partition(problem, budgets_now, objective=options.objective, device_names=devices,
-                                 contiguous=contiguous)
+            return partition(problem, budgets_now, objective=options.objective, device_names=devices,
+                             contiguous=contiguous)
         except BudgetError as error:
             better = explain_infeasible_pins(error, problem, list(budgets_now), devices, pins, len(together), locate)
             if better is None:
                 raise
             raise better from error
-        return make_plan(costs, traced.graph_module, solution, devices, dict(zip(devices, budgets_now, strict=True)),
-                         output_device=output_device, trace=traced.method, objective=options.objective)
+
+    def solve(budgets_now: Sequence[int]) -> Plan:
+        return make_plan(costs, traced.graph_module, split(budgets_now), devices,
+                         dict(zip(devices, budgets_now, strict=True)), output_device=output_device,
+                         trace=traced.method, objective=options.objective, repartition=split)
 
     made = fit_budgets(memory, usable, solve)
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
@@ -167,6 +171,7 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
     return _Planned(traced, costs, made, options)
 
 
+@gc_paused()
 def _memory_model(spec: MemorySpec, traced: Traced, costs: GraphCosts, model: torch.nn.Module,
                   dtype: torch.dtype | None = None) -> tuple[MemoryModel, str | None]:
     """What the plan charges: trainable parameters and, with shapes, the activation profile.

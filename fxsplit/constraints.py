@@ -18,6 +18,7 @@ import torch.fx
 
 from fxsplit.cost import _matches
 from fxsplit.errors import BudgetError, SpecError
+from fxsplit.gcpause import gc_paused
 from fxsplit.graphinfo import module_path
 from fxsplit.partition import partition
 from fxsplit.problem import PartitionProblem
@@ -148,6 +149,7 @@ def _glob_candidates(pattern: str, paths: list[str]) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+@gc_paused()
 def check_constraints(
     graph_module: torch.fx.GraphModule,
     model: torch.nn.Module,

@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from fxsplit.errors import SpecError
+from fxsplit.gcpause import gc_paused
 from fxsplit.graphinfo import (
     NONTENSOR,
     alias_root,
@@ -28,7 +29,7 @@ from fxsplit.graphinfo import (
 )
 from fxsplit.problem import PartitionProblem, Value
 
-__all__ = ["GraphCosts", "Weight", "build_problem", "model_tensors"]
+__all__ = ["GraphCosts", "Weight", "build_problem", "model_tensors", "named_tensors"]
 
 UNKNOWN_VALUE_BYTES = 1
 
@@ -67,11 +68,32 @@ class GraphCosts:
 def model_tensors(model: torch.nn.Module) -> dict[int, tuple[list[str], torch.Tensor, bool]]:
     """``id(tensor) -> (qualified names, tensor, is_buffer)`` for every parameter and buffer."""
     found: dict[int, tuple[list[str], torch.Tensor, bool]] = {}
-    for name, tensor in model.named_parameters(remove_duplicate=False):
-        found.setdefault(id(tensor), ([], tensor, False))[0].append(name)
-    for name, buffer in model.named_buffers(remove_duplicate=False):
-        if buffer is not None:
-            found.setdefault(id(buffer), ([], buffer, True))[0].append(name)
+    for name, tensor, is_buffer in named_tensors(model):
+        found.setdefault(id(tensor), ([], tensor, is_buffer))[0].append(name)
+    return found
+
+
+def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """``(qualified name, tensor, is_buffer)``: what ``named_parameters`` then ``named_buffers`` yield.
+
+    Both with ``remove_duplicate=False`` (a tied tensor under each of its
+    names), in the same order, from one walk of the module tree (torch's
+    nested generators cost about ten times as much on models of 100k modules).
+    """
+    modules: list[tuple[str, torch.nn.Module]] = []
+    stack: list[tuple[str, torch.nn.Module]] = [("", model)]
+    while stack:  # pre-order, children in registration order, as named_modules
+        prefix, module = stack.pop()
+        modules.append((prefix, module))
+        children = [(f"{prefix}.{name}" if prefix else name, child) for name, child in module._modules.items()
+                    if child is not None]
+        stack.extend(reversed(children))
+    found: list[tuple[str, torch.Tensor, bool]] = []
+    for attribute, is_buffer in (("_parameters", False), ("_buffers", True)):
+        for prefix, module in modules:
+            for name, tensor in getattr(module, attribute).items():
+                if tensor is not None:
+                    found.append((f"{prefix}.{name}" if prefix else name, tensor, is_buffer))
     return found
 
 
@@ -79,6 +101,7 @@ def _tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int
     return tensor.numel() * element_size(tensor.dtype, dtype)
 
 
+@gc_paused()
 def build_problem(
     graph_module: torch.fx.GraphModule,
     model: torch.nn.Module,
@@ -200,9 +223,7 @@ def _resolve(graph_module: torch.fx.GraphModule, target: str) -> Any:
 
 
 def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    found: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
-    found += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
-    return found
+    return [(name, tensor) for name, tensor, _ in named_tensors(module)]
 
 
 def _resolve_pins(

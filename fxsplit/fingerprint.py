@@ -20,6 +20,8 @@ import hashlib
 import json
 from typing import Any
 
+from fxsplit.gcpause import gc_paused
+
 __all__ = ["describe", "differences", "fingerprint_of", "tensor_signature"]
 
 
@@ -29,17 +31,17 @@ def tensor_signature(tensor: Any) -> str:
     return f"{dtype}[{', '.join(str(int(d)) for d in tensor.shape)}]"
 
 
+@gc_paused()
 def describe(model: Any) -> tuple[str, dict[str, str], tuple[tuple[str, ...], ...]]:
     """``(fingerprint, name -> signature, tied name groups)`` of ``model``'s parameters and buffers."""
-    from fxsplit.cost import model_tensors  # torch: only here, so that a plan's fingerprint checks without it
+    from fxsplit.cost import named_tensors  # torch: only here, so that a plan's fingerprint checks without it
 
     tensors: dict[str, str] = {}
-    for name, tensor in model.named_parameters(remove_duplicate=False):
+    by_id: dict[int, list[str]] = {}
+    for name, tensor, _ in named_tensors(model):
         tensors[name] = tensor_signature(tensor)
-    for name, tensor in model.named_buffers(remove_duplicate=False):
-        if tensor is not None:
-            tensors[name] = tensor_signature(tensor)
-    tied = tuple(tuple(names) for names, _, _ in model_tensors(model).values() if len(names) > 1)
+        by_id.setdefault(id(tensor), []).append(name)
+    tied = tuple(tuple(names) for names in by_id.values() if len(names) > 1)
     return fingerprint_of(tensors, tied), tensors, tied
 
 

@@ -35,6 +35,7 @@ from typing import Callable, Mapping, Sequence
 
 from fxsplit.cost import GraphCosts
 from fxsplit.errors import BudgetError, SpecError
+from fxsplit.gcpause import gc_paused
 from fxsplit.lifetimes import ActivationProfile, planning_loads, simulate
 from fxsplit.plan import Plan
 from fxsplit.problem import PartitionProblem
@@ -154,6 +155,7 @@ class MemoryModel:
             return 0, 0
         return nbytes, self.spec.optimizer_bytes(nbytes, self.trainable[name])
 
+    @gc_paused()
     def problem(self) -> PartitionProblem:
         """The partition problem charging everything this mode counts."""
         problem = self.costs.problem
@@ -292,6 +294,7 @@ def _advice(component: str) -> str:
     return "raise the budgets, add a device, or plan with smaller example inputs (batch, sequence length)"
 
 
+@gc_paused()
 def fit_budgets(model: MemoryModel, budgets: Mapping[str, int], solve: Callable[[Sequence[int]], Plan]) -> Plan:
     """Plan so that each device's simulated total fits its budget; record the breakdown in the plan.
 

@@ -20,15 +20,20 @@ Two dynamic programmes do the work:
 So the result is the exact optimum over contiguous placements for graphs of
 up to ``EXACT_LIMIT`` ops, and never worse than the relay optimum otherwise.
 
-Unless ``contiguous=True``, two out-of-order steps follow: *wrapped*
-placements (device 0 also runs the last ops, so skip connections and tied
-embeddings stay home; :mod:`fxsplit.ring`) compete with the contiguous one,
-single ops then move wherever that lowers the bytes copied
-(:mod:`fxsplit.refine`), and, on graphs of up to ``EXACT_LIMIT`` ops, pairs
-of devices exchange whole groups of ops along minimum cuts (networkx
-max-flow, :mod:`fxsplit.mincut`) where single moves are stuck. When no
-contiguous placement fits, wrapped placements and an out-of-order packing
-are tried instead.
+Unless ``contiguous=True``, out-of-order steps follow: *wrapped* placements
+(device 0 also runs the last ops, so skip connections and tied embeddings
+stay home; :mod:`fxsplit.ring`) compete with the contiguous one; with
+unequal budgets both programmes also run over permuted device orders
+(nothing out of order ties stage ``k`` to the ``k``-th budget; every order
+for up to 4 devices on graphs of up to ``EXACT_LIMIT`` ops, else budgets
+descending and ascending); single ops then move wherever that lowers the
+bytes copied (:mod:`fxsplit.refine`); on graphs of up to ``EXACT_LIMIT``
+ops, pairs of devices exchange whole groups of ops along minimum cuts
+(networkx max-flow, :mod:`fxsplit.mincut`) where single moves are stuck;
+and graphs of up to :data:`fxsplit.exact.EXACT_OPS` ops are searched
+exactly (:mod:`fxsplit.exact`). When no contiguous placement fits, wrapped
+placements, an out-of-order packing and (on small graphs) the exact search
+are tried instead. Ties keep the budgets' own order.
 
 >>> from fxsplit.problem import PartitionProblem, Value
 >>> chain = PartitionProblem(
@@ -41,6 +46,7 @@ are tried instead.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import NoReturn, Sequence
@@ -48,10 +54,11 @@ from typing import NoReturn, Sequence
 import numpy as np
 
 from fxsplit.errors import BudgetError, SpecError
+from fxsplit.exact import exact_placement
 from fxsplit.mincut import exchange
 from fxsplit.problem import PartitionProblem
 from fxsplit.refine import device_loads, frozen_ops, improve, pack, repair
-from fxsplit.ring import has_long_reach, wrap_points, wrapped_placement
+from fxsplit.ring import cheapest_wraps, has_long_reach, step_matrices, wrap_points
 from fxsplit.units import format_size
 
 __all__ = ["EXACT_LIMIT", "OBJECTIVES", "Partition", "partition", "transfer_bytes"]
@@ -79,14 +86,14 @@ class Partition:
 
 def transfer_bytes(problem: PartitionProblem, op_devices: Sequence[int]) -> int:
     """Bytes copied per forward: each value once per device, other than its home, that reads it."""
-    total = 0
-    for value in problem.values:
-        if not value.consumers or not value.nbytes:
-            continue
-        home = op_devices[value.start]
-        destinations = {op_devices[c] for c in value.consumers} - {home}
-        total += value.nbytes * len(destinations)
-    return total
+    values, readers, starts, nbytes = problem.read_edges
+    if not len(values):
+        return 0
+    devices = np.asarray(op_devices, dtype=np.int64)
+    destination, home = devices[readers], devices[starts]
+    away = (destination != home) & (nbytes > 0)
+    copies = np.unique(values[away] * (int(devices.max()) + 1) + destination[away], return_index=True)[1]
+    return int(nbytes[away][copies].sum())
 
 
 def partition(
@@ -137,20 +144,23 @@ def partition(
         if scale is not None:
             budgets_used = [min(b, int(b * scale) + 1) for b in ctx.budgets]
     matrices = _Matrices.of(ctx, candidates, budgets_used)
-    boundaries = _exact_boundaries(ctx, candidates, budgets_used, matrices)
-    if boundaries is None:
-        return _folded(problem, ctx, names, contiguous)
     if contiguous:
+        boundaries = _exact_boundaries(ctx, candidates, budgets_used, matrices)
+        if boundaries is None:
+            return _folded(problem, ctx, names, contiguous)
         return _result(problem, ctx, boundaries)
-    op_devices = improve(problem, _devices_of(ctx.n, boundaries), budgets_used)
-    cost = transfer_bytes(problem, op_devices)
-    for wrapped in _wrapped_candidates(ctx, candidates, budgets_used, matrices) if cost else []:
-        wrapped_cost = transfer_bytes(problem, wrapped)
-        if wrapped_cost < cost:
-            op_devices, cost = wrapped, wrapped_cost
+    found = _ordered_candidates(ctx, candidates, budgets_used, matrices)
+    if not found:
+        return _folded(problem, ctx, names, contiguous)
+    costs = [transfer_bytes(problem, p) for p in found]
+    cost = min(costs)
+    op_devices = found[costs.index(cost)]  # ties: the budgets' own order, contiguous before wrapped
     exchanged = _exchanged(problem, op_devices, budgets_used) if cost else op_devices
     if exchanged is not op_devices:
         op_devices, cost = exchanged, transfer_bytes(problem, exchanged)
+    if cost:
+        op_devices = exact_placement(problem, budgets_used, op_devices, cost) or op_devices
+        cost = transfer_bytes(problem, op_devices)
     loads = device_loads(problem, op_devices, len(budgets))
     return Partition(tuple(op_devices), cost, tuple(loads))
 
@@ -169,24 +179,65 @@ def _exchanged(problem: PartitionProblem, op_devices: list[int], budgets: Sequen
     return improve(problem, exchanged, budgets)
 
 
+def _ordered_candidates(ctx: _Context, cands: np.ndarray, budgets: Sequence[int],
+                        matrices: _Matrices) -> list[list[int]]:
+    """Contiguous and wrapped placements, improved, for each order of the devices :func:`_device_orders` gives.
+
+    Out of order nothing ties stage ``k`` to the ``k``-th budget, so with
+    unequal budgets the programmes also run over permuted budgets (the
+    result relabelled back). The budgets' own order comes first.
+    """
+    found: list[list[int]] = []
+    for order in _device_orders(ctx, budgets):
+        permuted = [budgets[d] for d in order]
+        m = matrices if permuted == list(budgets) and not found else _Matrices.of(ctx, cands, permuted, matrices.cost)
+        boundaries = _exact_boundaries(ctx, cands, permuted, m)
+        placed = [] if boundaries is None else [_devices_of(ctx.n, boundaries)]
+        if not placed or transfer_bytes(ctx.problem, placed[0]):
+            placed += _wrapped_candidates(ctx, cands, permuted, m, improved=False)
+        found += [improve(ctx.problem, [order[d] for d in p], budgets) for p in placed]
+    return found
+
+
+def _device_orders(ctx: _Context, budgets: Sequence[int]) -> list[tuple[int, ...]]:
+    """Orders of the devices to try: the given one first; then, with unequal budgets and no pins, every
+    distinct order for up to 4 devices on graphs of up to ``EXACT_LIMIT`` ops, else budgets descending and
+    ascending. Orders that permute equal budgets only are the same problem and are skipped."""
+    identity = tuple(range(len(budgets)))
+    if ctx.problem.pinned or len(set(budgets)) < 2:
+        return [identity]
+    if len(budgets) <= 4 and ctx.n + 1 <= EXACT_LIMIT:
+        orders = list(itertools.permutations(identity))
+    else:
+        descending = tuple(sorted(identity, key=lambda d: (-budgets[d], d)))
+        orders = [identity, descending, descending[::-1]]
+    seen: set[tuple[int, ...]] = set()
+    distinct = []
+    for order in orders:
+        key = tuple(budgets[d] for d in order)
+        if key not in seen:
+            seen.add(key)
+            distinct.append(order)
+    return distinct
+
+
 def _wrapped_candidates(ctx: _Context, cands: np.ndarray, budgets: Sequence[int],
-                        matrices: _Matrices | None = None) -> list[list[int]]:
+                        matrices: _Matrices | None = None, *, improved: bool = True) -> list[list[int]]:
     """The cheapest placements where device 0 also runs the last ops (see :mod:`fxsplit.ring`), improved.
 
-    Only tried when a copied value is made early and read late (skip
-    connections, tied embeddings); each wrap point costs one pass of the exact
-    programme, and only the :data:`RING_KEEP` cheapest are refined.
+    On graphs of more than ``EXACT_LIMIT`` ops only tried when a copied value
+    is made early and read late (skip connections, tied embeddings); each
+    wrap point costs one pass of the exact programme, and only the
+    :data:`RING_KEEP` cheapest are kept.
     """
-    if len(budgets) < 2 or not has_long_reach(ctx):
+    if len(budgets) < 2 or (ctx.n + 1 > EXACT_LIMIT and not has_long_reach(ctx)):
         return []
     points = wrap_points(ctx, cands, budgets[0])
     if not points:
         return []
     m = matrices or _Matrices.of(ctx, cands, budgets)
-    found = [p for w in points
-             if (p := wrapped_placement(ctx, cands, m.cost, m.seg_weight, m.masks, budgets, w)) is not None]
-    found.sort(key=lambda p: transfer_bytes(ctx.problem, p))
-    return [improve(ctx.problem, p, budgets) for p in found[:RING_KEEP]]
+    found = cheapest_wraps(ctx, cands, m.cost, m.seg_weight, m.steps, budgets, points, RING_KEEP)
+    return [improve(ctx.problem, p, budgets) for p in found] if improved else found
 
 
 def _folded(problem: PartitionProblem, ctx: _Context, names: Sequence[str], contiguous: bool) -> Partition:
@@ -200,9 +251,13 @@ def _folded(problem: PartitionProblem, ctx: _Context, names: Sequence[str], cont
     if packed is not None:
         found.append(improve(problem, packed, ctx.budgets))
     if not found:
-        _raise_infeasible(problem, ctx, names, contiguous)
+        searched = exact_placement(problem, ctx.budgets, None)
+        if searched is None:
+            _raise_infeasible(problem, ctx, names, contiguous)
+        found.append(searched)
     op_devices = min(found, key=lambda p: transfer_bytes(problem, p))
     op_devices = _exchanged(problem, op_devices, ctx.budgets)
+    op_devices = exact_placement(problem, ctx.budgets, op_devices, transfer_bytes(problem, op_devices)) or op_devices
     loads = device_loads(problem, op_devices, len(ctx.budgets))
     return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(loads))
 
@@ -221,6 +276,11 @@ class _Context:
         self._sparse = _SparseMax(self.transient) if self.has_transient else None
         self.forbidden = problem.forbidden_cuts()
         self.crossing = self._crossing()
+        reaching = [v for v in problem.values if v.nbytes and v.consumers]
+        # start, last reader and bytes of every copied value, for the wrapped programme
+        self.reach = (np.array([v.start for v in reaching], dtype=np.int64),
+                      np.array([v.last for v in reaching], dtype=np.int64),
+                      np.array([v.nbytes for v in reaching], dtype=np.float64))
         # last_bad[k][t]: 1 + index of the last op before t pinned to a device other than k.
         self.last_bad: list[list[int]] = []
         for k in range(len(budgets)):
@@ -407,11 +467,15 @@ def _segment_masks(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> 
     base = np.triu(np.ones((m, m), dtype=bool), k=1)
     starts_ok = np.array([t == 0 or not ctx.forbidden[t] for t in cands.tolist()])
     base &= starts_ok[:, None]
-    masks = []
+    masks: list[np.ndarray] = []
+    shared: dict[tuple[int, int], np.ndarray] = {}  # devices alike (same budget, no pins) share one mask
     for k, budget in enumerate(budgets):
-        last_bad = np.asarray(ctx.last_bad[k])[cands]
-        pins_ok = last_bad[None, :] <= cands[:, None]
-        masks.append(base & (seg_weight <= budget) & pins_ok)
+        key = (budget, k if ctx.problem.pinned else -1)
+        if key not in shared:
+            last_bad = np.asarray(ctx.last_bad[k])[cands]
+            pins_ok = last_bad[None, :] <= cands[:, None]
+            shared[key] = base & (seg_weight <= budget) & pins_ok
+        masks.append(shared[key])
     return seg_weight, masks
 
 
@@ -421,32 +485,31 @@ class _Matrices:
 
     ``cost[i, j]``: bytes copied into a device running ``[cands[i], cands[j])``;
     ``seg_weight[i, j]``: the bytes it needs; ``masks[k][i, j]``: whether device
-    ``k`` may run that segment.
+    ``k`` may run that segment; ``steps[k][i, j]``: what that segment adds to
+    the objective (:func:`fxsplit.ring.step_matrices`).
     """
 
     cost: np.ndarray
     seg_weight: np.ndarray
     masks: list[np.ndarray]
+    steps: list[np.ndarray]
 
     @classmethod
-    def of(cls, ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> _Matrices:
+    def of(cls, ctx: _Context, cands: np.ndarray, budgets: Sequence[int], cost: np.ndarray | None = None) -> _Matrices:
         seg_weight, masks = _segment_masks(ctx, cands, budgets)
-        return cls(_cut_cost_matrix(ctx, cands), seg_weight, masks)
+        cost = _cut_cost_matrix(ctx, cands) if cost is None else cost
+        return cls(cost, seg_weight, masks, step_matrices(cost, seg_weight, masks, budgets))
 
 
 def _exact_boundaries(ctx: _Context, cands: np.ndarray, budgets: Sequence[int],
                       matrices: _Matrices) -> list[int] | None:
     """Cheapest placement (true copy cost, then balance) with boundaries in ``cands``."""
-    cost, seg_weight, masks = matrices.cost, matrices.seg_weight, matrices.masks
-    epsilon = 0.5 / len(budgets)
     m = len(cands)
     previous = np.full(m, _INF)
     previous[0] = 0.0
     choices: list[list[int]] = []
-    for k, budget in enumerate(budgets):
-        fraction = seg_weight / budget if budget > 0 else np.where(seg_weight > 0, _INF, 0.0)
-        total = previous[:, None] + cost + epsilon * fraction**2
-        total = np.where(masks[k], total, _INF)
+    for k in range(len(budgets)):
+        total = previous[:, None] + matrices.steps[k]
         # On ties take the latest start: ops without weights stay with the stage before.
         best_start = m - 1 - np.argmin(total[::-1], axis=0)
         best = total[best_start, np.arange(m)]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, NoReturn, Sequence
 
 import torch.fx
 
@@ -14,7 +14,7 @@ from fxsplit.partition import Partition
 from fxsplit.plan import Cut, Plan
 from fxsplit.units import format_size
 
-__all__ = ["Read", "cuts_for", "make_plan", "reads_of", "weights_by_node"]
+__all__ = ["Read", "cuts_for", "make_plan", "reads_of", "unread_weights", "weights_by_node"]
 
 
 @dataclass(frozen=True)
@@ -67,27 +67,31 @@ def make_plan(
     output_device: str | None,
     trace: str,
     objective: str,
+    repartition: Callable[[Sequence[int]], Partition] | None = None,
 ) -> Plan:
-    """Name where every node and parameter goes, and list the copies the forward makes."""
+    """Name where every node and parameter goes, and list the copies the forward makes.
+
+    Tensors no op reads (unused submodules, weights the graph never reads) go
+    where room is left after ``solution``, largest first. When they do not
+    fit the gaps and ``repartition`` (partition under other budgets) is
+    given, they are packed first and the ops partitioned again into what is
+    left.
+    """
+    unread_home = _pack_unread(costs, devices, budgets, solution)
+    if unread_home is None and repartition is not None:
+        solution, unread_home = _set_aside_unread(costs, devices, budgets, repartition)
+    if unread_home is None:
+        _raise_unread(costs, devices, budgets, list(solution.device_weights))
     op_device = {op.name: devices[d] for op, d in zip(costs.ops, solution.op_devices, strict=True)}
     used = [devices[d] for d in solution.op_devices]
     out_device = output_device or (used[-1] if used else devices[0])
 
-    weight_home: dict[str, str] = {}
-    # device_bytes counts parameters and buffers only; load is everything the partitioner
-    # charged (activations, gradients, optimizer state too, when the problem carries them).
+    # device_bytes counts parameters and buffers only (the partitioner also charged activations,
+    # gradients and optimizer state, when the problem carries them).
+    weight_home = {**_read_homes(costs, devices, solution), **unread_home}
     device_bytes = dict.fromkeys(devices, 0)
-    load = {d: int(solution.device_weights[k]) for k, d in enumerate(devices)}
-    for weight, value_index in zip(costs.weights, costs.weight_values, strict=True):
-        if value_index >= 0:
-            start = costs.problem.values[value_index].start
-            weight_home[weight.names[0]] = devices[solution.op_devices[start]]
-            device_bytes[weight_home[weight.names[0]]] += weight.nbytes
-    idle = [w for w, v in zip(costs.weights, costs.weight_values, strict=True) if v < 0]
-    for weight in idle + costs.unused:
-        home = weight_home[weight.names[0]] = _place_unused(weight, weight_home, load, budgets)
-        device_bytes[home] += weight.nbytes
-        load[home] += weight.nbytes
+    for weight in [*costs.weights, *costs.unused]:
+        device_bytes[weight_home[weight.names[0]]] += weight.nbytes
 
     placement: dict[str, str] = {}
     order = {op.name: i for i, op in enumerate(costs.ops)}
@@ -107,11 +111,10 @@ def make_plan(
             placement[node.name] = op_device[costs.ops[min(readers)].name] if readers else out_device
 
     param_devices = {name: weight_home[w.names[0]] for w in [*costs.weights, *costs.unused] for name in w.names}
-    modules: dict[str, list[str]] = {d: [] for d in devices}
+    modules: dict[str, dict[str, None]] = {d: {} for d in devices}  # ordered sets: first use order
     for op, label in zip(costs.ops, costs.problem.op_labels, strict=True):
-        paths = modules[op_device[op.name]]
-        if label and (not paths or paths[-1] != label) and label not in paths:
-            paths.append(label)
+        if label:
+            modules[op_device[op.name]].setdefault(label)
     cuts = _cuts(costs, graph_module, placement, weight_home)
     return Plan(
         devices=tuple(devices),
@@ -127,18 +130,83 @@ def make_plan(
     )
 
 
-def _place_unused(weight: Weight, home: dict[str, str], load: dict[str, int], budgets: dict[str, int]) -> str:
-    """A parameter no op reads goes beside its module's other tensors, else where it fits first."""
-    module = weight.names[0].rpartition(".")[0]
-    for name, device in home.items():
-        if name.rpartition(".")[0] == module and load[device] + weight.nbytes <= budgets[device]:
-            return device
-    for device, budget in budgets.items():
-        if load[device] + weight.nbytes <= budget:
-            return device
+def unread_weights(costs: GraphCosts) -> list[Weight]:
+    """Parameters and buffers no op of the graph reads, in the model's order."""
+    idle = [w for w, v in zip(costs.weights, costs.weight_values, strict=True) if v < 0]
+    return idle + costs.unused
+
+
+def _read_homes(costs: GraphCosts, devices: Sequence[str], solution: Partition) -> dict[str, str]:
+    """Canonical name -> device of every weight some op reads: where its first reader runs."""
+    homes: dict[str, str] = {}
+    for weight, value_index in zip(costs.weights, costs.weight_values, strict=True):
+        if value_index >= 0:
+            homes[weight.names[0]] = devices[solution.op_devices[costs.problem.values[value_index].start]]
+    return homes
+
+
+def _pack_unread(costs: GraphCosts, devices: Sequence[str], budgets: dict[str, int],
+                 solution: Partition) -> dict[str, str] | None:
+    """Canonical name -> device for the tensors no op reads, in the room ``solution`` leaves, or None.
+
+    Largest first (ties in the model's order); each goes beside its module's
+    other tensors when some are read and it fits there, else to the device
+    with the least room that holds it (big gaps stay for big tensors).
+    """
+    room = {d: budgets[d] - int(load) for d, load in zip(devices, solution.device_weights, strict=True)}
+    module_home: dict[str, str] = {}
+    for name, device in _read_homes(costs, devices, solution).items():
+        module_home.setdefault(name.rpartition(".")[0], device)
+    homes: dict[str, str] = {}
+    for weight in sorted(unread_weights(costs), key=lambda w: -w.nbytes):
+        module = weight.names[0].rpartition(".")[0]
+        beside = module_home.get(module)
+        fitting = [d for d in devices if room[d] >= weight.nbytes]
+        if not fitting:
+            return None
+        home = beside if beside in fitting else min(fitting, key=lambda d: room[d])
+        homes[weight.names[0]] = home
+        room[home] -= weight.nbytes
+    return homes
+
+
+def _set_aside_unread(costs: GraphCosts, devices: Sequence[str], budgets: dict[str, int],
+                      repartition: Callable[[Sequence[int]], Partition]) -> tuple[Partition, dict[str, str] | None]:
+    """Pack the unread tensors first (largest first, onto the device with the most room), then the ops."""
+    room = dict(budgets)
+    homes: dict[str, str] = {}
+    for weight in sorted(unread_weights(costs), key=lambda w: -w.nbytes):
+        home = max(devices, key=lambda d: room[d])
+        if room[home] < weight.nbytes:
+            _raise_unread(costs, devices, budgets, [0] * len(devices))
+        homes[weight.names[0]] = home
+        room[home] -= weight.nbytes
+    unread = sum(budgets[d] - room[d] for d in devices)
+    try:
+        solution = repartition([room[d] for d in devices])
+    except BudgetError as error:
+        raise BudgetError(
+            f"the ops fit the budgets only if the {format_size(unread)} of tensors no op reads "
+            f"({_largest_unread(costs)}) are left out; with them packed first: {error}"
+        ) from None
+    return solution, homes
+
+
+def _largest_unread(costs: GraphCosts) -> str:
+    weights = sorted(unread_weights(costs), key=lambda w: -w.nbytes)
+    listed = ", ".join(f"'{w.names[0]}' {format_size(w.nbytes)}" for w in weights[:3])
+    return listed + (f" and {len(weights) - 3} more" if len(weights) > 3 else "")
+
+
+def _raise_unread(costs: GraphCosts, devices: Sequence[str], budgets: dict[str, int], loads: list[int]) -> NoReturn:
+    room = {d: budgets[d] - load for d, load in zip(devices, loads, strict=True)}
+    weights = sorted(unread_weights(costs), key=lambda w: -w.nbytes)
+    largest = weights[0]
+    total = sum(w.nbytes for w in weights)
     raise BudgetError(
-        f"parameter '{weight.names[0]}' ({format_size(weight.nbytes)}, read by no op of the graph) fits no "
-        f"device's remaining budget; raise a budget by {format_size(weight.nbytes)} or delete the unused tensor"
+        f"the tensors no op of the graph reads ({format_size(total)}: {_largest_unread(costs)}) do not fit what "
+        f"the budgets leave ({', '.join(f'{d!r} {format_size(max(r, 0))}' for d, r in room.items())}); "
+        f"raise a budget by {format_size(largest.nbytes)} or more, or delete the unused tensors"
     )
 
 

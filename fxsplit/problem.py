@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping, Sequence
 
+import numpy as np
+
 __all__ = ["PartitionProblem", "Value"]
 
 
@@ -94,6 +96,36 @@ class PartitionProblem:
             if value.weight and self.num_ops:
                 weights[min(value.start, self.num_ops - 1)] += value.weight
         return tuple(weights)
+
+    @cached_property
+    def op_reads(self) -> tuple[tuple[int, ...], ...]:
+        """Indices of the values each op reads (once per reading, as ``consumers`` lists them)."""
+        reads: list[list[int]] = [[] for _ in range(self.num_ops)]
+        for index, value in enumerate(self.values):
+            for op in value.consumers:
+                reads[op].append(index)
+        return tuple(tuple(r) for r in reads)
+
+    @cached_property
+    def op_homes(self) -> tuple[tuple[int, ...], ...]:
+        """Indices of the values whose home is each op: read or resident ones with ``start`` there."""
+        homes: list[list[int]] = [[] for _ in range(self.num_ops)]
+        for index, value in enumerate(self.values):
+            if (value.consumers or value.weight) and self.num_ops:
+                homes[min(value.start, self.num_ops - 1)].append(index)
+        return tuple(tuple(h) for h in homes)
+
+    @cached_property
+    def read_edges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(value, reader, start, bytes)`` arrays, one entry per read (value index, reading op)."""
+        pairs = [(i, op, v.start, v.nbytes) for i, v in enumerate(self.values) for op in v.consumers]
+        columns = np.array(pairs, dtype=np.int64).reshape(-1, 4).T
+        return columns[0], columns[1], columns[2], columns[3]
+
+    @cached_property
+    def values_by_size(self) -> tuple[int, ...]:
+        """Value indices, largest ``nbytes`` first (ties in index order)."""
+        return tuple(sorted(range(len(self.values)), key=lambda i: (-self.values[i].nbytes, i)))
 
     def transients(self) -> list[int]:
         """``op_transient`` with one entry per op (zeros when not given)."""

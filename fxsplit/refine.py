@@ -30,9 +30,29 @@ import bisect
 from collections import deque
 from typing import Sequence
 
+import numpy as np
+
 from fxsplit.problem import PartitionProblem
 
 __all__ = ["device_loads", "frozen_ops", "improve", "pack", "repair"]
+
+
+class _Counts:
+    """``counts[value][device]``: how many of the value's reads run on the device, made when first asked for."""
+
+    def __init__(self, problem: PartitionProblem, op_devices: list[int]) -> None:
+        self.problem = problem
+        self.devices = op_devices
+        self.made: dict[int, dict[int, int]] = {}
+
+    def __getitem__(self, index: int) -> dict[int, int]:
+        counts = self.made.get(index)
+        if counts is None:
+            counts = {}
+            for op in self.problem.values[index].consumers:
+                counts[self.devices[op]] = counts.get(self.devices[op], 0) + 1
+            self.made[index] = counts
+        return counts
 
 
 class _State:
@@ -42,18 +62,9 @@ class _State:
         self.problem = problem
         self.devices = op_devices
         self.budgets = list(budgets)
-        n = problem.num_ops
-        self.reads: list[list[int]] = [[] for _ in range(n)]
-        self.starts: list[list[int]] = [[] for _ in range(n)]
-        self.counts: list[dict[int, int]] = []
-        for index, value in enumerate(problem.values):
-            counts: dict[int, int] = {}
-            for op in value.consumers:
-                self.reads[op].append(index)
-                counts[op_devices[op]] = counts.get(op_devices[op], 0) + 1
-            if value.consumers or value.weight:
-                self.starts[min(value.start, n - 1)].append(index)
-            self.counts.append(counts)
+        self.reads = problem.op_reads
+        self.starts = problem.op_homes
+        self.counts = _Counts(problem, op_devices)
         self.resident = problem.op_weights()
         self.transient = problem.transients()
         self.load = [0] * len(self.budgets)
@@ -165,10 +176,13 @@ def improve(problem: PartitionProblem, op_devices: Sequence[int], budgets: Seque
 def _group_moves(state: _State, frozen: set[int]) -> bool:
     """Move all readers of a copied value on one device to the value's home when that copies less."""
     improved = False
-    order = sorted(range(len(state.problem.values)), key=lambda i: (-state.problem.values[i].nbytes, i))
-    for index in order:
+    # Only values copied now, or touched by a move made here, can have readers away from home.
+    watched = set(_away(state)[0].tolist())
+    for index in state.problem.values_by_size:
         value = state.problem.values[index]
         if not value.nbytes:
+            break
+        if index not in watched:
             continue
         home = state.devices[value.start]
         for device in sorted({state.devices[c] for c in value.consumers} - {home}):
@@ -184,6 +198,8 @@ def _group_moves(state: _State, frozen: set[int]) -> bool:
                 done.append(op)
             if len(done) == len(readers) and delta < 0:
                 improved = True
+                for op in done:
+                    watched.update(state.reads[op], state.starts[op])
                 continue
             for op in reversed(done):
                 state.apply(op, device)
@@ -191,9 +207,8 @@ def _group_moves(state: _State, frozen: set[int]) -> bool:
 
 
 def _single_moves(state: _State, frozen: set[int], limit: int) -> int:
-    problem = state.problem
     budgets = state.budgets
-    pending = sorted({op for op in range(problem.num_ops) if _reads_remote(state, op)} - frozen)
+    pending = sorted(set(_away(state)[1].tolist()) - frozen)
     queue: deque[int] = deque(pending)
     queued = set(pending)
     moves = 0
@@ -217,9 +232,12 @@ def _single_moves(state: _State, frozen: set[int], limit: int) -> int:
     return moves
 
 
-def _reads_remote(state: _State, op: int) -> bool:
-    device = state.devices[op]
-    return any(state.devices[state.problem.values[i].start] != device for i in state.reads[op])
+def _away(state: _State) -> tuple[np.ndarray, np.ndarray]:
+    """The values read away from their home, and the ops that read them there (each once, sorted)."""
+    values, readers, starts, _ = state.problem.read_edges
+    devices = np.asarray(state.devices, dtype=np.int64)
+    away = devices[readers] != devices[starts]
+    return np.unique(values[away]), np.unique(readers[away])
 
 
 def _blocks(problem: PartitionProblem) -> list[list[int]]:
