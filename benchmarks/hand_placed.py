@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxsplit.plan import Plan
+from fxsplit.planning.plan import Plan
 
 __all__ = ["HandGPT2", "HandMLP", "hand_placed"]
 

@@ -53,11 +53,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from benchmarks.accelerate_maps import accelerate_map
     from benchmarks.placements import from_device_map, score
-    from fxsplit.cost import build_problem
+    from fxsplit.cost.build import build_problem
     from fxsplit.devices import normalize_budgets
-    from fxsplit.partition import partition
-    from fxsplit.planning import make_plan
-    from fxsplit.trace import trace
+    from fxsplit.partition.solve import partition
+    from fxsplit.planning.build import make_plan
+    from fxsplit.tracing.capture import trace
 
     transformers.logging.set_verbosity_error()
     config = transformers.LlamaConfig(

@@ -2,7 +2,7 @@
 
 For every model, device count and mode, split the model with fxsplit (budgets
 tight enough that every device is used), run it on logical CPU devices under
-:class:`fxsplit.measure.ActivationMeter` (a dispatch mode counting the live
+:class:`fxsplit.memory.measure.ActivationMeter` (a dispatch mode counting the live
 bytes of every storage per logical device: activations, copies between
 devices, saved tensors and activation gradients; never parameters, buffers,
 inputs or parameter gradients) and compare with the plan's
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import fxsplit
-from fxsplit.measure import measure_forward, measure_training
+from fxsplit.memory.measure import measure_forward, measure_training
 
 HERE = Path(__file__).parent
 
@@ -186,7 +186,7 @@ def write(rows: list[dict[str, Any]], big: list[dict[str, Any]], seconds: float)
         "Written by `python benchmarks/memory_estimate.py` "
         f"(torch {torch.__version__}, {platform.machine()}, {seconds:.0f} s). "
         "Each model is split with budgets that need every device; *measured* is the peak of live storage bytes "
-        "per logical device seen by `fxsplit.measure.ActivationMeter` (activations, copies, saved tensors, "
+        "per logical device seen by `fxsplit.memory.measure.ActivationMeter` (activations, copies, saved tensors, "
         "activation gradients; not parameters, buffers, inputs or parameter gradients) over one forward "
         "(`inference`, eval mode, no_grad) or one forward and backward (`training`, train mode); *estimated* is "
         "`plan.memory[device]['activations_peak']`. Bar: ratio in [0.85, 1.15], and >= 0.95 in training.",

@@ -10,7 +10,7 @@ every weight lives. Three sources are turned into one:
 
 :func:`score` then counts, per forward, the bytes copied between devices
 (each value once per device other than its home that reads it, the rule
-:func:`fxsplit.partition.transfer_bytes` uses) and the weight bytes per device.
+:func:`fxsplit.partition.solve.transfer_bytes` uses) and the weight bytes per device.
 Weights Accelerate offloads to ``"cpu"`` or ``"disk"`` live on an extra
 pseudo-device ``OFF`` (index ``len(budgets)``): they are streamed to the
 execution device on every forward, and those bytes are reported apart.
@@ -23,9 +23,9 @@ from typing import Any, Mapping, Sequence
 
 import torch.fx
 
-from fxsplit.cost import GraphCosts
-from fxsplit.graphinfo import module_path
-from fxsplit.plan import Plan
+from fxsplit.cost.build import GraphCosts
+from fxsplit.planning.plan import Plan
+from fxsplit.tracing.graphinfo import module_path
 
 __all__ = ["OFFLOAD_KEYS", "Placement", "Score", "from_device_map", "from_plan", "lookup", "score"]
 

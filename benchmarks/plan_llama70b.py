@@ -61,9 +61,11 @@ def main() -> None:
 
 
 def _timed_plan(model: torch.nn.Module, budgets: dict[str, str], ids: torch.Tensor, mode: str,
-                timings: dict[str, float]) -> api._Planned:
-    """api._plan with the time of each stage recorded (trace, activation profile, partition + simulation)."""
-    from fxsplit import activations, memory, trace
+                timings: dict[str, float]) -> api.Planned:
+    """api.trace_and_plan with the time of each stage recorded (trace, activation profile, partition + simulation)."""
+    from fxsplit.memory import activations
+    from fxsplit.memory import model as memory
+    from fxsplit.tracing import capture as trace
 
     def timed(name: str, func):  # type: ignore[no-untyped-def]
         def wrapper(*a, **k):  # type: ignore[no-untyped-def]
@@ -79,7 +81,7 @@ def _timed_plan(model: torch.nn.Module, budgets: dict[str, str], ids: torch.Tens
     api.profile_activations = timed("profile_s", activations.profile_activations)
     api.fit_budgets = timed("partition_and_check_s", memory.fit_budgets)
     try:
-        return api._plan(model, budgets, (ids,), {"example_kwargs": {"use_cache": False}, "mode": mode})
+        return api.trace_and_plan(model, budgets, (ids,), {"example_kwargs": {"use_cache": False}, "mode": mode})
     finally:
         api.trace, api.profile_activations, api.fit_budgets = originals
 

@@ -5,7 +5,7 @@
   model + partition + plan data; codegen = moving the weights + emitting the
   GraphModule), and the public call end to end; against Accelerate's
   ``infer_auto_device_map`` (the documented call) + ``dispatch_model``.
-* **Scaling**: :func:`fxsplit.partition.partition` on synthetic deep, wide and
+* **Scaling**: :func:`fxsplit.partition.solve.partition` on synthetic deep, wide and
   long-skip problems (:mod:`benchmarks.synthetic`) of 1k to 100k ops over 4 devices,
   and on the cost model of real FX graphs (deep MLPs traced with torch.fx);
   slope of log(time) on log(ops).
@@ -35,12 +35,12 @@ from benchmarks.measure import fit_slope, median, time_call
 from benchmarks.models import MLP, Case
 from benchmarks.plan_stages import PLAN_SIZES, QUICK_PLAN_SIZES, plan_scaling
 from benchmarks.synthetic import deep, skips, wide
-from fxsplit.codegen import emit, move_weights
-from fxsplit.cost import build_problem
+from fxsplit.codegen.emitter import emit, move_weights
+from fxsplit.cost.build import build_problem
 from fxsplit.devices import normalize_budgets
-from fxsplit.partition import partition
-from fxsplit.planning import make_plan, weights_by_node
-from fxsplit.trace import trace
+from fxsplit.partition.solve import partition
+from fxsplit.planning.build import make_plan, weights_by_node
+from fxsplit.tracing.capture import trace
 
 __all__ = ["run_planning"]
 

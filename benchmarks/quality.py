@@ -21,9 +21,9 @@ from benchmarks.accelerate_maps import VARIANTS, variants_for
 from benchmarks.models import Case, top_level_blocks
 from benchmarks.placements import Score, from_device_map, from_plan, score
 from benchmarks.reference import BlockOptimum, block_optimum, block_problem, op_blocks
-from fxsplit.cost import GraphCosts, build_problem
+from fxsplit.cost.build import GraphCosts, build_problem
 from fxsplit.errors import BudgetError
-from fxsplit.trace import trace
+from fxsplit.tracing.capture import trace
 
 __all__ = ["BUDGET_FACTORS", "DEVICE_COUNTS", "packable", "run_quality"]
 

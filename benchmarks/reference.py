@@ -6,7 +6,7 @@ to the block of the op before it). Blocks are ordered by their first op, and a
 placement gives each device a contiguous run of blocks (a device may take
 none), like a user placing ``model.layers[i]`` by hand. The cost is the true
 one: each value once per device other than its home that reads it, as
-:func:`fxsplit.partition.transfer_bytes` counts. Weights are charged to the
+:func:`fxsplit.partition.solve.transfer_bytes` counts. Weights are charged to the
 device of their first reader, as fxsplit does.
 
 :func:`block_optimum` solves it exactly by dynamic programming over
@@ -24,9 +24,9 @@ from typing import Sequence
 
 import numpy as np
 
-from fxsplit.graphinfo import module_path
-from fxsplit.partition import transfer_bytes
-from fxsplit.problem import PartitionProblem
+from fxsplit.partition.problem import PartitionProblem
+from fxsplit.partition.solve import transfer_bytes
+from fxsplit.tracing.graphinfo import module_path
 
 __all__ = ["BlockOptimum", "BlockProblem", "block_optimum", "block_problem", "brute_force", "op_blocks"]
 

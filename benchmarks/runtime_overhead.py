@@ -39,7 +39,7 @@ from benchmarks.hand_placed import hand_placed
 from benchmarks.measure import median
 from benchmarks.models import Case, case_by_name
 from fxsplit.errors import FxsplitError
-from fxsplit.plan import Plan
+from fxsplit.planning.plan import Plan
 
 __all__ = ["RUNTIME_MODELS", "VARIANT_NAMES", "run_runtime"]
 

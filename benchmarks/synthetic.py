@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 
-from fxsplit.problem import PartitionProblem, Value
+from fxsplit.partition.problem import PartitionProblem, Value
 
 __all__ = ["deep", "skips", "wide"]
 

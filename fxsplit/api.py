@@ -11,35 +11,36 @@ from typing import Any, Iterable, Mapping, Sequence, overload
 import torch
 import torch.fx
 
-from fxsplit.activations import profile_activations
-from fxsplit.autobudget import auto_budgets
 from fxsplit.check import verify_plan, verify_split
 from fxsplit.checkpoint import prepare, remember_non_persistent
-from fxsplit.codegen import emit, move_weights
-from fxsplit.constraints import (
+from fxsplit.codegen.emitter import emit, move_weights
+from fxsplit.cost.build import GraphCosts, build_problem
+from fxsplit.cost.constraints import (
     check_constraints,
     explain_infeasible_pins,
     locator,
     resolve_leaf_modules,
     together_groups,
 )
-from fxsplit.cost import GraphCosts, build_problem
 from fxsplit.devices import normalize_budgets, require_usable
-from fxsplit.dynamic import describe as describe_dynamic
 from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
-from fxsplit.fingerprint import describe
 from fxsplit.gcpause import gc_paused
-from fxsplit.memory import MemoryModel, MemorySpec, fit_budgets
-from fxsplit.microbatch import first_microbatch
-from fxsplit.partition import OBJECTIVES, Partition, partition
-from fxsplit.pipeline import Pipeline, PipelineConfig, pipelined
-from fxsplit.plan import Plan
-from fxsplit.planning import make_plan, weights_by_node
+from fxsplit.memory.activations import profile_activations
+from fxsplit.memory.autobudget import auto_budgets
+from fxsplit.memory.model import MemoryModel, MemorySpec, fit_budgets
+from fxsplit.options import OBJECTIVES, TRACE_MODES, PipelineConfig
+from fxsplit.partition.solve import Partition, partition
+from fxsplit.pipeline.gpipe import Pipeline, pipelined
+from fxsplit.pipeline.microbatch import first_microbatch
+from fxsplit.planning.build import make_plan, weights_by_node
+from fxsplit.planning.fingerprint import describe
+from fxsplit.planning.plan import Plan
 from fxsplit.spec import load_spec, merge_spec, planning_dtype, reserve_bytes
-from fxsplit.trace import TRACE_MODES, Traced, trace
+from fxsplit.tracing.capture import Traced, trace
+from fxsplit.tracing.dynamic import describe as describe_dynamic
 from fxsplit.validate import check_concrete_args, check_option_types, device_option, require_module
 
-__all__ = ["fxsplit", "plan"]
+__all__ = ["Planned", "fxsplit", "plan", "refuse_meta", "trace_and_plan"]
 
 
 @dataclass(frozen=True)
@@ -88,15 +89,17 @@ def _options(raw: Mapping[str, Any]) -> Options:
 
 
 @dataclass
-class _Planned:
+class Planned:
+    """What :func:`trace_and_plan` made: the traced graph, its costs, the plan, and the options used."""
+
     traced: Traced
     costs: GraphCosts
     plan: Plan
     options: Options | None = None
 
 
-def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mapping[str, Any], *,
-          runnable: bool = False) -> _Planned:
+def trace_and_plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mapping[str, Any], *,
+                   runnable: bool = False) -> Planned:
     """Trace and plan; with ``runnable``, first refuse devices that cannot be used here (the split will run)."""
     require_module(model)
     explicit = set(raw) - {"spec"}
@@ -168,7 +171,7 @@ def _plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mappin
         made = dataclasses.replace(made, activations_not_counted=uncounted)
     if options.check:
         verify_plan(made, traced.graph_module, model)
-    return _Planned(traced, costs, made, options)
+    return Planned(traced, costs, made, options)
 
 
 @gc_paused()
@@ -237,7 +240,7 @@ def plan(
         >>> [(c.producer, c.destination, c.nbytes) for c in p.cuts]
         [('relu', 'cpu:1', 2048)]
     """
-    return _plan(model, budgets, example_inputs, options).plan
+    return trace_and_plan(model, budgets, example_inputs, options).plan
 
 
 @overload
@@ -359,10 +362,10 @@ def fxsplit(
             return _2
     """
     loading = prepare(model, checkpoint, progress)  # checks the checkpoint before the (long) trace
-    planned = _plan(model, budgets, example_inputs, options, runnable=True)
+    planned = trace_and_plan(model, budgets, example_inputs, options, runnable=True)
     with loading.onto(planned.plan, planned.traced.graph_module) as loaded:  # unloaded if what follows fails
         if checkpoint is None:
-            _refuse_meta(model)
+            refuse_meta(model)
         by_node = weights_by_node(planned.costs)
         moved = move_weights(planned.traced.graph_module, planned.plan,
                              loaded.not_loaded(planned.costs.weights + planned.costs.unused))
@@ -378,7 +381,8 @@ def fxsplit(
             raise
 
 
-def _refuse_meta(model: torch.nn.Module) -> None:
+def refuse_meta(model: torch.nn.Module) -> None:
+    """Raise if a parameter or buffer of ``model`` is on ``meta`` (the split could not run without a checkpoint)."""
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.device.type == "meta":
             raise FxsplitError(

@@ -1,6 +1,6 @@
 """Invariants of plans and split modules, checked by tests and on request.
 
-* :func:`verify_plan`: the rules of :mod:`fxsplit.planrules` (devices known,
+* :func:`verify_plan`: the rules of :mod:`fxsplit.planning.rules` (devices known,
   budgets held, cuts that go somewhere, once; fingerprint, tensors and tied
   groups consistent), and every node and every parameter and buffer placed.
 * :func:`verify_split`: the generated graph copies each value once per
@@ -40,11 +40,11 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fxsplit import runtime
-from fxsplit.codegen import COPY_META, DEVICE_META
+from fxsplit.codegen.emitter import COPY_META, DEVICE_META
 from fxsplit.errors import FxsplitError
-from fxsplit.graphinfo import NONTENSOR, value_kind
-from fxsplit.plan import Plan
-from fxsplit.planrules import plan_problems
+from fxsplit.planning.plan import Plan
+from fxsplit.planning.rules import plan_problems
+from fxsplit.tracing.graphinfo import NONTENSOR, value_kind
 from fxsplit.yamlfile import format_path
 
 __all__ = ["DeviceChecker", "InvariantError", "verify_plan", "verify_split"]

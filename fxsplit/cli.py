@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence, TextIO
 
 from fxsplit.errors import BudgetError, FxsplitError, SpecError
+from fxsplit.options import DYNAMIC_SHAPES, MODES, OBJECTIVES, TRACE_MODES
 
 __all__ = ["main"]
 
@@ -74,14 +75,14 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--budget", action="append", default=[], metavar="DEVICE=SIZE",
                         help="a device budget, e.g. cuda:0=20GiB; repeat in stage order (replaces the spec's devices)")
     overrides = argparse.ArgumentParser(add_help=False)
-    overrides.add_argument("--trace", choices=("auto", "fx", "export"), help="override the spec's trace mode")
-    overrides.add_argument("--objective", choices=("min_transfer", "balanced"), help="override the spec's objective")
+    overrides.add_argument("--trace", choices=TRACE_MODES, help="override the spec's trace mode")
+    overrides.add_argument("--objective", choices=OBJECTIVES, help="override the spec's objective")
     overrides.add_argument("--dtype", help="plan as if floating tensors had this dtype (bf16, fp16, fp32)")
     overrides.add_argument("--output-device", help="where outputs are returned")
-    overrides.add_argument("--mode", choices=("inference", "training", "weights"),
+    overrides.add_argument("--mode", choices=MODES,
                            help="what the budgets hold (default inference: weights and activations)")
     overrides.add_argument("--optimizer", help="optimizer state counted with --mode training (adam, sgd, ...)")
-    overrides.add_argument("--dynamic-shapes", choices=("batch", "all"),
+    overrides.add_argument("--dynamic-shapes", choices=DYNAMIC_SHAPES,
                            help="input sizes a torch.export split keeps variable")
 
     parser = argparse.ArgumentParser(prog="fxsplit", description="Split a PyTorch model over devices under memory "
@@ -138,7 +139,7 @@ def _options(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
 
 
 def _read_plan(path: str) -> Any:
-    from fxsplit.planio import plan_from_yaml
+    from fxsplit.planning.yamlio import plan_from_yaml
     from fxsplit.yamlfile import MAX_PLAN_BYTES, read_limited
 
     return plan_from_yaml(read_limited(path, "plan", MAX_PLAN_BYTES), path)
@@ -147,8 +148,8 @@ def _read_plan(path: str) -> Any:
 def _planned(args: argparse.Namespace, loaded: Any, progress: _Progress) -> tuple[Any, Any, Any]:
     """``(traced graph module, costs, plan)`` from --spec (solving) or --plan (re-tracing, checked as by
     ``fxsplit check``); moves no weights."""
-    from fxsplit.api import _plan
-    from fxsplit.apply_plan import checked_retrace
+    from fxsplit.api import trace_and_plan
+    from fxsplit.planning.apply import checked_retrace
 
     if getattr(args, "plan", None):
         if args.budget:
@@ -164,7 +165,7 @@ def _planned(args: argparse.Namespace, loaded: Any, progress: _Progress) -> tupl
         raise FxsplitError(f"fxsplit {args.command} needs --spec SPEC, --plan PLAN or --budget DEVICE=SIZE (one per "
                            "device)")
     with progress.stage("tracing and planning"):
-        planned = _plan(loaded.model, _budgets(args.budget), loaded.example_inputs, _options(args, loaded))
+        planned = trace_and_plan(loaded.model, _budgets(args.budget), loaded.example_inputs, _options(args, loaded))
     return planned.traced.graph_module, planned.costs, planned.plan
 
 
@@ -186,9 +187,9 @@ def _run(args: argparse.Namespace, out: TextIO, progress: _Progress) -> int:
             Path(args.output).write_text(made.to_yaml(), encoding="utf-8")
             print(f"wrote {args.output}", file=out)
     elif args.command == "code":
-        from fxsplit.codegen import emit
-        from fxsplit.planning import weights_by_node
-        from fxsplit.readable import show_code
+        from fxsplit.codegen.emitter import emit
+        from fxsplit.codegen.readable import show_code
+        from fxsplit.planning.build import weights_by_node
 
         traced, costs, plan = _planned(args, loaded, progress)
         split = emit(traced, plan, weights_by_node(costs))
@@ -202,8 +203,8 @@ def _run(args: argparse.Namespace, out: TextIO, progress: _Progress) -> int:
             target = render(traced, plan, args.output, depth=depth, title=f"{args.model}: {len(plan.devices)} devices")
         print(f"wrote {target}" + (f" (one box per module at depth {depth})" if depth else ""), file=out)
     else:
-        from fxsplit.apply_plan import check_plan
         from fxsplit.devices import normalize_budgets
+        from fxsplit.planning.apply import check_plan
         from fxsplit.spec import load_spec, reserve_bytes
 
         plan = _read_plan(args.plan)

@@ -38,12 +38,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from fxsplit.devices import normalize_device
-from fxsplit.dynamic import SHORTHANDS
 from fxsplit.errors import SpecError
-from fxsplit.memory import MODES, OPTIMIZERS
-from fxsplit.partition import OBJECTIVES
-from fxsplit.pipeline import PipelineConfig
-from fxsplit.trace import TRACE_MODES
+from fxsplit.options import DYNAMIC_SHAPES, MODES, OBJECTIVES, OPTIMIZERS, TRACE_MODES, PipelineConfig
 from fxsplit.units import format_size, parse_size
 from fxsplit.yamlfile import (
     MAX_SPEC_BYTES,
@@ -412,7 +408,7 @@ def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list
             check.problem(("optimizer",), "only counts with mode: training (add it, or drop the optimizer)")
     dynamic = None
     if "dynamic_shapes" in data:
-        dynamic = check.choice(data["dynamic_shapes"], SHORTHANDS, ("dynamic_shapes",))
+        dynamic = check.choice(data["dynamic_shapes"], DYNAMIC_SHAPES, ("dynamic_shapes",))
     output = None
     if "output_device" in data:
         output = check.attempt(("output_device",), lambda: spec_device(data["output_device"]))

@@ -20,8 +20,8 @@ from typing import Any
 import torch.fx
 
 from fxsplit.errors import FxsplitError
-from fxsplit.graphinfo import module_path
-from fxsplit.plan import Plan
+from fxsplit.planning.plan import Plan
+from fxsplit.tracing.graphinfo import module_path
 from fxsplit.units import format_size
 
 __all__ = ["INSTALL_HINT", "auto_depth", "render", "to_dot"]

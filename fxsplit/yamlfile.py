@@ -223,10 +223,11 @@ class _LineLoader(yaml.SafeLoader):
                 if not isinstance(key, (str, int, float, bool)) and key is not None:
                     self.problems.append(Problem(path, line, f"a key must be a plain scalar (got {short_repr(key)})"))
                     continue
+                key_path: YamlPath = (*path, key)  # a name: mypy reads d[(*a, b)] as 3.11-only syntax
                 if key in result:
-                    self.problems.append(Problem((*path, key), line, "duplicate key; YAML would keep only the last"))
-                self.lines[(*path, key)] = line
-                result[key] = self.build(value_node, (*path, key))
+                    self.problems.append(Problem(key_path, line, "duplicate key; YAML would keep only the last"))
+                self.lines[key_path] = line
+                result[key] = self.build(value_node, key_path)
             return result
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, (*path, i)) for i, item in enumerate(node.value)]

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The test suite on a fresh machine: set up (with test, benchmark and drawing extras), then pytest.
+# The test suite on a fresh machine: set up (with test, benchmark, drawing and dev extras), lint, type-check, then pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v dot >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq graphviz) >/dev/null 2>&1 || echo "note: could not install graphviz; rendering tests will check the install hint instead"
 fi
-bash scripts/setup.sh "test,bench,viz,hf"
+bash scripts/setup.sh "test,bench,viz,hf,dev"
 . .venv/bin/activate
+ruff check fxsplit tests
+mypy fxsplit
 python -m pytest -q "$@"

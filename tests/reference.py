@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from fxsplit.problem import PartitionProblem
+from fxsplit.partition.problem import PartitionProblem
 
 
 def placements(n: int, k: int) -> list[tuple[int, ...]]:

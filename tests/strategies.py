@@ -6,7 +6,7 @@ import random
 
 from hypothesis import strategies as st
 
-from fxsplit.problem import PartitionProblem, Value
+from fxsplit.partition.problem import PartitionProblem, Value
 
 
 def draw_dag_values(draw: st.DrawFn, n: int, *, inputs: bool = True) -> list[Value]:

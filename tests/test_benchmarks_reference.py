@@ -11,10 +11,10 @@ import fxsplit
 from benchmarks.models import MLP, top_level_blocks
 from benchmarks.placements import Placement, from_device_map, from_plan, lookup, score
 from benchmarks.reference import block_optimum, block_problem, brute_force, op_blocks
-from fxsplit.cost import build_problem
-from fxsplit.partition import transfer_bytes
-from fxsplit.problem import PartitionProblem, Value
-from fxsplit.trace import trace
+from fxsplit.cost.build import build_problem
+from fxsplit.partition.problem import PartitionProblem, Value
+from fxsplit.partition.solve import transfer_bytes
+from fxsplit.tracing.capture import trace
 
 
 def _random_problem(rng: random.Random) -> tuple[PartitionProblem, list[int]]:

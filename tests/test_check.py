@@ -9,10 +9,10 @@ import torch
 import torch.nn as nn
 
 import fxsplit
-from fxsplit.api import _plan
+from fxsplit.api import trace_and_plan
 from fxsplit.check import DeviceChecker, InvariantError, verify_plan, verify_split
-from fxsplit.codegen import COPY_META, DEVICE_META
-from fxsplit.plan import Cut
+from fxsplit.codegen.emitter import COPY_META, DEVICE_META
+from fxsplit.planning.plan import Cut
 
 # Room for the 384 bytes of parameters over two devices, not one: these checks are about placement and
 # copies, so the plans count weights only (mode="weights"), not activations.
@@ -31,7 +31,7 @@ def split() -> tuple[nn.Module, torch.fx.GraphModule]:
 
 def test_valid_split_passes_every_check() -> None:
     m = model()
-    planned = _plan(m, BUDGETS, (torch.randn(2, 4),), {"trace": "fx", "mode": "weights"})
+    planned = trace_and_plan(m, BUDGETS, (torch.randn(2, 4),), {"trace": "fx", "mode": "weights"})
     verify_plan(planned.plan, planned.traced.graph_module, m)
     gm = fxsplit.fxsplit(m, BUDGETS, mode="weights", example_inputs=(torch.randn(2, 4),), trace="fx")
     verify_split(gm)
@@ -43,7 +43,7 @@ def test_valid_split_passes_every_check() -> None:
 
 def test_check_plan_lists_every_violation() -> None:
     m = model()
-    planned = _plan(m, BUDGETS, (torch.randn(2, 4),), {"trace": "fx", "mode": "weights"})
+    planned = trace_and_plan(m, BUDGETS, (torch.randn(2, 4),), {"trace": "fx", "mode": "weights"})
     plan = planned.plan
     cut = plan.cuts[0]
     broken = dataclasses.replace(

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import fxsplit
 from fxsplit.check import DeviceChecker, verify_split
-from fxsplit.codegen import COPY_META, ExportedSplit
+from fxsplit.codegen.emitter import COPY_META, ExportedSplit
 
 # One Linear(4, 4) (80 bytes) per device. These tests are about the code and the copies, so they plan
 # with mode="weights": the budgets count parameters only, not activations.

@@ -134,7 +134,7 @@ def refuse_tracing(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("traced a model for a device that cannot be used")
 
     monkeypatch.setattr(fxsplit.api, "trace", no_trace)
-    monkeypatch.setattr(fxsplit.apply_plan, "trace", no_trace)
+    monkeypatch.setattr(fxsplit.planning.apply, "trace", no_trace)
 
 
 def test_an_absent_device_is_refused_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:

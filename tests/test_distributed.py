@@ -80,11 +80,11 @@ def test_tied_weight_is_replicated_on_the_stages_that_read_it() -> None:
     assert "each forward" not in text and text.startswith("device  budget")
 
 
-def test_plan_method_and_a_plan_that_cannot_be_staged() -> None:
+def test_a_given_plan_and_a_plan_that_cannot_be_staged() -> None:
     model = LongSkip()
     x = _inputs("LongSkip")
     plan = fxsplit.plan(model, budgets(model, 2), mode="weights", example_inputs=x, pipeline={"chunks": 2})
-    stages = plan.to_pipeline_stages(model, example_inputs=x, chunks=2)
+    stages = fxsplit.pipeline_stages(model, plan, example_inputs=x, chunks=2)
     assert [s.device for s in stages.specs] == ["cpu:0", "cpu:1"] and stages.plan is plan
     swap = {"cpu:0": "cpu:1", "cpu:1": "cpu:0"}
     backwards = dataclasses.replace(plan, placement={k: swap[v] for k, v in plan.placement.items()},

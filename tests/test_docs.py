@@ -200,7 +200,7 @@ def test_the_runner_reads_markers_and_sees_drift(tmp_path: Path, monkeypatch: py
 
 
 def test_readme_states_the_exact_limit_the_partitioner_uses() -> None:
-    from fxsplit.partition import EXACT_LIMIT
+    from fxsplit.partition.solve import EXACT_LIMIT
 
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     assert f"exact for graphs of up to {EXACT_LIMIT} ops" in readme

@@ -15,8 +15,8 @@ from helpers import WithBatchNorm
 
 import fxsplit
 from fxsplit.errors import BudgetError, ExampleInputError, FxsplitWarning, TraceError
-from fxsplit.plan import Plan
-from fxsplit.trace import trace
+from fxsplit.planning.plan import Plan
+from fxsplit.tracing.capture import trace
 
 BUDGETS = {"cpu:0": "20KiB", "cpu:1": "20KiB"}
 X = torch.randn(512, 64)

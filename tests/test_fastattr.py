@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import fxsplit
-from fxsplit.fastattr import Container, MirroredRegistry, mirror_registries
+from fxsplit.codegen.fastattr import Container, MirroredRegistry, mirror_registries
 
 BUDGETS = {"cpu:0": 700, "cpu:1": 700}
 

@@ -6,7 +6,7 @@ parameters alone are tight), ``memory`` (the default inference mode, 1.1 x
 parameter bytes / N plus the whole model's activation peak on one device:
 tight once activations count) and ``loose``. "Held" is checked against the
 plan and against the activation memory the forward really uses
-(:func:`fxsplit.measure.measure_forward`).
+(:func:`fxsplit.memory.measure.measure_forward`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fxsplit
-from fxsplit.measure import measure_forward
+from fxsplit.memory.measure import measure_forward
 
 transformers = pytest.importorskip("transformers")
 

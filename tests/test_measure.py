@@ -1,4 +1,4 @@
-"""Running a split node by node: torch.fx.Interpreter and fxsplit.measure on splits with every kind of node."""
+"""Running a split node by node: torch.fx.Interpreter and fxsplit.memory.measure on splits with every kind of node."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 import fxsplit
 from fxsplit import runtime
-from fxsplit.measure import measure_forward, measure_training
+from fxsplit.memory.measure import measure_forward, measure_training
 
 
 def _tied_split() -> tuple[nn.Module, nn.Module, torch.fx.GraphModule, torch.Tensor]:

@@ -11,14 +11,14 @@ import torch
 from torch import nn
 
 import fxsplit
-from fxsplit.cost import build_problem
-from fxsplit.lifetimes import ActivationProfile, ValueMemory, planning_loads, simulate
-from fxsplit.measure import measure_forward, measure_training
-from fxsplit.memory import MemoryModel, MemorySpec, fit_budgets
-from fxsplit.partition import partition
-from fxsplit.plan import Plan
-from fxsplit.planning import make_plan
-from fxsplit.trace import trace
+from fxsplit.cost.build import build_problem
+from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory, planning_loads, simulate
+from fxsplit.memory.measure import measure_forward, measure_training
+from fxsplit.memory.model import MemoryModel, MemorySpec, fit_budgets
+from fxsplit.partition.solve import partition
+from fxsplit.planning.build import make_plan
+from fxsplit.planning.plan import Plan
+from fxsplit.tracing.capture import trace
 
 # -- models -----------------------------------------------------------------------------------------
 

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from reference import feasible, true_cost
 from strategies import draw_dag_values, seeded_dag
 
-from fxsplit.mincut import exchange, pair_cut
-from fxsplit.partition import partition
-from fxsplit.problem import PartitionProblem, Value
-from fxsplit.refine import frozen_ops, improve
+from fxsplit.partition.mincut import exchange, pair_cut
+from fxsplit.partition.problem import PartitionProblem, Value
+from fxsplit.partition.refine import frozen_ops, improve
+from fxsplit.partition.solve import partition
 
 
 @st.composite
@@ -123,9 +123,9 @@ import json, sys
 sys.path.insert(0, {root!r})
 import torch
 from benchmarks.models import UNet2
-from fxsplit.cost import build_problem
-from fxsplit.partition import partition
-from fxsplit.trace import trace
+from fxsplit.cost.build import build_problem
+from fxsplit.partition.solve import partition
+from fxsplit.tracing.capture import trace
 torch.manual_seed(0)
 model = UNet2()
 traced = trace(model, example_inputs=(torch.randn(2, 3, 64, 64),))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from fxsplit.nested import pin_subgraph_devices
+from fxsplit.codegen.nested import pin_subgraph_devices
 
 
 def call(subgraph: torch.fx.GraphModule, x: torch.Tensor) -> torch.Tensor:

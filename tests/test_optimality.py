@@ -15,8 +15,8 @@ from reference import any_order_optimum, feasible, true_cost
 from strategies import random_linear_dag
 
 from fxsplit.errors import BudgetError
-from fxsplit.partition import partition
-from fxsplit.problem import PartitionProblem
+from fxsplit.partition.problem import PartitionProblem
+from fxsplit.partition.solve import partition
 
 CASES = 300
 

@@ -13,8 +13,8 @@ from reference import brute_force, feasible, loads, placements, sum_sq, true_cos
 from strategies import seeded_dag
 
 from fxsplit.errors import BudgetError, SpecError
-from fxsplit.partition import EXACT_LIMIT, partition, transfer_bytes
-from fxsplit.problem import PartitionProblem, Value
+from fxsplit.partition.problem import PartitionProblem, Value
+from fxsplit.partition.solve import EXACT_LIMIT, partition, transfer_bytes
 
 
 def assert_optimal(problem: PartitionProblem, budgets: Sequence[int]) -> bool:

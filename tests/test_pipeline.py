@@ -14,11 +14,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 import fxsplit
-from fxsplit.api import _plan
-from fxsplit.codegen import emit, move_weights
-from fxsplit.microbatch import gather, scatter
-from fxsplit.pipeline import clock_cycles, pipelined
-from fxsplit.planning import weights_by_node
+from fxsplit.api import trace_and_plan
+from fxsplit.codegen.emitter import emit, move_weights
+from fxsplit.pipeline.gpipe import clock_cycles, pipelined
+from fxsplit.pipeline.microbatch import gather, scatter
+from fxsplit.planning.build import weights_by_node
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_models import MLP, LongSkip, Residual, Tied, TwoHeads, WithBatchNorm, budgets  # noqa: E402
@@ -147,7 +147,7 @@ def test_batchnorm_warns_errors_or_is_allowed() -> None:
 def test_plan_that_sends_a_value_back_cannot_be_staged() -> None:
     model = MLP()
     x = _inputs("MLP")
-    planned = _plan(model, budgets(model, 2), x, {"mode": "weights"})
+    planned = trace_and_plan(model, budgets(model, 2), x, {"mode": "weights"})
     swap = {"cpu:0": "cpu:1", "cpu:1": "cpu:0"}
     plan = dataclasses.replace(
         planned.plan,

@@ -15,9 +15,9 @@ from torch import nn
 
 import fxsplit
 from fxsplit.factory import load_model
-from fxsplit.fingerprint import fingerprint_of
-from fxsplit.plan import CUT_KINDS, Cut, Plan
-from fxsplit.ranges import summarize_modules
+from fxsplit.planning.fingerprint import fingerprint_of
+from fxsplit.planning.plan import CUT_KINDS, Cut, Plan
+from fxsplit.planning.ranges import summarize_modules
 
 TinyLM = load_model(f"{Path(__file__).resolve().parents[1] / 'examples' / 'models.py'}:factory").model.__class__
 
@@ -28,7 +28,7 @@ sizes = st.integers(min_value=0, max_value=2**70)
 
 @st.composite
 def plans(draw: st.DrawFn) -> Plan:
-    """Plans with any strings, that meet the rules a plan file is held to (fxsplit.planrules)."""
+    """Plans with any strings, that meet the rules a plan file is held to (fxsplit.planning.rules)."""
     devices = tuple(draw(st.lists(names, min_size=1, max_size=4, unique=True)))
     device = st.sampled_from(devices)
     output_device = draw(device | names)
@@ -83,7 +83,7 @@ def test_dict_round_trip_is_exact(plan: Plan) -> None:
 @given(st.lists(st.lists(st.sampled_from(["a", "b", "0", "1", "2", "x"]), min_size=1, max_size=4).map(".".join),
                 max_size=12))
 def test_module_ranges_cover_every_block_in_order(paths: list[str]) -> None:
-    from fxsplit.ranges import module_block
+    from fxsplit.planning.ranges import module_block
 
     expanded = []
     for item in summarize_modules(paths):

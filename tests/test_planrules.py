@@ -14,8 +14,8 @@ from torch import nn
 import fxsplit
 from fxsplit.cli import main
 from fxsplit.factory import load_model
-from fxsplit.plan import Plan
-from fxsplit.planrules import PlanProblems, plan_problems
+from fxsplit.planning.plan import Plan
+from fxsplit.planning.rules import PlanProblems, plan_problems
 
 # Two layers of 9408 bytes each; budgets of 12 KiB hold one layer per device. The large model has the
 # same graph (same node and tensor names) with layers four times larger: 36.4 KiB each.
@@ -140,7 +140,7 @@ def test_emptied_tensors_no_longer_turn_the_structure_check_off(models: Path, tm
 
 
 def plan_fingerprint(tensors: dict[str, str]) -> str:
-    from fxsplit.fingerprint import fingerprint_of
+    from fxsplit.planning.fingerprint import fingerprint_of
 
     return fingerprint_of(tensors, ())
 

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from reference import brute_force, true_cost
 
 import fxsplit
-from fxsplit.cost import build_problem
-from fxsplit.trace import trace
+from fxsplit.cost.build import build_problem
+from fxsplit.tracing.capture import trace
 
 ACTIVATIONS = ("relu", "tanh", "none", "relu_")
 

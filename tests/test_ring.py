@@ -13,9 +13,9 @@ from reference import feasible, placements, true_cost
 from strategies import draw_dag_values
 
 from fxsplit.errors import BudgetError
-from fxsplit.partition import _candidates, _Context, _cut_cost_matrix, _segment_masks, partition
-from fxsplit.problem import PartitionProblem, Value
-from fxsplit.ring import has_long_reach, wrap_points, wrapped_placement
+from fxsplit.partition.problem import PartitionProblem, Value
+from fxsplit.partition.ring import has_long_reach, wrap_points, wrapped_placement
+from fxsplit.partition.solve import _candidates, _Context, _cut_cost_matrix, _segment_masks, partition
 
 
 def wrapped_placements(n: int, k: int, b: int) -> list[tuple[int, ...]]:

@@ -11,7 +11,7 @@ from helpers import WithBatchNorm, split_and_compare
 
 import fxsplit
 from fxsplit.errors import TraceError
-from fxsplit.trace import trace
+from fxsplit.tracing.capture import trace
 
 
 class DataDependent(nn.Module):

@@ -8,7 +8,7 @@ from types import ModuleType
 
 import torch
 
-from fxsplit.measure import measure_training
+from fxsplit.memory.measure import measure_training
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "train_adamw_two_devices.py"
 

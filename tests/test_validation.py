@@ -152,8 +152,8 @@ def test_all_zero_budgets_do_not_fit(reserve: Any) -> None:
 
 
 def test_the_partitioner_refuses_negative_budgets() -> None:
-    from fxsplit.partition import partition
-    from fxsplit.problem import PartitionProblem, Value
+    from fxsplit.partition.problem import PartitionProblem, Value
+    from fxsplit.partition.solve import partition
 
     problem = PartitionProblem(op_names=("a", "b"), values=(Value("w", 0, 0, (0,), weight=10),
                                                              Value("a", 4, 0, (1,))))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fxsplit
-from fxsplit.api import _plan
+from fxsplit.api import trace_and_plan
 from fxsplit.factory import load_model
 from fxsplit.viz import INSTALL_HINT, auto_depth, render, to_dot
 
@@ -22,7 +22,7 @@ def planned() -> tuple[torch.fx.GraphModule, fxsplit.Plan]:
     loaded = load_model(f"{ROOT / 'examples' / 'models.py'}:factory")
     # Pinning the embedding away from its tied head forces a copy of the weight (a parameter cut) to draw.
     pins = {"lm_head": "cpu:2", "model.embed_tokens": "cpu:0"}
-    made = _plan(loaded.model, None, loaded.example_inputs,
+    made = trace_and_plan(loaded.model, None, loaded.example_inputs,
                  {"spec": str(ROOT / "examples" / "spec_example.yaml"), "pins": pins})
     return made.traced.graph_module, made.plan
 

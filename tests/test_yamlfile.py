@@ -12,7 +12,7 @@ import pytest
 
 import fxsplit
 from fxsplit.cli import main
-from fxsplit.planio import plan_from_yaml
+from fxsplit.planning.yamlio import plan_from_yaml
 from fxsplit.yamlfile import MAX_PLAN_BYTES, MAX_SPEC_BYTES, YamlProblems, load_yaml, short_repr
 
 MODEL = f"{Path(__file__).resolve().parents[1] / 'examples' / 'models.py'}:factory"

@@ -27,10 +27,10 @@ import torch
 from fxsplit.checkpoint.empty import tensor_like
 from fxsplit.checkpoint.formats import TableOfContents, read_table
 from fxsplit.checkpoint.match import Match, Slot, match
-from fxsplit.cost import Weight, model_tensors
+from fxsplit.checkpoint.progress import Progress
+from fxsplit.cost.build import Weight, model_tensors
 from fxsplit.errors import CheckpointError
-from fxsplit.plan import Plan
-from fxsplit.progress import Progress
+from fxsplit.planning.plan import Plan
 
 __all__ = ["ModelLoad", "NON_PERSISTENT", "load_checkpoint", "prepare", "remember_non_persistent"]
 

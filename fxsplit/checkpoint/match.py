@@ -22,7 +22,7 @@ import torch
 
 from fxsplit.checkpoint.formats import Entry, TableOfContents
 from fxsplit.errors import CheckpointError
-from fxsplit.fingerprint import tensor_signature
+from fxsplit.planning.fingerprint import tensor_signature
 
 __all__ = ["Match", "Slot", "match"]
 

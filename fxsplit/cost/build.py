@@ -1,0 +1,276 @@
+"""From a traced graph to a :class:`PartitionProblem`: bytes per value, weights once.
+
+Every parameter and buffer is one *weight*, however many names or graph
+nodes refer to it (tied embeddings, shared layers): it is found by tensor
+identity and counted once. Values whose size is unknown (no shapes) count as
+one byte, so the partitioner then minimises the number of values cut.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx
+
+from fxsplit.errors import SpecError
+from fxsplit.gcpause import gc_paused
+from fxsplit.partition.problem import PartitionProblem, Value
+from fxsplit.tracing.graphinfo import (
+    NONTENSOR,
+    alias_root,
+    element_size,
+    is_guard,
+    module_path,
+    mutated_inputs,
+    value_bytes,
+    value_kind,
+)
+
+__all__ = ["GraphCosts", "Weight", "build_problem", "model_tensors", "named_tensors", "path_matches"]
+
+UNKNOWN_VALUE_BYTES = 1
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One parameter or buffer tensor, with every name it has in the model.
+
+    Attributes:
+        names: qualified names in the user's model (several when tied); the
+            first is the canonical one. Constants that exist only in the traced
+            graph are named by their graph target.
+        nbytes: bytes of the tensor.
+        is_buffer: True for buffers (state), False for parameters.
+        nodes: names of the graph nodes that read it (get_attr and call_module).
+    """
+
+    names: tuple[str, ...]
+    nbytes: int
+    is_buffer: bool
+    nodes: tuple[str, ...]
+
+
+@dataclass
+class GraphCosts:
+    """The problem plus what is needed to turn its solution into a plan."""
+
+    problem: PartitionProblem
+    ops: list[torch.fx.Node]
+    weights: list[Weight]
+    weight_values: list[int]
+    unused: list[Weight] = field(default_factory=list)
+    value_nbytes: dict[str, int | None] = field(default_factory=dict)
+
+
+def model_tensors(model: torch.nn.Module) -> dict[int, tuple[list[str], torch.Tensor, bool]]:
+    """``id(tensor) -> (qualified names, tensor, is_buffer)`` for every parameter and buffer."""
+    found: dict[int, tuple[list[str], torch.Tensor, bool]] = {}
+    for name, tensor, is_buffer in named_tensors(model):
+        found.setdefault(id(tensor), ([], tensor, is_buffer))[0].append(name)
+    return found
+
+
+def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """``(qualified name, tensor, is_buffer)``: what ``named_parameters`` then ``named_buffers`` yield.
+
+    Both with ``remove_duplicate=False`` (a tied tensor under each of its
+    names), in the same order, from one walk of the module tree (torch's
+    nested generators cost about ten times as much on models of 100k modules).
+    """
+    modules: list[tuple[str, torch.nn.Module]] = []
+    stack: list[tuple[str, torch.nn.Module]] = [("", model)]
+    while stack:  # pre-order, children in registration order, as named_modules
+        prefix, module = stack.pop()
+        modules.append((prefix, module))
+        children = [(f"{prefix}.{name}" if prefix else name, child) for name, child in module._modules.items()
+                    if child is not None]
+        stack.extend(reversed(children))
+    found: list[tuple[str, torch.Tensor, bool]] = []
+    for attribute, is_buffer in (("_parameters", False), ("_buffers", True)):
+        for prefix, module in modules:
+            for name, tensor in getattr(module, attribute).items():
+                if tensor is not None:
+                    found.append((f"{prefix}.{name}" if prefix else name, tensor, is_buffer))
+    return found
+
+
+def _tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    return tensor.numel() * element_size(tensor.dtype, dtype)
+
+
+@gc_paused()
+def build_problem(
+    graph_module: torch.fx.GraphModule,
+    model: torch.nn.Module,
+    *,
+    device_index: Mapping[str, int],
+    pins: Mapping[str, str] | None = None,
+    together: Sequence[Sequence[str]] = (),
+    dtype: torch.dtype | None = None,
+) -> GraphCosts:
+    """Describe the graph's ops, values, weights and constraints for the partitioner.
+
+    Args:
+        graph_module: the traced graph.
+        model: the user's model (for the names of its parameters and buffers).
+        device_index: device name -> stage index.
+        pins: module path, glob or node name -> device name.
+        together: groups of module patterns whose ops must all share a device.
+        dtype: plan as if floating-point parameters, buffers and activations
+            had this dtype (None: as they are).
+    """
+    graph = graph_module.graph
+    modules = dict(graph_module.named_modules())
+    known = model_tensors(model)
+    ops = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output") and not is_guard(n)]
+    index = {node: i for i, node in enumerate(ops)}
+
+    weight_users: dict[int, set[int]] = {}
+    weight_nodes: dict[int, list[str]] = {}
+    weight_tensor: dict[int, tuple[list[str], torch.Tensor, bool]] = {}
+
+    def add_weight(tensor: torch.Tensor, graph_name: str, is_buffer: bool, node: str, users: set[int]) -> None:
+        key = id(tensor)
+        entry = known.get(key) or weight_tensor.get(key) or ([graph_name], tensor, is_buffer)
+        weight_tensor[key] = entry
+        weight_users.setdefault(key, set()).update(users)
+        weight_nodes.setdefault(key, []).append(node)
+
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            attr = _resolve(graph_module, str(node.target))
+            if isinstance(attr, torch.Tensor):
+                users = {index[u] for u in node.users if u in index}
+                add_weight(attr, str(node.target), not isinstance(attr, torch.nn.Parameter), node.name, users)
+        elif node.op == "call_module":
+            module = modules[str(node.target)]
+            for name, tensor in _module_tensors(module):
+                add_weight(tensor, f"{node.target}.{name}", not isinstance(tensor, torch.nn.Parameter),
+                           node.name, {index[node]})
+
+    mutated_weights: set[int] = set()
+    last_write: dict[int, int] = {}
+    write_spans: list[tuple[int, ...]] = []
+    for node in ops:
+        for target in mutated_inputs(node, modules):
+            root = alias_root(target)
+            if root.op == "get_attr":
+                # Written at home; readers up to the last write share its device, later ones may copy it.
+                key = id(_resolve(graph_module, str(root.target)))
+                last_write[key] = max(last_write.get(key, 0), index[node])
+            else:
+                # Readers before the write must share the writer's device: a copy taken
+                # earlier would miss the write. Copies taken later carry it.
+                readers = [index[u] for u in root.users if u in index]
+                first = index[root] if root in index else min(readers, default=index[node])
+                write_spans.append((min(first, index[node]), index[node]))
+    for node in ops:
+        if node.op == "call_module":
+            for _, tensor in _module_tensors(modules[str(node.target)]):
+                if not isinstance(tensor, torch.nn.Parameter):
+                    mutated_weights.add(id(tensor))
+
+    values: list[Value] = []
+    value_nbytes: dict[str, int | None] = {}
+    for node in graph.nodes:
+        if node.op not in ("placeholder",) and node not in index:
+            continue
+        consumers = sorted({index[u] for u in node.users if u in index})
+        nbytes = value_bytes(node, float_dtype=dtype)
+        value_nbytes[node.name] = nbytes
+        if not consumers:
+            continue
+        cost = 0 if value_kind(node) == NONTENSOR else (nbytes if nbytes is not None else UNKNOWN_VALUE_BYTES)
+        start = index[node] if node in index else consumers[0]
+        values.append(Value(node.name, cost, start, tuple(consumers)))
+
+    weights: list[Weight] = []
+    weight_values: list[int] = []
+    for key, (names, tensor, is_buffer) in weight_tensor.items():
+        readers = sorted(weight_users[key])
+        weight = Weight(tuple(names), _tensor_bytes(tensor, dtype), is_buffer, tuple(weight_nodes[key]))
+        weights.append(weight)
+        if readers:
+            weight_values.append(len(values))
+            values.append(Value(names[0], weight.nbytes, readers[0], tuple(readers), weight=weight.nbytes,
+                                movable=key not in mutated_weights))
+            if key in last_write and last_write[key] > readers[0]:
+                write_spans.append((readers[0], last_write[key]))
+        else:
+            weight_values.append(-1)
+    unused = [Weight(tuple(names), _tensor_bytes(t, dtype), b, ()) for key, (names, t, b) in known.items()
+              if key not in weight_tensor]
+
+    labels = tuple(module_path(n) for n in ops)
+    problem = PartitionProblem(
+        op_names=tuple(n.name for n in ops),
+        values=tuple(values),
+        pinned=_resolve_pins(pins or {}, ops, labels, device_index),
+        together=tuple(write_spans) + _resolve_together(together, ops, labels),
+        op_labels=labels,
+    )
+    return GraphCosts(problem, ops, weights, weight_values, unused, value_nbytes)
+
+
+def _resolve(graph_module: torch.fx.GraphModule, target: str) -> Any:
+    obj: Any = graph_module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(name, tensor) for name, tensor, _ in named_tensors(module)]
+
+
+def _resolve_pins(
+    pins: Mapping[str, str],
+    ops: list[torch.fx.Node],
+    labels: tuple[str, ...],
+    device_index: Mapping[str, int],
+) -> dict[int, int]:
+    """Op index -> device index for every op whose module (or name) matches a pin pattern."""
+    pinned: dict[int, int] = {}
+    for pattern, device in pins.items():
+        if device not in device_index:
+            raise SpecError(f"pin {pattern!r} names device {device!r}, which has no budget; "
+                            f"budgets: {sorted(device_index)}")
+        matched = False
+        for i, (node, label) in enumerate(zip(ops, labels, strict=True)):
+            if path_matches(pattern, label) or node.name == pattern:
+                matched = True
+                previous = pinned.get(i)
+                if previous is not None and previous != device_index[device]:
+                    raise SpecError(f"op '{node.name}' (in '{label}') is pinned to two devices by overlapping pins")
+                pinned[i] = device_index[device]
+        if not matched:
+            raise SpecError(f"pin {pattern!r} matches no module or node of the traced graph")
+    return pinned
+
+
+def _resolve_together(
+    groups: Sequence[Sequence[str]], ops: list[torch.fx.Node], labels: tuple[str, ...]
+) -> tuple[tuple[int, ...], ...]:
+    """One group of op indices per group of module patterns: every op of every matching module."""
+    resolved: list[tuple[int, ...]] = []
+    for group in groups:
+        members: list[int] = []
+        for pattern in group:
+            found = [i for i, node in enumerate(ops) if path_matches(pattern, labels[i]) or node.name == pattern]
+            if not found:
+                raise SpecError(f"together-pattern {pattern!r} matches no module or node of the traced graph")
+            members.extend(found)
+        resolved.append(tuple(sorted(set(members))))
+    return tuple(resolved)
+
+
+def path_matches(pattern: str, path: str) -> bool:
+    """Whether module path ``path`` is ``pattern``, inside it, or matches it as a glob (``layers.*``)."""
+    if not path:
+        return False
+    return path == pattern or path.startswith(pattern + ".") or fnmatch.fnmatchcase(path, pattern) or (
+        fnmatch.fnmatchcase(path, pattern + ".*")
+    )

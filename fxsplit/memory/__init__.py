@@ -1,0 +1,12 @@
+"""Stage 3, memory: what a device holds (weights, gradients, optimizer state, activations) and its budget.
+
+* :mod:`~fxsplit.memory.model`: :class:`MemoryModel` per mode, and :func:`fit_budgets` (plan until it fits).
+* :mod:`~fxsplit.memory.activations`: profile a graph's activations once, on fake tensors.
+* :mod:`~fxsplit.memory.lifetimes`: simulate activation memory for any placement (no torch).
+* :mod:`~fxsplit.memory.measure`: measure what a split really allocates (tests, benchmarks).
+* :mod:`~fxsplit.memory.autobudget`: budgets from the free memory of the visible GPUs.
+"""
+
+from fxsplit.memory.model import MemoryModel, MemorySpec, fit_budgets
+
+__all__ = ["MemoryModel", "MemorySpec", "fit_budgets"]

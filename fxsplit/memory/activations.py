@@ -1,0 +1,346 @@
+"""Profile a traced graph's activations: run it once on fake tensors and watch its storages.
+
+:func:`profile_activations` runs the graph node by node on fake tensors (no
+data, no compute, no memory: a model on the ``meta`` device works) with the
+weights replaced by fakes, and records, per op, which storages its result
+holds (so views are told from new tensors exactly, as torch decides), which
+storages autograd saves for backward (``saved_tensors_hooks``, in training),
+and the peak of the intermediates a composite op makes inside (a dispatch
+mode sees every ATen op under it). The result is an
+:class:`~fxsplit.memory.lifetimes.ActivationProfile`: plain data that
+:mod:`fxsplit.memory.lifetimes` simulates for any placement.
+
+The model and the traced graph are not modified.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator
+
+import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from fxsplit.cost.build import GraphCosts, Weight
+from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory
+
+__all__ = ["profile_activations"]
+
+
+class _Storages:
+    """Stable small ids for storages (weak references keep addresses from being reused)."""
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.ids: dict[StorageWeakRef, int] = {}
+        self.nbytes: dict[int, int] = {}
+        self.dtype = dtype
+
+    def key(self, tensor: torch.Tensor) -> int:
+        ref = StorageWeakRef(tensor.untyped_storage())
+        found = self.ids.get(ref)
+        if found is None:
+            found = self.ids[ref] = len(self.ids)
+            self.nbytes[found] = self.scale(tensor.untyped_storage().nbytes(), tensor.dtype)
+        return found
+
+    def scale(self, nbytes: int, dtype: torch.dtype) -> int:
+        """Bytes as if floating-point tensors had the planning dtype."""
+        if self.dtype is None or not dtype.is_floating_point:
+            return nbytes
+        return nbytes * self.dtype.itemsize // dtype.itemsize
+
+    def value(self, value: Any) -> ValueMemory:
+        tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+        keys = tuple(dict.fromkeys(self.key(t) for t in tensors))
+        nbytes = sum(self.scale(t.numel() * t.element_size(), t.dtype) for t in tensors)
+        return ValueMemory(nbytes, keys, any(t.requires_grad for t in tensors))
+
+
+class _Allocations(TorchDispatchMode):
+    """Peak bytes of the storages ATen ops create while one node (or one backward node) runs."""
+
+    def __init__(self, storages: _Storages) -> None:
+        super().__init__()
+        self.storages = storages
+        self.seen: set[StorageWeakRef] = set()
+        self.live: dict[StorageWeakRef, int] = {}
+        self.peak = 0
+        self.backward_ops: dict[Any, int] = {}
+        self.backward_internal: dict[int, int] = {}
+        self.roots: dict[int, set[Any]] = {}
+        self.result_grads: dict[int, set[StorageWeakRef]] = {}
+        self.passthrough: set[tuple[int, int]] = set()
+        self.in_backward = False
+        self._node: Any = None
+
+    def start(self) -> None:
+        self.live.clear()
+        self.peak = 0
+
+    def extra(self) -> int:
+        """Peak bytes made since :meth:`start` beyond those still alive (its results)."""
+        for ref in [r for r in self.live if r.expired()]:
+            del self.live[ref]
+        return max(0, self.peak - sum(self.live.values()))
+
+    def node_done(self, op: int, fn: Any, grad_inputs: Any, grad_outputs: Any) -> None:
+        """A backward node of op ``op`` returned: note its peak beyond the gradients it returns, and
+        which earlier ops get the gradient of op ``op``'s result passed on as is (an add's backward)."""
+        returned = {StorageWeakRef(t.untyped_storage()) for t in tree_leaves(grad_inputs)
+                    if isinstance(t, torch.Tensor)}
+        kept = sum(nbytes for ref, nbytes in self.live.items() if ref in returned)
+        self.backward_internal[op] = max(self.backward_internal.get(op, 0), self.peak - kept)
+        incoming = self.result_grads.setdefault(op, set())
+        if fn in self.roots.get(op, ()):
+            incoming.update(StorageWeakRef(t.untyped_storage()) for t in tree_leaves(grad_outputs)
+                            if isinstance(t, torch.Tensor))
+        for tensor, (next_fn, _) in zip(grad_inputs, fn.next_functions, strict=False):
+            if isinstance(tensor, torch.Tensor) and StorageWeakRef(tensor.untyped_storage()) in incoming:
+                other = self.backward_ops.get(next_fn)
+                if other is not None and other != op:
+                    self.passthrough.add((op, other))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.in_backward:
+            node = torch._C._current_autograd_node()
+            if node is not self._node:
+                self._node = node
+                self.start()
+        out = func(*args, **(kwargs or {}))
+        for ref in [r for r in self.live if r.expired()]:
+            del self.live[ref]
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                ref = StorageWeakRef(tensor.untyped_storage())
+                if ref not in self.seen:
+                    self.seen.add(ref)
+                    self.live[ref] = self.storages.scale(tensor.untyped_storage().nbytes(), tensor.dtype)
+        self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+class _Recorder(torch.fx.Interpreter):
+    def __init__(self, graph_module: torch.fx.GraphModule, storages: _Storages, allocations: _Allocations) -> None:
+        super().__init__(graph_module)
+        self.storages = storages
+        self.allocations = allocations
+        self.op_index: dict[str, int] = {}
+        self.current = -1
+        self.results: dict[str, ValueMemory] = {}
+        self.internal: dict[int, int] = {}
+        self.saved: dict[int, list[int]] = {}
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is torch.ops.aten.scaled_dot_product_attention.default:
+            fused = _fused_attention(args, kwargs)
+            if fused is not None:
+                return fused
+        return super().call_function(target, args, kwargs)
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.current = self.op_index.get(n.name, -1)
+        self.allocations.start()
+        value = super().run_node(n)
+        if n.op == "placeholder":
+            self.results[n.name] = self.storages.value(value)
+        if self.current >= 0:
+            self.results[n.name] = self.storages.value(value)
+            self.internal[self.current] = self.allocations.extra()
+            self._claim(value, self.current)
+        self.current = -1
+        return value
+
+    def _claim(self, value: Any, op: int) -> None:
+        """The autograd nodes that ``value``'s computation created belong to op ``op``."""
+        owners = self.allocations.backward_ops
+        stack: list[Any] = [t.grad_fn for t in tree_leaves(value)
+                            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        self.allocations.roots[op] = {fn for fn in stack if fn not in owners}
+        while stack:
+            fn = stack.pop()
+            if fn is not None and fn not in owners:
+                owners[fn] = op
+                fn.register_hook(functools.partial(self.allocations.node_done, op, fn))
+                stack.extend(next_fn for next_fn, _ in fn.next_functions)
+
+    def backward(self, outputs: Any) -> None:
+        """Run the backward from ones at the outputs, measuring each backward node's intermediates."""
+        tensors = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return
+        grads = [torch.ones_like(t) for t in tensors]
+        self.allocations.in_backward = True
+        torch.autograd.backward(tensors, grads)
+        self.allocations.in_backward = False
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.current >= 0:
+            self.saved.setdefault(self.current, []).append(self.storages.key(tensor))
+        return tensor
+
+
+def profile_activations(
+    graph_module: torch.fx.GraphModule,
+    costs: GraphCosts,
+    *,
+    training: bool,
+    dtype: torch.dtype | None = None,
+) -> ActivationProfile | None:
+    """Storages, reads and saved tensors of every op of ``graph_module``; None without shapes.
+
+    Args:
+        graph_module: the traced graph, with ``meta["val"]`` on its inputs.
+        costs: its cost model (ops in partition order, weights).
+        training: record what autograd saves for backward (weights keep
+            their ``requires_grad``); else run under ``torch.no_grad()``.
+        dtype: plan floating-point activations as if they had this dtype.
+    """
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    if any("val" not in n.meta for n in placeholders):
+        return None
+    mode = torch._guards.detect_fake_mode([n.meta["val"] for n in placeholders])
+    if mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    storages = _Storages(dtype)
+    allocations = _Allocations(storages)
+    recorder = _Recorder(graph_module, storages, allocations)
+    recorder.op_index = {op.name: i for i, op in enumerate(costs.ops)}
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with mode:
+        fakes = _fake_weights(graph_module, mode, training)
+        inputs = [_fake_input(n.meta["val"], mode) for n in placeholders]
+    grad = torch.enable_grad() if training else torch.no_grad()
+    hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
+    with mode, allocations, grad, hooks, _reparametrize_module(graph_module, fakes, tie_weights=True, strict=False):
+        for fake in fakes.values():
+            storages.key(fake)
+        outputs = recorder.run(*inputs)
+        if training:
+            recorder.backward(outputs)
+    return _profile(graph_module, costs, recorder, storages, fakes, training)
+
+
+def _fake_weights(graph_module: torch.fx.GraphModule, mode: Any, training: bool) -> dict[str, torch.Tensor]:
+    fakes: dict[str, torch.Tensor] = {}
+    named = [*graph_module.named_parameters(remove_duplicate=False),
+             *graph_module.named_buffers(remove_duplicate=False)]
+    for node in graph_module.graph.nodes:
+        if node.op == "get_attr":
+            attr = _resolve(graph_module, str(node.target))
+            if isinstance(attr, torch.Tensor):
+                named.append((str(node.target), attr))
+    by_id: dict[int, torch.Tensor] = {}
+    for name, tensor in named:
+        if tensor is None or name in fakes:
+            continue
+        fake = by_id.get(id(tensor))
+        if fake is None:
+            fake = mode.from_tensor(tensor.detach())
+            if training and isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+                fake.requires_grad_(True)
+            by_id[id(tensor)] = fake
+        fakes[name] = fake
+    return fakes
+
+
+def _fake_input(value: Any, mode: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if getattr(value, "fake_mode", None) is mode:
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+
+def _fused_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``scaled_dot_product_attention`` on meta tensors as a fused kernel would run it; None if it cannot.
+
+    On ``meta`` torch takes the math path, which materialises the attention
+    matrix (and saves it for backward) where every real device's fused
+    kernel keeps only the output and a log-sum-exp per row; plan for the
+    latter.
+    """
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    query = bound.get("query")
+    if not isinstance(query, torch.Tensor) or query.device.type != "meta" or bound.get("enable_gqa"):
+        return None
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+        query, bound["key"], bound["value"], float(bound.get("dropout_p", 0.0)), bool(bound.get("is_causal", False)),
+        attn_mask=bound.get("attn_mask"), scale=bound.get("scale"))
+    return out[0]
+
+
+def _resolve(root: Any, target: str) -> Any:
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _weight_reads(costs: GraphCosts) -> dict[str, list[Weight]]:
+    found: dict[str, list[Weight]] = {}
+    for weight in costs.weights:
+        for node in weight.nodes:
+            found.setdefault(node, []).append(weight)
+    return found
+
+
+def _reads(node: torch.fx.Node, by_node: dict[str, list[Weight]]) -> Iterator[str]:
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            yield from (w.names[0] for w in by_node.get(arg.name, ()))
+        else:
+            yield arg.name
+    if node.op == "call_module":
+        yield from (w.names[0] for w in by_node.get(node.name, ()))
+
+
+def _profile(graph_module: torch.fx.GraphModule, costs: GraphCosts, recorder: _Recorder, storages: _Storages,
+             fakes: dict[str, torch.Tensor], training: bool) -> ActivationProfile:
+    by_node = _weight_reads(costs)
+    values: dict[str, ValueMemory] = dict(recorder.results)
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    weight_names: set[str] = set()
+    attr_targets = {n.name: str(n.target) for n in graph_module.graph.nodes if n.op == "get_attr"}
+    for weight in costs.weights:
+        targets = [attr_targets[name] for name in weight.nodes if name in attr_targets]
+        fake = next((fakes[n] for n in (*weight.names, *targets) if n in fakes), None)
+        if fake is not None:
+            values[weight.names[0]] = storages.value(fake)
+            weight_names.add(weight.names[0])
+    reads = tuple(tuple(dict.fromkeys(r for r in _reads(op, by_node) if r in values)) for op in costs.ops)
+    saved: list[tuple[int, ...]] = []
+    internal_saved: list[int] = []
+    for i, op in enumerate(costs.ops):
+        known = {k for name in (*reads[i], op.name) if name in values for k in values[name].storages}
+        keys = list(dict.fromkeys(recorder.saved.get(i, ())))
+        saved.append(tuple(k for k in keys if k in known))
+        internal_saved.append(sum(storages.nbytes[k] for k in keys if k not in known))
+    output = next(n for n in graph_module.graph.nodes if n.op == "output")
+    outputs: list[str] = []
+    for arg in output.all_input_nodes:
+        names = [w.names[0] for w in by_node.get(arg.name, ())] if arg.op == "get_attr" else [arg.name]
+        outputs.extend(n for n in names if n in values)
+    return ActivationProfile(
+        op_names=tuple(op.name for op in costs.ops),
+        reads=reads,
+        values=values,
+        storage_bytes=dict(storages.nbytes),
+        inputs=tuple(n.name for n in placeholders),
+        outputs=tuple(dict.fromkeys(outputs)),
+        weights=frozenset(weight_names),
+        saved=tuple(saved) if training else (),
+        internal=tuple(recorder.internal.get(i, 0) for i in range(len(costs.ops))),
+        internal_saved=tuple(internal_saved) if training else (),
+        backward_internal=tuple(recorder.allocations.backward_internal.get(i, 0) for i in range(len(costs.ops)))
+        if training else (),
+        grad_passthrough=tuple(sorted(recorder.allocations.passthrough)) if training else (),
+        training=training,
+    )
+

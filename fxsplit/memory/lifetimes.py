@@ -1,0 +1,400 @@
+"""Activation memory from value lifetimes: plain data and a simulation (no torch).
+
+An :class:`ActivationProfile` says, for every op of a traced graph in
+execution order, which values it reads and which *storages* (allocations)
+its result holds - a view shares its input's storage, a new tensor has its
+own - and, for training, which storages autograd saves for backward. It is
+measured once per model (:mod:`fxsplit.memory.activations`) and then simulated for
+any placement of the ops on devices, the way the generated code runs:
+
+* a storage lives on its device from the op that makes it until the last op
+  there that reads it (or a view of it), or until it is copied to a later
+  device for the last time; model inputs arrive on their home device when
+  first read;
+* a value read on another device is copied there right before its first
+  reader there (``nbytes`` of the value), and that copy lives until its last
+  reader there;
+* outputs are copied to the output device and are held by the caller;
+* training: a saved storage lives until the backward of the earliest op that
+  saved it; the gradient of a storage that needs one lives, in backward,
+  from its last reader to the op that made it (the forward lifetime,
+  walked backwards); outputs stay held through the backward.
+
+:func:`simulate` gives each device's peak; :func:`planning_loads` gives the
+per-op ``op_extra`` and ``op_transient`` that the partitioner adds up for a
+contiguous run of ops (an upper bound of the simulation on one device for
+most graphs; the exact simulation checks the final plan).
+
+>>> profile = ActivationProfile(
+...     op_names=("a", "b"), reads=(("x",), ("a",)),
+...     values={"x": ValueMemory(8, (0,)), "a": ValueMemory(16, (1,)), "b": ValueMemory(16, (2,))},
+...     storage_bytes={0: 8, 1: 16, 2: 16}, inputs=("x",), outputs=("b",))
+>>> simulate(profile, ["cpu:0", "cpu:1"], {"x": "cpu:0"}, "cpu:1").forward
+{'cpu:0': 24, 'cpu:1': 32}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence
+
+__all__ = ["ActivationProfile", "Simulated", "ValueMemory", "planning_loads", "simulate"]
+
+
+@dataclass(frozen=True)
+class ValueMemory:
+    """What one value of the graph holds.
+
+    Attributes:
+        nbytes: bytes of the value itself (what a copy to another device costs).
+        storages: ids of the storages it keeps alive (a view: its base's).
+        requires_grad: whether autograd computes its gradient (training).
+    """
+
+    nbytes: int
+    storages: tuple[int, ...]
+    requires_grad: bool = False
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Reads, storages and saved tensors of every op, in execution order.
+
+    Attributes:
+        op_names: the ops, in the order of the partition problem.
+        reads: per op, the names of the values it reads (op names, input
+            names, canonical weight names).
+        values: every value by name: op results, model inputs, weights.
+        storage_bytes: bytes of each storage id.
+        inputs: names of the model's inputs.
+        outputs: names of the values the graph returns.
+        weights: names of the values that are parameters or buffers; they
+            cost nothing on their home device (counted as weights) but their
+            copies on other devices are activations there.
+        saved: per op, the storage ids autograd saves for its backward that
+            a value it reads or returns holds (training only).
+        internal: per op, the peak bytes it allocates inside beyond its
+            result (intermediates of a composite op).
+        internal_saved: per op, bytes it saves for backward that no value of
+            the graph holds (a layer norm's statistics, a dropout mask).
+        backward_internal: per op, the peak bytes its backward allocates
+            inside beyond the gradients it returns.
+        grad_passthrough: ``(i, k)``: op ``i``'s backward hands the gradient
+            of its result on, as the same tensor, as the gradient of op
+            ``k``'s result (an add, a clone): one tensor, not two.
+        training: whether the profile was taken with autograd recording.
+    """
+
+    op_names: tuple[str, ...]
+    reads: tuple[tuple[str, ...], ...]
+    values: Mapping[str, ValueMemory]
+    storage_bytes: Mapping[int, int]
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    weights: frozenset[str] = frozenset()
+    saved: tuple[tuple[int, ...], ...] = ()
+    internal: tuple[int, ...] = ()
+    internal_saved: tuple[int, ...] = ()
+    backward_internal: tuple[int, ...] = ()
+    grad_passthrough: tuple[tuple[int, int], ...] = ()
+    training: bool = False
+
+    def per_op(self, field_name: str) -> list:
+        """``saved``, ``internal``, ``internal_saved`` or ``backward_internal``, one entry per op."""
+        data = getattr(self, field_name)
+        empty: object = () if field_name == "saved" else 0
+        return list(data) if data else [empty] * len(self.op_names)
+
+
+@dataclass
+class _Storage:
+    """One allocation on one device, during one forward (and backward)."""
+
+    device: Hashable
+    nbytes: int
+    alloc: int
+    last: int
+    last_op: int
+    requires_grad: bool
+    saved_at: int | None = None
+    held: bool = False
+
+    def touch(self, position: int, is_op: bool) -> None:
+        self.last = max(self.last, position)
+        if is_op:
+            self.last_op = max(self.last_op, position)
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """Peak activation bytes per device.
+
+    Attributes:
+        forward: peak during the forward.
+        backward: peak during the backward (training; empty otherwise).
+        saved: bytes saved for backward at the end of the forward.
+    """
+
+    forward: dict[Hashable, int]
+    backward: dict[Hashable, int] = field(default_factory=dict)
+    saved: dict[Hashable, int] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> dict[Hashable, int]:
+        """The larger of the forward and backward peaks, per device."""
+        return {d: max(v, self.backward.get(d, 0)) for d, v in self.forward.items()}
+
+
+_MISSING = -2
+
+
+class _Walk:
+    """Follows storages through the ops placed on devices, as the generated code runs them."""
+
+    def __init__(self, profile: ActivationProfile, home: Mapping[str, Hashable]) -> None:
+        self.profile = profile
+        self.home = home
+        self.storages: list[_Storage] = []
+        self.on: dict[tuple[str, Hashable], dict[int, int | None]] = {}
+        self.weight_reads: dict[str, list[int]] = {}
+        self.readers: dict[tuple[str, Hashable], set[int]] = {}
+        self.device_of: dict[int, Hashable] = {}
+
+    def _new(self, device: Hashable, nbytes: int, position: int, requires_grad: bool) -> int:
+        self.storages.append(_Storage(device, nbytes, position, position, position, requires_grad))
+        return len(self.storages) - 1
+
+    def place(self, name: str, device: Hashable, position: int, is_op: bool) -> dict[int, int | None]:
+        """Storage ids -> simulated storage of value ``name`` on ``device`` (None: a resident weight)."""
+        if is_op and name in self.profile.weights:
+            span = self.weight_reads.setdefault(name, [position, position])
+            span[1] = max(span[1], position)
+        elif is_op:
+            self.readers.setdefault((name, device), set()).add(position)
+        found = self.on.get((name, device))
+        if found is None:
+            info = self.profile.values[name]
+            home = self.home[name]
+            if not info.storages:
+                found = {}
+            elif device == home and name in self.profile.weights:
+                found = dict.fromkeys(info.storages)
+            elif device == home:  # a model input, arriving where it is first read
+                found = dict.fromkeys(info.storages, self._new(device, info.nbytes, position, info.requires_grad))
+            else:  # a copy from the value's home, made right before its first reader here
+                self.place(name, home, position, is_op)
+                found = dict.fromkeys(info.storages, self._new(device, info.nbytes, position, info.requires_grad))
+            self.on[(name, device)] = found
+        for index in set(found.values()):
+            if index is not None:
+                self.storages[index].touch(position, is_op)
+        return found
+
+    def run_op(self, op: int, device: Hashable) -> None:
+        profile = self.profile
+        self.device_of[op] = device
+        read: dict[int, int | None] = {}
+        for name in profile.reads[op]:
+            for key, index in self.place(name, device, op, True).items():
+                read.setdefault(key, index)
+        result = profile.values.get(profile.op_names[op])
+        own: dict[int, int | None] = {}
+        if result is not None:
+            for key in result.storages:
+                own[key] = read[key] if key in read else self._new(
+                    device, profile.storage_bytes[key], op, result.requires_grad)
+        self.on[(profile.op_names[op], device)] = own
+        for key in profile.per_op("saved")[op]:
+            index = own.get(key, read.get(key, _MISSING))
+            if index is not None and index != _MISSING:
+                storage = self.storages[index]
+                storage.saved_at = op if storage.saved_at is None else min(storage.saved_at, op)
+        extra = profile.per_op("internal_saved")[op]
+        if extra:
+            self.storages[self._new(device, extra, op, False)].saved_at = op
+
+    def held_gradients(self) -> list[tuple[Hashable, int, int, int]]:
+        """``(device, first, last, nbytes)``: a weight read by several ops gets its gradients summed.
+
+        In backward, the gradient from its last reader waits at its home
+        (autograd's input buffer) until the backward of its first reader.
+        """
+        held = []
+        for name, (first, last) in self.weight_reads.items():
+            info = self.profile.values[name]
+            if info.requires_grad and last > first:
+                held.append((self.home[name], first, last, info.nbytes))
+        return held
+
+    def gradients(self) -> list[tuple[Hashable, int, int, int]]:
+        """``(device, first, last, nbytes)`` of each gradient tensor in backward.
+
+        A storage's gradient lives from its last reader to the op that made
+        it; storages whose gradients are one tensor (``grad_passthrough``)
+        share one span.
+        """
+        parent = list(range(len(self.storages)))
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        for op, other in self.profile.grad_passthrough:
+            device = self.device_of[op]
+            mine = [i for i in self.on.get((self.profile.op_names[op], device), {}).values() if i is not None]
+            theirs = [i for i in self.on.get((self.profile.op_names[other], device), {}).values() if i is not None]
+            for i in mine[:1]:
+                for j in theirs:
+                    parent[find(j)] = find(i)
+        spans: dict[int, list[int]] = {}
+        for index, s in enumerate(self.storages):
+            if s.requires_grad and s.last_op > s.alloc:
+                span = spans.setdefault(find(index), [s.alloc, s.last_op, s.nbytes])
+                span[0], span[1], span[2] = min(span[0], s.alloc), max(span[1], s.last_op), max(span[2], s.nbytes)
+        return [(self.storages[root].device, first, last, nbytes) for root, (first, last, nbytes) in spans.items()]
+
+    def contributions(self) -> list[tuple[Hashable, int, int]]:
+        """``(device, op, nbytes)``: a value read by several ops gets one gradient from each.
+
+        In backward, all but the first to arrive (from its last reader) are
+        new tensors while they are being added to the gradient so far.
+        """
+        found: list[tuple[Hashable, int, int]] = []
+        for (name, device), readers in self.readers.items():
+            info = self.profile.values[name]
+            if info.requires_grad and len(readers) > 1:
+                found.extend((device, op, info.nbytes) for op in sorted(readers)[:-1])
+        return found
+
+    def return_outputs(self, device: Hashable, position: int) -> None:
+        for name in self.profile.outputs:
+            for index in self.place(name, device, position, False).values():
+                if index is not None:
+                    self.storages[index].held = True
+
+
+def _walk(profile: ActivationProfile, op_devices: Sequence[Hashable], input_homes: Mapping[str, Hashable],
+          weight_homes: Mapping[str, Hashable], output_device: Hashable) -> _Walk:
+    home: dict[str, Hashable] = dict(zip(profile.op_names, op_devices, strict=True))
+    home.update(input_homes)
+    home.update(weight_homes)
+    for name in profile.values:
+        home.setdefault(name, output_device)
+    walk = _Walk(profile, home)
+    for op, device in enumerate(op_devices):
+        walk.run_op(op, device)
+    walk.return_outputs(output_device, len(op_devices))
+    return walk
+
+
+def simulate(profile: ActivationProfile, op_devices: Sequence[Hashable], input_homes: Mapping[str, Hashable],
+             output_device: Hashable, weight_homes: Mapping[str, Hashable] | None = None) -> Simulated:
+    """Peak activation bytes per device when op ``i`` runs on ``op_devices[i]``.
+
+    Args:
+        profile: the model's profile.
+        op_devices: the device of every op, in op order.
+        input_homes: model input name -> the device it is first read on.
+        output_device: where the outputs are returned.
+        weight_homes: weight name -> its device (default: the output device).
+    """
+    walk = _walk(profile, op_devices, input_homes, weight_homes or {}, output_device)
+    n = len(op_devices)
+    devices = list(dict.fromkeys([*op_devices, output_device]))
+    internal = profile.per_op("internal")
+    forward = {d: [0] * (n + 2) for d in devices}
+    backward = {d: [0] * (n + 2) for d in devices}
+    saved = dict.fromkeys(devices, 0)
+    for s in walk.storages:
+        keep = profile.training and s.saved_at is not None
+        _add(forward[s.device], s.alloc, n if keep or s.held else s.last, s.nbytes)
+        if not profile.training:
+            continue
+        if s.saved_at is not None:
+            saved[s.device] += s.nbytes
+        if s.held:  # the caller holds it through the whole backward
+            _add(backward[s.device], 0, n, s.nbytes)
+        elif s.saved_at is not None:  # freed after the backward of its first saver
+            _add(backward[s.device], s.saved_at, n, s.nbytes)
+    if profile.training:
+        for device, first, last, nbytes in walk.gradients():
+            _add(backward[device], first, last, nbytes)
+        for device, first, last, nbytes in walk.held_gradients():
+            _add(backward[device], first, last, nbytes)
+        for device, op, nbytes in walk.contributions():
+            _add(backward[device], op, op, nbytes)
+    backward_internal = profile.per_op("backward_internal")
+    for op, device in enumerate(op_devices):
+        _add(forward[device], op, op, internal[op])
+        _add(backward[device], op, op, backward_internal[op])
+    result = Simulated({d: _peak(forward[d]) for d in devices})
+    if profile.training:
+        result = Simulated(result.forward, {d: _peak(backward[d]) for d in devices}, saved)
+    return result
+
+
+def _add(diff: list[int], start: int, stop: int, nbytes: int) -> None:
+    """Add ``nbytes`` to positions ``start..stop`` (inclusive) of a difference array."""
+    diff[start] += nbytes
+    diff[stop + 1] -= nbytes
+
+
+def _peak(diff: list[int]) -> int:
+    best = running = 0
+    for delta in diff:
+        running += delta
+        best = max(best, running)
+    return best
+
+
+def _kept_from(storage: _Storage) -> int | None:
+    """The op from which a storage stays until the end of the backward, or None."""
+    if storage.held:
+        return storage.alloc
+    return storage.saved_at
+
+
+def planning_loads(profile: ActivationProfile) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per-op ``(op_extra, op_transient)`` for the partitioner, from a one-device simulation.
+
+    Inference: ``op_transient[i]`` is the bytes live while op ``i`` runs (its
+    inputs, its result, everything still waiting for a later reader, its
+    internal intermediates); ``op_extra`` is zero. Training: ``op_extra[i]``
+    is what op ``i`` is first to save for backward, or returns (both stay
+    to the end of the backward), and ``op_transient[i]`` the larger of the
+    other bytes live in forward and the gradients live in backward at
+    ``i``. A device running ops ``[a, b)`` then needs ``sum(op_extra[a:b])
+    + max(op_transient[a:b])`` - an upper bound of its simulated peak, save
+    for copies between devices, which the final check adds.
+    """
+    n = len(profile.op_names)
+    walk = _walk(profile, [0] * n, dict.fromkeys(profile.inputs, 0), dict.fromkeys(profile.weights, 0), 0)
+    internal = profile.per_op("internal")
+    live = [0] * (n + 2)
+    grads = [0] * (n + 2)
+    extra = [0] * n
+    for s in walk.storages:
+        stop = min(s.last, n - 1)
+        kept = _kept_from(s) if profile.training else None
+        if kept is not None:  # saved for backward, or an output held through it: stays to the end
+            extra[min(kept, n - 1)] += s.nbytes
+            stop = min(stop, kept - 1)
+        if stop >= s.alloc:
+            _add(live, s.alloc, stop, s.nbytes)
+    if profile.training:
+        for _, first, last, nbytes in walk.gradients():
+            _add(grads, first, min(last, n - 1), nbytes)
+        for _, first, last, nbytes in walk.held_gradients():
+            _add(grads, first, min(last, n - 1), nbytes)
+        for _, op, nbytes in walk.contributions():
+            _add(grads, op, op, nbytes)
+    backward_internal = profile.per_op("backward_internal")
+    transient = []
+    running_live = running_grads = 0
+    for op in range(n):
+        running_live += live[op]
+        running_grads += grads[op]
+        transient.append(max(running_live + internal[op], running_grads + backward_internal[op]))
+    return tuple(extra), tuple(transient)

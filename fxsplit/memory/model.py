@@ -1,0 +1,322 @@
+"""What a device really needs: parameters, buffers, gradients, optimizer state and activations.
+
+Three modes (the ``mode`` option of :func:`fxsplit.fxsplit` and :func:`fxsplit.plan`):
+
+* ``"inference"`` (default): parameters and buffers, plus the peak of the
+  activations a forward keeps alive at once on the device (under
+  ``torch.no_grad()``), copies received from other devices included.
+* ``"training"``: also a gradient for every trainable parameter (same bytes
+  as the parameter), the optimizer's state, and the activations autograd
+  saves for backward, at the peak of forward and backward.
+* ``"weights"``: parameters and buffers only (budget activations yourself).
+
+``optimizer`` (training only) names the state kept per parameter, each
+tensor the size of the parameter: ``"adam"`` / ``"adamw"`` (default: two,
+``exp_avg`` and ``exp_avg_sq``), ``"sgd_momentum"`` (one), ``"sgd"``
+(none); or an int, the bytes of state per parameter *element* (e.g. ``8``
+for Adam on float32 weights, ``2`` for an 8-bit Adam).
+
+Activations need shapes: example inputs (real or meta tensors). Without
+them only the weights (and, in training, gradients and optimizer state)
+are counted, and the plan shows no activation column.
+
+>>> spec = MemorySpec.coerce("training", "adam")
+>>> spec.optimizer_bytes(nbytes=4000, numel=1000), spec.optimizer_bytes(4000, 1000) == 2 * 4000
+(8000, True)
+>>> MemorySpec.coerce("training", 2).optimizer_bytes(4000, 1000)
+2000
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from fxsplit.cost.build import GraphCosts
+from fxsplit.errors import BudgetError, SpecError
+from fxsplit.gcpause import gc_paused
+from fxsplit.memory.lifetimes import ActivationProfile, planning_loads, simulate
+from fxsplit.options import MODES, OPTIMIZERS
+from fxsplit.partition.problem import PartitionProblem
+from fxsplit.planning.plan import Plan
+from fxsplit.units import format_size
+
+__all__ = ["COMPONENTS", "MODES", "OPTIMIZERS", "MemoryModel", "MemorySpec", "fit_budgets"]
+
+"""State tensors per parameter, each the size of the parameter."""
+COMPONENTS = ("params", "buffers", "grads", "optimizer", "activations_peak")
+_WORDS = {"params": "parameters", "buffers": "buffers", "grads": "gradients", "optimizer": "optimizer state",
+          "activations_peak": "activations peak"}
+MAX_REPLANS = 4
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """The memory mode and optimizer, validated.
+
+    Attributes:
+        mode: ``"inference"``, ``"training"`` or ``"weights"``.
+        optimizer: a name from :data:`OPTIMIZERS` or bytes per parameter
+            element; None outside training.
+    """
+
+    mode: str = "inference"
+    optimizer: str | int | None = None
+
+    @classmethod
+    def coerce(cls, mode: str = "inference", optimizer: str | int | None = None) -> MemorySpec:
+        """Validate ``mode`` and ``optimizer``; training defaults to ``"adam"``.
+
+        Raises:
+            SpecError: an unknown mode or optimizer, or an optimizer outside training.
+        """
+        if mode not in MODES:
+            raise SpecError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
+        if optimizer is not None and mode != "training":
+            raise SpecError(f"optimizer={optimizer!r} only counts with mode='training' (got mode={mode!r}); "
+                            "pass mode='training' or drop the optimizer")
+        if isinstance(optimizer, bool) or (isinstance(optimizer, int) and optimizer < 0):
+            raise SpecError(f"optimizer bytes per parameter element must be an int >= 0 (got {optimizer!r})")
+        if isinstance(optimizer, str) and optimizer.lower() not in OPTIMIZERS:
+            raise SpecError(f"optimizer must be one of {', '.join(OPTIMIZERS)} or bytes per parameter element "
+                            f"(got {optimizer!r})")
+        if optimizer is not None and not isinstance(optimizer, (str, int)):
+            raise SpecError(f"optimizer must be a name or an int (got {type(optimizer).__name__})")
+        if mode == "training" and optimizer is None:
+            optimizer = "adam"
+        return cls(mode, optimizer.lower() if isinstance(optimizer, str) else optimizer)
+
+    @property
+    def training(self) -> bool:
+        return self.mode == "training"
+
+    @property
+    def counts_activations(self) -> bool:
+        return self.mode != "weights"
+
+    def optimizer_bytes(self, nbytes: int, numel: int) -> int:
+        """Optimizer state of one trainable parameter of ``nbytes`` bytes and ``numel`` elements."""
+        if not self.training or self.optimizer is None:
+            return 0
+        if isinstance(self.optimizer, str):
+            return OPTIMIZERS[self.optimizer] * nbytes
+        return self.optimizer * numel
+
+    def describe(self) -> str:
+        if not self.training:
+            return f"mode={self.mode!r}"
+        return f"mode='training', optimizer={self.optimizer!r}"
+
+    def holds(self) -> str:
+        """What a device's budget must hold under this mode, in words."""
+        if self.mode == "weights":
+            return "its parameters and buffers"
+        if not self.training:
+            return "its parameters, buffers and activations"
+        return "its parameters, buffers, gradients, optimizer state and activations"
+
+
+@dataclass
+class MemoryModel:
+    """Everything needed to charge a plan's devices, for one traced model.
+
+    Attributes:
+        spec: the mode and optimizer.
+        costs: the cost model (weights, ops).
+        trainable: canonical name -> element count of each trainable
+            parameter the graph reads.
+        profile: the activation profile, or None when activations are not
+            counted (mode ``"weights"``, or no shapes).
+        chunks: micro-batches of a pipeline (1: none); the profile is then
+            that of one micro-batch. In training, a fill-drain schedule holds
+            what every micro-batch saved for backward until its backward:
+            ``chunks - 1`` more of it on each device, or, under activation
+            checkpointing (``checkpoint`` other than ``"never"``), of the
+            stage's inputs only.
+        checkpoint: the pipeline's checkpointing policy.
+    """
+
+    spec: MemorySpec
+    costs: GraphCosts
+    trainable: Mapping[str, int]
+    profile: ActivationProfile | None = None
+    chunks: int = 1
+    checkpoint: str = "never"
+
+    @property
+    def _held_per_chunk(self) -> bool:
+        return self.spec.training and self.profile is not None and self.chunks > 1
+
+    def state_bytes(self, name: str, nbytes: int) -> tuple[int, int]:
+        """``(gradient, optimizer state)`` bytes of the weight ``name``."""
+        if not self.spec.training or name not in self.trainable:
+            return 0, 0
+        return nbytes, self.spec.optimizer_bytes(nbytes, self.trainable[name])
+
+    @gc_paused()
+    def problem(self) -> PartitionProblem:
+        """The partition problem charging everything this mode counts."""
+        problem = self.costs.problem
+        values = list(problem.values)
+        for weight, index in zip(self.costs.weights, self.costs.weight_values, strict=True):
+            if index >= 0:
+                grads, state = self.state_bytes(weight.names[0], weight.nbytes)
+                values[index] = dataclasses.replace(values[index], weight=weight.nbytes + grads + state)
+        extra: tuple[int, ...] = ()
+        transient: tuple[int, ...] = ()
+        if self.profile is not None:
+            extra, transient = planning_loads(self.profile)
+            if self._held_per_chunk and self.checkpoint == "never":
+                extra = tuple(e * self.chunks for e in extra)
+        return dataclasses.replace(problem, values=tuple(values), op_extra=extra, op_transient=transient)
+
+    def usage(self, plan: Plan) -> dict[str, dict[str, int]]:
+        """Per device: bytes of each of :data:`COMPONENTS` (activations only when counted) and the total."""
+        found = {d: dict.fromkeys(COMPONENTS[:4], 0) for d in plan.devices}
+        read = {w.names[0] for w, index in zip(self.costs.weights, self.costs.weight_values, strict=True) if index >= 0}
+        for weight in [*self.costs.weights, *self.costs.unused]:
+            row = found.setdefault(plan.param_devices[weight.names[0]], dict.fromkeys(COMPONENTS[:4], 0))
+            row["buffers" if weight.is_buffer else "params"] += weight.nbytes
+            if weight.names[0] in read:
+                grads, state = self.state_bytes(weight.names[0], weight.nbytes)
+                row["grads"] += grads
+                row["optimizer"] += state
+        if self.profile is not None:
+            peaks = self.activation_peaks(plan)
+            for device, row in found.items():
+                row["activations_peak"] = peaks.get(device, 0)
+        for row in found.values():
+            row["total"] = sum(row.values())
+        return found
+
+    def activation_peaks(self, plan: Plan) -> dict[str, int]:
+        """Simulated peak activation bytes of every device under ``plan``."""
+        profile = self.profile
+        assert profile is not None
+        op_devices = [plan.placement[name] for name in profile.op_names]
+        inputs = {name: plan.placement.get(name, plan.output_device) for name in profile.inputs}
+        weights = {name: plan.param_devices[name] for name in profile.weights}
+        simulated = simulate(profile, op_devices, inputs, plan.output_device, weights)
+        peaks = {str(d): int(v) for d, v in simulated.peak.items()}
+        if self._held_per_chunk:
+            for device in peaks:
+                never = self.checkpoint == "never"
+                held = simulated.saved.get(device, 0) if never else self._stage_inputs(plan, device)
+                peaks[device] += (self.chunks - 1) * held
+        return peaks
+
+    def _stage_inputs(self, plan: Plan, device: str) -> int:
+        """Bytes a checkpointed stage keeps per micro-batch: the values it receives and the inputs read there."""
+        profile = self.profile
+        assert profile is not None
+        received = sum(c.nbytes or 0 for c in plan.cuts if c.destination == device and c.kind != "parameter")
+        for name in profile.inputs:
+            info = profile.values.get(name)
+            if info is not None and plan.placement.get(name, plan.output_device) == device:
+                received += sum(profile.storage_bytes[k] for k in info.storages)
+        return received
+
+    def totals(self) -> dict[str, int]:
+        """Model-wide bytes of each component (activations: saved plus the largest transient)."""
+        totals = dict.fromkeys(COMPONENTS, 0)
+        for weight in [*self.costs.weights, *self.costs.unused]:
+            totals["buffers" if weight.is_buffer else "params"] += weight.nbytes
+            grads, state = self.state_bytes(weight.names[0], weight.nbytes)
+            totals["grads"] += grads
+            totals["optimizer"] += state
+        if self.profile is not None:
+            extra, transient = planning_loads(self.profile)
+            totals["activations_peak"] = sum(extra) + max(transient, default=0)
+        return totals
+
+    def explain(self, error: BudgetError, budgets: Mapping[str, int]) -> BudgetError:
+        """A budget error that says which component of memory does not fit."""
+        totals = self.totals()
+        capacity, total = sum(budgets.values()), sum(totals.values())
+        running = 0
+        for name in COMPONENTS:
+            running += totals[name]
+            if totals[name] and running > capacity:
+                return BudgetError(
+                    f"with {self.spec.describe()} the model needs {_sum(totals)} before splitting, but the "
+                    f"budgets add up to {format_size(capacity)}: {_first_over(name, totals[name])}; short by "
+                    f"{format_size(total - capacity)} ({total - capacity} bytes); {_advice(name)}")
+        return BudgetError(f"{error} (with {self.spec.describe()} a budget holds {self.spec.holds()}; the whole model "
+                           f"needs {_sum(totals)})")
+
+    def over_budget(self, usage: Mapping[str, Mapping[str, int]], budgets: Mapping[str, int]) -> BudgetError:
+        """The error for a plan whose simulated use exceeds a budget, naming the component."""
+        problems = []
+        for device, row in usage.items():
+            budget = budgets.get(device)
+            if budget is None or row["total"] <= budget:
+                continue
+            running, culprit = 0, "activations_peak"
+            for name in COMPONENTS:
+                running += row.get(name, 0)
+                if running > budget:
+                    culprit = name
+                    break
+            problems.append(
+                f"'{device}' needs {format_size(row['total'])} ({_listing(row)}) but its budget is "
+                f"{format_size(budget)}: {_first_over(culprit, row.get(culprit, 0)).replace('them', 'it')}, short by "
+                f"{format_size(row['total'] - budget)} ({row['total'] - budget} bytes)")
+        return BudgetError(f"with {self.spec.describe()} no split fits: " + "; ".join(problems)
+                           + f"; {_advice('activations_peak')}")
+
+
+def _first_over(component: str, nbytes: int) -> str:
+    """'the parameters alone exceed them' / 'adding the gradients (1.00 GiB) exceeds them'."""
+    if component == "params":
+        return "the parameters alone exceed them"
+    return f"adding the {_WORDS[component]} ({format_size(nbytes)}) exceeds them"
+
+
+def _listing(row: Mapping[str, int]) -> str:
+    return ", ".join(f"{_WORDS[name]} {format_size(row[name])}" for name in COMPONENTS if row.get(name))
+
+
+def _sum(row: Mapping[str, int]) -> str:
+    """'parameters 1.00 MiB, activations peak 2.00 KiB = 1.00 MiB', without '= total' for one component."""
+    parts = [name for name in COMPONENTS if row.get(name)]
+    total = f" = {format_size(sum(row[name] for name in parts))}" if len(parts) > 1 else ""
+    return _listing(row) + total
+
+
+def _advice(component: str) -> str:
+    if component in ("params", "buffers"):
+        return "raise the budgets or add a device"
+    if component in ("grads", "optimizer"):
+        return ("raise the budgets, add a device, freeze parameters (requires_grad=False) or pick an optimizer "
+                "with less state (optimizer='sgd')")
+    return "raise the budgets, add a device, or plan with smaller example inputs (batch, sequence length)"
+
+
+@gc_paused()
+def fit_budgets(model: MemoryModel, budgets: Mapping[str, int], solve: Callable[[Sequence[int]], Plan]) -> Plan:
+    """Plan so that each device's simulated total fits its budget; record the breakdown in the plan.
+
+    ``solve`` partitions under the given per-device budgets (in device
+    order) and makes the plan. The partitioner's per-op loads are close to,
+    but not always above, the exact simulation (copies between devices are
+    only known once ops are placed); when a device comes out over its budget,
+    that budget is lowered by the excess and the model planned again.
+
+    Raises:
+        BudgetError: nothing fits; says which component does not, where, by how much.
+    """
+    devices = list(budgets)
+    effective = dict(budgets)
+    usage: dict[str, dict[str, int]] = {}
+    for attempt in range(MAX_REPLANS + 1):
+        try:
+            plan = solve([effective[d] for d in devices])
+        except BudgetError as error:
+            raise (model.explain(error, budgets) if attempt == 0 else model.over_budget(usage, budgets)) from None
+        usage = model.usage(plan)
+        over = {d: usage[d]["total"] - budgets[d] for d in devices if usage[d]["total"] > budgets[d]}
+        if not over:
+            return dataclasses.replace(plan, budgets=dict(budgets), memory=usage)
+        effective = {d: max(0, effective[d] - over.get(d, 0)) for d in devices}
+    raise model.over_budget(usage, budgets)

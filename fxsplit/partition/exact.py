@@ -1,0 +1,155 @@
+"""Exact placement of small graphs, in any order, by branch and bound (pure; no torch).
+
+The dynamic programmes place ops contiguously (or wrapped), and the local
+searches that follow stop on plateaus. For graphs of up to :data:`EXACT_OPS`
+ops the search space is small enough to search outright: ops are given
+devices in index order, each value's copies are charged as soon as a reader
+lands away from its home (the home is the device of the value's ``start``,
+which comes first), and a branch is cut when its bytes so far reach the best
+placement found, or when the weights still to place cannot fit the room left.
+
+Devices that are alike (same budget, no pins) and still empty are one
+choice, so equivalent placements are not searched twice; devices are tried
+cheapest first. The search starts from the heuristic's placement and only
+replaces it with a strictly cheaper one, so ties keep the heuristic's
+answer. At most :data:`NODE_LIMIT` branches are opened (deterministic: the
+answer does not depend on the machine's speed); past that the best found so
+far is returned.
+
+>>> from fxsplit.partition.problem import PartitionProblem, Value
+>>> chain = PartitionProblem(("a", "b", "c"), (Value("w", 0, 0, (0,), weight=60), Value("x", 0, 2, (2,), weight=60),
+...                          Value("a", 8, 0, (1,)), Value("b", 4, 1, (2,)), Value("v", 0, 1, (1,), weight=60)))
+>>> exact_placement(chain, [130, 130], None)
+[0, 0, 1]
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from fxsplit.partition.problem import PartitionProblem
+
+__all__ = ["EXACT_OPS", "NODE_LIMIT", "exact_placement"]
+
+EXACT_OPS = 14
+"""Largest graph (in ops) searched exactly."""
+
+NODE_LIMIT = 40_000
+"""Most branches one search opens."""
+
+
+class _Search:
+    def __init__(self, problem: PartitionProblem, budgets: Sequence[int], best_cost: float) -> None:
+        n = problem.num_ops
+        self.problem, self.budgets, self.k = problem, list(budgets), len(budgets)
+        self.resident = problem.op_weights()
+        self.transient = problem.transients()
+        self.forbidden = problem.forbidden_cuts()
+        self.pinned = dict(problem.pinned)
+        # reads[j]: (value index, bytes) of the copied values op j reads, each once
+        self.reads: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        self.starts = [v.start for v in problem.values]
+        for index, value in enumerate(problem.values):
+            if value.nbytes:
+                for op in dict.fromkeys(value.consumers):
+                    self.reads[op].append((index, value.nbytes))
+        self.remaining = [sum(self.resident[j:]) for j in range(n + 1)]
+        alike: dict[int, int] = {}
+        pinned_devices = set(self.pinned.values())
+        self.twin_of = [d if d in pinned_devices else alike.setdefault(b, d) for d, b in enumerate(self.budgets)]
+        self.devices = [0] * n
+        self.load = [0] * self.k
+        self.peak = [0] * self.k
+        self.used = [0] * self.k
+        self.sent: list[set[int]] = [set() for _ in problem.values]
+        self.best_cost = best_cost
+        self.best: list[int] | None = None
+        self.nodes = 0
+
+    def run(self) -> None:
+        self._place(0, 0)
+
+    def _choices(self, op: int) -> list[int]:
+        if op > 0 and self.forbidden[op]:  # constraints keep it beside the op before it
+            previous = self.devices[op - 1]
+            return [previous] if self.pinned.get(op, previous) == previous else []
+        if op in self.pinned:
+            return [self.pinned[op]]
+        seen_empty: set[int] = set()
+        found = []
+        for d in range(self.k):
+            if not self.used[d]:
+                if self.twin_of[d] in seen_empty:
+                    continue
+                seen_empty.add(self.twin_of[d])
+            found.append(d)
+        return found
+
+    def _extra(self, op: int, d: int) -> int:
+        """Bytes newly copied if ``op`` runs on ``d``."""
+        extra = 0
+        for index, nbytes in self.reads[op]:
+            start = self.starts[index]
+            home = d if start == op else self.devices[start]
+            if home != d and d not in self.sent[index]:
+                extra += nbytes
+        return extra
+
+    def _place(self, op: int, cost: int) -> None:
+        if op == len(self.devices):
+            self.best_cost, self.best = cost, list(self.devices)
+            return
+        free = sum(max(0, b - load - peak) for b, load, peak in zip(self.budgets, self.load, self.peak, strict=True))
+        if self.remaining[op] > free:
+            return
+        options = []
+        for d in self._choices(op):
+            peak = max(self.peak[d], self.transient[op])
+            if self.load[d] + self.resident[op] + peak > self.budgets[d]:
+                continue
+            extra = self._extra(op, d)
+            if cost + extra < self.best_cost:
+                options.append((extra, d))
+        for extra, d in sorted(options):
+            if self.nodes >= NODE_LIMIT or cost + extra >= self.best_cost:
+                return
+            self.nodes += 1
+            self._descend(op, d, cost + extra)
+
+    def _descend(self, op: int, d: int, cost: int) -> None:
+        added = []
+        for index, _ in self.reads[op]:
+            start = self.starts[index]
+            home = d if start == op else self.devices[start]
+            if home != d and d not in self.sent[index]:
+                self.sent[index].add(d)
+                added.append(index)
+        peak = self.peak[d]
+        self.devices[op] = d
+        self.load[d] += self.resident[op]
+        self.peak[d] = max(peak, self.transient[op])
+        self.used[d] += 1
+        self._place(op + 1, cost)
+        self.used[d] -= 1
+        self.peak[d] = peak
+        self.load[d] -= self.resident[op]
+        for index in added:
+            self.sent[index].discard(d)
+
+
+def exact_placement(problem: PartitionProblem, budgets: Sequence[int], incumbent: Sequence[int] | None,
+                    incumbent_cost: int | None = None) -> list[int] | None:
+    """The cheapest placement that fits, or ``incumbent`` when none is strictly cheaper (None: none fits).
+
+    Only for graphs of up to :data:`EXACT_OPS` ops (else ``incumbent``
+    unchanged); exact unless :data:`NODE_LIMIT` is reached.
+    """
+    late_home = any(v.consumers and v.start > v.consumers[0] for v in problem.values)
+    if problem.num_ops > EXACT_OPS or problem.num_ops == 0 or late_home:
+        return list(incumbent) if incumbent is not None else None
+    bound = float("inf") if incumbent is None or incumbent_cost is None else incumbent_cost
+    search = _Search(problem, budgets, bound)
+    search.run()
+    if search.best is not None:
+        return search.best
+    return list(incumbent) if incumbent is not None else None

@@ -1,0 +1,252 @@
+"""Export a split as per-stage modules for ``torch.distributed.pipelining``: one process per stage.
+
+Every rank runs the same script (``torchrun --nproc-per-node N script.py``)::
+
+    stages = fxsplit.pipeline_stages(model, budgets, example_inputs=(x,), chunks=4)
+    stage = stages.build_stage(rank)               # a torch.distributed.pipelining.PipelineStage
+    schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn)   # or Schedule1F1B
+    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=0.1)
+    for x, y in data:
+        optimizer.zero_grad()
+        if rank == 0: schedule.step(x)             # the first stage takes the model's inputs
+        elif rank == len(stages) - 1: schedule.step(target=y, losses=losses)
+        else: schedule.step()
+        stages.reduce_tied_grads(rank)             # every rank, every step, before optimizer.step()
+        optimizer.step()
+
+Stage ``i`` runs on ``plan.devices[i]`` (the budgets' order; rank ``i`` must
+own that device). Stage 0 is called like the model; the last stage returns
+what the model returns, which is what ``loss_fn(output, target)`` sees. The
+stages in between take and return flat tuples of tensors: every value live
+across a boundary, so a skip connection is handed on through the stages it
+jumps over (``torch.distributed.pipelining`` talks to neighbours only).
+
+Tied weights (one tensor read by ops on several stages, like tied input and
+output embeddings) are *replicated*: each stage that reads the weight holds
+its own copy (every rank builds the model the same way), and after backward
+:meth:`PipelineStages.reduce_tied_grads` sums their gradients across those
+ranks, so all copies get the gradient of the one tied weight and stay equal
+under any deterministic optimizer. Sending the weight forward instead would
+cost its size per micro-batch.
+
+The model is not changed: its code, structure and hooks stay as they are.
+The stage modules share its parameters; ``build_stage`` moves that stage's
+weights to its device in place, like ``model.to()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.fx
+
+from fxsplit.codegen.emitter import emit
+from fxsplit.cost.build import model_tensors
+from fxsplit.errors import SpecError
+from fxsplit.pipeline.gpipe import PipelineConfig
+from fxsplit.pipeline.microbatch import first_microbatch
+from fxsplit.pipeline.stages import StageSpec, split_stages
+from fxsplit.planning.build import weights_by_node
+from fxsplit.planning.plan import Plan
+from fxsplit.units import format_size
+
+__all__ = ["PipelineStages", "pipeline_stages"]
+
+
+@dataclass
+class PipelineStages:
+    """The stages of a split, one ``nn.Module`` per rank.
+
+    Attributes:
+        plan: the plan that placed the ops; stage ``i`` runs on ``plan``'s
+            ``i``-th device that has ops (``specs[i].device``).
+        specs: per stage, the names of the values it takes and returns.
+        modules: per stage, a ``GraphModule`` (``modules[i].code`` shows it).
+        tied: qualified name of each weight that several stages hold -> those
+            stages (their gradients are summed by :meth:`reduce_tied_grads`).
+        chunks: the micro-batches per batch the stages were traced for.
+    """
+
+    plan: Plan
+    specs: tuple[StageSpec, ...]
+    modules: tuple[torch.fx.GraphModule, ...]
+    tied: dict[str, tuple[int, ...]]
+    chunks: int
+    _paths: tuple[dict[str, str], ...] = ()
+    _groups: dict[tuple[int, ...], Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def __str__(self) -> str:
+        """The plan's tables, each tied weight shown as the stages hold it: a replica per stage, no copy per forward."""
+        lines = {old: new for old, new in zip(self.plan.tied_summary(), self._tied_lines(), strict=True)}
+        return "\n".join(lines.get(line, line) for line in str(self.plan).splitlines())
+
+    def _tied_lines(self) -> list[str]:
+        lines = []
+        for group, line in zip(self.plan.tied, self.plan.tied_summary(), strict=True):
+            holders = next((self.tied[name] for name in group if name in self.tied), None)
+            if holders is not None:
+                where = ", ".join(f"{index} ({self.specs[index].device})" for index in holders)
+                copied = sum(c.nbytes or 0 for c in self.plan.cuts if c.kind == "parameter" and c.producer in group)
+                unsent = f"; its {format_size(copied)} parameter cut counted above is not sent" if copied else ""
+                line = (f"tied: {' = '.join(group)}: replicated on stages {where}, gradients summed by "
+                        f"reduce_tied_grads (no copy per forward{unsent})")
+            lines.append(line)
+        return lines
+
+    def __getitem__(self, index: int) -> torch.fx.GraphModule:
+        return self.modules[index]
+
+    def build_stage(self, index: int, *, device: Any = None, group: Any = None) -> Any:
+        """Stage ``index`` as a ``torch.distributed.pipelining.PipelineStage``, its weights moved to its device.
+
+        Args:
+            index: the stage, normally this process's rank in ``group``.
+            device: where it runs (default: ``specs[index].device``).
+            group: the pipeline's process group (default: the world).
+        """
+        from torch.distributed.pipelining import PipelineStage
+
+        target = torch.device(device if device is not None else self.specs[index].device)
+        module = self.modules[index].to(target)
+        return PipelineStage(module, index, len(self), target, group=group)
+
+    def reduce_tied_grads(self, index: int, group: Any = None) -> None:
+        """Sum the gradients of each tied weight over the ranks that hold it.
+
+        Call it on every rank (it may create process groups, a collective
+        call) after the schedule's step and before the optimizer's, with this
+        rank's stage ``index``; ``group`` is the pipeline's process group, in
+        which stage ``i`` is rank ``i`` (default: the world).
+        """
+        import torch.distributed as dist
+
+        for name, holders in self.tied.items():
+            handle = self._group(holders, group)
+            if index not in holders:
+                continue
+            tensor = self._tensor(index, name)
+            if tensor.grad is None:
+                tensor.grad = torch.zeros_like(tensor)
+            dist.all_reduce(tensor.grad, op=dist.ReduceOp.SUM, group=handle)
+
+    def sync_tied_weights(self, index: int, group: Any = None) -> None:
+        """Copy each tied weight from its first holder to the others (when ranks built the model differently)."""
+        import torch.distributed as dist
+
+        for name, holders in self.tied.items():
+            handle = self._group(holders, group)
+            if index in holders:
+                tensor = self._tensor(index, name)
+                with torch.no_grad():
+                    dist.broadcast(tensor, src=self._global_rank(holders[0], group), group=handle)
+
+    def _tensor(self, index: int, name: str) -> torch.Tensor:
+        obj: Any = self.modules[index]
+        for part in self._paths[index][name].split("."):
+            obj = getattr(obj, part)
+        assert isinstance(obj, torch.Tensor)
+        return obj
+
+    def _global_rank(self, stage: int, group: Any) -> int:
+        import torch.distributed as dist
+
+        return stage if group is None else dist.get_global_rank(group, stage)
+
+    def _group(self, holders: tuple[int, ...], group: Any) -> Any:
+        import torch.distributed as dist
+
+        if holders not in self._groups:
+            ranks = [self._global_rank(s, group) for s in holders]
+            everyone = len(holders) == (dist.get_world_size(group) if group is not None else dist.get_world_size())
+            self._groups[holders] = group if everyone else dist.new_group(ranks)
+        return self._groups[holders]
+
+
+def pipeline_stages(
+    model: torch.nn.Module,
+    plan_or_budgets: Plan | Mapping[Any, Any],
+    *,
+    example_inputs: Any,
+    chunks: int = 1,
+    **options: Any,
+) -> PipelineStages:
+    """Split ``model`` into stages that ``torch.distributed.pipelining`` runs, one rank per stage.
+
+    Args:
+        model: the model; not modified (the stages share its weights, unmoved).
+        plan_or_budgets: a :class:`Plan` (e.g. one made by ``fxsplit.plan``
+            with the same ``pipeline`` chunks, or loaded from a file), or
+            budgets to plan with, as for ``fxsplit.fxsplit``.
+        example_inputs: one *batch* of positional inputs, as passed to
+            ``schedule.step``; the model is traced on its first micro-batch.
+        chunks: micro-batches per batch (the schedule's ``n_microbatches``).
+        **options: as for ``fxsplit.fxsplit`` (``trace``, ``example_kwargs``,
+            ``pins`` ...), except ``pipeline``.
+
+    Raises:
+        FxsplitError: the plan cannot run as a sequence of stages, or a value
+            that must cross processes is not a tensor.
+        PlanMismatchError: a given plan does not describe this model's graph.
+    """
+    if "pipeline" in options:
+        raise SpecError("pipeline_stages takes chunks=..., not pipeline=...")
+    if isinstance(plan_or_budgets, Plan):
+        graph_module, plan, by_node = _apply(model, plan_or_budgets, example_inputs, chunks, options)
+    else:
+        from fxsplit.api import trace_and_plan
+
+        planned = trace_and_plan(model, plan_or_budgets, example_inputs,
+                                 {**options, "pipeline": PipelineConfig(chunks)})
+        graph_module, plan, by_node = planned.traced.graph_module, planned.plan, weights_by_node(planned.costs)
+    split = emit(graph_module, plan, by_node)
+    stages = split_stages(split, plan, relay=True)
+    tied, paths = _replicas(model, stages.modules)
+    return PipelineStages(plan, stages.specs, stages.modules, tied, chunks, paths)
+
+
+def _apply(model: torch.nn.Module, plan: Plan, example_inputs: Any, chunks: int,
+           options: Mapping[str, Any]) -> tuple[torch.fx.GraphModule, Plan, dict[str, Any]]:
+    """Trace ``model`` as ``plan`` was traced, through apply's one checked re-trace path.
+
+    The plan's rules, fingerprint, ``leaf_modules``, ``dtype`` and ``dynamic_shapes``, its budgets
+    and its cuts are checked exactly as by :func:`fxsplit.apply`
+    (:func:`fxsplit.planning.apply.checked_retrace`); only the example batch is cut to its first
+    micro-batch first.
+    """
+    from fxsplit.planning.apply import checked_retrace
+
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    args, kwargs = first_microbatch(example_inputs, options.get("example_kwargs"), chunks)
+    traced, costs, _ = checked_retrace(model, plan, example_inputs=args, example_kwargs=kwargs,
+                                       concrete_args=options.get("concrete_args"),
+                                       leaf_modules=options.get("leaf_modules", ()),
+                                       dynamic_shapes=options.get("dynamic_shapes"))
+    return traced.graph_module, plan, weights_by_node(costs)
+
+
+def _replicas(model: torch.nn.Module, modules: tuple[torch.fx.GraphModule, ...]
+              ) -> tuple[dict[str, tuple[int, ...]], tuple[dict[str, str], ...]]:
+    """Trainable weights held by several stage modules (by the model's name), and where each stage holds them.
+
+    Buffers read by several stages are replicated too, but nothing reduces them:
+    a buffer that the forward updates would then differ between the stages.
+    """
+    names = {key: found[0][0] for key, found in model_tensors(model).items()}
+    holders: dict[str, list[int]] = {}
+    paths: list[dict[str, str]] = []
+    for index, module in enumerate(modules):
+        here: dict[str, str] = {}
+        for path, tensor in module.named_parameters(remove_duplicate=False):
+            name = names.setdefault(id(tensor), path)
+            if name not in here and tensor.requires_grad:
+                here[name] = path
+                holders.setdefault(name, []).append(index)
+        paths.append(here)
+    tied = {name: tuple(stages) for name, stages in holders.items() if len(stages) > 1}
+    return dict(sorted(tied.items())), tuple(paths)

@@ -1,0 +1,308 @@
+"""Use a saved plan: re-trace the model, check the plan describes it, emit the split without solving.
+
+:func:`apply` rebuilds the ``GraphModule`` a plan was made with (the same
+generated code), on this or another machine. :func:`check_plan` validates a
+plan against a model and budgets without touching the weights (a ``meta``
+model works). Both trust nothing the plan says that can be checked: the plan
+must meet the rules of :mod:`fxsplit.planning.rules` (its fingerprint, tensors,
+devices and tied groups agree), describe the model (parameters and buffers,
+graph nodes), fit its budgets less its reserve with the bytes of the model's
+own tensors, and list the cuts its placement implies on the re-traced graph.
+They fail with :class:`PlanMismatchError` saying what differs, or
+:class:`BudgetError` saying which device is short and by how much.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.fx
+
+from fxsplit.api import refuse_meta
+from fxsplit.checkpoint import prepare, remember_non_persistent
+from fxsplit.codegen.emitter import check_input_writes, emit, move_weights
+from fxsplit.cost.build import GraphCosts, build_problem
+from fxsplit.cost.constraints import locator, resolve_leaf_modules
+from fxsplit.devices import require_usable
+from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError, SpecError
+from fxsplit.planning.build import cuts_for, weights_by_node
+from fxsplit.planning.fingerprint import describe, differences
+from fxsplit.planning.plan import Cut, Plan
+from fxsplit.planning.rules import validate_plan
+from fxsplit.tracing.capture import Traced, trace
+from fxsplit.tracing.dynamic import dynamic_shapes_for
+from fxsplit.units import format_size
+from fxsplit.validate import check_concrete_args, check_option_types, require_module
+
+__all__ = ["PlanCheck", "apply", "check_plan", "checked_retrace", "retrace"]
+
+_SHOWN = 12
+
+
+def _listing(title: str, lines: list[str]) -> str:
+    shown = lines[:_SHOWN] + ([f"... and {len(lines) - _SHOWN} more"] if len(lines) > _SHOWN else [])
+    return title + "\n  " + "\n  ".join(shown)
+
+
+def _check_structure(model: torch.nn.Module, plan: Plan) -> None:
+    found = differences(plan.tensors, plan.tied, model, dtype=plan.dtype)
+    if found:
+        ours = describe(model)[0]
+        raise PlanMismatchError(_listing(
+            f"the plan was made for another model (fingerprint {plan.fingerprint} in the plan, {ours} for this "
+            f"model); {len(found)} difference(s):", found))
+
+
+def retrace(
+    model: torch.nn.Module,
+    plan: Plan,
+    *,
+    example_inputs: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    concrete_args: Mapping[str, Any] | None = None,
+    leaf_modules: Iterable[type | str] = (),
+    dynamic_shapes: Any = None,
+) -> tuple[Traced, GraphCosts]:
+    """Trace ``model`` the way ``plan`` was made and check that the plan places exactly its nodes.
+
+    Raises:
+        PlanMismatchError: the plan breaks the rules of :mod:`fxsplit.planning.rules`
+            (a :class:`~fxsplit.planning.rules.PlanProblems` listing each), or the
+            model's parameters or graph differ from the plan's.
+        TraceError: the model cannot be traced.
+    """
+    require_module(model)
+    check_option_types({"example_kwargs": example_kwargs, "concrete_args": concrete_args,
+                        "leaf_modules": leaf_modules, "dynamic_shapes": dynamic_shapes})
+    check_concrete_args(model, concrete_args)
+    validate_plan(plan)
+    _check_structure(model, plan)
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    if example_inputs is None and not example_kwargs:
+        if plan.trace == "export":
+            raise FxsplitError("this plan was traced with torch.export; pass example_inputs=(...) (same shapes as "
+                               "when planning) so that the graph can be traced again")
+        if any(cut.nbytes is not None for cut in plan.cuts if cut.kind != "parameter"):
+            raise FxsplitError("this plan was made with example inputs (its cuts have sizes); pass the same "
+                               "example_inputs=(...) so that the generated code is the same")
+    leaves = resolve_leaf_modules(model, [*plan.leaf_modules, *leaf_modules], locator(None, ()))
+    traced = trace(model, example_inputs=example_inputs, example_kwargs=example_kwargs, mode=plan.trace,
+                   leaf_modules=leaves, concrete_args=concrete_args,
+                   dynamic_shapes=dynamic_shapes_for(plan, dynamic_shapes))
+    _check_nodes(traced.graph_module, plan)
+    dtype = getattr(torch, plan.dtype) if plan.dtype else None
+    index = {d: i for i, d in enumerate(plan.devices)}
+    costs = build_problem(traced.graph_module, model, device_index=index, dtype=dtype)
+    missing = [n for w in [*costs.weights, *costs.unused] for n in w.names if n not in plan.param_devices]
+    if missing:
+        raise PlanMismatchError(_listing("the plan does not say where these tensors of the graph go:", missing))
+    return traced, costs
+
+
+def _check_nodes(graph_module: torch.fx.GraphModule, plan: Plan) -> None:
+    names = [n.name for n in graph_module.graph.nodes]
+    extra = [n for n in names if n not in plan.placement]
+    missing = [n for n in plan.placement if n not in set(names)]
+    if extra or missing:
+        lines = [f"not in the plan: node '{n}'" for n in extra] + [f"not in the graph: node '{n}'" for n in missing]
+        how = f"trace={plan.trace!r}" + (f", leaf_modules={list(plan.leaf_modules)}" if plan.leaf_modules else "")
+        raise PlanMismatchError(_listing(
+            f"the traced graph has {len(extra)} node(s) the plan does not place and the plan places {len(missing)} "
+            f"node(s) the graph does not have; was the model's code changed? (the plan was made with {how})",
+            lines))
+
+
+def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, checkpoint: Any = None,
+          progress: bool | None = None, **options: Any) -> torch.fx.GraphModule:
+    """Split ``model`` as ``plan`` says, without solving again: same plan, same generated code.
+
+    The model is traced again (as the plan was: ``plan.trace``, its leaf
+    modules) and must have the parameters, buffers and graph nodes the plan
+    names. As with :func:`fxsplit.fxsplit`, the model's parameters and buffers
+    are moved to their devices in place.
+
+    Args:
+        model: the module the plan was made for (or one with the same structure).
+        plan: a :class:`Plan`, e.g. ``Plan.from_yaml(open("plan.yaml").read())``.
+        example_inputs: positional inputs, needed when the plan was traced with
+            ``torch.export``.
+        **options: ``example_kwargs``, ``concrete_args``, ``leaf_modules`` (added
+            to the plan's), ``dynamic_shapes`` (default: the plan's), as for
+            :func:`fxsplit.fxsplit`.
+        checkpoint: load the weights from this checkpoint onto the plan's
+            devices, as for :func:`fxsplit.fxsplit` (``False``: a meta model
+            gives a split with meta weights, for :func:`fxsplit.load_checkpoint`).
+        progress: progress bar while loading (None: on a terminal only).
+
+    Before anything moves, the plan is checked as :func:`check_plan` checks
+    it against its own budgets less its reserve.
+
+    Raises:
+        PlanMismatchError: the plan does not describe this model, or
+            contradicts itself (was edited); says what differs.
+        BudgetError: the model's parameters and buffers, placed as the plan
+            says, do not fit a device's budget less its reserve.
+        CheckpointError: the checkpoint does not fit the model; nothing was loaded.
+        DeviceError: a device of the plan cannot be used here (checked before
+            any work), or moving a weight failed (what was moved is put back).
+        SpecError: an unknown option, or one of the wrong type.
+
+    Example:
+        >>> import torch, fxsplit
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+        >>> plan = fxsplit.plan(model, {"cpu:0": "20KiB", "cpu:1": "20KiB"}, trace="fx")
+        >>> saved = plan.to_yaml()
+        >>> gm = fxsplit.apply(model, fxsplit.Plan.from_yaml(saved))
+        >>> gm.meta["fxsplit_plan"] == fxsplit.Plan.from_yaml(saved)
+        True
+        >>> fxsplit.apply(torch.nn.Sequential(torch.nn.Linear(64, 32)), plan)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        fxsplit.errors.PlanMismatchError: the plan was made for another model (fingerprint ...); 4 difference(s):
+          missing: the plan has '2.weight' (float32[64, 64]), the model does not
+          missing: the plan has '2.bias' (float32[64]), the model does not
+          changed: '0.weight' is float32[32, 64] in the model, float32[64, 64] in the plan
+          changed: '0.bias' is float32[32] in the model, float32[64] in the plan
+    """
+    _known_options(options, "apply")
+    _require_plan(plan, "apply")
+    require_usable([*plan.devices, plan.output_device], plan.budgets)
+    loading = prepare(model, checkpoint, progress)
+    traced, costs, _ = checked_retrace(model, plan, example_inputs=example_inputs, **options)
+    with loading.onto(plan, traced.graph_module) as loaded:  # unloaded if what follows fails
+        if checkpoint is None:
+            refuse_meta(model)
+        moved = move_weights(traced.graph_module, plan, loaded.not_loaded(costs.weights + costs.unused))
+        try:
+            return remember_non_persistent(emit(traced.graph_module, plan, weights_by_node(costs)), model)
+        except BaseException:
+            moved.undo()  # a failed call leaves the model as it was
+            raise
+
+
+_RETRACE_OPTIONS = ("example_kwargs", "concrete_args", "leaf_modules", "dynamic_shapes")
+
+
+def _require_plan(plan: Any, caller: str) -> None:
+    if not isinstance(plan, Plan):
+        hint = (f"; to use the plan file {plan!r}, pass fxsplit.Plan.from_yaml(Path({plan!r}).read_text())"
+                if isinstance(plan, str) and len(plan) < 200 else "")
+        raise SpecError(f"{caller}() takes a fxsplit.Plan (got {type(plan).__name__}){hint}")
+
+
+def _known_options(options: Mapping[str, Any], caller: str) -> None:
+    unknown = [name for name in options if name not in _RETRACE_OPTIONS]
+    if unknown:
+        raise SpecError(f"{caller}() takes no option {', '.join(map(repr, unknown))}; its options are "
+                        f"{', '.join(_RETRACE_OPTIONS)} (the rest comes from the plan)")
+
+
+def _cut_text(cut: Cut) -> str:
+    return f"{cut.producer}: {cut.source} -> {cut.destination} ({format_size(cut.nbytes)}, {cut.kind})"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCheck:
+    """What :func:`check_plan` verified: per device ``(device, limit, bytes placed)``, and notes."""
+
+    devices: tuple[tuple[str, int, int], ...]
+    nodes: int
+    notes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        rows = [f"  {d}: {format_size(used)} of {format_size(limit)} usable" for d, limit, used in self.devices]
+        return "\n".join([f"plan matches the model ({self.nodes} graph nodes placed); budgets held:", *rows,
+                          *(f"note: {n}" for n in self.notes)])
+
+
+def check_plan(
+    model: torch.nn.Module,
+    plan: Plan,
+    budgets: Mapping[str, int] | None = None,
+    *,
+    example_inputs: Any = None,
+    **options: Any,
+) -> PlanCheck:
+    """Check that ``plan`` fits ``model`` and ``budgets`` (default: the plan's own, less its reserve).
+
+    Verifies the plan's own rules, the structure and graph (as :func:`apply`),
+    that every parameter and buffer's bytes, counted once per tensor at the
+    plan's dtype, fit each device, and that the plan's cuts are those its
+    placement implies on the re-traced graph (one copy per value and
+    destination, none to the same device). Moves nothing.
+
+    Raises:
+        PlanMismatchError: the plan does not describe the model, or contradicts itself.
+        BudgetError: a device holds more than its budget; says which and by how much.
+    """
+    _known_options(options, "check_plan")
+    _require_plan(plan, "check_plan")
+    return checked_retrace(model, plan, budgets, example_inputs=example_inputs, **options)[2]
+
+
+def checked_retrace(
+    model: torch.nn.Module,
+    plan: Plan,
+    budgets: Mapping[str, int] | None = None,
+    *,
+    example_inputs: Any = None,
+    **options: Any,
+) -> tuple[Traced, GraphCosts, PlanCheck]:
+    """:func:`retrace`, then the budget and cut checks of :func:`check_plan`; returns all three results.
+
+    Raises:
+        PlanMismatchError: as :func:`check_plan`.
+        BudgetError: as :func:`check_plan`.
+    """
+    traced, costs = retrace(model, plan, example_inputs=example_inputs, **options)
+    check_input_writes(traced.graph_module, plan)  # the most specific refusal first
+    limits = dict(budgets) if budgets is not None else {d: b - plan.reserved.get(d, 0) for d, b in plan.budgets.items()}
+    held = {d: 0 for d in plan.devices}
+    for weight in [*costs.weights, *costs.unused]:
+        held[plan.param_devices[weight.names[0]]] += weight.nbytes
+    _check_budgets(plan, held, limits, own=budgets is None)
+    notes = [f"plan.device_bytes says {format_size(plan.device_bytes.get(d))} on '{d}', the placement puts "
+             f"{format_size(n)} there" for d, n in held.items() if plan.device_bytes.get(d) != n]
+    notes += _check_cuts(plan, traced, costs)
+    rows = tuple((d, limits.get(d, 0), held[d]) for d in plan.devices)
+    return traced, costs, PlanCheck(rows, len(plan.placement), tuple(notes))
+
+
+def _check_budgets(plan: Plan, held: dict[str, int], limits: dict[str, int], *, own: bool) -> None:
+    """Refuse when a device's tensors (the model's own bytes, as placed) exceed what it may hold."""
+    over = []
+    for device, nbytes in held.items():
+        limit = limits.get(device, 0)
+        if nbytes <= limit:
+            continue
+        reserved = plan.reserved.get(device, 0) if own else 0
+        of = f" (its budget {format_size(plan.budgets[device])} less {format_size(reserved)} reserved)" if (
+            reserved) else ""
+        over.append(f"'{device}' holds {format_size(nbytes)} ({nbytes} bytes) of parameters and buffers but may hold "
+                    f"{format_size(limit)}{of}: over by {format_size(nbytes - limit)} ({nbytes - limit} bytes)")
+    if over:
+        fix = ("the plan was edited or made for a smaller model: plan again for this model" if own
+               else "plan again with these budgets")
+        raise BudgetError("the plan does not fit the budgets: " + "; ".join(over) + f"; {fix}")
+
+
+def _check_cuts(plan: Plan, traced: Traced, costs: GraphCosts) -> list[str]:
+    """Refuse when the plan's cuts are not those its placement implies; notes on sizes that differ."""
+    weight_home = {w.names[0]: plan.param_devices[w.names[0]] for w in costs.weights}
+    expected = cuts_for(costs, traced.graph_module, plan.placement, weight_home)
+    if [_route(c) for c in expected] != [_route(c) for c in plan.cuts]:
+        routes = {_route(c) for c in expected}
+        stale = [f"plan lists {_cut_text(c)}" for c in plan.cuts if _route(c) not in routes]
+        listed = {_route(c) for c in plan.cuts}
+        stale += [f"placement implies {_cut_text(c)}" for c in expected if _route(c) not in listed]
+        raise PlanMismatchError(_listing("the plan's cuts are not those its placement implies (was it edited?):",
+                                         stale or ["same cuts, different order"]))
+    return [f"cut {_cut_text(c)} is {format_size(e.nbytes)} with these inputs" for c, e in zip(
+        plan.cuts, expected, strict=True) if c.nbytes != e.nbytes]
+
+
+def _route(cut: Cut) -> tuple[str, str, str, str]:
+    return cut.producer, cut.source, cut.destination, cut.kind

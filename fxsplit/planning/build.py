@@ -1,0 +1,245 @@
+"""Turn a solved partition of a traced graph into a :class:`Plan`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NoReturn, Sequence
+
+import torch.fx
+
+from fxsplit.cost.build import GraphCosts, Weight
+from fxsplit.errors import BudgetError
+from fxsplit.partition.solve import Partition
+from fxsplit.planning.plan import Cut, Plan
+from fxsplit.tracing.graphinfo import NONTENSOR, is_guard, value_kind
+from fxsplit.units import format_size
+
+__all__ = ["Read", "cuts_for", "make_plan", "reads_of", "unread_weights", "weights_by_node"]
+
+
+@dataclass(frozen=True)
+class Read:
+    """A value an op reads that lives somewhere: an activation, an input or a weight.
+
+    ``key`` is the node name, or the canonical parameter name for weights (so
+    tied tensors are one value); ``node`` is the graph node read, None for the
+    parameters a ``call_module`` reads through its module.
+    """
+
+    key: str
+    node: torch.fx.Node | None
+    weight: Weight | None
+    kind: str
+
+
+def reads_of(node: torch.fx.Node, by_node: dict[str, list[Weight]]) -> list[Read]:
+    """The values ``node`` reads that may have to be copied to its device, in argument order."""
+    found: list[Read] = []
+    if is_guard(node):
+        return found
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            found.extend(Read(w.names[0], arg, w, "parameter") for w in by_node.get(arg.name, ()))
+        elif value_kind(arg) != NONTENSOR:
+            kind = "input" if arg.op == "placeholder" else "activation"
+            found.append(Read(arg.name, arg, None, "output" if node.op == "output" else kind))
+    if node.op == "call_module":
+        found.extend(Read(w.names[0], None, w, "parameter") for w in by_node.get(node.name, ()))
+    return found
+
+
+def weights_by_node(costs: GraphCosts) -> dict[str, list[Weight]]:
+    """Graph node name -> the weights it reads (get_attr and call_module nodes)."""
+    found: dict[str, list[Weight]] = {}
+    for weight in costs.weights:
+        for node in weight.nodes:
+            found.setdefault(node, []).append(weight)
+    return found
+
+
+def make_plan(
+    costs: GraphCosts,
+    graph_module: torch.fx.GraphModule,
+    solution: Partition,
+    devices: Sequence[str],
+    budgets: dict[str, int],
+    *,
+    output_device: str | None,
+    trace: str,
+    objective: str,
+    repartition: Callable[[Sequence[int]], Partition] | None = None,
+) -> Plan:
+    """Name where every node and parameter goes, and list the copies the forward makes.
+
+    Tensors no op reads (unused submodules, weights the graph never reads) go
+    where room is left after ``solution``, largest first. When they do not
+    fit the gaps and ``repartition`` (partition under other budgets) is
+    given, they are packed first and the ops partitioned again into what is
+    left.
+    """
+    unread_home = _pack_unread(costs, devices, budgets, solution)
+    if unread_home is None and repartition is not None:
+        solution, unread_home = _set_aside_unread(costs, devices, budgets, repartition)
+    if unread_home is None:
+        _raise_unread(costs, devices, budgets, list(solution.device_weights))
+    op_device = {op.name: devices[d] for op, d in zip(costs.ops, solution.op_devices, strict=True)}
+    used = [devices[d] for d in solution.op_devices]
+    out_device = output_device or (used[-1] if used else devices[0])
+
+    # device_bytes counts parameters and buffers only (the partitioner also charged activations,
+    # gradients and optimizer state, when the problem carries them).
+    weight_home = {**_read_homes(costs, devices, solution), **unread_home}
+    device_bytes = dict.fromkeys(devices, 0)
+    for weight in [*costs.weights, *costs.unused]:
+        device_bytes[weight_home[weight.names[0]]] += weight.nbytes
+
+    placement: dict[str, str] = {}
+    order = {op.name: i for i, op in enumerate(costs.ops)}
+    by_node = weights_by_node(costs)
+    for node in graph_module.graph.nodes:
+        if node.op == "output":
+            placement[node.name] = out_device
+        elif node.name in op_device:
+            placement[node.name] = op_device[node.name]
+        elif is_guard(node):  # export's input check runs where the inputs first arrive
+            inputs = [placement[arg.name] for arg in node.all_input_nodes if arg.name in placement]
+            placement[node.name] = inputs[0] if inputs else out_device
+        elif node.op == "get_attr" and node.name in by_node:
+            placement[node.name] = weight_home[by_node[node.name][0].names[0]]
+        else:
+            readers = [order[u.name] for u in node.users if u.name in order]
+            placement[node.name] = op_device[costs.ops[min(readers)].name] if readers else out_device
+
+    param_devices = {name: weight_home[w.names[0]] for w in [*costs.weights, *costs.unused] for name in w.names}
+    modules: dict[str, dict[str, None]] = {d: {} for d in devices}  # ordered sets: first use order
+    for op, label in zip(costs.ops, costs.problem.op_labels, strict=True):
+        if label:
+            modules[op_device[op.name]].setdefault(label)
+    cuts = _cuts(costs, graph_module, placement, weight_home)
+    return Plan(
+        devices=tuple(devices),
+        budgets=dict(budgets),
+        placement=placement,
+        param_devices=dict(sorted(param_devices.items())),
+        device_bytes=device_bytes,
+        cuts=tuple(cuts),
+        output_device=out_device,
+        trace=trace,
+        objective=objective,
+        modules={d: tuple(m) for d, m in modules.items()},
+    )
+
+
+def unread_weights(costs: GraphCosts) -> list[Weight]:
+    """Parameters and buffers no op of the graph reads, in the model's order."""
+    idle = [w for w, v in zip(costs.weights, costs.weight_values, strict=True) if v < 0]
+    return idle + costs.unused
+
+
+def _read_homes(costs: GraphCosts, devices: Sequence[str], solution: Partition) -> dict[str, str]:
+    """Canonical name -> device of every weight some op reads: where its first reader runs."""
+    homes: dict[str, str] = {}
+    for weight, value_index in zip(costs.weights, costs.weight_values, strict=True):
+        if value_index >= 0:
+            homes[weight.names[0]] = devices[solution.op_devices[costs.problem.values[value_index].start]]
+    return homes
+
+
+def _pack_unread(costs: GraphCosts, devices: Sequence[str], budgets: dict[str, int],
+                 solution: Partition) -> dict[str, str] | None:
+    """Canonical name -> device for the tensors no op reads, in the room ``solution`` leaves, or None.
+
+    Largest first (ties in the model's order); each goes beside its module's
+    other tensors when some are read and it fits there, else to the device
+    with the least room that holds it (big gaps stay for big tensors).
+    """
+    room = {d: budgets[d] - int(load) for d, load in zip(devices, solution.device_weights, strict=True)}
+    module_home: dict[str, str] = {}
+    for name, device in _read_homes(costs, devices, solution).items():
+        module_home.setdefault(name.rpartition(".")[0], device)
+    homes: dict[str, str] = {}
+    for weight in sorted(unread_weights(costs), key=lambda w: -w.nbytes):
+        module = weight.names[0].rpartition(".")[0]
+        beside = module_home.get(module)
+        fitting = [d for d in devices if room[d] >= weight.nbytes]
+        if not fitting:
+            return None
+        home = beside if beside in fitting else min(fitting, key=lambda d: room[d])
+        homes[weight.names[0]] = home
+        room[home] -= weight.nbytes
+    return homes
+
+
+def _set_aside_unread(costs: GraphCosts, devices: Sequence[str], budgets: dict[str, int],
+                      repartition: Callable[[Sequence[int]], Partition]) -> tuple[Partition, dict[str, str] | None]:
+    """Pack the unread tensors first (largest first, onto the device with the most room), then the ops."""
+    room = dict(budgets)
+    homes: dict[str, str] = {}
+    for weight in sorted(unread_weights(costs), key=lambda w: -w.nbytes):
+        home = max(devices, key=lambda d: room[d])
+        if room[home] < weight.nbytes:
+            _raise_unread(costs, devices, budgets, [0] * len(devices))
+        homes[weight.names[0]] = home
+        room[home] -= weight.nbytes
+    unread = sum(budgets[d] - room[d] for d in devices)
+    try:
+        solution = repartition([room[d] for d in devices])
+    except BudgetError as error:
+        raise BudgetError(
+            f"the ops fit the budgets only if the {format_size(unread)} of tensors no op reads "
+            f"({_largest_unread(costs)}) are left out; with them packed first: {error}"
+        ) from None
+    return solution, homes
+
+
+def _largest_unread(costs: GraphCosts) -> str:
+    weights = sorted(unread_weights(costs), key=lambda w: -w.nbytes)
+    listed = ", ".join(f"'{w.names[0]}' {format_size(w.nbytes)}" for w in weights[:3])
+    return listed + (f" and {len(weights) - 3} more" if len(weights) > 3 else "")
+
+
+def _raise_unread(costs: GraphCosts, devices: Sequence[str], budgets: dict[str, int], loads: list[int]) -> NoReturn:
+    room = {d: budgets[d] - load for d, load in zip(devices, loads, strict=True)}
+    weights = sorted(unread_weights(costs), key=lambda w: -w.nbytes)
+    largest = weights[0]
+    total = sum(w.nbytes for w in weights)
+    raise BudgetError(
+        f"the tensors no op of the graph reads ({format_size(total)}: {_largest_unread(costs)}) do not fit what "
+        f"the budgets leave ({', '.join(f'{d!r} {format_size(max(r, 0))}' for d, r in room.items())}); "
+        f"raise a budget by {format_size(largest.nbytes)} or more, or delete the unused tensors"
+    )
+
+
+def cuts_for(
+    costs: GraphCosts,
+    graph_module: torch.fx.GraphModule,
+    placement: dict[str, str],
+    weight_home: dict[str, str],
+) -> list[Cut]:
+    """The copies a placement implies, in forward order (for checking a saved plan)."""
+    return _cuts(costs, graph_module, placement, weight_home)
+
+
+def _cuts(
+    costs: GraphCosts,
+    graph_module: torch.fx.GraphModule,
+    placement: dict[str, str],
+    weight_home: dict[str, str],
+) -> list[Cut]:
+    by_node = weights_by_node(costs)
+    sent: set[tuple[str, str]] = set()
+    cuts: list[Cut] = []
+    for node in graph_module.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        destination = placement[node.name]
+        for read in reads_of(node, by_node):
+            nbytes: int | None
+            if read.weight is not None:
+                source, nbytes = weight_home[read.key], read.weight.nbytes
+            else:
+                source, nbytes = placement[read.key], costs.value_nbytes.get(read.key)
+            if source != destination and (read.key, destination) not in sent:
+                sent.add((read.key, destination))
+                cuts.append(Cut(read.key, source, destination, nbytes, read.kind))
+    return cuts

@@ -1,0 +1,89 @@
+"""A model's structure as a short hash, and what differs when two do not match.
+
+The structure is the name, shape and dtype of every parameter and buffer, and
+which names are one tensor (tied). A plan records it, so that applying a saved
+plan to another model fails with a list of differences instead of a wrong split.
+
+>>> import torch
+>>> model = torch.nn.Linear(4, 2)
+>>> fingerprint, tensors, tied = describe(model)
+>>> tensors
+{'weight': 'float32[2, 4]', 'bias': 'float32[2]'}
+>>> differences(tensors, tied, torch.nn.Linear(4, 3))
+["changed: 'weight' is float32[3, 4] in the model, float32[2, 4] in the plan", \
+"changed: 'bias' is float32[3] in the model, float32[2] in the plan"]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from fxsplit.gcpause import gc_paused
+
+__all__ = ["describe", "differences", "fingerprint_of", "tensor_signature"]
+
+
+def tensor_signature(tensor: Any) -> str:
+    """``"float32[256, 256]"``: dtype and shape, nothing about values or device."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{dtype}[{', '.join(str(int(d)) for d in tensor.shape)}]"
+
+
+@gc_paused()
+def describe(model: Any) -> tuple[str, dict[str, str], tuple[tuple[str, ...], ...]]:
+    """``(fingerprint, name -> signature, tied name groups)`` of ``model``'s parameters and buffers."""
+    from fxsplit.cost.build import named_tensors  # torch: only here, so that a plan's fingerprint checks without it
+
+    tensors: dict[str, str] = {}
+    by_id: dict[int, list[str]] = {}
+    for name, tensor, _ in named_tensors(model):
+        tensors[name] = tensor_signature(tensor)
+        by_id.setdefault(id(tensor), []).append(name)
+    tied = tuple(tuple(names) for names in by_id.values() if len(names) > 1)
+    return fingerprint_of(tensors, tied), tensors, tied
+
+
+def fingerprint_of(tensors: dict[str, str], tied: tuple[tuple[str, ...], ...]) -> str:
+    """``"sha256:<16 hex digits>"`` over the signatures and tied groups."""
+    blob = json.dumps([sorted(tensors.items()), sorted(sorted(g) for g in tied)], separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def differences(
+    tensors: dict[str, str],
+    tied: tuple[tuple[str, ...], ...],
+    model: Any,
+    *,
+    dtype: str | None = None,
+) -> list[str]:
+    """What differs between a plan's recorded structure and ``model``; empty when they match.
+
+    With ``dtype`` (the plan's planning dtype), a floating tensor recorded as
+    float32 that is ``dtype`` in the model matches: the plan was made for the
+    cast model.
+    """
+    _, found, found_tied = describe(model)
+    lines = [f"missing: the plan has '{name}' ({sig}), the model does not" for name, sig in tensors.items()
+             if name not in found]
+    lines += [f"extra: the model has '{name}' ({sig}), the plan does not" for name, sig in found.items()
+              if name not in tensors]
+    for name, sig in found.items():
+        if name in tensors and sig != tensors[name] and not _cast_of(tensors[name], sig, dtype):
+            lines.append(f"changed: '{name}' is {sig} in the model, {tensors[name]} in the plan")
+    planned, actual = {frozenset(g) for g in tied}, {frozenset(g) for g in found_tied}
+    lines += [f"tied: the plan ties {sorted(g)}, the model does not" for g in sorted(planned - actual, key=sorted)]
+    lines += [f"tied: the model ties {sorted(g)}, the plan does not" for g in sorted(actual - planned, key=sorted)]
+    return lines
+
+
+_FLOATING = ("float64", "float32", "float16", "bfloat16")
+
+
+def _cast_of(recorded: str, actual: str, dtype: str | None) -> bool:
+    if dtype is None:
+        return False
+    old_dtype, _, old_shape = recorded.partition("[")
+    new_dtype, _, new_shape = actual.partition("[")
+    return old_shape == new_shape and old_dtype in _FLOATING and new_dtype == dtype

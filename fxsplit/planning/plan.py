@@ -1,0 +1,250 @@
+"""The plan: what goes where, as inert data.
+
+A :class:`Plan` names graph nodes and model parameters by strings, holds no
+torch objects, and can be printed, compared, saved and applied later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fxsplit.planning.ranges import summarize_modules
+from fxsplit.units import format_size
+
+__all__ = ["CUT_KINDS", "Cut", "Plan"]
+
+CUT_KINDS = ("activation", "input", "parameter", "output")
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One value sent from one device to another (a ``.to(device)`` in the generated code).
+
+    Attributes:
+        producer: the graph node whose value is sent (for parameters, the
+            parameter's qualified name).
+        source: the device the value lives on.
+        destination: the device it is copied to.
+        nbytes: bytes copied per forward, or None when shapes are unknown.
+        kind: ``"activation"``, ``"input"`` (a model input needed on a second
+            device), ``"parameter"`` (a weight used on a device other than its
+            home) or ``"output"`` (a result moved to ``output_device``).
+    """
+
+    producer: str
+    source: str
+    destination: str
+    nbytes: int | None
+    kind: str = "activation"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every node, parameter and buffer of a model goes.
+
+    Attributes:
+        devices: the devices, in stage order (the budgets' order).
+        budgets: bytes each device may hold.
+        placement: graph node name -> device, for every node of the traced
+            graph (inputs: the device of their first use; the output node:
+            ``output_device``).
+        param_devices: qualified name of every parameter and buffer of the
+            original model (tied names included) -> device.
+        device_bytes: device -> bytes of parameters and buffers placed there.
+        cuts: every copy between devices, in the order the forward makes them.
+        output_device: where the outputs are returned.
+        trace: how the graph was traced, ``"fx"`` or ``"export"``.
+        objective: what the partitioner optimised.
+        modules: device -> module paths with ops placed there, in order.
+        fingerprint: hash of the model's structure (names, shapes and dtypes
+            of its parameters and buffers, and which are tied), or None.
+        tensors: qualified name -> ``"float32[256, 256]"`` for every parameter
+            and buffer: what the fingerprint hashes, kept so that a mismatch
+            can say what differs.
+        tied: groups of names that are one tensor (tied embeddings, shared
+            layers); each group lives on one device, copied where the plan's
+            ``"parameter"`` cuts say.
+        reserved: device -> bytes held back from its budget (``reserve``);
+            planning used ``budgets[d] - reserved[d]``.
+        dtype: the floating dtype planned for (``"bfloat16"``), or None for
+            the model's own dtypes.
+        leaf_modules: module paths or class names traced as leaves, so that
+            the plan can be applied to a fresh trace.
+        memory: device -> bytes per component of memory the device needs:
+            ``params``, ``buffers``, ``grads``, ``optimizer``,
+            ``activations_peak`` (absent when activations were not counted)
+            and ``total`` (what the budget holds); see :mod:`fxsplit.memory`.
+            Empty for plans made without a memory model.
+        dynamic_shapes: which input sizes the export graph kept variable:
+            ``"batch"``, ``"all"``, ``"custom"`` (a torch.export spec, to be
+            passed again when applying), or None (the example's sizes only;
+            always None for fx graphs, which take any size).
+        activations_not_counted: why the plan does not count activations
+            (and, without sizes, cut bytes) although its memory mode does,
+            e.g. ``"no example_inputs, so the graph has no sizes"``; None
+            when they are counted or the mode does not count them.
+    """
+
+    devices: tuple[str, ...]
+    budgets: dict[str, int]
+    placement: dict[str, str]
+    param_devices: dict[str, str]
+    device_bytes: dict[str, int]
+    cuts: tuple[Cut, ...]
+    output_device: str
+    trace: str = "fx"
+    objective: str = "min_transfer"
+    modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    fingerprint: str | None = None
+    tensors: dict[str, str] = field(default_factory=dict)
+    tied: tuple[tuple[str, ...], ...] = ()
+    reserved: dict[str, int] = field(default_factory=dict)
+    dtype: str | None = None
+    leaf_modules: tuple[str, ...] = ()
+    memory: dict[str, dict[str, int]] = field(default_factory=dict)
+    dynamic_shapes: str | None = None
+    activations_not_counted: str | None = None
+
+    @property
+    def transfer_bytes(self) -> int:
+        """Bytes copied between devices per forward, outputs excluded (unknown sizes count 0)."""
+        return sum(c.nbytes or 0 for c in self.cuts if c.kind != "output")
+
+    def cuts_into(self, device: str) -> tuple[Cut, ...]:
+        """The copies whose destination is ``device``."""
+        return tuple(c for c in self.cuts if c.destination == device)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain Python data (dicts, lists, strings, ints)."""
+        return {
+            "devices": list(self.devices),
+            "budgets": dict(self.budgets),
+            "placement": dict(self.placement),
+            "param_devices": dict(self.param_devices),
+            "device_bytes": dict(self.device_bytes),
+            "cuts": [
+                {"producer": c.producer, "source": c.source, "destination": c.destination,
+                 "nbytes": c.nbytes, "kind": c.kind}
+                for c in self.cuts
+            ],
+            "output_device": self.output_device,
+            "trace": self.trace,
+            "objective": self.objective,
+            "modules": {d: list(m) for d, m in self.modules.items()},
+            "fingerprint": self.fingerprint,
+            "tensors": dict(self.tensors),
+            "tied": [list(group) for group in self.tied],
+            "reserved": dict(self.reserved),
+            "dtype": self.dtype,
+            "leaf_modules": list(self.leaf_modules),
+            "memory": {d: dict(row) for d, row in self.memory.items()},
+            "dynamic_shapes": self.dynamic_shapes,
+            "activations_not_counted": self.activations_not_counted,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            devices=tuple(data["devices"]),
+            budgets=dict(data["budgets"]),
+            placement=dict(data["placement"]),
+            param_devices=dict(data["param_devices"]),
+            device_bytes=dict(data["device_bytes"]),
+            cuts=tuple(Cut(**c) for c in data["cuts"]),
+            output_device=data["output_device"],
+            trace=data.get("trace", "fx"),
+            objective=data.get("objective", "min_transfer"),
+            modules={d: tuple(m) for d, m in data.get("modules", {}).items()},
+            fingerprint=data.get("fingerprint"),
+            tensors=dict(data.get("tensors", {})),
+            tied=tuple(tuple(group) for group in data.get("tied", ())),
+            reserved=dict(data.get("reserved", {})),
+            dtype=data.get("dtype"),
+            leaf_modules=tuple(data.get("leaf_modules", ())),
+            memory={d: dict(row) for d, row in data.get("memory", {}).items()},
+            dynamic_shapes=data.get("dynamic_shapes"),
+            activations_not_counted=data.get("activations_not_counted"),
+        )
+
+    def to_yaml(self) -> str:
+        """The plan as a YAML document a person can read and a program can load exactly.
+
+        Per device its budget, bytes used and modules (ranges like
+        ``layers.0-11``), then the cuts with their bytes, then the full
+        placement. ``Plan.from_yaml(plan.to_yaml()) == plan``.
+        """
+        from fxsplit.planning.yamlio import plan_to_yaml
+
+        return plan_to_yaml(self)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> Plan:
+        """Read a plan written by :meth:`to_yaml` (safe YAML only; never runs code).
+
+        Raises:
+            SpecError: the text is not a plan file, naming what is wrong.
+        """
+        from fxsplit.planning.yamlio import plan_from_yaml
+
+        return plan_from_yaml(text)
+
+    def __str__(self) -> str:
+        reserving = any(self.reserved.values())
+        header = ("device", "budget", *(("reserve",) if reserving else ()), "used", "%", "modules", "in", "out")
+        rows = [header]
+        for device in self.devices:
+            budget, used = self.budgets[device], self.device_bytes.get(device, 0)
+            percent = f"{100 * used / budget:.1f}" if budget else "-"
+            incoming = sum(c.nbytes or 0 for c in self.cuts if c.destination == device)
+            outgoing = sum(c.nbytes or 0 for c in self.cuts if c.source == device)
+            reserve = (format_size(self.reserved.get(device, 0)),) if reserving else ()
+            rows.append((device, format_size(budget), *reserve, format_size(used), percent,
+                         _module_summary(self.modules.get(device, ())), format_size(incoming), format_size(outgoing)))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+        lines.append(f"cuts: {len(self.cuts)}, transfer per forward: {format_size(self.transfer_bytes)}; "
+                     f"outputs on {self.output_device}" + (f"; planned as {self.dtype}" if self.dtype else ""))
+        lines.extend(self.tied_summary())
+        if self.memory:
+            lines.extend(self._memory_table())
+        if self.activations_not_counted:
+            lines.append(f"activations not counted: {self.activations_not_counted}; "
+                         "leave room in the budgets or pass example_inputs")
+        return "\n".join(lines)
+
+    def tied_summary(self) -> list[str]:
+        """One line per group of tied names: where the tensor lives and where it is copied."""
+        lines = []
+        for group in self.tied:
+            home = self.param_devices.get(group[0], "?")
+            copies = [c for c in self.cuts if c.kind == "parameter" and c.producer in group]
+            if copies:
+                where = ", ".join(f"{c.destination} ({format_size(c.nbytes)})" for c in copies)
+                how = f"on {home}, copied to {where} each forward"
+            else:
+                how = f"on {home}, kept together (no copy)"
+            lines.append(f"tied: {' = '.join(group)}: {how}")
+        return lines
+
+    def _memory_table(self) -> list[str]:
+        """One row per device: each component of memory, the total and its share of the budget."""
+        keys = [k for k in ("params", "buffers", "grads", "optimizer", "activations_peak")
+                if any(k in row and (row[k] or k in ("params", "activations_peak")) for row in self.memory.values())]
+        titles = {"params": "params", "buffers": "buffers", "grads": "grads", "optimizer": "optimizer",
+                  "activations_peak": "activations"}
+        rows = [("memory", *(titles[k] for k in keys), "total", "%")]
+        for device in self.devices:
+            row = self.memory.get(device, {})
+            budget, total = self.budgets.get(device, 0), row.get("total", 0)
+            percent = f"{100 * total / budget:.1f}" if budget else "-"
+            cells = (format_size(row[k]) if k in row else "-" for k in keys)
+            rows.append((device, *cells, format_size(total), percent))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def _module_summary(paths: tuple[str, ...], limit: int = 48) -> str:
+    text = ", ".join(summarize_modules(paths)) or "-"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

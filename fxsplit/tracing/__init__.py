@@ -1,0 +1,12 @@
+"""Stage 1, tracing: the user's model -> an FX graph, without changing the model.
+
+* :mod:`~fxsplit.tracing.capture`: :func:`trace`, torch.export with a torch.fx fallback.
+* :mod:`~fxsplit.tracing.example_inputs`: can the model run its example inputs?
+* :mod:`~fxsplit.tracing.dynamic`: which input sizes an export graph keeps variable.
+* :mod:`~fxsplit.tracing.gradmode`: ``torch.no_grad()`` regions kept in the graph.
+* :mod:`~fxsplit.tracing.graphinfo`: facts about nodes that later stages share.
+"""
+
+from fxsplit.tracing.capture import Traced, trace
+
+__all__ = ["Traced", "trace"]

@@ -1,0 +1,299 @@
+"""Turn a user's ``nn.Module`` into an FX graph, without changing the module.
+
+Two tracers:
+
+* ``"fx"``: :func:`torch.fx.symbolic_trace` semantics with a tracer that
+  honours ``leaf_modules`` and ``concrete_args``; with example inputs, shapes
+  come from fake-tensor propagation (no real compute, no memory for weights).
+* ``"export"``: :func:`torch.export.export` with ``strict=False`` on example
+  inputs; the only route for models with data-dependent Python (Hugging Face
+  transformers 5.x, for instance). Its graph is in ATen ops, and input/output
+  structure (tuples, dicts, ``ModelOutput``) is restored by its codegen.
+
+``"auto"`` uses export when example inputs are given, else fx. When export
+fails, the example inputs are checked (:mod:`fxsplit.tracing.example_inputs`): inputs the
+model cannot run are an :class:`~fxsplit.errors.ExampleInputError`; otherwise
+fx traces the model, with a :class:`~fxsplit.errors.FxsplitWarning` that says why.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.fx
+from torch.fx.graph import CodeGen, _PyTreeCodeGen
+
+from fxsplit.errors import FxsplitWarning, TraceError
+from fxsplit.options import TRACE_MODES
+from fxsplit.tracing.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_inputs, export_spec
+from fxsplit.tracing.example_inputs import check_example_inputs, quiet_fake_tensor_log
+from fxsplit.tracing.example_inputs import first_line as _first_line
+from fxsplit.tracing.example_inputs import user_frame as _user_frame
+from fxsplit.tracing.gradmode import recording_grad_mode, refusing_inference_mode
+
+__all__ = ["TRACE_MODES", "Traced", "trace"]
+
+
+
+@dataclass
+class Traced:
+    """An FX graph of the model and how it was obtained.
+
+    Attributes:
+        graph_module: the traced module; its parameters *are* the model's
+            (shared, not copied).
+        method: ``"fx"`` or ``"export"``.
+        has_shapes: whether nodes carry ``meta["val"]`` with shapes and dtypes.
+        notes: what happened on the way (e.g. why export fell back to fx).
+        shapes_missing: why nodes carry no shapes, when ``has_shapes`` is False.
+    """
+
+    graph_module: torch.fx.GraphModule
+    method: str
+    has_shapes: bool
+    notes: tuple[str, ...] = ()
+    shapes_missing: str | None = None
+
+
+class _LeafTracer(torch.fx.Tracer):
+    # Buffers read in forward become graph nodes, so ``self.buf.mul_(m).add_(x)`` is traced, not run on
+    # the model's buffer while tracing (torch.fx's default) and left out of the graph.
+    proxy_buffer_attributes = True
+
+    def __init__(self, leaf_types: tuple[type, ...], leaf_names: frozenset[str]) -> None:
+        super().__init__()
+        self._leaf_types = leaf_types
+        self._leaf_names = leaf_names
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self._leaf_names or (self._leaf_types and isinstance(m, self._leaf_types)):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def trace(
+    model: torch.nn.Module,
+    *,
+    example_inputs: tuple[Any, ...] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    mode: str = "auto",
+    leaf_modules: Iterable[type | str] = (),
+    concrete_args: Mapping[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+) -> Traced:
+    """Trace ``model`` into an FX graph. The model is not modified.
+
+    ``dynamic_shapes`` (``"batch"``, ``"all"`` or a torch.export spec; see
+    :mod:`fxsplit.tracing.dynamic`) says which input sizes an export graph keeps
+    variable; fx graphs take any size anyway.
+
+    Raises:
+        TraceError: neither tracer worked; says why and what to try.
+        ExampleInputError: the model cannot run on the example inputs.
+
+    Warns:
+        FxsplitWarning: export failed and fx traced the model instead.
+    """
+    if mode not in TRACE_MODES:
+        raise TraceError(f"trace mode must be one of {', '.join(TRACE_MODES)} (got {mode!r})")
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(f"model must be a torch.nn.Module (got {type(model).__name__})")
+    has_examples = example_inputs is not None or bool(example_kwargs)
+    if mode == "export" and not has_examples:
+        raise TraceError("trace mode 'export' needs example_inputs (a tuple of the forward's positional inputs)")
+    leaves = list(leaf_modules)
+    if mode == "export" or (mode == "auto" and has_examples):
+        export_error = None
+        try:
+            with quiet_fake_tensor_log():
+                return _export(model, tuple(example_inputs or ()), dict(example_kwargs or {}), dynamic_shapes)
+        except TraceError:
+            raise  # ours, already specific (dynamic_shapes not kept)
+        except Exception as error:  # noqa: BLE001 - torch raises many kinds
+            export_error = error
+        check_example_inputs(model, tuple(example_inputs or ()), example_kwargs or {})
+        if mode == "export":
+            raise TraceError(_export_message(export_error)) from export_error
+        try:
+            traced = _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs, checked=True)
+        except TraceError as fx_error:
+            raise TraceError(f"{_export_message(export_error)}\n\nfx also failed: {fx_error}") from fx_error
+        note = f"torch.export failed, used torch.fx: {_first_line(export_error)}"
+        warnings.warn(FxsplitWarning(_fallback_message(export_error, traced)), stacklevel=4)
+        return Traced(traced.graph_module, traced.method, traced.has_shapes, (note,), traced.shapes_missing)
+    return _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
+
+
+def _fallback_message(export_error: BaseException, traced: Traced) -> str:
+    if traced.has_shapes:
+        outcome = "its sizes come from running the fx graph on fake tensors"
+    else:
+        outcome = f"that graph has no sizes ({traced.shapes_missing}), so the plan counts no activations or cut sizes"
+    return (
+        f"torch.export could not trace the model ({_first_line(export_error)}); fxsplit traced it with torch.fx "
+        f"instead: {outcome}. Pass trace='fx' to choose fx (no warning), or fix what export reports "
+        "(trace='export' raises it in full)"
+    )
+
+
+def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic_shapes: Any) -> Traced:
+    spec = export_spec(model, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
+    with refusing_inference_mode("torch.export"):
+        exported = torch.export.export(model, args, kwargs or None, strict=False, dynamic_shapes=spec)
+    graph_module = exported.module()
+    if not isinstance(graph_module, torch.fx.GraphModule):  # pragma: no cover - torch internals
+        raise TraceError("torch.export returned an unflattened module; fxsplit needs a flat graph")
+    graph_module.training = model.training  # the mode export baked into the graph
+    check_kept_dynamic(graph_module, dynamic_shapes)
+    graph_module.meta[TRACED_INPUTS] = describe_inputs(graph_module.graph)
+    _default_constant_keywords(graph_module, kwargs)
+    return Traced(graph_module, "export", True)
+
+
+_CONSTANT_TYPES = (bool, int, float, str, type(None))
+
+
+class _KeywordDefaults(_PyTreeCodeGen):
+    """Export's code generator, with the constant keyword inputs of the trace as defaults.
+
+    ``torch.export`` specialises the graph on non-tensor keyword inputs
+    (``use_cache=False``) and guards that each call passes the same value;
+    making that value the default lets ``gm(ids)`` work like ``model(ids)``
+    for the configuration it was traced in (another value still fails the guard).
+    """
+
+    def __init__(self, pytree_info: Any, defaults: dict[str, Any]) -> None:
+        super().__init__(pytree_info)
+        self.defaults = defaults
+
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, *, expanded_def: bool = False) -> str:
+        names = list(self.pytree_info.orig_args)
+        if names and names[0] == "self":
+            free_vars.insert(0, "self")
+        signature = [f"{n}={self.defaults[n]!r}" if n in self.defaults else n for n in names]
+        definition = CodeGen.gen_fn_def(self, signature, maybe_return_annotation, expanded_def=expanded_def)
+        if free_vars:
+            definition += self.gen_var_bindings(names, free_vars, expanded_def)
+        return definition
+
+
+def _default_constant_keywords(graph_module: torch.fx.GraphModule, kwargs: Mapping[str, Any]) -> None:
+    """Give the trailing keyword inputs that were constants (bool, int, str, None) their traced value as default."""
+    codegen = graph_module.graph._codegen
+    if type(codegen) is not _PyTreeCodeGen or not kwargs:
+        return
+    defaults: dict[str, Any] = {}
+    for name in reversed(codegen.pytree_info.orig_args):
+        if name not in kwargs or not isinstance(kwargs[name], _CONSTANT_TYPES):
+            break
+        defaults[name] = kwargs[name]
+    if defaults:
+        graph_module.graph.set_codegen(_KeywordDefaults(codegen.pytree_info, defaults))
+        graph_module.recompile()
+
+
+def _symbolic(
+    model: torch.nn.Module,
+    leaves: list[type | str],
+    concrete_args: Mapping[str, Any] | None,
+    example_inputs: tuple[Any, ...] | None,
+    example_kwargs: Mapping[str, Any] | None,
+    *,
+    checked: bool = False,
+) -> Traced:
+    """Trace with torch.fx; with example inputs, shapes from fake tensors.
+
+    ``checked``: the example inputs were already checked (do not run the model again).
+
+    Raises:
+        ExampleInputError: shapes could not be found because the model cannot run the example inputs.
+    """
+    leaf_types = tuple(leaf for leaf in leaves if isinstance(leaf, type))
+    leaf_names = frozenset(leaf for leaf in leaves if isinstance(leaf, str))
+    tracer = _LeafTracer(leaf_types, leaf_names)
+    try:
+        with recording_grad_mode(tracer):
+            graph = tracer.trace(model, concrete_args=dict(concrete_args) if concrete_args else None)
+    except TraceError:
+        raise  # ours: names the construct fx cannot keep
+    except Exception as error:  # noqa: BLE001 - tracing user code raises anything
+        raise TraceError(_fx_message(error)) from error
+    name = type(model).__name__
+    graph_module = torch.fx.GraphModule(tracer.root, graph, name)
+    if example_inputs is None and not example_kwargs:
+        return Traced(graph_module, "fx", False, shapes_missing="no example_inputs, so the graph has no sizes")
+    args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
+    failure = _propagate_shapes(graph_module, args, kwargs)
+    if failure is None:
+        return Traced(graph_module, "fx", True)
+    if not checked:
+        check_example_inputs(model, args, kwargs)
+    return Traced(graph_module, "fx", False, shapes_missing=f"running the fx graph on fake tensors failed: {failure}")
+
+
+def _propagate_shapes(
+    graph_module: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> str | None:
+    """Record ``meta["val"]`` on every node by running on fake tensors; why that failed, or None."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    unknown = sorted(set(kwargs) - {str(n.target) for n in placeholders[len(args):]})
+    if unknown:
+        return f"example_kwargs {unknown} are not inputs of the traced graph"
+    flat = list(args) + [kwargs[n.target] for n in placeholders[len(args):] if n.target in kwargs]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    grad_enabled = torch.is_grad_enabled()  # the graph may set it (recorded no_grad blocks)
+    try:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
+        # Run on fake copies of the weights, so in-place updates (BatchNorm's
+        # running stats) never reach the user's tensors.
+        state: dict[str, torch.Tensor] = {name: mode.from_tensor(t) for name, t in _named_tensors(graph_module)}
+        with quiet_fake_tensor_log(), _reparametrize_module(graph_module, state, tie_weights=True, strict=False):
+            FakeTensorProp(graph_module, mode).propagate(*fake)
+    except Exception as error:  # noqa: BLE001 - shapes are an optimisation; plan without them (and say so)
+        for node in graph_module.graph.nodes:
+            node.meta.pop("val", None)
+        return _first_line(error)
+    finally:
+        torch._C._set_grad_enabled(grad_enabled)
+    return None
+
+
+def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    found = list(module.named_parameters(remove_duplicate=False))
+    return found + [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
+
+
+def _fx_message(error: BaseException) -> str:
+    where = _user_frame(error)
+    return (
+        f"torch.fx.symbolic_trace could not trace the model: {_first_line(error)}"
+        + (f"\n  at {where}" if where else "")
+        + "\n  fixes: pass example_inputs=(...) so fxsplit can use torch.export, which handles "
+        "data-dependent Python; or declare the module that fails a leaf (leaf_modules=[...]); or fix "
+        "the value of a control-flow argument with concrete_args={...}"
+    )
+
+
+def _export_message(error: BaseException) -> str:
+    where = _user_frame(error)
+    hint = ""
+    if "Cache" in str(error):
+        hint = ("\n  this looks like a Hugging Face model returning its key/value cache: pass "
+                "example_kwargs={'use_cache': False} (and call the split model with use_cache=False)")
+    if "Constraints violated" in str(error) or "dynamic_shapes" in str(error):
+        hint += ("\n  this is about dynamic_shapes: a size you marked variable must stay fixed or equal another; "
+                 "mark fewer dimensions (dynamic_shapes='batch' marks only the batch)")
+    return (
+        f"torch.export could not trace the model on the example inputs: {_first_line(error)}"
+        + (f"\n  at {where}" if where else "")
+        + hint
+        + "\n  fixes: check example_inputs match forward()'s signature (keyword inputs go in "
+        "example_kwargs); try trace='fx' with leaf_modules=[...] around the code torch cannot follow"
+    )

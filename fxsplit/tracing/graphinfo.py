@@ -1,0 +1,287 @@
+"""Facts about FX nodes that the cost model and the code generator share.
+
+What kind of value a node holds (tensor, not a tensor, unknown), how many
+bytes it is, which module it belongs to, and which of its inputs it mutates.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterator
+
+import torch
+import torch.fx
+
+from fxsplit.tracing.gradmode import is_grad_mode_node
+
+__all__ = [
+    "NONTENSOR",
+    "TENSOR",
+    "UNKNOWN",
+    "alias_root",
+    "is_guard",
+    "element_size",
+    "input_writers",
+    "module_path",
+    "mutated_inputs",
+    "value_bytes",
+    "value_kind",
+]
+
+TENSOR, NONTENSOR, UNKNOWN = "tensor", "nontensor", "unknown"
+
+_NONTENSOR_METHODS = frozenset(
+    {"size", "dim", "numel", "ndimension", "nelement", "element_size", "item", "tolist", "stride",
+     "is_contiguous", "data_ptr", "get_device", "is_floating_point", "__len__"}
+)
+_NONTENSOR_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_sparse"})
+_VIEW_METHODS = frozenset(
+    {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "squeeze", "unsqueeze", "expand",
+     "expand_as", "narrow", "select", "t", "flatten", "unflatten", "as_strided", "split", "chunk", "unbind",
+     "detach", "movedim", "swapaxes", "diagonal", "unfold", "__getitem__", "T", "mT"}
+)
+_VIEW_FUNCTIONS = {torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze, torch.flatten,
+                   torch.narrow, torch.select, torch.split, torch.chunk, torch.unbind, torch.movedim,
+                   torch.t, torch.detach, operator.getitem}
+_STAT_OPS = ("batch_norm", "instance_norm")
+
+
+def _tensors_in(value: Any) -> Iterator[Any]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+
+
+def _meta_value(node: torch.fx.Node) -> Any:
+    if "val" in node.meta:
+        return node.meta["val"]
+    return node.meta.get("tensor_meta")
+
+
+def value_kind(node: torch.fx.Node) -> str:
+    """TENSOR for a plain tensor, NONTENSOR for data with no tensor inside, else UNKNOWN."""
+    if "val" in node.meta or "tensor_meta" in node.meta:
+        value = _meta_value(node)
+        if isinstance(value, torch.Tensor) or type(value).__name__ == "TensorMetadata":
+            return TENSOR
+        return UNKNOWN if any(True for _ in _tensors_in(value)) else NONTENSOR
+    if node.op == "call_module" and _returns_one_tensor(node):
+        return TENSOR
+    if node.op == "call_method" and node.target in _NONTENSOR_METHODS:
+        return NONTENSOR
+    if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
+        if node.args[1] in _NONTENSOR_ATTRS:
+            return NONTENSOR
+    if node.op == "call_function" and (node.target is len or is_grad_mode_node(node)):
+        return NONTENSOR
+    if node.op in ("call_function", "call_method") and node.all_input_nodes:
+        if all(value_kind(n) == NONTENSOR for n in node.all_input_nodes):
+            return NONTENSOR
+    return UNKNOWN
+
+
+_TENSOR_MODULES = (
+    torch.nn.Linear, torch.nn.Bilinear, torch.nn.modules.conv._ConvNd, torch.nn.modules.batchnorm._NormBase,
+    torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.Embedding, torch.nn.Dropout,
+    torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.Identity, torch.nn.Flatten,
+    torch.nn.Unflatten, torch.nn.ReLU, torch.nn.ReLU6, torch.nn.GELU, torch.nn.SiLU, torch.nn.Tanh,
+    torch.nn.Sigmoid, torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.LeakyReLU, torch.nn.ELU, torch.nn.Mish,
+    torch.nn.Hardswish, torch.nn.Upsample, torch.nn.modules.pooling._AvgPoolNd,
+    torch.nn.modules.pooling._AdaptiveAvgPoolNd,
+)
+
+
+def _returns_one_tensor(node: torch.fx.Node) -> bool:
+    """True for leaf modules from torch.nn whose forward returns a single tensor."""
+    root = node.graph.owning_module
+    if root is None:
+        return False
+    try:
+        module = root.get_submodule(str(node.target))
+    except AttributeError:
+        return False
+    return type(module).forward is not None and isinstance(module, _TENSOR_MODULES) and (
+        type(module).__module__.startswith("torch.nn.")
+    )
+
+
+def value_bytes(node: torch.fx.Node, *, float_dtype: torch.dtype | None = None) -> int | None:
+    """Bytes of the tensors the node's value holds, or None when shapes are unknown.
+
+    With ``float_dtype``, floating-point tensors count as if they had that
+    dtype (planning a float32 model as if cast to bfloat16).
+    """
+    if "val" not in node.meta and "tensor_meta" not in node.meta:
+        return None
+    value = _meta_value(node)
+    if type(value).__name__ == "TensorMetadata":
+        numel = _numel(value.shape)
+        return None if numel is None else numel * element_size(value.dtype, float_dtype)
+    total = 0
+    for tensor in _tensors_in(value):
+        numel = _numel(tensor.shape)
+        if numel is None:
+            return None
+        total += numel * element_size(tensor.dtype, float_dtype)
+    return total
+
+
+def element_size(dtype: torch.dtype, float_dtype: torch.dtype | None = None) -> int:
+    """Bytes per element of ``dtype``, or of ``float_dtype`` when given and ``dtype`` is floating."""
+    if float_dtype is not None and dtype.is_floating_point:
+        dtype = float_dtype
+    return dtype.itemsize
+
+
+def _numel(shape: Any) -> Any:
+    count = 1
+    for dim in shape:
+        try:
+            count *= int(dim)
+        except Exception:  # noqa: BLE001 - an unbacked symbolic size
+            return None
+    return count
+
+
+def is_guard(node: torch.fx.Node) -> bool:
+    """True for torch.export's input-checking call (``_guards_fn``): no compute, no placement.
+
+    It reads the inputs as the caller passed them, so it never causes a copy.
+    """
+    return node.op == "call_module" and str(node.target).startswith("_guards")
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """Qualified name of the module the node belongs to ('' for the root)."""
+    if node.op == "call_module":
+        target = str(node.target)
+        return "" if target.startswith("_guards") else target
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return str(path)
+    return ""
+
+
+def mutated_inputs(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> list[torch.fx.Node]:
+    """Input nodes that ``node`` writes to in place."""
+    mutated: list[torch.fx.Node] = []
+    target = node.target
+    first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if node.op == "call_function" and isinstance(target, torch._ops.HigherOrderOperator):
+        return _subgraph_writes(node, modules)
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        schema = target._schema
+        for index, argument in enumerate(schema.arguments):
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            if isinstance(value, torch.fx.Node) and argument.alias_info is not None and argument.alias_info.is_write:
+                mutated.append(value)
+        name = schema.name.split("::")[-1]
+        if any(stat in name for stat in _STAT_OPS):
+            mutated.extend(n for n in node.all_input_nodes if n.op == "get_attr")
+        return mutated
+    out = node.kwargs.get("out")
+    mutated.extend(n for n in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(n, torch.fx.Node))
+    if node.op == "call_method" and isinstance(target, str):
+        if _is_inplace_name(target) and first is not None:
+            mutated.append(first)
+    elif node.op == "call_function":
+        name = getattr(target, "__name__", "")
+        if _is_inplace_name(name) or node.kwargs.get("inplace") is True:
+            if first is not None:
+                mutated.append(first)
+        if target is operator.setitem and first is not None:
+            mutated.append(first)
+        if any(stat in name for stat in _STAT_OPS):
+            mutated.extend(n for n in node.all_input_nodes if n.op == "get_attr")
+    elif node.op == "call_module":
+        module = modules.get(str(target))
+        if getattr(module, "inplace", False) is True and first is not None:
+            mutated.append(first)
+    return mutated
+
+
+def _subgraph_writes(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> list[torch.fx.Node]:
+    """The operands a higher-order op's subgraph writes (export's ``wrap_with_set_grad_enabled(False, g, *xs)``).
+
+    The operands follow the subgraph argument and feed its placeholders in order.
+    """
+    for position, arg in enumerate(node.args):
+        graph_module = modules.get(str(arg.target)) if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" else None
+        if isinstance(graph_module, torch.fx.GraphModule):
+            operands = node.args[position + 1:]
+            inner = dict(graph_module.named_modules())
+            placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+            written = {alias_root(t) for n in graph_module.graph.nodes for t in mutated_inputs(n, inner)}
+            return [value for p, value in zip(placeholders, operands, strict=False)
+                    if p in written and isinstance(value, torch.fx.Node)]
+    return []
+
+
+def _is_inplace_name(name: str) -> bool:
+    """``add_``, ``copy_``: torch's naming of in-place ops (not ``__iadd__``-style dunders)."""
+    return name.endswith("_") and not name.endswith("__")
+
+
+def input_writers(graph: torch.fx.Graph, modules: dict[str, torch.nn.Module]) -> dict[str, list[str]]:
+    """Input (placeholder) name -> the nodes that write it in place, directly or through views, in order."""
+    found: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        for target in mutated_inputs(node, modules):
+            root = alias_root(target)
+            if root.op == "placeholder" and node.name not in found.get(root.name, ()):
+                found.setdefault(root.name, []).append(node.name)
+    return found
+
+
+def alias_root(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow view ops back to the node whose storage ``node`` shares."""
+    while True:
+        base = _view_base(node)
+        if base is None:
+            return node
+        node = base
+
+
+def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    out = node.kwargs.get("out") if node.op in ("call_function", "call_method") else None
+    if isinstance(out, torch.fx.Node) and not isinstance(node.target, torch._ops.OpOverload):
+        return out  # torch.add(a, b, out=buf) returns buf
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    base = node.args[0]
+    if node.op == "call_method" and isinstance(node.target, str):
+        # In-place methods return the tensor they wrote: ``x.add_(1).mul_(2)`` writes x twice.
+        return base if node.target in _VIEW_METHODS or _is_inplace_name(node.target) else None
+    if node.op == "call_function":
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            return _aliased_argument(node, target)
+        if target is getattr and len(node.args) > 1 and node.args[1] in _VIEW_ATTRS:
+            return base
+        if target in _VIEW_FUNCTIONS or _is_inplace_name(getattr(target, "__name__", "")):
+            return base
+    return None
+
+
+_VIEW_ATTRS = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+
+
+def _aliased_argument(node: torch.fx.Node, target: torch._ops.OpOverload) -> torch.fx.Node | None:
+    """The argument an ATen op's first result aliases (a view's base, an in-place op's self, an ``out=``)."""
+    returns = target._schema.returns
+    if not returns or returns[0].alias_info is None:
+        return None
+    alias_set = returns[0].alias_info.before_set
+    for index, argument in enumerate(target._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.before_set & alias_set:
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            return value if isinstance(value, torch.fx.Node) else None
+    return None
