@@ -66,8 +66,9 @@ def accelerate_map(model: nn.Module, budgets: Sequence[int], block_classes: Sequ
     from accelerate import infer_auto_device_map
 
     _quiet()
-    return dict(infer_auto_device_map(model, max_memory=_max_memory(budgets),
-                                      no_split_module_classes=list(block_classes)))
+    return dict(
+        infer_auto_device_map(model, max_memory=_max_memory(budgets), no_split_module_classes=list(block_classes))
+    )
 
 
 def plain_map(model: nn.Module, budgets: Sequence[int], block_classes: Sequence[str]) -> dict[str, Any]:
@@ -98,8 +99,9 @@ def variants_for(family: str) -> list[str]:
     return [v for v in VARIANTS if v != "hf-auto" or family == "hf"]
 
 
-def dispatch(model: nn.Module, device_map: dict[str, Any], *, offload_dir: str | None = None,
-             force_hooks: bool = False) -> nn.Module:
+def dispatch(
+    model: nn.Module, device_map: dict[str, Any], *, offload_dir: str | None = None, force_hooks: bool = False
+) -> nn.Module:
     """``dispatch_model`` on logical CPU devices: int ``k`` becomes ``"cpu:k"``; modifies ``model``."""
     from accelerate import dispatch_model
 

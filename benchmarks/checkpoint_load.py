@@ -47,14 +47,16 @@ ROOT = HERE.parent
 BLOCKS = 4
 DEVICES = [f"cpu:{i}" for i in range(BLOCKS)]
 MARGIN = 400 * 2**20
-WHAT = ("A sharded safetensors checkpoint (4 shards and model.safetensors.index.json) of 4 MLP blocks in float32, "
-        "loaded in a fresh process by each tool: fxsplit builds the model on meta and calls "
-        "`fxsplit.fxsplit(model, budgets, checkpoint=dir)` over cpu:0..cpu:3 (one block each; the time includes "
-        "tracing and planning); Accelerate builds it under `init_empty_weights()` and calls "
-        "`load_checkpoint_and_dispatch(model, dir, device_map={'': 'cpu'})`. *peak RssAnon* is the process's "
-        "anonymous memory (torch included), sampled every millisecond during the call; *before load* is it just "
-        "before. Both check the loaded weights against the checkpoint's checksum. Bar (fxsplit): peak RssAnon <= "
-        "model bytes + largest tensor + 400 MiB.")
+WHAT = (
+    "A sharded safetensors checkpoint (4 shards and model.safetensors.index.json) of 4 MLP blocks in float32, "
+    "loaded in a fresh process by each tool: fxsplit builds the model on meta and calls "
+    "`fxsplit.fxsplit(model, budgets, checkpoint=dir)` over cpu:0..cpu:3 (one block each; the time includes "
+    "tracing and planning); Accelerate builds it under `init_empty_weights()` and calls "
+    "`load_checkpoint_and_dispatch(model, dir, device_map={'': 'cpu'})`. *peak RssAnon* is the process's "
+    "anonymous memory (torch included), sampled every millisecond during the call; *before load* is it just "
+    "before. Both check the loaded weights against the checkpoint's checksum. Bar (fxsplit): peak RssAnon <= "
+    "model bytes + largest tensor + 400 MiB."
+)
 
 
 class Stack(nn.Module):
@@ -62,8 +64,9 @@ class Stack(nn.Module):
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-                                    for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(BLOCKS)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -96,10 +99,17 @@ def write_checkpoint(directory: Path, nbytes: int) -> dict[str, Any]:
             total += tensor.numel() * tensor.element_size()
             largest = max(largest, tensor.numel() * tensor.element_size())
         del tensors
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                        "weight_map": weight_map}))
-    return {"dir": str(directory), "width": width, "checksum": checksum, "model_bytes": total,
-            "largest": largest, "tensors": len(weight_map)}
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    return {
+        "dir": str(directory),
+        "width": width,
+        "checksum": checksum,
+        "model_bytes": total,
+        "largest": largest,
+        "tensors": len(weight_map),
+    }
 
 
 def _rss_anon() -> int:
@@ -146,8 +156,9 @@ def _child(tool: str, checkpoint: dict[str, Any]) -> dict[str, Any]:
         baseline = _rss_anon()
         with PeakSampler() as sampler:
             start = time.perf_counter()
-            split = fxsplit.fxsplit(model, budgets, trace="fx", mode="weights", checkpoint=checkpoint["dir"],
-                                    progress=False)
+            split = fxsplit.fxsplit(
+                model, budgets, trace="fx", mode="weights", checkpoint=checkpoint["dir"], progress=False
+            )
             seconds = time.perf_counter() - start
         devices = sorted(set(split.meta["fxsplit_plan"].param_devices.values()))
     else:
@@ -164,15 +175,18 @@ def _child(tool: str, checkpoint: dict[str, Any]) -> dict[str, Any]:
     checksum = sum(float(t.double().sum()) for t in model.state_dict().values())
     if not math.isclose(checksum, checkpoint["checksum"], rel_tol=1e-9, abs_tol=1e-3):
         raise SystemExit(f"{tool}: loaded weights sum to {checksum}, the checkpoint's to {checkpoint['checksum']}")
-    return {"tool": tool, "seconds": seconds, "peak_anon": sampler.peak, "baseline_anon": baseline,
-            "devices": devices}
+    return {"tool": tool, "seconds": seconds, "peak_anon": sampler.peak, "baseline_anon": baseline, "devices": devices}
 
 
 def measure(tool: str, checkpoint: dict[str, Any]) -> dict[str, Any]:
     """Run :func:`_child` for ``tool`` in a fresh Python; its numbers with the checkpoint's and the bar."""
-    done = subprocess.run([sys.executable, "-m", "benchmarks.checkpoint_load", "--child", tool,
-                           "--checkpoint", json.dumps(checkpoint)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.checkpoint_load", "--child", tool, "--checkpoint", json.dumps(checkpoint)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=1800,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{tool} child failed:\n{done.stdout}\n{done.stderr}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -191,19 +205,25 @@ def _mib(nbytes: int) -> str:
 
 def report(results: list[dict[str, Any]], out: TextIO) -> None:
     """The results as a Markdown table."""
-    out.write("| tool | checkpoint MiB | tensors | largest MiB | devices | weights end up in | peak RssAnon MiB "
-              "| before load MiB | bar MiB | bar | seconds |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    out.write(
+        "| tool | checkpoint MiB | tensors | largest MiB | devices | weights end up in | peak RssAnon MiB "
+        "| before load MiB | bar MiB | bar | seconds |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     for r in results:
         verdict = ("ok" if r["peak_anon"] <= r["bar"] else "FAIL") if r["tool"] == "fxsplit" else "info"
         grew = r["peak_anon"] - r["baseline_anon"] >= r["model_bytes"] // 2
         held = "own memory" if grew else "views of the mapped file"
-        out.write(f"| {r['tool']} | {_mib(r['model_bytes'])} | {r['tensors']} | {_mib(r['largest'])} | "
-                  f"{', '.join(r['devices'])} | {held} | {_mib(r['peak_anon'])} | {_mib(r['baseline_anon'])} | "
-                  f"{_mib(r['bar'])} | {verdict} | {r['seconds']:.2f} |\n")
-    out.write("\n*weights end up in*: read from the measurement (anonymous memory grew by at least half the "
-              "checkpoint or not). Views of the mapped file cost no copy, but live in the page cache (read from "
-              "disk again when evicted; the checkpoint file must not be rewritten while they are in use); fxsplit "
-              "copies each tensor once into memory of its own on its planned device, as it must for a GPU.\n")
+        out.write(
+            f"| {r['tool']} | {_mib(r['model_bytes'])} | {r['tensors']} | {_mib(r['largest'])} | "
+            f"{', '.join(r['devices'])} | {held} | {_mib(r['peak_anon'])} | {_mib(r['baseline_anon'])} | "
+            f"{_mib(r['bar'])} | {verdict} | {r['seconds']:.2f} |\n"
+        )
+    out.write(
+        "\n*weights end up in*: read from the measurement (anonymous memory grew by at least half the "
+        "checkpoint or not). Views of the mapped file cost no copy, but live in the page cache (read from "
+        "disk again when evicted; the checkpoint file must not be rewritten while they are in use); fxsplit "
+        "copies each tensor once into memory of its own on its planned device, as it must for a GPU.\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,8 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     with open(args.out, "w") as out:
-        out.write(f"# Loading a checkpoint onto a split\n\nWritten by `python -m benchmarks.checkpoint_load --size "
-                  f"{args.size}` (torch {torch.__version__}, {platform.machine()}, 1 torch thread). {WHAT}\n\n")
+        out.write(
+            f"# Loading a checkpoint onto a split\n\nWritten by `python -m benchmarks.checkpoint_load --size "
+            f"{args.size}` (torch {torch.__version__}, {platform.machine()}, 1 torch thread). {WHAT}\n\n"
+        )
         report(results, out)
     report(results, sys.stdout)
     failed = [r for r in results if r["tool"] == "fxsplit" and r["peak_anon"] > r["bar"]]

@@ -61,9 +61,16 @@ def main(argv: list[str] | None = None) -> None:
 
     transformers.logging.set_verbosity_error()
     config = transformers.LlamaConfig(
-        hidden_size=8192, intermediate_size=28672, num_hidden_layers=args.layers, num_attention_heads=64,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, use_cache=False,
-        bos_token_id=0, eos_token_id=0,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=args.layers,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("meta"):
@@ -80,8 +87,16 @@ def main(argv: list[str] | None = None) -> None:
     costs = build_problem(traced.graph_module, model, device_index={d: k for k, d in enumerate(devices)})
     costed_at = time.perf_counter()
     solution = partition(costs.problem, [limits[d] for d in devices], device_names=devices)
-    plan = make_plan(costs, traced.graph_module, solution, devices, limits, output_device=None,
-                     trace=traced.method, objective="min_transfer")
+    plan = make_plan(
+        costs,
+        traced.graph_module,
+        solution,
+        devices,
+        limits,
+        output_device=None,
+        trace=traced.method,
+        objective="min_transfer",
+    )
     planned_at = time.perf_counter()
     rss_peak = _rss_gib()
 
@@ -90,29 +105,33 @@ def main(argv: list[str] | None = None) -> None:
     device_map = accelerate_map(model, budgets, model._no_split_modules)
     acc_time = time.perf_counter() - acc_start
     acc = score(costs, from_device_map(costs, device_map, len(budgets)), budgets)
-    print(json.dumps({
-        "layers": args.layers,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "weight_bytes": sum(w.nbytes for w in [*costs.weights, *costs.unused]),
-        "graph_nodes": len(traced.graph_module.graph.nodes),
-        "ops": costs.problem.num_ops,
-        "budget_bytes": budgets[0],
-        "trace_s": traced_at - start,
-        "plan_s": planned_at - traced_at,
-        "cost_model_s": costed_at - traced_at,
-        "trace_plan_s": planned_at - start,
-        "rss_before_gib": rss_before,
-        "peak_rss_gib": rss_peak,
-        "ru_maxrss_gib": _maxrss_gib(),
-        "fxsplit_bytes_between": plan.transfer_bytes,
-        "fxsplit_device_bytes": [plan.device_bytes[d] for d in devices],
-        "accelerate_map_s": acc_time,
-        "accelerate_bytes_between": acc.bytes_between,
-        "accelerate_offload_bytes": acc.offload_bytes,
-        "accelerate_spilled_bytes": acc.spilled_bytes,
-        "accelerate_empty_devices": acc.empty_devices,
-        "accelerate_device_bytes": list(acc.device_bytes),
-    }))
+    print(
+        json.dumps(
+            {
+                "layers": args.layers,
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "weight_bytes": sum(w.nbytes for w in [*costs.weights, *costs.unused]),
+                "graph_nodes": len(traced.graph_module.graph.nodes),
+                "ops": costs.problem.num_ops,
+                "budget_bytes": budgets[0],
+                "trace_s": traced_at - start,
+                "plan_s": planned_at - traced_at,
+                "cost_model_s": costed_at - traced_at,
+                "trace_plan_s": planned_at - start,
+                "rss_before_gib": rss_before,
+                "peak_rss_gib": rss_peak,
+                "ru_maxrss_gib": _maxrss_gib(),
+                "fxsplit_bytes_between": plan.transfer_bytes,
+                "fxsplit_device_bytes": [plan.device_bytes[d] for d in devices],
+                "accelerate_map_s": acc_time,
+                "accelerate_bytes_between": acc.bytes_between,
+                "accelerate_offload_bytes": acc.offload_bytes,
+                "accelerate_spilled_bytes": acc.spilled_bytes,
+                "accelerate_empty_devices": acc.empty_devices,
+                "accelerate_device_bytes": list(acc.device_bytes),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

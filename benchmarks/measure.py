@@ -54,11 +54,16 @@ def git_commit() -> dict[str, Any]:
     """The commit measured (``git rev-parse HEAD``) and whether fxsplit/ or benchmarks/ had uncommitted changes."""
     root = Path(__file__).resolve().parents[1]
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=False)
-        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
-                                  "fxsplit", "benchmarks"],
-                                 capture_output=True, text=True, timeout=10, check=False)
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False
+        )
+        changed = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", "fxsplit", "benchmarks"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):
         return {"commit": "unknown", "dirty": None}
     if head.returncode != 0:

@@ -44,8 +44,10 @@ HERE = Path(__file__).parent
 class Residual(nn.Module):
     def __init__(self, width: int = 128, depth: int = 6) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
-                                                  nn.Linear(4 * width, width)) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(depth)
+        )
         self.head = nn.Linear(width, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,17 +86,44 @@ def _hf(kind: str) -> nn.Module:
     import transformers as t
 
     if kind == "gpt2":
-        return t.GPT2LMHeadModel(t.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=512, n_positions=128,
-                                              bos_token_id=0, eos_token_id=0))
+        return t.GPT2LMHeadModel(
+            t.GPT2Config(
+                n_layer=4, n_embd=128, n_head=4, vocab_size=512, n_positions=128, bos_token_id=0, eos_token_id=0
+            )
+        )
     if kind == "bert":
-        return t.BertModel(t.BertConfig(num_hidden_layers=4, hidden_size=128, num_attention_heads=4,
-                                        intermediate_size=512, vocab_size=512, max_position_embeddings=128))
+        return t.BertModel(
+            t.BertConfig(
+                num_hidden_layers=4,
+                hidden_size=128,
+                num_attention_heads=4,
+                intermediate_size=512,
+                vocab_size=512,
+                max_position_embeddings=128,
+            )
+        )
     if kind == "llama":
-        return t.LlamaForCausalLM(t.LlamaConfig(num_hidden_layers=4, hidden_size=128, num_attention_heads=4,
-                                                num_key_value_heads=2, intermediate_size=352, vocab_size=512,
-                                                max_position_embeddings=128))
-    return t.ViTModel(t.ViTConfig(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, intermediate_size=512,
-                                  image_size=32, patch_size=4))
+        return t.LlamaForCausalLM(
+            t.LlamaConfig(
+                num_hidden_layers=4,
+                hidden_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=352,
+                vocab_size=512,
+                max_position_embeddings=128,
+            )
+        )
+    return t.ViTModel(
+        t.ViTConfig(
+            num_hidden_layers=4,
+            hidden_size=128,
+            num_attention_heads=4,
+            intermediate_size=512,
+            image_size=32,
+            patch_size=4,
+        )
+    )
 
 
 def _ids() -> torch.Tensor:
@@ -147,10 +176,20 @@ def run_case(name: str, n: int, mode: str) -> list[dict[str, Any]]:
             continue
         estimate = plan.memory[device]["activations_peak"]
         real = measured.get(device, 0)
-        rows.append({"model": name, "devices": n, "mode": mode, "device": device, "measured": real,
-                     "estimated": estimate, "ratio": round(estimate / real, 4) if real else None,
-                     "budget": plan.budgets[device], "planned_total": plan.memory[device]["total"],
-                     "weights_and_state": plan.memory[device]["total"] - estimate})
+        rows.append(
+            {
+                "model": name,
+                "devices": n,
+                "mode": mode,
+                "device": device,
+                "measured": real,
+                "estimated": estimate,
+                "ratio": round(estimate / real, 4) if real else None,
+                "budget": plan.budgets[device],
+                "planned_total": plan.memory[device]["total"],
+                "weights_and_state": plan.memory[device]["total"] - estimate,
+            }
+        )
     return rows
 
 
@@ -196,21 +235,33 @@ def write(rows: list[dict[str, Any]], big: list[dict[str, Any]], seconds: float)
     ]
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        lines.append(f"| {r['model']} | {r['devices']} | {r['mode']} | {r['device']} | {r['measured']} | "
-                     f"{r['estimated']} | {ratio} | {'ok' if passes(r) else 'MISS'} |")
+        lines.append(
+            f"| {r['model']} | {r['devices']} | {r['mode']} | {r['device']} | {r['measured']} | "
+            f"{r['estimated']} | {ratio} | {'ok' if passes(r) else 'MISS'} |"
+        )
     ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
-    lines += ["", f"{len(rows)} device rows; ratio min {min(ratios):.3f}, max {max(ratios):.3f}; "
-              f"{sum(1 for r in rows if not passes(r))} outside the bar.", ""]
+    lines += [
+        "",
+        f"{len(rows)} device rows; ratio min {min(ratios):.3f}, max {max(ratios):.3f}; "
+        f"{sum(1 for r in rows if not passes(r))} outside the bar.",
+        "",
+    ]
     if big:
-        lines += ["## Planning a Llama-70B-sized model on the meta device", "",
-                  "`python benchmarks/plan_llama70b.py --mode MODE --devices N` in a subprocess (80 layers, hidden "
-                  "8192, bf16, batch 1 x 2048 tokens, 40 GiB per device; no weights allocated).", "",
-                  "| mode | devices | graph nodes | trace s | activation profile s | partition + check s | "
-                  "total plan s | peak RSS MiB | devices used |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Planning a Llama-70B-sized model on the meta device",
+            "",
+            "`python benchmarks/plan_llama70b.py --mode MODE --devices N` in a subprocess (80 layers, hidden "
+            "8192, bf16, batch 1 x 2048 tokens, 40 GiB per device; no weights allocated).",
+            "",
+            "| mode | devices | graph nodes | trace s | activation profile s | partition + check s | "
+            "total plan s | peak RSS MiB | devices used |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for b in big:
-            lines.append(f"| {b['mode']} | {b['devices']} | {b['graph_nodes']} | {b['trace_s']} | {b['profile_s']} | "
-                         f"{b['partition_and_check_s']} | {b['plan_s']} | {b['peak_rss_mib']} | {b['devices_used']} |")
+            lines.append(
+                f"| {b['mode']} | {b['devices']} | {b['graph_nodes']} | {b['trace_s']} | {b['profile_s']} | "
+                f"{b['partition_and_check_s']} | {b['plan_s']} | {b['peak_rss_mib']} | {b['devices_used']} |"
+            )
         lines.append("")
     (HERE / "MEMORY_RESULTS.md").write_text("\n".join(lines))
 
@@ -224,7 +275,7 @@ def main() -> None:
     names = ["mlp (fx)", "residual", "gpt2"] if args.quick else list(MODELS)
     rows: list[dict[str, Any]] = []
     for name in names:
-        for n in ((2,) if args.quick else (2, 4)):
+        for n in (2,) if args.quick else (2, 4):
             for mode in ("inference", "training"):
                 found = run_case(name, n, mode)
                 rows.extend(found)

@@ -80,37 +80,73 @@ def _quiet_transformers() -> Any:
 
 def gpt2() -> nn.Module:
     t = _quiet_transformers()
-    config = t.GPT2Config(n_layer=8, n_embd=256, n_head=4, vocab_size=VOCAB, n_positions=256, use_cache=False,
-                          bos_token_id=0, eos_token_id=0)
+    config = t.GPT2Config(
+        n_layer=8,
+        n_embd=256,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=256,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return t.GPT2LMHeadModel(config)
 
 
 def bert() -> nn.Module:
     t = _quiet_transformers()
-    config = t.BertConfig(num_hidden_layers=8, hidden_size=256, num_attention_heads=4, intermediate_size=1024,
-                          vocab_size=VOCAB, max_position_embeddings=256, use_cache=False)
+    config = t.BertConfig(
+        num_hidden_layers=8,
+        hidden_size=256,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        use_cache=False,
+    )
     return t.BertModel(config)
 
 
 def llama() -> nn.Module:
     t = _quiet_transformers()
-    config = t.LlamaConfig(num_hidden_layers=8, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=688, vocab_size=VOCAB, max_position_embeddings=256, use_cache=False,
-                           bos_token_id=0, eos_token_id=0)
+    config = t.LlamaConfig(
+        num_hidden_layers=8,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=688,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return t.LlamaForCausalLM(config)
 
 
 def vit() -> nn.Module:
     t = _quiet_transformers()
-    config = t.ViTConfig(num_hidden_layers=8, hidden_size=256, num_attention_heads=4, intermediate_size=1024,
-                         image_size=64, patch_size=8)
+    config = t.ViTConfig(
+        num_hidden_layers=8, hidden_size=256, num_attention_heads=4, intermediate_size=1024, image_size=64, patch_size=8
+    )
     return t.ViTModel(config)
 
 
 def t5() -> nn.Module:
     t = _quiet_transformers()
-    config = t.T5Config(num_layers=4, num_decoder_layers=4, d_model=256, num_heads=4, d_kv=64, d_ff=1024,
-                        vocab_size=VOCAB, use_cache=False, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    config = t.T5Config(
+        num_layers=4,
+        num_decoder_layers=4,
+        d_model=256,
+        num_heads=4,
+        d_kv=64,
+        d_ff=1024,
+        vocab_size=VOCAB,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     return t.T5ForConditionalGeneration(config)
 
 
@@ -216,8 +252,7 @@ CASES: tuple[Case, ...] = (
     Case("bert", "hf", _seeded(bert), _ids(2, 64), ("BertEmbeddings", "BertLayer")),
     Case("llama", "hf", _seeded(llama), _ids(2, 64), ("LlamaDecoderLayer",)),
     Case("vit", "hf", _seeded(vit), _randn(2, 3, 64, 64), ("ViTEmbeddings", "ViTLayer")),
-    Case("t5", "hf", _seeded(t5), _ids(2, 32), ("T5Block",),
-         kwargs=lambda: {"decoder_input_ids": _ids(2, 16)()[0]}),
+    Case("t5", "hf", _seeded(t5), _ids(2, 32), ("T5Block",), kwargs=lambda: {"decoder_input_ids": _ids(2, 16)()[0]}),
     Case("unet", "stress", _seeded(UNet), _randn(2, 3, 64, 64), ("ConvBlock",)),
     Case("unet2", "stress", _seeded(UNet2), _randn(2, 3, 64, 64), ("ConvBlock",)),
     Case("branches", "stress", _seeded(Branches), _randn(32, 128), ("BranchBlock",)),

@@ -97,8 +97,14 @@ def bench(name: str, width: int, depth: int, batch: int, reps: int, per_call: bo
     stages = 0
     for chunks in CHUNKS:
         variants[_loop_name(chunks)] = MicroBatched(copy.deepcopy(model), chunks)
-        pipe = fxsplit.fxsplit(copy.deepcopy(model), budgets(model), example_inputs=(x,), trace="fx",
-                               mode="weights", pipeline=fxsplit.PipelineConfig(chunks=chunks))
+        pipe = fxsplit.fxsplit(
+            copy.deepcopy(model),
+            budgets(model),
+            example_inputs=(x,),
+            trace="fx",
+            mode="weights",
+            pipeline=fxsplit.PipelineConfig(chunks=chunks),
+        )
         variants[f"pipelined, chunks={chunks}"] = pipe
         stages = len(pipe.stages)
     runs = {f"{v}/{k}": call for v, module in variants.items() for k, call in _calls(module, x).items()}

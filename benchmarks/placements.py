@@ -94,8 +94,7 @@ def score(costs: GraphCosts, placement: Placement, budgets: Sequence[int]) -> Sc
     for weight, device in zip([*costs.weights, *costs.unused], placement.weight_devices, strict=True):
         device_bytes[device] += weight.nbytes
     busy = set(ops) | {d for d, b in enumerate(device_bytes) if b}
-    fractions = [device_bytes[k] / budgets[k] if budgets[k] else float("inf") * bool(device_bytes[k])
-                 for k in range(n)]
+    fractions = [device_bytes[k] / budgets[k] if budgets[k] else float("inf") * bool(device_bytes[k]) for k in range(n)]
     return Score(
         bytes_between=between,
         offload_bytes=offload,
@@ -139,6 +138,7 @@ def from_device_map(costs: GraphCosts, device_map: Mapping[str, Any], n_devices:
     runs where its input tensors are (the model's inputs are moved to the main
     device by the root hook).
     """
+
     def device_index(value: Any) -> int:
         if value in OFFLOAD_KEYS:
             return n_devices

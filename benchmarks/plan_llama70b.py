@@ -32,8 +32,15 @@ def main() -> None:
     args = parser.parse_args()
 
     config = transformers.LlamaConfig(
-        hidden_size=8192, intermediate_size=28672, num_hidden_layers=args.layers, num_attention_heads=64,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, dtype="bfloat16")
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=args.layers,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        dtype="bfloat16",
+    )
     start = time.perf_counter()
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("meta"):
@@ -48,9 +55,14 @@ def main() -> None:
     plan = planned.plan
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     result = {
-        "layers": args.layers, "mode": args.mode, "batch": args.batch, "seq": args.seq,
-        "parameters_bytes": params, "graph_nodes": len(planned.traced.graph_module.graph.nodes),
-        "build_s": round(built - start, 2), "plan_s": round(done - built, 2),
+        "layers": args.layers,
+        "mode": args.mode,
+        "batch": args.batch,
+        "seq": args.seq,
+        "parameters_bytes": params,
+        "graph_nodes": len(planned.traced.graph_module.graph.nodes),
+        "build_s": round(built - start, 2),
+        "plan_s": round(done - built, 2),
         **{k: round(v, 2) for k, v in timings.items()},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "devices_used": sum(1 for d in plan.devices if plan.modules.get(d)),
@@ -60,8 +72,9 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def _timed_plan(model: torch.nn.Module, budgets: dict[str, str], ids: torch.Tensor, mode: str,
-                timings: dict[str, float]) -> api.Planned:
+def _timed_plan(
+    model: torch.nn.Module, budgets: dict[str, str], ids: torch.Tensor, mode: str, timings: dict[str, float]
+) -> api.Planned:
     """api.trace_and_plan with the time of each stage recorded (trace, activation profile, partition + simulation)."""
     from fxsplit.memory import activations
     from fxsplit.memory import model as memory
@@ -74,6 +87,7 @@ def _timed_plan(model: torch.nn.Module, budgets: dict[str, str], ids: torch.Tens
                 return func(*a, **k)
             finally:
                 timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
+
         return wrapper
 
     originals = (api.trace, api.profile_activations, api.fit_budgets)

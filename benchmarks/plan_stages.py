@@ -35,8 +35,13 @@ __all__ = ["PLAN_SIZES", "QUICK_PLAN_SIZES", "STAGES", "plan_scaling", "timed_pl
 PLAN_SIZES = (1_000, 2_000, 5_000, 10_000, 20_000, 50_000, 100_000)
 QUICK_PLAN_SIZES = (1_000, 2_000)
 STAGES = ("trace", "build", "memory", "partition", "make_plan", "other")
-_WRAPPED = {"trace": ("trace",), "build": ("check_constraints", "build_problem"), "memory": ("_memory_model",),
-            "partition": ("partition",), "make_plan": ("make_plan",)}
+_WRAPPED = {
+    "trace": ("trace",),
+    "build": ("check_constraints", "build_problem"),
+    "memory": ("_memory_model",),
+    "partition": ("partition",),
+    "make_plan": ("make_plan",),
+}
 
 
 @contextmanager
@@ -53,6 +58,7 @@ def timed_stages() -> Iterator[dict[str, float]]:
                 return fn(*args, **kwargs)
             finally:
                 spent[stage] += time.perf_counter() - start
+
         return timed
 
     for stage, names in _WRAPPED.items():
@@ -65,8 +71,9 @@ def timed_stages() -> Iterator[dict[str, float]]:
             setattr(api, name, fn)
 
 
-def timed_plan(model: torch.nn.Module, budgets: dict[str, int], inputs: tuple[Any, ...],
-               **options: Any) -> dict[str, float]:
+def timed_plan(
+    model: torch.nn.Module, budgets: dict[str, int], inputs: tuple[Any, ...], **options: Any
+) -> dict[str, float]:
     """One ``fxsplit.plan()`` call: seconds per stage, ``total`` and ``untraced`` (total less trace)."""
     with timed_stages() as spent:
         start = time.perf_counter()

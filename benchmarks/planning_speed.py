@@ -62,14 +62,23 @@ def _fxsplit_stages(case: Case, budgets: dict[str, int]) -> tuple[dict[str, floa
     model = case.build()
     limits = normalize_budgets(budgets)
     devices = list(limits)
-    t_trace, traced = time_call(lambda: trace(model, example_inputs=case.inputs(),
-                                              example_kwargs=case.kwargs() or None))
+    t_trace, traced = time_call(
+        lambda: trace(model, example_inputs=case.inputs(), example_kwargs=case.kwargs() or None)
+    )
 
     def plan_step() -> Any:
         costs = build_problem(traced.graph_module, model, device_index={d: k for k, d in enumerate(devices)})
         solution = partition(costs.problem, [limits[d] for d in devices], device_names=devices)
-        made = make_plan(costs, traced.graph_module, solution, devices, limits, output_device=None,
-                         trace=traced.method, objective="min_transfer")
+        made = make_plan(
+            costs,
+            traced.graph_module,
+            solution,
+            devices,
+            limits,
+            output_device=None,
+            trace=traced.method,
+            objective="min_transfer",
+        )
         return costs, made
 
     t_plan, (costs, plan) = time_call(plan_step)
@@ -103,20 +112,29 @@ def time_to_split(case: Case, repeats: int, n: int = 2) -> dict[str, Any]:
     budgets = _budgets(reference_model, n)
     with torch.no_grad():
         out = reference_model(*case.inputs(), **case.kwargs())
-    reference = out[0] if isinstance(out, (tuple, list)) else next(iter(out.values())) if isinstance(out, dict) \
-        else out
+    reference = out[0] if isinstance(out, (tuple, list)) else next(iter(out.values())) if isinstance(out, dict) else out
     fx_runs, acc_runs, api_runs, correct = [], [], [], {}
     for r in range(repeats + 1):  # the first round warms up (imports, first export) and is not counted
         stages, split = _fxsplit_stages(case, budgets)
         model = case.build()
-        api = time_call(partial(fxsplit.fxsplit, model, budgets, example_inputs=case.inputs(),
-                                example_kwargs=case.kwargs() or None, mode="weights"))[0]
+        api = time_call(
+            partial(
+                fxsplit.fxsplit,
+                model,
+                budgets,
+                example_inputs=case.inputs(),
+                example_kwargs=case.kwargs() or None,
+                mode="weights",
+            )
+        )[0]
         with tempfile.TemporaryDirectory() as offload_dir:
             stages_acc, dispatched = _accelerate_stages(case, budgets, offload_dir)
             if r == 0:
                 with logical_cpu_devices():
-                    correct = {"fxsplit": _same_output(split, case, reference),
-                               "accelerate": _same_output(dispatched, case, reference)}
+                    correct = {
+                        "fxsplit": _same_output(split, case, reference),
+                        "accelerate": _same_output(dispatched, case, reference),
+                    }
         if r > 0:
             fx_runs.append(stages)
             api_runs.append(api)
@@ -124,7 +142,9 @@ def time_to_split(case: Case, repeats: int, n: int = 2) -> dict[str, Any]:
     fx = {k: median([run[k] for run in fx_runs]) for k in fx_runs[0]}
     acc = {k: median([run[k] for run in acc_runs]) for k in acc_runs[0]}
     return {
-        "model": case.name, "n_devices": n, "repeats": repeats,
+        "model": case.name,
+        "n_devices": n,
+        "repeats": repeats,
         "fxsplit": {**fx, "total": sum(fx.values()), "api_total": median(api_runs)},
         "accelerate": {**acc, "total": sum(acc.values())},
         "outputs_match": correct,
@@ -144,8 +164,7 @@ def scaling(sizes: Sequence[int], repeats: int) -> dict[str, Any]:
             times = [time_call(partial(partition, problem, budgets))[0] for _ in range(reps)]
             points.append({"ops": size, "values": len(problem.values), "seconds": median(times), "repeats": reps})
         fit = [p for p in points if p["ops"] >= 2_000] or points
-        curves[name] = {"points": points,
-                        "slope": fit_slope([p["ops"] for p in fit], [p["seconds"] for p in fit])}
+        curves[name] = {"points": points, "slope": fit_slope([p["ops"] for p in fit], [p["seconds"] for p in fit])}
     return curves
 
 
@@ -161,17 +180,30 @@ def real_graphs(depths: Sequence[int], repeats: int) -> list[dict[str, Any]]:
         named = {f"cpu:{k}": b for k, b in enumerate(budgets)}
         times = [time_call(partial(partition, costs.problem, budgets))[0] for _ in range(repeats)]
         plan_time = time_call(partial(fxsplit.plan, model, named, example_inputs=(x,), trace="fx", mode="weights"))[0]
-        rows.append({"model": f"mlp(depth={depth})", "graph_nodes": len(traced.graph_module.graph.nodes),
-                     "ops": costs.problem.num_ops, "partition_s": median(times), "fxsplit_plan_s": plan_time})
+        rows.append(
+            {
+                "model": f"mlp(depth={depth})",
+                "graph_nodes": len(traced.graph_module.graph.nodes),
+                "ops": costs.problem.num_ops,
+                "partition_s": median(times),
+                "fxsplit_plan_s": plan_time,
+            }
+        )
     return rows
 
 
 def llama70b(layers: int, threads: int) -> dict[str, Any]:
     """Run :mod:`benchmarks.llama70b` in a fresh interpreter and return its JSON."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "benchmarks.llama70b", "--layers", str(layers),
-                           "--threads", str(threads)], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=900, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.llama70b", "--layers", str(layers), "--threads", str(threads)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=900,
+        check=False,
+    )
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1:] or ["failed"], "layers": layers}
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -183,28 +215,39 @@ def planning_bars(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for name, curve in result["scaling"].items():
         by_size = {p["ops"]: p["seconds"] for p in curve["points"]}
         if 2_000 in by_size:
-            bars[f"{name}: plan <= 50 ms at 2k ops"] = {"pass": by_size[2_000] <= 0.05,
-                                                        "value": f"{1000 * by_size[2_000]:.1f} ms"}
+            bars[f"{name}: plan <= 50 ms at 2k ops"] = {
+                "pass": by_size[2_000] <= 0.05,
+                "value": f"{1000 * by_size[2_000]:.1f} ms",
+            }
         if 100_000 in by_size:
-            bars[f"{name}: plan <= 10 s at 100k ops"] = {"pass": by_size[100_000] <= 10.0,
-                                                         "value": f"{by_size[100_000]:.2f} s"}
-        bars[f"{name}: near-linear (log-log slope <= 1.2)"] = {"pass": curve["slope"] <= 1.2,
-                                                              "value": f"{curve['slope']:.2f}"}
+            bars[f"{name}: plan <= 10 s at 100k ops"] = {
+                "pass": by_size[100_000] <= 10.0,
+                "value": f"{by_size[100_000]:.2f} s",
+            }
+        bars[f"{name}: near-linear (log-log slope <= 1.2)"] = {
+            "pass": curve["slope"] <= 1.2,
+            "value": f"{curve['slope']:.2f}",
+        }
     stages = result.get("plan_stages") or {}
     if len(stages.get("points", ())) > 2:
         slope = stages["slopes"]["untraced"]
-        bars["plan() minus trace: near-linear (log-log slope <= 1.1)"] = {"pass": slope <= 1.1,
-                                                                          "value": f"{slope:.2f}"}
+        bars["plan() minus trace: near-linear (log-log slope <= 1.1)"] = {"pass": slope <= 1.1, "value": f"{slope:.2f}"}
         last = stages["points"][-1]
         factor = last["untraced"] / last["partition"]
-        bars[f"plan() minus trace <= 2 x partition() at {last['ops']} ops"] = {"pass": factor <= 2.0,
-                                                                              "value": f"{factor:.1f}x"}
+        bars[f"plan() minus trace <= 2 x partition() at {last['ops']} ops"] = {
+            "pass": factor <= 2.0,
+            "value": f"{factor:.1f}x",
+        }
     big = result.get("llama70b") or {}
     if "trace_plan_s" in big and big.get("layers") == 80:
         bars["Llama-70B on meta, 8 devices: trace + plan <= 30 s"] = {
-            "pass": big["trace_plan_s"] <= 30.0, "value": f"{big['trace_plan_s']:.1f} s"}
-        bars["Llama-70B on meta: peak RSS <= 3 GiB"] = {"pass": big["peak_rss_gib"] <= 3.0,
-                                                        "value": f"{big['peak_rss_gib']:.2f} GiB"}
+            "pass": big["trace_plan_s"] <= 30.0,
+            "value": f"{big['trace_plan_s']:.1f} s",
+        }
+        bars["Llama-70B on meta: peak RSS <= 3 GiB"] = {
+            "pass": big["peak_rss_gib"] <= 3.0,
+            "value": f"{big['peak_rss_gib']:.2f} GiB",
+        }
     return bars
 
 

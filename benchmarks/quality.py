@@ -106,9 +106,15 @@ def quality_for_case(case: Case, device_counts: Sequence[int] = DEVICE_COUNTS) -
             budgets = [int(factor * total / n)] * n
             reference = block_optimum(bp, budgets)
             row: dict[str, Any] = {
-                "model": case.name, "family": case.family, "n_devices": n, "budget": kind,
-                "budget_bytes": budgets[0], "total_bytes": total, "ops": costs.problem.num_ops,
-                "blocks": bp.num_blocks, "packable": packable(sizes, budgets),
+                "model": case.name,
+                "family": case.family,
+                "n_devices": n,
+                "budget": kind,
+                "budget_bytes": budgets[0],
+                "total_bytes": total,
+                "ops": costs.problem.num_ops,
+                "blocks": bp.num_blocks,
+                "packable": packable(sizes, budgets),
                 "fxsplit": _fxsplit_row(case, model, costs, budgets),
                 "reference": _reference_row(reference, budgets),
                 "accelerate": {v: _accelerate_row(v, case, model, costs, budgets) for v in variants_for(case.family)},
@@ -119,6 +125,7 @@ def quality_for_case(case: Case, device_counts: Sequence[int] = DEVICE_COUNTS) -
 
 def quality_bars(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Pass/fail of each placement-quality bar, with the failing cases named."""
+
     def name(row: dict[str, Any]) -> str:
         return f"{row['model']}/N={row['n_devices']}/{row['budget']}"
 
@@ -140,7 +147,10 @@ def quality_bars(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         "places every packable case": {"pass": not unplaced, "failures": unplaced},
         "cut bytes <= Accelerate's (offload streaming counted)": {"pass": not above_acc, "failures": above_acc},
         "info: cut bytes <= Accelerate's between the given devices (its disk streaming not counted)": {
-            "pass": not above_acc_between, "failures": above_acc_between, "info": True},
+            "pass": not above_acc_between,
+            "failures": above_acc_between,
+            "info": True,
+        },
         "cut bytes <= block-level optimum where it exists": {"pass": not above_ref, "failures": above_ref},
         "no budget exceeded": {"pass": not over, "failures": over},
     }
@@ -165,13 +175,19 @@ def quality_headlines(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "accelerate_empty_device_cases": empties,
         "fxsplit_empty_device_cases": sum(bool(r["fxsplit"].get("empty_devices")) for r in rows),
         "bytes_ratio_vs_accelerate": {"min": ratios[0], "median": ratios[len(ratios) // 2], "max": ratios[-1]}
-        if ratios else None,
+        if ratios
+        else None,
         # The ratios are bimodal (Accelerate streaming from "disk" or not): the median of all of them
         # jumps between the two groups as cases come and go, so each group is summed up on its own.
         "bytes_ratio_by_accelerate_spill": {
-            ("spilled" if spilled else "on_devices"): {"cases": len(group), "min": min(group),
-                                                       "median": sorted(group)[len(group) // 2], "max": max(group)}
-            for spilled, group in by_spill.items() if group
+            ("spilled" if spilled else "on_devices"): {
+                "cases": len(group),
+                "min": min(group),
+                "median": sorted(group)[len(group) // 2],
+                "max": max(group),
+            }
+            for spilled, group in by_spill.items()
+            if group
         },
         "fxsplit_fewer_bytes_cases": sum(x <= 1 for x in ratios),
         "both_placed_cases": len(ratios),

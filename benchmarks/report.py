@@ -144,8 +144,12 @@ def _plot_scaling(planning: dict[str, Any], path: Path) -> None:
     stages = (planning.get("plan_stages") or {}).get("points") or []
     for key, style in (("untraced", "^-"), ("trace", "v:")):
         if stages:
-            ax.loglog([p["ops"] for p in stages], [p[key] for p in stages], style,
-                      label=f"whole plan(), MLP: {'plan() - trace' if key == 'untraced' else 'trace'}")
+            ax.loglog(
+                [p["ops"] for p in stages],
+                [p[key] for p in stages],
+                style,
+                label=f"whole plan(), MLP: {'plan() - trace' if key == 'untraced' else 'trace'}",
+            )
     ax.loglog([2_000, 100_000], [0.05, 10.0], "k+", markersize=14, label="bars (50 ms @ 2k, 10 s @ 100k)")
     ax.set_xlabel("ops in the graph")
     ax.set_ylabel("seconds")
@@ -164,8 +168,12 @@ def _plot_runtime(rows: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4))
     x = np.arange(len(rows))
     for k, variant in enumerate(variants):
-        ax.bar(x + (k - len(variants) / 2 + 0.5) * 0.14, [r["ratio_to_hand"].get(variant, np.nan) for r in rows],
-               0.14, label=variant)
+        ax.bar(
+            x + (k - len(variants) / 2 + 0.5) * 0.14,
+            [r["ratio_to_hand"].get(variant, np.nan) for r in rows],
+            0.14,
+            label=variant,
+        )
     ax.axhline(1.0, color="k", linewidth=0.8)
     ax.axhline(1.03, color="r", linestyle="--", linewidth=0.8, label="bar: 1.03 x hand")
     ax.set_xticks(x, [f"{r['model']} N={r['n_devices']}" for r in rows])
@@ -181,8 +189,11 @@ def _quality_md(quality: dict[str, Any]) -> str:
     rows = []
     for r in quality["rows"]:
         fx, ref = r["fxsplit"], r["reference"]
-        fx_cell = (f"{_size(fx['bytes_between'])} / {fx['max_fraction']:.2f} / {fx['empty_devices']}"
-                   if fx["placed"] else "**no placement**")
+        fx_cell = (
+            f"{_size(fx['bytes_between'])} / {fx['max_fraction']:.2f} / {fx['empty_devices']}"
+            if fx["placed"]
+            else "**no placement**"
+        )
         acc_cells = []
         for variant in ("accelerate", "accelerate-plain", "hf-auto"):
             a = r["accelerate"].get(variant)
@@ -191,12 +202,34 @@ def _quality_md(quality: dict[str, Any]) -> str:
             elif not a["placed"]:
                 acc_cells.append("error")
             else:
-                acc_cells.append(f"{_size(a['bytes_between'])} + {_size(a['offload_bytes'])} / "
-                                 f"{_size(a['spilled_bytes'])} / {a['empty_devices']}")
-        rows.append([r["model"], r["n_devices"], r["budget"], _size(r["budget_bytes"]), r["packable"], fx_cell,
-                     _size(ref["bytes_between"]) if ref else "none fits", *acc_cells])
-    header = ["model", "N", "budget", "per device", "packable", "fxsplit: cut / max load / empty",
-              "block optimum", "accelerate: between + streamed / spilled / empty", "accelerate-plain", "hf-auto"]
+                acc_cells.append(
+                    f"{_size(a['bytes_between'])} + {_size(a['offload_bytes'])} / "
+                    f"{_size(a['spilled_bytes'])} / {a['empty_devices']}"
+                )
+        rows.append(
+            [
+                r["model"],
+                r["n_devices"],
+                r["budget"],
+                _size(r["budget_bytes"]),
+                r["packable"],
+                fx_cell,
+                _size(ref["bytes_between"]) if ref else "none fits",
+                *acc_cells,
+            ]
+        )
+    header = [
+        "model",
+        "N",
+        "budget",
+        "per device",
+        "packable",
+        "fxsplit: cut / max load / empty",
+        "block optimum",
+        "accelerate: between + streamed / spilled / empty",
+        "accelerate-plain",
+        "hf-auto",
+    ]
     return _table(header, rows)
 
 
@@ -231,53 +264,119 @@ def _bars_md(bars: dict[str, dict[str, Any]]) -> str:
 
 
 def _planning_md(planning: dict[str, Any]) -> str:
-    split_rows = [[r["model"], f"{r['fxsplit']['trace']:.3f}", f"{r['fxsplit']['plan']:.3f}",
-                   f"{r['fxsplit']['codegen']:.3f}", f"{r['fxsplit']['total']:.3f}", f"{r['fxsplit']['api_total']:.3f}",
-                   f"{r['accelerate']['map']:.4f}", f"{r['accelerate']['dispatch']:.4f}",
-                   f"{r['fxsplit']['api_total'] / r['accelerate']['total']:.0f}x",
-                   "yes" if all(r["outputs_match"].values()) else f"NO {r['outputs_match']}"]
-                  for r in planning["time_to_split"]]
-    parts = [_table(["model", "trace s", "plan s", "codegen s", "stages s", "fxsplit() s", "Acc. map s",
-                     "Acc. dispatch s", "fxsplit / Acc.", "outputs match"], split_rows)]
+    split_rows = [
+        [
+            r["model"],
+            f"{r['fxsplit']['trace']:.3f}",
+            f"{r['fxsplit']['plan']:.3f}",
+            f"{r['fxsplit']['codegen']:.3f}",
+            f"{r['fxsplit']['total']:.3f}",
+            f"{r['fxsplit']['api_total']:.3f}",
+            f"{r['accelerate']['map']:.4f}",
+            f"{r['accelerate']['dispatch']:.4f}",
+            f"{r['fxsplit']['api_total'] / r['accelerate']['total']:.0f}x",
+            "yes" if all(r["outputs_match"].values()) else f"NO {r['outputs_match']}",
+        ]
+        for r in planning["time_to_split"]
+    ]
+    parts = [
+        _table(
+            [
+                "model",
+                "trace s",
+                "plan s",
+                "codegen s",
+                "stages s",
+                "fxsplit() s",
+                "Acc. map s",
+                "Acc. dispatch s",
+                "fxsplit / Acc.",
+                "outputs match",
+            ],
+            split_rows,
+        )
+    ]
     scale_rows = []
     for name, curve in planning["scaling"].items():
         for p in curve["points"]:
             scale_rows.append([name, p["ops"], p["values"], f"{1000 * p['seconds']:.1f}", p["repeats"]])
     parts.append(_table(["graph", "ops", "values", "partition ms (median)", "repeats"], scale_rows))
-    parts.append("Log-log slopes (2k ops and up): " + ", ".join(
-        f"{name} {curve['slope']:.2f}" for name, curve in planning["scaling"].items()))
+    parts.append(
+        "Log-log slopes (2k ops and up): "
+        + ", ".join(f"{name} {curve['slope']:.2f}" for name, curve in planning["scaling"].items())
+    )
     if planning.get("real_graphs"):
-        parts.append(_table(["real FX graph", "graph nodes", "ops", "partition ms", "whole fxsplit.plan s"],
-                            [[r["model"], r["graph_nodes"], r["ops"], f"{1000 * r['partition_s']:.1f}",
-                              f"{r['fxsplit_plan_s']:.2f}"] for r in planning["real_graphs"]]))
+        parts.append(
+            _table(
+                ["real FX graph", "graph nodes", "ops", "partition ms", "whole fxsplit.plan s"],
+                [
+                    [
+                        r["model"],
+                        r["graph_nodes"],
+                        r["ops"],
+                        f"{1000 * r['partition_s']:.1f}",
+                        f"{r['fxsplit_plan_s']:.2f}",
+                    ]
+                    for r in planning["real_graphs"]
+                ],
+            )
+        )
     stages = planning.get("plan_stages")
     if stages:
         names = ("trace", "build", "memory", "partition", "make_plan", "other")
-        parts.append(_table(["ops", *[f"{n} s" for n in names], "plan() - trace s", "/ partition"],
-                            [[p["ops"], *[f"{p[n]:.3f}" for n in names], f"{p['untraced']:.3f}",
-                              f"{p['untraced'] / p['partition']:.1f}x"] for p in stages["points"]]))
-        parts.append("Whole `fxsplit.plan(trace=\"fx\", mode=\"weights\")` on deep MLPs, 4 devices at 1.2 x total / 4, "
-                     "split by stage (`benchmarks/plan_stages.py`). Log-log slopes: " + ", ".join(
-                         f"{k} {v:.2f}" for k, v in stages["slopes"].items()))
+        parts.append(
+            _table(
+                ["ops", *[f"{n} s" for n in names], "plan() - trace s", "/ partition"],
+                [
+                    [
+                        p["ops"],
+                        *[f"{p[n]:.3f}" for n in names],
+                        f"{p['untraced']:.3f}",
+                        f"{p['untraced'] / p['partition']:.1f}x",
+                    ]
+                    for p in stages["points"]
+                ],
+            )
+        )
+        parts.append(
+            'Whole `fxsplit.plan(trace="fx", mode="weights")` on deep MLPs, 4 devices at 1.2 x total / 4, '
+            "split by stage (`benchmarks/plan_stages.py`). Log-log slopes: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in stages["slopes"].items())
+        )
     big = planning.get("llama70b")
     if big and "trace_s" in big:
-        parts.append(_table(["Llama-70B-sized on meta (bf16, 8 x 20 GiB)", "value"], [
-            ["layers / parameters / weights", f"{big['layers']} / {big['parameters'] / 1e9:.1f} G / "
-             f"{_size(big['weight_bytes'])}"],
-            ["graph nodes / ops", f"{big['graph_nodes']} / {big['ops']}"],
-            ["trace (torch.export) s", f"{big['trace_s']:.1f}"],
-            ["plan (cost model + partition + plan) s", f"{big['plan_s']:.2f}"],
-            ["trace + plan s", f"{big['trace_plan_s']:.1f}"],
-            ["peak RSS of the process, VmHWM (GiB)", f"{big['peak_rss_gib']:.2f} (after imports and model: "
-             f"{big['rss_before_gib']:.2f}; ru_maxrss, which Linux carries over from the parent: "
-             f"{big.get('ru_maxrss_gib', float('nan')):.2f})"],
-            ["fxsplit: bytes between devices / device loads",
-             f"{_size(big['fxsplit_bytes_between'])} / {', '.join(_size(b) for b in big['fxsplit_device_bytes'])}"],
-            ["Accelerate (no_split LlamaDecoderLayer): between / spilled / empty devices",
-             f"{_size(big['accelerate_bytes_between'])} / {_size(big['accelerate_spilled_bytes'])} / "
-             f"{big['accelerate_empty_devices']}"],
-            ["Accelerate infer_auto_device_map s", f"{big['accelerate_map_s']:.3f}"],
-        ]))
+        parts.append(
+            _table(
+                ["Llama-70B-sized on meta (bf16, 8 x 20 GiB)", "value"],
+                [
+                    [
+                        "layers / parameters / weights",
+                        f"{big['layers']} / {big['parameters'] / 1e9:.1f} G / {_size(big['weight_bytes'])}",
+                    ],
+                    ["graph nodes / ops", f"{big['graph_nodes']} / {big['ops']}"],
+                    ["trace (torch.export) s", f"{big['trace_s']:.1f}"],
+                    ["plan (cost model + partition + plan) s", f"{big['plan_s']:.2f}"],
+                    ["trace + plan s", f"{big['trace_plan_s']:.1f}"],
+                    [
+                        "peak RSS of the process, VmHWM (GiB)",
+                        f"{big['peak_rss_gib']:.2f} (after imports and model: "
+                        f"{big['rss_before_gib']:.2f}; ru_maxrss, which Linux carries over from the parent: "
+                        f"{big.get('ru_maxrss_gib', float('nan')):.2f})",
+                    ],
+                    [
+                        "fxsplit: bytes between devices / device loads",
+                        f"{_size(big['fxsplit_bytes_between'])} / "
+                        f"{', '.join(_size(b) for b in big['fxsplit_device_bytes'])}",
+                    ],
+                    [
+                        "Accelerate (no_split LlamaDecoderLayer): between / spilled / empty devices",
+                        f"{_size(big['accelerate_bytes_between'])} / {_size(big['accelerate_spilled_bytes'])} / "
+                        f"{big['accelerate_empty_devices']}",
+                    ],
+                    ["Accelerate infer_auto_device_map s", f"{big['accelerate_map_s']:.3f}"],
+                ],
+            )
+        )
     elif big:
         parts.append(f"Llama-70B run failed: {big.get('error')}")
     return "\n\n".join(parts)
@@ -288,9 +387,15 @@ def _runtime_md(runtime: dict[str, Any]) -> str:
     rows = []
     for r in runtime["rows"]:
         ms, ratio = r["median_ms"], r["ratio_to_hand"]
-        rows.append([r["model"], r["n_devices"], r["cuts"],
-                     *[f"{ms[v]:.2f} ({ratio[v]:.3f})" if v in ms else "-" for v in variants],
-                     "yes" if all(r["outputs_match"].values()) else f"NO {r['outputs_match']}"])
+        rows.append(
+            [
+                r["model"],
+                r["n_devices"],
+                r["cuts"],
+                *[f"{ms[v]:.2f} ({ratio[v]:.3f})" if v in ms else "-" for v in variants],
+                "yes" if all(r["outputs_match"].values()) else f"NO {r['outputs_match']}",
+            ]
+        )
     return _table(["model", "N", "cuts", *[f"{v} ms (x hand)" for v in variants], "outputs match"], rows)
 
 
@@ -300,8 +405,10 @@ def _spill_split(groups: dict[str, dict[str, Any]]) -> str:
     for key, what in (("on_devices", "kept every weight on the devices"), ("spilled", "spilled weights to disk")):
         group = groups.get(key)
         if group:
-            parts.append(f"where it {what} ({group['cases']} cases): median {group['median']:.2f}x "
-                         f"({group['min']:.2f}x to {group['max']:.2f}x)")
+            parts.append(
+                f"where it {what} ({group['cases']} cases): median {group['median']:.2f}x "
+                f"({group['min']:.2f}x to {group['max']:.2f}x)"
+            )
     return (" By group: " + "; ".join(parts) + ".") if parts else ""
 
 
@@ -312,32 +419,41 @@ def _headlines_md(results: dict[str, Any]) -> str:
         ratio = quality["bytes_ratio_vs_accelerate"]
         lines.append(
             f"- Placement: fxsplit placed {quality['fxsplit_placed']} of {quality['cases']} cases. Accelerate "
-            f"(documented call) spilled weights to \"disk\" in {quality['accelerate_spilled_cases']} and left a "
+            f'(documented call) spilled weights to "disk" in {quality["accelerate_spilled_cases"]} and left a '
             f"device empty in {quality['accelerate_empty_device_cases']} (fxsplit left one empty in "
             f"{quality['fxsplit_empty_device_cases']}). fxsplit's bytes per forward / Accelerate's (streaming "
             f"included): median {ratio['median']:.2f}x, from {ratio['min']:.2f}x to {ratio['max']:.1f}x; fewer or "
             f"equal in {quality['fxsplit_fewer_bytes_cases']} of the {quality.get('both_placed_cases', '')} "
-            "cases both placed." + _spill_split(quality.get("bytes_ratio_by_accelerate_spill") or {}))
+            "cases both placed." + _spill_split(quality.get("bytes_ratio_by_accelerate_spill") or {})
+        )
     planning = results.get("planning")
     if planning:
         times = sorted(r["fxsplit"]["api_total"] / r["accelerate"]["total"] for r in planning["time_to_split"])
-        lines.append(f"- Time to a runnable split: fxsplit takes {times[len(times) // 2]:.0f}x Accelerate's "
-                     f"(median; {times[0]:.0f}x to {times[-1]:.0f}x), almost all of it in torch.export.")
+        lines.append(
+            f"- Time to a runnable split: fxsplit takes {times[len(times) // 2]:.0f}x Accelerate's "
+            f"(median; {times[0]:.0f}x to {times[-1]:.0f}x), almost all of it in torch.export."
+        )
         for name, curve in planning["scaling"].items():
             last = curve["points"][-1]
-            lines.append(f"- partition() on {name} graphs: {1000 * last['seconds']:.0f} ms at {last['ops']} ops, "
-                         f"log-log slope {curve['slope']:.2f}.")
+            lines.append(
+                f"- partition() on {name} graphs: {1000 * last['seconds']:.0f} ms at {last['ops']} ops, "
+                f"log-log slope {curve['slope']:.2f}."
+            )
         big = planning.get("llama70b") or {}
         if "trace_plan_s" in big:
-            lines.append(f"- Llama-70B shape ({big['layers']} layers) on meta: trace + plan "
-                         f"{big['trace_plan_s']:.1f} s, peak RSS {big['peak_rss_gib']:.2f} GiB.")
+            lines.append(
+                f"- Llama-70B shape ({big['layers']} layers) on meta: trace + plan "
+                f"{big['trace_plan_s']:.1f} s, peak RSS {big['peak_rss_gib']:.2f} GiB."
+            )
     runtime = results.get("runtime")
     if runtime and runtime["rows"]:
         for r in runtime["rows"]:
             q = r["ratio_to_hand"]
-            lines.append(f"- Runtime {r['model']} N={r['n_devices']}: fxsplit {q['fxsplit']:.3f}x hand placement, "
-                         f"Accelerate {q['accelerate']:.2f}x (hooks alone {q['accelerate-hooks']:.2f}x); "
-                         f"A/A control {q['hand-again']:.3f}x.")
+            lines.append(
+                f"- Runtime {r['model']} N={r['n_devices']}: fxsplit {q['fxsplit']:.3f}x hand placement, "
+                f"Accelerate {q['accelerate']:.2f}x (hooks alone {q['accelerate-hooks']:.2f}x); "
+                f"A/A control {q['hand-again']:.3f}x."
+            )
     return "\n".join(lines)
 
 
@@ -349,39 +465,59 @@ def write_report(results: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json"]
     written[0].write_text(json.dumps(results, indent=1) + "\n")
-    md: list[str] = [f"# fxsplit benchmark results\n\nWritten by `{results['settings']['command']}` "
-                     f"{_at_commit(results.get('commit'))}on {results['started']} in {results['duration_s']:.0f} s ("
-                     + ", ".join(f"{k} {v:.0f} s" for k, v in results.get("part_durations_s", {}).items()) + ")"
-                     + (" (**--quick**: fewer repeats and sizes)" if results["settings"]["quick"] else "")
-                     + ". Numbers: medians; ratios measured side by side in the same process.\n"]
+    md: list[str] = [
+        f"# fxsplit benchmark results\n\nWritten by `{results['settings']['command']}` "
+        f"{_at_commit(results.get('commit'))}on {results['started']} in {results['duration_s']:.0f} s ("
+        + ", ".join(f"{k} {v:.0f} s" for k, v in results.get("part_durations_s", {}).items())
+        + ")"
+        + (" (**--quick**: fewer repeats and sizes)" if results["settings"]["quick"] else "")
+        + ". Numbers: medians; ratios measured side by side in the same process.\n"
+    ]
     m = results["machine"]
     md.append(_table(["machine", ""], [[k, v] for k, v in m.items()]))
     load = results["load"]
-    md.append(f"\n1-minute load average sampled at the start, after each part and at the end: "
-              f"{', '.join(f'{x:.2f}' for x in load['samples_1min'])} ({m['cores']} cores). "
-              f"{results['load_caveat']}\n")
+    md.append(
+        f"\n1-minute load average sampled at the start, after each part and at the end: "
+        f"{', '.join(f'{x:.2f}' for x in load['samples_1min'])} ({m['cores']} cores). "
+        f"{results['load_caveat']}\n"
+    )
     md.append("## Headlines\n\n" + _headlines_md(results))
     md.append("## Bars\n\n" + _bars_md(results["bars"]))
     if results.get("quality"):
         path = out / PLOTS["quality"]
         _plot_quality(results["quality"]["rows"], path)
         written.append(path)
-        md.append("## 1. Placement quality\n\n" + QUALITY_NOTE + "\n\n" + _quality_md(results["quality"])
-                  + f"\n\n![bytes moved per forward]({path.name})")
+        md.append(
+            "## 1. Placement quality\n\n"
+            + QUALITY_NOTE
+            + "\n\n"
+            + _quality_md(results["quality"])
+            + f"\n\n![bytes moved per forward]({path.name})"
+        )
     if results.get("planning"):
         planning = results["planning"]
         for key, plot in (("split", _plot_split), ("scaling", _plot_scaling)):
             path = out / PLOTS[key]
             plot(planning["time_to_split"] if key == "split" else planning, path)  # type: ignore[operator]
             written.append(path)
-        md.append("## 2. Planning speed\n\n" + PLANNING_NOTE + "\n\n" + _planning_md(planning)
-                  + f"\n\n![time to split]({PLOTS['split']})\n\n![scaling]({PLOTS['scaling']})")
+        md.append(
+            "## 2. Planning speed\n\n"
+            + PLANNING_NOTE
+            + "\n\n"
+            + _planning_md(planning)
+            + f"\n\n![time to split]({PLOTS['split']})\n\n![scaling]({PLOTS['scaling']})"
+        )
     if results.get("runtime") and results["runtime"]["rows"]:
         path = out / PLOTS["runtime"]
         _plot_runtime(results["runtime"]["rows"], path)
         written.append(path)
-        md.append("## 3. Runtime overhead\n\n" + RUNTIME_NOTE + "\n\n" + _runtime_md(results["runtime"])
-                  + f"\n\n![runtime]({path.name})")
+        md.append(
+            "## 3. Runtime overhead\n\n"
+            + RUNTIME_NOTE
+            + "\n\n"
+            + _runtime_md(results["runtime"])
+            + f"\n\n![runtime]({path.name})"
+        )
     results_md = out / "RESULTS.md"
     results_md.write_text("\n\n".join(md) + "\n")
     return [results_md, *written]

@@ -33,8 +33,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
     parser.add_argument("--models", default="", help="comma-separated model names (default: all)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--llama-layers", type=int, default=None,
-                        help="layers of the Llama-70B-shaped model (default 80, --quick 8; 0 skips it)")
+    parser.add_argument(
+        "--llama-layers",
+        type=int,
+        default=None,
+        help="layers of the Llama-70B-shaped model (default 80, --quick 8; 0 skips it)",
+    )
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     return args
@@ -43,9 +47,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def _caveat(samples: list[float], threads: int, cores: int) -> str:
     busiest = max(samples)
     if busiest > threads + 0.5:  # the suite itself keeps `threads` cores busy
-        return (f"**Load caveat:** the machine was shared with other work (1-minute load up to {busiest:.2f} on "
-                f"{cores} cores while this run used {threads} thread(s)), so absolute times are noisy; the "
-                "ratios come from interleaved, side-by-side measurements in one process.")
+        return (
+            f"**Load caveat:** the machine was shared with other work (1-minute load up to {busiest:.2f} on "
+            f"{cores} cores while this run used {threads} thread(s)), so absolute times are noisy; the "
+            "ratios come from interleaved, side-by-side measurements in one process."
+        )
     return "The machine was otherwise idle."
 
 
@@ -96,9 +102,14 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
     layers = args.llama_layers if args.llama_layers is not None else (8 if args.quick else 80)
     started, load_start, clock = datetime.now(timezone.utc), load_average(), time.perf_counter()
     results: dict[str, Any] = {
-        "settings": {"quick": args.quick, "threads": args.threads, "parts": parts,
-                     "models": [c.name for c in cases], "llama_layers": layers,
-                     "command": " ".join(["python benchmarks/run.py", *args.argv])},
+        "settings": {
+            "quick": args.quick,
+            "threads": args.threads,
+            "parts": parts,
+            "models": [c.name for c in cases],
+            "llama_layers": layers,
+            "command": " ".join(["python benchmarks/run.py", *args.argv]),
+        },
         "machine": machine(args.threads),
         "commit": git_commit(),
         "started": started.strftime("%Y-%m-%d %H:%M UTC"),
@@ -111,7 +122,8 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
     if "planning" in parts:
         print("[fxsplit-bench] planning speed ...", flush=True)
         durations["planning"], results["planning"] = time_call(
-            lambda: run_planning(cases, quick=args.quick, threads=args.threads, llama_layers=layers))
+            lambda: run_planning(cases, quick=args.quick, threads=args.threads, llama_layers=layers)
+        )
         samples.append(load_average()[0])
     if "runtime" in parts:
         print("[fxsplit-bench] runtime overhead ...", flush=True)
@@ -123,8 +135,12 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
     results["load_caveat"] = _caveat(samples, args.threads, results["machine"]["cores"] or 1)
     results["duration_s"] = time.perf_counter() - clock
     results["part_durations_s"] = durations
-    results["bars"] = {name: bar for part in ("quality", "planning", "runtime") if results.get(part)
-                       for name, bar in results[part]["bars"].items()}
+    results["bars"] = {
+        name: bar
+        for part in ("quality", "planning", "runtime")
+        if results.get(part)
+        for name, bar in results[part]["bars"].items()
+    }
     written = write_report(results, args.out)
     lines, failed = verdicts(results["bars"])
     print("\n".join(lines))

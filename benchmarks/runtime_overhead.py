@@ -96,14 +96,16 @@ def build_variants(case: Case, n: int) -> tuple[dict[str, Callable[[], Any]], Pl
         "fxsplit": split,
         "hand": hand_placed(case.name, model, plan, move=False),
         "accelerate": dispatch(share_weights(case.build(), model), device_map),
-        "accelerate-hooks": dispatch(share_weights(case.build(), model), {k: "cpu" for k in device_map},
-                                     force_hooks=True),
+        "accelerate-hooks": dispatch(
+            share_weights(case.build(), model), {k: "cpu" for k in device_map}, force_hooks=True
+        ),
         "eager": model,
         "hand-again": hand_placed(case.name, model, plan, move=False),
     }
     try:  # for the record: the same split from a torch.fx trace, where the model allows one
-        modules["fxsplit-fx"] = fxsplit.fxsplit(share_weights(case.build(), model), budgets, example_inputs=inputs,
-                                                trace="fx", mode="weights")
+        modules["fxsplit-fx"] = fxsplit.fxsplit(
+            share_weights(case.build(), model), budgets, example_inputs=inputs, trace="fx", mode="weights"
+        )
     except FxsplitError:
         pass
 
@@ -111,6 +113,7 @@ def build_variants(case: Case, n: int) -> tuple[dict[str, Callable[[], Any]], Pl
         def call() -> Any:
             with torch.no_grad():
                 return module(*inputs)
+
         return call
 
     return {name: caller(m) for name, m in modules.items()}, plan
@@ -118,8 +121,10 @@ def build_variants(case: Case, n: int) -> tuple[dict[str, Callable[[], Any]], Pl
 
 def _check(variants: dict[str, Callable[[], Any]]) -> dict[str, bool]:
     reference = _first(variants["eager"]())
-    return {name: bool(torch.allclose(_first(call()).to("cpu"), reference, atol=1e-4, rtol=1e-4))
-            for name, call in variants.items()}
+    return {
+        name: bool(torch.allclose(_first(call()).to("cpu"), reference, atol=1e-4, rtol=1e-4))
+        for name, call in variants.items()
+    }
 
 
 def _time_rounds(variants: dict[str, Callable[[], Any]], rounds: int, calls: int) -> dict[str, list[float]]:
@@ -151,7 +156,10 @@ def runtime_case(name: str, n: int, rounds: int, calls: int) -> dict[str, Any]:
     seconds = _time_rounds(variants, rounds, calls)
     hand = seconds["hand"]
     return {
-        "model": name, "n_devices": n, "rounds": rounds, "calls_per_round": calls,
+        "model": name,
+        "n_devices": n,
+        "rounds": rounds,
+        "calls_per_round": calls,
         "devices_used": len({d for d in plan.param_devices.values()}),
         "cuts": len([c for c in plan.cuts if c.kind != "output"]),
         "outputs_match": correct,
@@ -168,8 +176,8 @@ def runtime_bars(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         bars[f"{row['model']} N={row['n_devices']}: fxsplit <= 1.03 x hand placement"] = {
             "pass": ratio <= 1.03 and all(row["outputs_match"].values()),
             "value": f"{ratio:.3f} (Accelerate {row['ratio_to_hand']['accelerate']:.2f}, "
-                     f"hooks only {row['ratio_to_hand']['accelerate-hooks']:.2f}; "
-                     f"A/A control {row['ratio_to_hand']['hand-again']:.3f})",
+            f"hooks only {row['ratio_to_hand']['accelerate-hooks']:.2f}; "
+            f"A/A control {row['ratio_to_hand']['hand-again']:.3f})",
         }
     return bars
 

@@ -29,9 +29,15 @@ import fxsplit
 
 def save_tiny_llama(directory: Path) -> None:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=176, vocab_size=1024,
-                                      max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=176,
+        vocab_size=1024,
+        max_position_embeddings=64,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(directory, max_shard_size="300KB")
 
 
@@ -47,12 +53,20 @@ def main() -> None:
             model = transformers.AutoModelForCausalLM.from_config(config).eval()
 
         ids = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
-        split = fxsplit.fxsplit(model, {"cpu:0": "700KiB", "cpu:1": "700KiB"}, example_inputs=(ids,),
-                                example_kwargs={"use_cache": False}, mode="weights", checkpoint=directory)
+        split = fxsplit.fxsplit(
+            model,
+            {"cpu:0": "700KiB", "cpu:1": "700KiB"},
+            example_inputs=(ids,),
+            example_kwargs={"use_cache": False},
+            mode="weights",
+            checkpoint=directory,
+        )
         plan = split.meta["fxsplit_plan"]
         for device in plan.devices:
-            print(f"{device}: {fxsplit.format_size(plan.device_bytes[device])} of weights, "
-                  f"modules {', '.join(plan.modules.get(device, ())[:3])}, ...")
+            print(
+                f"{device}: {fxsplit.format_size(plan.device_bytes[device])} of weights, "
+                f"modules {', '.join(plan.modules.get(device, ())[:3])}, ..."
+            )
 
         reference = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
         torch.testing.assert_close(split(ids).logits, reference(ids, use_cache=False).logits)

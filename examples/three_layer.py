@@ -63,8 +63,10 @@ def main() -> None:
     expected.sum().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad.cpu(), q.grad, msg=lambda m, n=name: f"grad of {n}: {m}")
-    print(f"net1 on {plan.param_devices['net1.weight']}, net2 on {plan.param_devices['net2.weight']}; "
-          f"output on {plan.output_device}")
+    print(
+        f"net1 on {plan.param_devices['net1.weight']}, net2 on {plan.param_devices['net2.weight']}; "
+        f"output on {plan.output_device}"
+    )
     print("outputs and gradients match the unsplit model")
 
 

@@ -31,8 +31,10 @@ class Classifier(nn.Module):
     def __init__(self, vocab: int = 64, width: int = 32, depth: int = 4, classes: int = 5) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
-                                                  nn.Linear(4 * width, width)) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(depth)
+        )
         self.head = nn.Linear(width, classes)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -50,8 +52,10 @@ def devices() -> tuple[str, str]:
 
 def batches(steps: int, batch: int = 16, length: int = 12) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 64, (batch, length), generator=gen), torch.randint(0, 5, (batch,), generator=gen))
-            for _ in range(steps)]
+    return [
+        (torch.randint(0, 64, (batch, length), generator=gen), torch.randint(0, 5, (batch,), generator=gen))
+        for _ in range(steps)
+    ]
 
 
 def train(steps: int = 5, *, verbose: bool = True) -> dict[str, object]:
@@ -63,11 +67,13 @@ def train(steps: int = 5, *, verbose: bool = True) -> dict[str, object]:
     data = batches(steps)
 
     # Budgets: each device gets 70% of what training the whole model on one device needs.
-    alone = fxsplit.plan(model, {first: "1GiB"}, example_inputs=(data[0][0],), mode="training",
-                         optimizer="adamw").memory[first]
+    alone = fxsplit.plan(
+        model, {first: "1GiB"}, example_inputs=(data[0][0],), mode="training", optimizer="adamw"
+    ).memory[first]
     each = int(0.7 * alone["total"])
-    split = fxsplit.fxsplit(model, {first: each, second: each}, example_inputs=(data[0][0],),
-                            mode="training", optimizer="adamw")
+    split = fxsplit.fxsplit(
+        model, {first: each, second: each}, example_inputs=(data[0][0],), mode="training", optimizer="adamw"
+    )
     plan = split.meta["fxsplit_plan"]
     if verbose:
         print(plan, end="\n\n")
@@ -97,8 +103,13 @@ def train(steps: int = 5, *, verbose: bool = True) -> dict[str, object]:
     if verbose:
         worst = max((params[n] - reference_params[n]).abs().max().item() for n in params)
         print(f"largest parameter difference after {steps} steps: {worst:.3g}")
-    return {"plan": plan, "losses": losses, "reference_losses": reference_losses, "params": params,
-            "reference_params": reference_params}
+    return {
+        "plan": plan,
+        "losses": losses,
+        "reference_losses": reference_losses,
+        "params": params,
+        "reference_params": reference_params,
+    }
 
 
 if __name__ == "__main__":

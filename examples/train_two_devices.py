@@ -30,9 +30,14 @@ TOLERANCE = 1e-5  # logical CPU devices run the very same kernels; GPUs differ f
 
 def make_model() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(),
-        nn.Linear(64, 64), nn.ReLU(),
-        nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(),
+        nn.Linear(32, 64),
+        nn.BatchNorm1d(64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.BatchNorm1d(64),
+        nn.ReLU(),
         nn.Linear(64, 4),
     )
 
@@ -50,11 +55,18 @@ def main() -> None:
 
     # Planned for training: a budget holds weights, activations saved for backward, gradients and
     # SGD's momentum buffer. Each device gets 60% of what one device would need: the model must be split.
-    alone = fxsplit.plan(model, {single_device: "1GiB"}, example_inputs=(data[0][0],), trace="fx",
-                         mode="training", optimizer="sgd_momentum").memory[single_device]["total"]
+    alone = fxsplit.plan(
+        model,
+        {single_device: "1GiB"},
+        example_inputs=(data[0][0],),
+        trace="fx",
+        mode="training",
+        optimizer="sgd_momentum",
+    ).memory[single_device]["total"]
     budgets = {d: int(0.6 * alone) for d in devices}
-    gm = fxsplit.fxsplit(model, budgets, example_inputs=(data[0][0],), trace="fx", mode="training",
-                         optimizer="sgd_momentum")
+    gm = fxsplit.fxsplit(
+        model, budgets, example_inputs=(data[0][0],), trace="fx", mode="training", optimizer="sgd_momentum"
+    )
     plan = gm.meta["fxsplit_plan"]
     print(plan)
 
@@ -78,8 +90,9 @@ def main() -> None:
         assert abs(loss.item() - ref_loss.item()) <= tolerance * max(1.0, abs(ref_loss.item())), step
 
     ref_state = reference.state_dict()
-    difference = max((t.float().cpu() - ref_state[name].float().cpu()).abs().max().item()
-                     for name, t in model.state_dict().items())
+    difference = max(
+        (t.float().cpu() - ref_state[name].float().cpu()).abs().max().item() for name, t in model.state_dict().items()
+    )
     print(f"max difference over parameters and buffers after {STEPS} steps: {difference:.3g}")
     assert difference <= tolerance, difference
     print(f"split training matches single-device training (tolerance {tolerance:g})")

@@ -50,8 +50,18 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-_ERRORS = ("BudgetError", "CheckpointError", "DeviceError", "ExampleInputError", "FxsplitError", "FxsplitWarning",
-           "InputMismatchError", "PlanMismatchError", "SpecError", "TraceError")
+_ERRORS = (
+    "BudgetError",
+    "CheckpointError",
+    "DeviceError",
+    "ExampleInputError",
+    "FxsplitError",
+    "FxsplitWarning",
+    "InputMismatchError",
+    "PlanMismatchError",
+    "SpecError",
+    "TraceError",
+)
 
 # public name -> the module that defines it
 _MODULE_OF: dict[str, str] = {

@@ -98,8 +98,9 @@ class Planned:
     options: Options | None = None
 
 
-def trace_and_plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mapping[str, Any], *,
-                   runnable: bool = False) -> Planned:
+def trace_and_plan(
+    model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mapping[str, Any], *, runnable: bool = False
+) -> Planned:
     """Trace and plan; with ``runnable``, first refuse devices that cannot be used here (the split will run)."""
     require_module(model)
     explicit = set(raw) - {"spec"}
@@ -108,8 +109,9 @@ def trace_and_plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, ra
         budgets, raw = merge_spec(spec, budgets, {k: v for k, v in raw.items() if k != "spec"})
     options = _options(raw)
     if budgets is None:
-        raise SpecError("no budgets: pass budgets={'cuda:0': '20GiB', 'cuda:1': '20GiB'}, budgets='auto', "
-                        "or a spec with devices")
+        raise SpecError(
+            "no budgets: pass budgets={'cuda:0': '20GiB', 'cuda:1': '20GiB'}, budgets='auto', or a spec with devices"
+        )
     limits = normalize_budgets(auto_budgets() if isinstance(budgets, str) and budgets == "auto" else budgets)
     reserved = reserve_bytes(options.reserve, limits)
     usable = {d: b - reserved.get(d, 0) for d, b in limits.items()}
@@ -139,10 +141,21 @@ def trace_and_plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, ra
     together = together_groups(options.together)
     check_constraints(traced.graph_module, model, devices, pins, together, locate)
     index = {d: i for i, d in enumerate(devices)}
-    costs = build_problem(traced.graph_module, model, device_index=index, pins=pins, together=together,
-                          dtype=getattr(torch, dtype) if dtype else None)
-    memory, uncounted = _memory_model(MemorySpec.coerce(options.mode, options.optimizer), traced, costs, model,
-                                      getattr(torch, dtype) if dtype else None)
+    costs = build_problem(
+        traced.graph_module,
+        model,
+        device_index=index,
+        pins=pins,
+        together=together,
+        dtype=getattr(torch, dtype) if dtype else None,
+    )
+    memory, uncounted = _memory_model(
+        MemorySpec.coerce(options.mode, options.optimizer),
+        traced,
+        costs,
+        model,
+        getattr(torch, dtype) if dtype else None,
+    )
     if isinstance(options.pipeline, PipelineConfig):  # the profile is one micro-batch's
         pipeline = options.pipeline
         memory = dataclasses.replace(memory, chunks=pipeline.chunks, checkpoint=str(pipeline.checkpoint))
@@ -151,8 +164,9 @@ def trace_and_plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, ra
 
     def split(budgets_now: Sequence[int]) -> Partition:
         try:
-            return partition(problem, budgets_now, objective=options.objective, device_names=devices,
-                             contiguous=contiguous)
+            return partition(
+                problem, budgets_now, objective=options.objective, device_names=devices, contiguous=contiguous
+            )
         except BudgetError as error:
             better = explain_infeasible_pins(error, problem, list(budgets_now), devices, pins, len(together), locate)
             if better is None:
@@ -160,9 +174,17 @@ def trace_and_plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, ra
             raise better from error
 
     def solve(budgets_now: Sequence[int]) -> Plan:
-        return make_plan(costs, traced.graph_module, split(budgets_now), devices,
-                         dict(zip(devices, budgets_now, strict=True)), output_device=output_device,
-                         trace=traced.method, objective=options.objective, repartition=split)
+        return make_plan(
+            costs,
+            traced.graph_module,
+            split(budgets_now),
+            devices,
+            dict(zip(devices, budgets_now, strict=True)),
+            output_device=output_device,
+            trace=traced.method,
+            objective=options.objective,
+            repartition=split,
+        )
 
     made = fit_budgets(memory, usable, solve)
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
@@ -175,15 +197,19 @@ def trace_and_plan(model: torch.nn.Module, budgets: Any, example_inputs: Any, ra
 
 
 @gc_paused()
-def _memory_model(spec: MemorySpec, traced: Traced, costs: GraphCosts, model: torch.nn.Module,
-                  dtype: torch.dtype | None = None) -> tuple[MemoryModel, str | None]:
+def _memory_model(
+    spec: MemorySpec, traced: Traced, costs: GraphCosts, model: torch.nn.Module, dtype: torch.dtype | None = None
+) -> tuple[MemoryModel, str | None]:
     """What the plan charges: trainable parameters and, with shapes, the activation profile.
 
     Also why the activations are not counted where ``spec`` counts them (warned), else None.
     """
     named = dict(model.named_parameters(remove_duplicate=False))
-    trainable = {w.names[0]: named[w.names[0]].numel() for w in costs.weights
-                 if w.names[0] in named and named[w.names[0]].requires_grad}
+    trainable = {
+        w.names[0]: named[w.names[0]].numel()
+        for w in costs.weights
+        if w.names[0] in named and named[w.names[0]].requires_grad
+    }
     profile, uncounted = None, None
     if spec.counts_activations and not traced.has_shapes:
         uncounted = traced.shapes_missing or "the traced graph has no sizes"
@@ -196,36 +222,56 @@ def _memory_model(spec: MemorySpec, traced: Traced, costs: GraphCosts, model: to
         if profile is None and uncounted is None:
             uncounted = _inputs_without_values(traced.graph_module)
     if uncounted is not None:
-        warnings.warn(FxsplitWarning(
-            f"activations not counted: {uncounted}; this plan charges parameters and buffers{_also(spec)} but no "
-            f"activations (nor cut sizes, where the graph has no sizes), although mode={spec.mode!r} counts them: "
-            "leave room for them in the budgets or pass example_inputs the model runs on (mode='weights' plans "
-            "without activations and without this warning)"), stacklevel=4)
+        warnings.warn(
+            FxsplitWarning(
+                f"activations not counted: {uncounted}; this plan charges parameters and buffers{_also(spec)} but no "
+                f"activations (nor cut sizes, where the graph has no sizes), although mode={spec.mode!r} counts them: "
+                "leave room for them in the budgets or pass example_inputs the model runs on (mode='weights' plans "
+                "without activations and without this warning)"
+            ),
+            stacklevel=4,
+        )
     return MemoryModel(spec, costs, trainable, profile), uncounted
 
 
 def _inputs_without_values(graph_module: torch.fx.GraphModule) -> str:
     unknown = [n.name for n in graph_module.graph.nodes if n.op == "placeholder" and "val" not in n.meta]
-    return (f"no example value recorded for input(s) {', '.join(unknown) or '?'} (fake shape propagation "
-            "records tensors and numbers only)")
+    return (
+        f"no example value recorded for input(s) {', '.join(unknown) or '?'} (fake shape propagation "
+        "records tensors and numbers only)"
+    )
 
 
 def _also(spec: MemorySpec) -> str:
     return ", gradients and optimizer state" if spec.training else ""
 
 
-def _record(made: Plan, model: torch.nn.Module, budgets: dict[str, int], reserved: dict[str, int],
-            dtype: str | None, leaves: list[type | str], dynamic: str | None = None) -> Plan:
+def _record(
+    made: Plan,
+    model: torch.nn.Module,
+    budgets: dict[str, int],
+    reserved: dict[str, int],
+    dtype: str | None,
+    leaves: list[type | str],
+    dynamic: str | None = None,
+) -> Plan:
     """The plan with what it was made from: the full budgets, reserves, the model's structure, how to re-trace."""
     fingerprint, tensors, tied = describe(model)
     names = tuple(leaf if isinstance(leaf, str) else f"{leaf.__module__}.{leaf.__qualname__}" for leaf in leaves)
-    return dataclasses.replace(made, budgets=dict(budgets), reserved=reserved, fingerprint=fingerprint,
-                               tensors=tensors, tied=tied, dtype=dtype, leaf_modules=names, dynamic_shapes=dynamic)
+    return dataclasses.replace(
+        made,
+        budgets=dict(budgets),
+        reserved=reserved,
+        fingerprint=fingerprint,
+        tensors=tensors,
+        tied=tied,
+        dtype=dtype,
+        leaf_modules=names,
+        dynamic_shapes=dynamic,
+    )
 
 
-def plan(
-    model: torch.nn.Module, budgets: Any = None, *, example_inputs: Any = None, **options: Any
-) -> Plan:
+def plan(model: torch.nn.Module, budgets: Any = None, *, example_inputs: Any = None, **options: Any) -> Plan:
     """Decide where every op, parameter and buffer of ``model`` goes; run nothing.
 
     Works on models built on the ``meta`` device (no weights needed). Takes the
@@ -244,13 +290,25 @@ def plan(
 
 
 @overload
-def fxsplit(model: torch.nn.Module, budgets: Mapping[Any, Any] | None = None, *, example_inputs: Any = None,
-            pipeline: None = None, **options: Any) -> torch.fx.GraphModule: ...
+def fxsplit(
+    model: torch.nn.Module,
+    budgets: Mapping[Any, Any] | None = None,
+    *,
+    example_inputs: Any = None,
+    pipeline: None = None,
+    **options: Any,
+) -> torch.fx.GraphModule: ...
 
 
 @overload
-def fxsplit(model: torch.nn.Module, budgets: Mapping[Any, Any] | None = None, *, example_inputs: Any = None,
-            pipeline: PipelineConfig | Mapping[str, Any] | int, **options: Any) -> Pipeline: ...
+def fxsplit(
+    model: torch.nn.Module,
+    budgets: Mapping[Any, Any] | None = None,
+    *,
+    example_inputs: Any = None,
+    pipeline: PipelineConfig | Mapping[str, Any] | int,
+    **options: Any,
+) -> Pipeline: ...
 
 
 def fxsplit(
@@ -367,8 +425,9 @@ def fxsplit(
         if checkpoint is None:
             refuse_meta(model)
         by_node = weights_by_node(planned.costs)
-        moved = move_weights(planned.traced.graph_module, planned.plan,
-                             loaded.not_loaded(planned.costs.weights + planned.costs.unused))
+        moved = move_weights(
+            planned.traced.graph_module, planned.plan, loaded.not_loaded(planned.costs.weights + planned.costs.unused)
+        )
         try:
             split = remember_non_persistent(emit(planned.traced.graph_module, planned.plan, by_node), model)
             if planned.options is not None and planned.options.check:

@@ -59,8 +59,9 @@ def _raise(what: str, problems: list[str]) -> None:
         raise InvariantError(f"{what} breaks {len(problems)} invariant(s):\n  " + "\n  ".join(problems))
 
 
-def verify_plan(plan: Plan, graph_module: torch.fx.GraphModule | None = None,
-               model: torch.nn.Module | None = None) -> None:
+def verify_plan(
+    plan: Plan, graph_module: torch.fx.GraphModule | None = None, model: torch.nn.Module | None = None
+) -> None:
     """Check a plan on its own, and against the traced graph and model when given.
 
     Args:
@@ -78,8 +79,9 @@ def verify_plan(plan: Plan, graph_module: torch.fx.GraphModule | None = None,
     if graph_module is not None:
         names = [n.name for n in graph_module.graph.nodes]
         problems += [f"node '{n}' is not placed" for n in names if n not in plan.placement]
-        problems += [f"placement names '{n}', which is not a node of the graph"
-                     for n in sorted(set(plan.placement) - set(names))]
+        problems += [
+            f"placement names '{n}', which is not a node of the graph" for n in sorted(set(plan.placement) - set(names))
+        ]
     if model is not None:
         problems += _param_problems(plan, model)
     _raise("the plan", problems)
@@ -101,8 +103,10 @@ def _param_problems(plan: Plan, model: torch.nn.Module) -> list[str]:
             held[device] += tensor.numel() * tensor.element_size()
     for device, nbytes in held.items():
         if plan.device_bytes.get(device, 0) < nbytes:
-            problems.append(f"'{device}' holds {nbytes} bytes of parameters and buffers but device_bytes says "
-                            f"{plan.device_bytes.get(device, 0)}")
+            problems.append(
+                f"'{device}' holds {nbytes} bytes of parameters and buffers but device_bytes says "
+                f"{plan.device_bytes.get(device, 0)}"
+            )
     return problems
 
 
@@ -138,8 +142,10 @@ def verify_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
             where[node] = plan.param_devices.get(str(node.target)) if _is_tensor(gm, node) else None
         elif node.op == "output":
             found = {d for n in node.all_input_nodes if (d := where.get(n)) and value_kind(n) != NONTENSOR}
-            problems += [f"an output is returned on '{d}', not on output_device '{plan.output_device}'"
-                         for d in sorted(found - {plan.output_device})]
+            problems += [
+                f"an output is returned on '{d}', not on output_device '{plan.output_device}'"
+                for d in sorted(found - {plan.output_device})
+            ]
         else:
             where[node] = _op_device(gm, plan, node, where, problems)
         claimed = node.meta.get(DEVICE_META)
@@ -147,15 +153,21 @@ def verify_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
             problems.append(f"'{node.name}' is marked to run on '{claimed}' but its values are on '{where[node]}'")
     cut_pairs = {(c.producer, c.destination) for c in plan.cuts}
     copy_pairs = {pair for pair, source in copies.items() if source != "?"}
-    problems += [f"the plan cuts '{p}' to '{d}' but the code makes no such copy"
-                 for p, d in sorted(cut_pairs - copy_pairs)]
-    problems += [f"the code copies '{p}' to '{d}' but the plan has no such cut"
-                 for p, d in sorted(copy_pairs - cut_pairs)]
+    problems += [
+        f"the plan cuts '{p}' to '{d}' but the code makes no such copy" for p, d in sorted(cut_pairs - copy_pairs)
+    ]
+    problems += [
+        f"the code copies '{p}' to '{d}' but the plan has no such cut" for p, d in sorted(copy_pairs - cut_pairs)
+    ]
     _raise("the split module", problems)
 
 
-def _copy_problems(node: torch.fx.Node, where: dict[torch.fx.Node, str | None],
-                   copies: dict[tuple[str, str], str], made: set[tuple[str, str]]) -> list[str]:
+def _copy_problems(
+    node: torch.fx.Node,
+    where: dict[torch.fx.Node, str | None],
+    copies: dict[tuple[str, str], str],
+    made: set[tuple[str, str]],
+) -> list[str]:
     key, source, destination = node.meta[COPY_META]
     problems: list[str] = []
     if (key, destination) in made:
@@ -191,8 +203,13 @@ def _op_name(node: torch.fx.Node) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
-def _op_device(gm: torch.fx.GraphModule, plan: Plan, node: torch.fx.Node,
-               where: dict[torch.fx.Node, str | None], problems: list[str]) -> str | None:
+def _op_device(
+    gm: torch.fx.GraphModule,
+    plan: Plan,
+    node: torch.fx.Node,
+    where: dict[torch.fx.Node, str | None],
+    problems: list[str],
+) -> str | None:
     """The device ``node`` runs on, from its inputs; records a problem if they disagree."""
     reads = {n: where.get(n) for n in node.all_input_nodes if value_kind(n) != NONTENSOR}
     devices = {d for d in reads.values() if d}
@@ -280,7 +297,7 @@ class DeviceChecker(TorchDispatchMode):
         super().__init__()
         self._tags: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         for module in modules:
-            for name, device in (plan.param_devices.items() if plan else ()):
+            for name, device in plan.param_devices.items() if plan else ():
                 tensor = _resolve(module, name)
                 if isinstance(tensor, torch.Tensor):
                     self._tags[tensor] = device
@@ -305,8 +322,10 @@ class DeviceChecker(TorchDispatchMode):
         seen = {self._tags[t] for t in tensors if not self._is_wildcard(t)}
         if len(seen) > 1 and name not in _WRITES_ACROSS and name != "_to_copy":
             described = ", ".join(f"{tuple(t.shape)} on '{self._tags.get(t) or 'anywhere'}'" for t in tensors)
-            raise InvariantError(f"{func} mixes tensors on devices {sorted(seen)}: {described}; on real devices "
-                                 "this op would fail (a copy is missing)")
+            raise InvariantError(
+                f"{func} mixes tensors on devices {sorted(seen)}: {described}; on real devices "
+                "this op would fail (a copy is missing)"
+            )
         self.ops_checked += 1
         out = func(*args, **kwargs)
         device = kwargs.get("device")

@@ -72,37 +72,54 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory")
     common.add_argument("--debug", action="store_true", help="show the traceback of errors")
-    common.add_argument("--budget", action="append", default=[], metavar="DEVICE=SIZE",
-                        help="a device budget, e.g. cuda:0=20GiB; repeat in stage order (replaces the spec's devices)")
+    common.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="DEVICE=SIZE",
+        help="a device budget, e.g. cuda:0=20GiB; repeat in stage order (replaces the spec's devices)",
+    )
     overrides = argparse.ArgumentParser(add_help=False)
     overrides.add_argument("--trace", choices=TRACE_MODES, help="override the spec's trace mode")
     overrides.add_argument("--objective", choices=OBJECTIVES, help="override the spec's objective")
     overrides.add_argument("--dtype", help="plan as if floating tensors had this dtype (bf16, fp16, fp32)")
     overrides.add_argument("--output-device", help="where outputs are returned")
-    overrides.add_argument("--mode", choices=MODES,
-                           help="what the budgets hold (default inference: weights and activations)")
+    overrides.add_argument(
+        "--mode", choices=MODES, help="what the budgets hold (default inference: weights and activations)"
+    )
     overrides.add_argument("--optimizer", help="optimizer state counted with --mode training (adam, sgd, ...)")
-    overrides.add_argument("--dynamic-shapes", choices=DYNAMIC_SHAPES,
-                           help="input sizes a torch.export split keeps variable")
+    overrides.add_argument(
+        "--dynamic-shapes", choices=DYNAMIC_SHAPES, help="input sizes a torch.export split keeps variable"
+    )
 
-    parser = argparse.ArgumentParser(prog="fxsplit", description="Split a PyTorch model over devices under memory "
-                                     "budgets: plan it from a YAML spec, print the generated code, draw it, check it.")
+    parser = argparse.ArgumentParser(
+        prog="fxsplit",
+        description="Split a PyTorch model over devices under memory "
+        "budgets: plan it from a YAML spec, print the generated code, draw it, check it.",
+    )
     parser.add_argument("--debug", action="store_true", help="show the traceback of errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plan = commands.add_parser("plan", parents=[common, overrides], help="solve, print the table, save the plan")
     plan.add_argument("--spec", help="a partition spec (YAML)")
     plan.add_argument("-o", "--output", help="write the plan here (YAML)")
     code = commands.add_parser("code", parents=[common, overrides], help="print the generated forward")
-    code.add_argument("--raw", action="store_true",
-                      help="print gm.code exactly (default: arranged for reading, one section per device)")
+    code.add_argument(
+        "--raw",
+        action="store_true",
+        help="print gm.code exactly (default: arranged for reading, one section per device)",
+    )
     show = commands.add_parser("show", parents=[common, overrides], help="draw the split (needs graphviz)")
     for sub in (code, show):
         source = sub.add_mutually_exclusive_group()  # or --budget alone: checked in _planned
         source.add_argument("--spec", help="plan from this spec (YAML)")
         source.add_argument("--plan", help="use this saved plan (YAML) without solving")
     show.add_argument("-o", "--output", required=True, help="picture to write: .svg, .png, .pdf or .dot")
-    show.add_argument("--depth", type=int, default=None,
-                      help="draw one box per module at this depth of the module path (default: automatic)")
+    show.add_argument(
+        "--depth",
+        type=int,
+        default=None,
+        help="draw one box per module at this depth of the module path (default: automatic)",
+    )
     check = commands.add_parser("check", parents=[common], help="validate a saved plan against a model and budgets")
     check.add_argument("--plan", required=True, help="the saved plan (YAML)")
     check.add_argument("--spec", help="check against this spec's budgets (default: the plan's own)")
@@ -119,8 +136,10 @@ def _budgets(pairs: Sequence[str]) -> dict[str, str] | None:
             raise FxsplitError(f"--budget {pair!r} must look like DEVICE=SIZE, e.g. cuda:0=20GiB")
         device = device.strip()
         if device in budgets:
-            raise SpecError(f"--budget names '{device}' twice ({device}={budgets[device]} and {pair}); give each "
-                            "device one --budget, in stage order")
+            raise SpecError(
+                f"--budget names '{device}' twice ({device}={budgets[device]} and {pair}); give each "
+                "device one --budget, in stage order"
+            )
         budgets[device] = size
     return budgets
 
@@ -153,17 +172,21 @@ def _planned(args: argparse.Namespace, loaded: Any, progress: _Progress) -> tupl
 
     if getattr(args, "plan", None):
         if args.budget:
-            raise FxsplitError(f"fxsplit {args.command}: --budget plans anew, --plan uses a saved plan with its own "
-                               "budgets; give one of them (fxsplit check --plan PLAN --budget ... checks a plan "
-                               "against other budgets)")
+            raise FxsplitError(
+                f"fxsplit {args.command}: --budget plans anew, --plan uses a saved plan with its own "
+                "budgets; give one of them (fxsplit check --plan PLAN --budget ... checks a plan "
+                "against other budgets)"
+            )
         plan = _read_plan(args.plan)
         with progress.stage("tracing and checking"):
-            traced, costs, _ = checked_retrace(loaded.model, plan, example_inputs=loaded.example_inputs,
-                                               example_kwargs=loaded.example_kwargs)
+            traced, costs, _ = checked_retrace(
+                loaded.model, plan, example_inputs=loaded.example_inputs, example_kwargs=loaded.example_kwargs
+            )
         return traced.graph_module, costs, plan
     if not args.spec and not args.budget:
-        raise FxsplitError(f"fxsplit {args.command} needs --spec SPEC, --plan PLAN or --budget DEVICE=SIZE (one per "
-                           "device)")
+        raise FxsplitError(
+            f"fxsplit {args.command} needs --spec SPEC, --plan PLAN or --budget DEVICE=SIZE (one per device)"
+        )
     with progress.stage("tracing and planning"):
         planned = trace_and_plan(loaded.model, _budgets(args.budget), loaded.example_inputs, _options(args, loaded))
     return planned.traced.graph_module, planned.costs, planned.plan
@@ -180,8 +203,9 @@ def _run(args: argparse.Namespace, out: TextIO, progress: _Progress) -> int:
         from fxsplit.api import plan as make_plan
 
         with progress.stage("tracing and planning"):
-            made = make_plan(loaded.model, _budgets(args.budget), example_inputs=loaded.example_inputs,
-                             **_options(args, loaded))
+            made = make_plan(
+                loaded.model, _budgets(args.budget), example_inputs=loaded.example_inputs, **_options(args, loaded)
+            )
         print(made, file=out)
         if args.output:
             Path(args.output).write_text(made.to_yaml(), encoding="utf-8")
@@ -217,8 +241,13 @@ def _run(args: argparse.Namespace, out: TextIO, progress: _Progress) -> int:
         if args.budget:
             limits = normalize_budgets(_budgets(args.budget) or {})
         with progress.stage("tracing and checking"):
-            report = check_plan(loaded.model, plan, limits, example_inputs=loaded.example_inputs,
-                                **({"example_kwargs": loaded.example_kwargs} if loaded.example_kwargs else {}))
+            report = check_plan(
+                loaded.model,
+                plan,
+                limits,
+                example_inputs=loaded.example_inputs,
+                **({"example_kwargs": loaded.example_kwargs} if loaded.example_kwargs else {}),
+            )
         print(report, file=out)
     return EXIT_OK
 

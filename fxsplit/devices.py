@@ -39,8 +39,10 @@ def normalize_device(key: Any) -> str:
         return f"cuda:{key}"
     if isinstance(key, torch.device):
         if key.index is not None and key.index < 0:
-            raise SpecError(f"device '{key}' has a negative index: torch keeps device indices in 8 bits, so an "
-                            f"index above {MAX_DEVICE_INDEX} wraps around; write an index of a device you have")
+            raise SpecError(
+                f"device '{key}' has a negative index: torch keeps device indices in 8 bits, so an "
+                f"index above {MAX_DEVICE_INDEX} wraps around; write an index of a device you have"
+            )
         device = key
     elif isinstance(key, str):
         index = _INDEX.search(key)
@@ -61,8 +63,10 @@ def normalize_device(key: Any) -> str:
 
 def _check_index(index: int, written: str) -> None:
     if index > MAX_DEVICE_INDEX:
-        raise SpecError(f"device {written} has index {index}, but torch's device indices go from 0 to "
-                        f"{MAX_DEVICE_INDEX}; write an index of a device you have, like 'cuda:1' or 'cpu:1'")
+        raise SpecError(
+            f"device {written} has index {index}, but torch's device indices go from 0 to "
+            f"{MAX_DEVICE_INDEX}; write an index of a device you have, like 'cuda:1' or 'cpu:1'"
+        )
 
 
 def _physical(name: str) -> str:
@@ -104,8 +108,10 @@ def _named_twice(physical: str, earlier: Any, later: Any) -> str:
     message = f"budgets name device '{physical}' twice (as {earlier!r} and {later!r})"
     if any(_physical(normalize_device(key)) != normalize_device(key) for key in (earlier, later)):
         kind, _, index = physical.partition(":")
-        message += f"; a bare '{kind}' means the current {kind} device, index {index} here: name each device once, " \
-                   "with its index"
+        message += (
+            f"; a bare '{kind}' means the current {kind} device, index {index} here: name each device once, "
+            "with its index"
+        )
     return message
 
 

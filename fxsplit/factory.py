@@ -43,8 +43,10 @@ def load_model(reference: str) -> Loaded:
     """
     where, colon, name = reference.rpartition(":")
     if not colon or not where or not name:
-        raise ModelLoadError(f"model {reference!r} must be 'path/to/file.py:factory' or 'package.module:factory' "
-                             "(a callable returning the model, optionally with example inputs)")
+        raise ModelLoadError(
+            f"model {reference!r} must be 'path/to/file.py:factory' or 'package.module:factory' "
+            "(a callable returning the model, optionally with example inputs)"
+        )
     module = _import(where)
     factory = getattr(module, name, None)
     if not callable(factory):
@@ -78,16 +80,20 @@ def _import(where: str) -> Any:
         try:
             spec.loader.exec_module(module)
         except SystemExit as error:
-            raise ModelLoadError(f"importing '{where}' called sys.exit({error.code!r}); guard the script's main code "
-                                 "with if __name__ == '__main__':") from error
+            raise ModelLoadError(
+                f"importing '{where}' called sys.exit({error.code!r}); guard the script's main code "
+                "with if __name__ == '__main__':"
+            ) from error
         except Exception as error:  # noqa: BLE001
             raise ModelLoadError(f"importing '{where}' raised {type(error).__name__}: {error}") from error
         return module
     try:
         return importlib.import_module(where)
     except SystemExit as error:
-        raise ModelLoadError(f"importing module {where!r} called sys.exit({error.code!r}); guard its main code with "
-                             "if __name__ == '__main__':") from error
+        raise ModelLoadError(
+            f"importing module {where!r} called sys.exit({error.code!r}); guard its main code with "
+            "if __name__ == '__main__':"
+        ) from error
     except Exception as error:  # noqa: BLE001
         raise ModelLoadError(f"cannot import module {where!r}: {type(error).__name__}: {error}") from error
 
@@ -96,8 +102,10 @@ def _unpack(made: Any, reference: str) -> Loaded:
     if isinstance(made, dict):
         unknown = set(made) - {"model", "example_inputs", "example_kwargs"}
         if unknown or "model" not in made:
-            raise ModelLoadError(f"{reference}() returned a dict; it needs 'model' and may have 'example_inputs', "
-                                 f"'example_kwargs' (got keys {sorted(made)})")
+            raise ModelLoadError(
+                f"{reference}() returned a dict; it needs 'model' and may have 'example_inputs', "
+                f"'example_kwargs' (got keys {sorted(made)})"
+            )
         made = (made["model"], made.get("example_inputs"), made.get("example_kwargs"))
     if isinstance(made, torch.nn.Module):
         return Loaded(made)
@@ -109,5 +117,7 @@ def _unpack(made: Any, reference: str) -> Loaded:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ModelLoadError(f"{reference}() returned example kwargs of type {type(kwargs).__name__}; use a dict")
         return Loaded(made[0], inputs, kwargs)
-    raise ModelLoadError(f"{reference}() must return an nn.Module, or (module, example_inputs[, example_kwargs]) "
-                         f"(got {type(made).__name__})")
+    raise ModelLoadError(
+        f"{reference}() must return an nn.Module, or (module, example_inputs[, example_kwargs]) "
+        f"(got {type(made).__name__})"
+    )

@@ -12,8 +12,14 @@ from typing import Any, Mapping, Union
 from fxsplit.errors import SpecError
 
 __all__ = [
-    "BATCH_STATS_MODES", "CHECKPOINT_MODES", "DYNAMIC_SHAPES", "MODES", "OBJECTIVES", "OPTIMIZERS",
-    "TRACE_MODES", "PipelineConfig",
+    "BATCH_STATS_MODES",
+    "CHECKPOINT_MODES",
+    "DYNAMIC_SHAPES",
+    "MODES",
+    "OBJECTIVES",
+    "OPTIMIZERS",
+    "TRACE_MODES",
+    "PipelineConfig",
 ]
 
 TRACE_MODES = ("auto", "fx", "export")  # trace: torch.export with a torch.fx fallback, or one of them
@@ -53,12 +59,15 @@ class PipelineConfig:
             raise SpecError(f"pipeline chunks must be an int >= 1 (got {self.chunks!r})")
         mode = "always" if self.checkpoint is True else "never" if self.checkpoint is False else self.checkpoint
         if mode not in CHECKPOINT_MODES:
-            raise SpecError(f"pipeline checkpoint must be True, False or one of {', '.join(CHECKPOINT_MODES)} "
-                            f"(got {self.checkpoint!r})")
+            raise SpecError(
+                f"pipeline checkpoint must be True, False or one of {', '.join(CHECKPOINT_MODES)} "
+                f"(got {self.checkpoint!r})"
+            )
         object.__setattr__(self, "checkpoint", mode)
         if self.batch_stats not in BATCH_STATS_MODES:
-            raise SpecError(f"pipeline batch_stats must be one of {', '.join(BATCH_STATS_MODES)} "
-                            f"(got {self.batch_stats!r})")
+            raise SpecError(
+                f"pipeline batch_stats must be one of {', '.join(BATCH_STATS_MODES)} (got {self.batch_stats!r})"
+            )
         if isinstance(self.broadcast, str):
             raise SpecError(f"pipeline broadcast must be a tuple of input names (got the string {self.broadcast!r})")
         object.__setattr__(self, "broadcast", tuple(self.broadcast))
@@ -73,8 +82,10 @@ class PipelineConfig:
         if isinstance(value, Mapping):
             unknown = sorted(set(value) - set(cls.__dataclass_fields__))
             if unknown:
-                raise SpecError(f"unknown pipeline option(s) {', '.join(map(repr, unknown))}; options are "
-                                f"{', '.join(cls.__dataclass_fields__)}")
+                raise SpecError(
+                    f"unknown pipeline option(s) {', '.join(map(repr, unknown))}; options are "
+                    f"{', '.join(cls.__dataclass_fields__)}"
+                )
             if "chunks" not in value:
                 raise SpecError("pipeline needs 'chunks' (the number of micro-batches)")
             return cls(**value)

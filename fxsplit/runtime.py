@@ -46,8 +46,9 @@ def write_back(original: Any, moved: Any) -> None:
             write_back(item, moved[key])
 
 
-def call_with_weights(module: torch.nn.Module, weights: Mapping[str, torch.Tensor], args: Sequence[Any],
-                      kwargs: Mapping[str, Any]) -> Any:
+def call_with_weights(
+    module: torch.nn.Module, weights: Mapping[str, torch.Tensor], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Any:
     """Call ``module(*args, **kwargs)`` with some of its parameters and buffers replaced by ``weights``.
 
     The generated code calls this where a module runs on one device while

@@ -54,8 +54,17 @@ from fxsplit.yamlfile import (
 from fxsplit.yamlfile import short_repr as _short
 
 __all__ = [
-    "DTYPES", "Headroom", "Problem", "Spec", "SpecProblems", "load_spec", "merge_spec", "parse_headroom",
-    "planning_dtype", "reserve_bytes", "spec_device",
+    "DTYPES",
+    "Headroom",
+    "Problem",
+    "Spec",
+    "SpecProblems",
+    "load_spec",
+    "merge_spec",
+    "parse_headroom",
+    "planning_dtype",
+    "reserve_bytes",
+    "spec_device",
 ]
 
 DTYPES = {
@@ -63,8 +72,22 @@ DTYPES = {
     "float16": "float16", "fp16": "float16", "half": "float16",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
 }  # fmt: skip
-SPEC_KEYS = ("devices", "reserve", "pin", "together", "leaf_modules", "trace", "output_device", "objective", "dtype",
-             "pipeline", "contiguous", "mode", "optimizer", "dynamic_shapes")
+SPEC_KEYS = (
+    "devices",
+    "reserve",
+    "pin",
+    "together",
+    "leaf_modules",
+    "trace",
+    "output_device",
+    "objective",
+    "dtype",
+    "pipeline",
+    "contiguous",
+    "mode",
+    "optimizer",
+    "dynamic_shapes",
+)
 DEVICE_KEYS = ("budget", "reserve")
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
 
@@ -103,14 +126,17 @@ def parse_headroom(value: Any, *, what: str = "reserve", share_of: str = "the bu
         return value
     if isinstance(value, float):
         if not 0 <= value < 1:
-            raise SpecError(f"{what} {value!r} is a float, which means a fraction of {share_of} from 0 to below 1 "
-                            "(0.1 is '10%'); for bytes write an int or a size like '100MiB'")
+            raise SpecError(
+                f"{what} {value!r} is a float, which means a fraction of {share_of} from 0 to below 1 "
+                "(0.1 is '10%'); for bytes write an int or a size like '100MiB'"
+            )
         return Headroom(fraction=value)
     if isinstance(value, str) and "%" in value:
         match = _PERCENT.match(value)
         if match is None or float(match.group(1)) >= 100:
-            raise SpecError(f"{what} {_short(value)} is not a percentage of {share_of} from 0% to below 100%, "
-                            "like '10%'")
+            raise SpecError(
+                f"{what} {_short(value)} is not a percentage of {share_of} from 0% to below 100%, like '10%'"
+            )
         return Headroom(fraction=float(match.group(1)) / 100)
     return Headroom(nbytes=parse_size(value, what=what))
 
@@ -175,8 +201,17 @@ class Spec:
             found["together"] = self.together
         if self.leaf_modules:
             found["leaf_modules"] = self.leaf_modules
-        for name in ("trace", "output_device", "objective", "dtype", "pipeline", "contiguous", "mode", "optimizer",
-                     "dynamic_shapes"):
+        for name in (
+            "trace",
+            "output_device",
+            "objective",
+            "dtype",
+            "pipeline",
+            "contiguous",
+            "mode",
+            "optimizer",
+            "dynamic_shapes",
+        ):
             if getattr(self, name) is not None:
                 found[name] = getattr(self, name)
         return found
@@ -207,8 +242,10 @@ def reserve_bytes(reserve: Any, budgets: Mapping[str, int]) -> dict[str, int]:
     held = {device: rooms[device].of(budget) if device in rooms and budget else 0 for device, budget in budgets.items()}
     for device, nbytes in held.items():
         if budgets[device] and nbytes >= budgets[device]:
-            raise SpecError(f"reserve {rooms[device]} of '{device}' leaves nothing of its budget "
-                            f"{format_size(budgets[device])}; reserve less or raise the budget")
+            raise SpecError(
+                f"reserve {rooms[device]} of '{device}' leaves nothing of its budget "
+                f"{format_size(budgets[device])}; reserve less or raise the budget"
+            )
     return held
 
 
@@ -271,8 +308,11 @@ def load_spec(source: str | os.PathLike[str] | Mapping[str, Any] | Spec) -> Spec
 
 
 def _read(source: str | os.PathLike[str]) -> tuple[str, str]:
-    looks_like_path = isinstance(source, str) and "\n" not in source and (
-        source.endswith((".yaml", ".yml")) or os.path.isfile(source))
+    looks_like_path = (
+        isinstance(source, str)
+        and "\n" not in source
+        and (source.endswith((".yaml", ".yml")) or os.path.isfile(source))
+    )
     if isinstance(source, os.PathLike) or looks_like_path:
         return read_limited(source, "spec", MAX_SPEC_BYTES), str(Path(source))
     if not isinstance(source, str):
@@ -377,8 +417,11 @@ def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list
         default_reserve = check.attempt(("reserve",), lambda: parse_headroom(data["reserve"]))
     pins = _pins(check, data.get("pin"), devices) if "pin" in data else {}
     together = _together(check, data["together"]) if "together" in data else ()
-    leaves = check.string_list(data["leaf_modules"], ("leaf_modules",), "module path or class name") if (
-        "leaf_modules" in data) else ()
+    leaves = (
+        check.string_list(data["leaf_modules"], ("leaf_modules",), "module path or class name")
+        if ("leaf_modules" in data)
+        else ()
+    )
     trace = check.choice(data["trace"], TRACE_MODES, ("trace",)) if "trace" in data else None
     objective = check.choice(data["objective"], OBJECTIVES, ("objective",)) if "objective" in data else None
     dtype = None
@@ -396,8 +439,10 @@ def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list
     optimizer = data.get("optimizer")
     if optimizer is not None:
         if isinstance(optimizer, bool) or not isinstance(optimizer, (str, int)):
-            check.problem(("optimizer",), f"must be one of {', '.join(OPTIMIZERS)} or bytes per parameter element "
-                          f"(got {_short(optimizer)})")
+            check.problem(
+                ("optimizer",),
+                f"must be one of {', '.join(OPTIMIZERS)} or bytes per parameter element (got {_short(optimizer)})",
+            )
             optimizer = None
         elif isinstance(optimizer, str):
             optimizer = check.choice(optimizer, OPTIMIZERS, ("optimizer",))
@@ -414,10 +459,25 @@ def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list
         output = check.attempt(("output_device",), lambda: spec_device(data["output_device"]))
     if check.problems:
         raise SpecProblems(source, sorted(check.problems, key=lambda p: (p.line or 0, format_path(p.path))))
-    return Spec(devices=devices, reserve=reserve, default_reserve=default_reserve, pins=pins, together=together,
-                leaf_modules=leaves, trace=trace, output_device=output, objective=objective, dtype=dtype,
-                pipeline=pipeline, contiguous=contiguous, mode=mode, optimizer=optimizer, dynamic_shapes=dynamic,
-                source=source, lines=dict(lines))
+    return Spec(
+        devices=devices,
+        reserve=reserve,
+        default_reserve=default_reserve,
+        pins=pins,
+        together=together,
+        leaf_modules=leaves,
+        trace=trace,
+        output_device=output,
+        objective=objective,
+        dtype=dtype,
+        pipeline=pipeline,
+        contiguous=contiguous,
+        mode=mode,
+        optimizer=optimizer,
+        dynamic_shapes=dynamic,
+        source=source,
+        lines=dict(lines),
+    )
 
 
 def _devices(check: _Checker, value: Any, present: bool) -> tuple[dict[str, int], dict[str, Headroom]]:
@@ -426,8 +486,10 @@ def _devices(check: _Checker, value: Any, present: bool) -> tuple[dict[str, int]
     if not present:
         return budgets, reserve
     if not isinstance(value, dict) or not value:
-        check.problem(("devices",), "must map each device to its budget, like {cuda:0: 20GiB, cuda:1: 20GiB} "
-                      f"(got {_kind(value)})")
+        check.problem(
+            ("devices",),
+            f"must map each device to its budget, like {{cuda:0: 20GiB, cuda:1: 20GiB}} (got {_kind(value)})",
+        )
         return budgets, reserve
     for key, entry in value.items():
         path: YamlPath = ("devices", key)
@@ -453,30 +515,39 @@ def _devices(check: _Checker, value: Any, present: bool) -> tuple[dict[str, int]
         if size is not None:
             budgets[name] = size
             if name in reserve and reserve[name].of(size) >= size and size:
-                check.problem((*path[:2], "reserve"), f"reserve {reserve[name]} leaves nothing of the budget "
-                              f"{format_size(size)}; reserve less or raise the budget")
+                check.problem(
+                    (*path[:2], "reserve"),
+                    f"reserve {reserve[name]} leaves nothing of the budget "
+                    f"{format_size(size)}; reserve less or raise the budget",
+                )
     return budgets, reserve
 
 
 def _pins(check: _Checker, value: Any, devices: dict[str, int]) -> dict[str, str]:
     pins: dict[str, str] = {}
     if not isinstance(value, dict):
-        check.problem(("pin",), "must map module paths or globs to devices, like {lm_head: cuda:1} "
-                      f"(got {_kind(value)})")
+        check.problem(
+            ("pin",), f"must map module paths or globs to devices, like {{lm_head: cuda:1}} (got {_kind(value)})"
+        )
         return pins
     for key, device in value.items():
         path: YamlPath = ("pin", key)
         pattern = _module_key(key)
         if pattern is None:
-            check.problem(path, f"a pin's key must be a module path or glob; quote paths that look like numbers "
-                          f"(got {_short(key)})")
+            check.problem(
+                path,
+                f"a pin's key must be a module path or glob; quote paths that look like numbers (got {_short(key)})",
+            )
             continue
         name = check.attempt(path, partial(spec_device, device))
         if name is None:
             continue
         if devices and name not in devices:
-            check.problem(path, f"pins to '{name}', which is not under devices ({', '.join(devices)}); "
-                          "add it there or pin to one of those")
+            check.problem(
+                path,
+                f"pins to '{name}', which is not under devices ({', '.join(devices)}); "
+                "add it there or pin to one of those",
+            )
             continue
         pins[pattern] = name
     return pins
@@ -484,8 +555,9 @@ def _pins(check: _Checker, value: Any, devices: dict[str, int]) -> dict[str, str
 
 def _together(check: _Checker, value: Any) -> tuple[tuple[str, ...], ...]:
     if not isinstance(value, list):
-        check.problem(("together",), "must be a list of groups, like [[encoder.embed, decoder.embed]] "
-                      f"(got {_kind(value)})")
+        check.problem(
+            ("together",), f"must be a list of groups, like [[encoder.embed, decoder.embed]] (got {_kind(value)})"
+        )
         return ()
     groups = []
     for i, group in enumerate(value):

@@ -28,8 +28,10 @@ __all__ = ["check_concrete_args", "check_option_types", "device_option", "requir
 def require_module(model: Any) -> None:
     """Refuse anything that is not a ``torch.nn.Module``."""
     if not isinstance(model, torch.nn.Module):
-        raise SpecError(f"model must be a torch.nn.Module (got {type(model).__name__}); pass the module itself, "
-                        "e.g. fxsplit.plan(model, ...), not its state_dict, a class or a factory")
+        raise SpecError(
+            f"model must be a torch.nn.Module (got {type(model).__name__}); pass the module itself, "
+            "e.g. fxsplit.plan(model, ...), not its state_dict, a class or a factory"
+        )
 
 
 def _shown(value: Any) -> str:
@@ -60,14 +62,18 @@ def _leaf_modules(name: str, value: Any) -> None:
     for index, item in enumerate(value):
         is_module_class = isinstance(item, type) and issubclass(item, torch.nn.Module)
         if not is_module_class and not (isinstance(item, str) and item):
-            raise SpecError(f"'{name}'[{index}] must be an nn.Module subclass (like torch.nn.MultiheadAttention) or "
-                            f"a module path or class name as a string (got {_shown(item)})")
+            raise SpecError(
+                f"'{name}'[{index}] must be an nn.Module subclass (like torch.nn.MultiheadAttention) or "
+                f"a module path or class name as a string (got {_shown(item)})"
+            )
 
 
 def _dynamic_shapes(name: str, value: Any) -> None:
     if value is not None and not isinstance(value, (str, Mapping, tuple, list)):
-        raise SpecError(f"'{name}' must be 'batch', 'all', a torch.export dynamic_shapes spec (a dict, tuple or "
-                        f"list) or None (got {_shown(value)})")
+        raise SpecError(
+            f"'{name}' must be 'batch', 'all', a torch.export dynamic_shapes spec (a dict, tuple or "
+            f"list) or None (got {_shown(value)})"
+        )
 
 
 _CHECKS: dict[str, Callable[[str, Any], None]] = {
@@ -121,5 +127,7 @@ def check_concrete_args(model: torch.nn.Module, concrete_args: Mapping[str, Any]
     if unknown:
         named = ", ".join(repr(name) for name in unknown)
         arguments = ", ".join(parameters) or "none"
-        raise SpecError(f"concrete_args names {named}, which {'is' if len(unknown) == 1 else 'are'} not an argument "
-                        f"of {type(model).__name__}.forward (its arguments: {arguments}); fix the name or drop it")
+        raise SpecError(
+            f"concrete_args names {named}, which {'is' if len(unknown) == 1 else 'are'} not an argument "
+            f"of {type(model).__name__}.forward (its arguments: {arguments}); fix the name or drop it"
+        )

@@ -86,10 +86,12 @@ def to_dot(graph_module: torch.fx.GraphModule, plan: Plan, *, depth: int | None 
     """
     graphviz = _graphviz()
     colour = {d: PALETTE[i % len(PALETTE)] for i, d in enumerate(plan.devices)}
-    dot = graphviz.Digraph("fxsplit", graph_attr={"rankdir": "TB", "fontname": "Helvetica", "label": title,
-                                                  "labelloc": "t", "newrank": "true"},
-                           node_attr={"fontname": "Helvetica", "fontsize": "10", "style": "filled"},
-                           edge_attr={"fontname": "Helvetica", "fontsize": "9", "color": "#555555"})
+    dot = graphviz.Digraph(
+        "fxsplit",
+        graph_attr={"rankdir": "TB", "fontname": "Helvetica", "label": title, "labelloc": "t", "newrank": "true"},
+        node_attr={"fontname": "Helvetica", "fontsize": "10", "style": "filled"},
+        edge_attr={"fontname": "Helvetica", "fontsize": "9", "color": "#555555"},
+    )
     dot.node("memory", label=_memory_table(plan, colour), shape="plaintext", style="")
     of, groups = _groups(graph_module, plan, depth)
     for index, device in enumerate(plan.devices):
@@ -128,8 +130,15 @@ def to_dot(graph_module: torch.fx.GraphModule, plan: Plan, *, depth: int | None 
         if cut.kind == "parameter":
             ends = _weight_readers(graph_module, plan, cut, of)
             if ends is not None:
-                dot.edge(f"g{ends[0]}", f"g{ends[1]}", label=f"{format_size(cut.nbytes)} ({cut.producer})",
-                         style="dashed", color="#d62728", fontcolor="#d62728", constraint="false")
+                dot.edge(
+                    f"g{ends[0]}",
+                    f"g{ends[1]}",
+                    label=f"{format_size(cut.nbytes)} ({cut.producer})",
+                    style="dashed",
+                    color="#d62728",
+                    fontcolor="#d62728",
+                    constraint="false",
+                )
     return dot
 
 
@@ -138,8 +147,9 @@ def _bytes_label(moved: list[int | None]) -> str:
     return format_size(sum(known)) if len(known) == len(moved) else "size unknown"
 
 
-def _weight_readers(graph_module: torch.fx.GraphModule, plan: Plan, cut: Any,
-                    of: dict[str, int]) -> tuple[int, int] | None:
+def _weight_readers(
+    graph_module: torch.fx.GraphModule, plan: Plan, cut: Any, of: dict[str, int]
+) -> tuple[int, int] | None:
     """Groups reading a copied weight: one on its home device, one on the destination."""
     names = next((set(g) for g in plan.tied if cut.producer in g), {cut.producer})
     modules = {name.rpartition(".")[0] for name in names}
@@ -194,8 +204,9 @@ def _memory_table(plan: Plan, colour: dict[str, str], width: int = 240) -> str:
     return '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2">' + "".join(rows) + "</TABLE>>"
 
 
-def render(graph_module: torch.fx.GraphModule, plan: Plan, path: str | Path, *, depth: int | None = None,
-           title: str = "") -> Path:
+def render(
+    graph_module: torch.fx.GraphModule, plan: Plan, path: str | Path, *, depth: int | None = None, title: str = ""
+) -> Path:
     """Draw the split into ``path``; the format comes from its suffix (.svg, .png, .pdf or .dot).
 
     Raises:
@@ -204,8 +215,9 @@ def render(graph_module: torch.fx.GraphModule, plan: Plan, path: str | Path, *, 
     target = Path(path)
     suffix = target.suffix.lower().lstrip(".")
     if suffix not in FORMATS:
-        raise FxsplitError(f"cannot tell the picture format from '{target}'; end the name in "
-                           f"{', '.join('.' + f for f in FORMATS)}")
+        raise FxsplitError(
+            f"cannot tell the picture format from '{target}'; end the name in {', '.join('.' + f for f in FORMATS)}"
+        )
     dot = to_dot(graph_module, plan, depth=depth, title=title)
     if suffix == "dot":
         target.write_text(dot.source, encoding="utf-8")
@@ -214,7 +226,8 @@ def render(graph_module: torch.fx.GraphModule, plan: Plan, path: str | Path, *, 
     try:
         data = dot.pipe(format=suffix)
     except graphviz.ExecutableNotFound:
-        raise FxsplitError(f"cannot render '{target}': Graphviz's 'dot' program is not installed; " + INSTALL_HINT
-                           ) from None
+        raise FxsplitError(
+            f"cannot render '{target}': Graphviz's 'dot' program is not installed; " + INSTALL_HINT
+        ) from None
     target.write_bytes(data)
     return target

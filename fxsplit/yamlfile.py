@@ -38,8 +38,17 @@ from fxsplit.errors import SpecError
 from fxsplit.units import format_size
 
 __all__ = [
-    "MAX_DEPTH", "MAX_PLAN_BYTES", "MAX_SPEC_BYTES", "Problem", "YamlPath", "YamlProblems", "format_path",
-    "line_of", "load_yaml", "read_limited", "short_repr",
+    "MAX_DEPTH",
+    "MAX_PLAN_BYTES",
+    "MAX_SPEC_BYTES",
+    "Problem",
+    "YamlPath",
+    "YamlProblems",
+    "format_path",
+    "line_of",
+    "load_yaml",
+    "read_limited",
+    "short_repr",
 ]
 
 YamlPath = tuple[Any, ...]
@@ -133,17 +142,21 @@ def read_limited(path: str | os.PathLike[str], what: str, limit: int) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise SpecError(f"{what} file '{path}' is not UTF-8 text (byte {error.start} is {data[error.start]:#04x}); "
-                        f"save it as UTF-8") from None
+        raise SpecError(
+            f"{what} file '{path}' is not UTF-8 text (byte {error.start} is {data[error.start]:#04x}); save it as UTF-8"
+        ) from None
 
 
 def _too_large(what: str, source: str, size: str, limit: int) -> str:
-    return (f"{what} file '{source}' is {size}; a {what} file may hold at most {format_size(limit)} "
-            f"({limit} bytes), so this is not one (check the path)")
+    return (
+        f"{what} file '{source}' is {size}; a {what} file may hold at most {format_size(limit)} "
+        f"({limit} bytes), so this is not one (check the path)"
+    )
 
 
-def load_yaml(text: str, what: str, source: str | None = None,
-              limit: int | None = None) -> tuple[Any, dict[YamlPath, int], list[Problem]]:
+def load_yaml(
+    text: str, what: str, source: str | None = None, limit: int | None = None
+) -> tuple[Any, dict[YamlPath, int], list[Problem]]:
     """``(data, YAML path -> line, problems)`` of one YAML document; ``what`` is ``"spec"`` or ``"plan"``.
 
     Problems that do not stop reading (a duplicate key, a key that is not a
@@ -157,8 +170,17 @@ def load_yaml(text: str, what: str, source: str | None = None,
     limit = limit if limit is not None else (MAX_PLAN_BYTES if what == "plan" else MAX_SPEC_BYTES)
     size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))  # bytes >= characters
     if size > limit:
-        raise YamlProblems(source, [Problem((), None, f"the text is at least {format_size(size)} ({size} "
-                                            f"bytes); a {what} may hold at most {format_size(limit)} ({limit} bytes)")])
+        raise YamlProblems(
+            source,
+            [
+                Problem(
+                    (),
+                    None,
+                    f"the text is at least {format_size(size)} ({size} "
+                    f"bytes); a {what} may hold at most {format_size(limit)} ({limit} bytes)",
+                )
+            ],
+        )
     loader = _LineLoader(text, what)
     try:
         return loader.load(), loader.lines, loader.problems
@@ -194,14 +216,18 @@ class _LineLoader(yaml.SafeLoader):
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise _Refused(problem=f"alias *{_clip(str(event.anchor), 40)}: a {self.what} file takes no YAML aliases "
-                           "(a few nested aliases can expand into billions of values); write the value out",
-                           problem_mark=event.start_mark)
+            raise _Refused(
+                problem=f"alias *{_clip(str(event.anchor), 40)}: a {self.what} file takes no YAML aliases "
+                "(a few nested aliases can expand into billions of values); write the value out",
+                problem_mark=event.start_mark,
+            )
         self.depth += 1
         try:
             if self.depth > MAX_DEPTH:
-                raise _Refused(problem=f"values nested more than {MAX_DEPTH} levels deep; a {self.what} file "
-                               "nests a few levels", problem_mark=self.peek_event().start_mark)
+                raise _Refused(
+                    problem=f"values nested more than {MAX_DEPTH} levels deep; a {self.what} file nests a few levels",
+                    problem_mark=self.peek_event().start_mark,
+                )
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1

@@ -7,6 +7,7 @@ if ! command -v dot >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "
 fi
 bash scripts/setup.sh "test,bench,viz,hf,dev"
 . .venv/bin/activate
-ruff check fxsplit tests
+ruff check fxsplit tests benchmarks examples
+ruff format --check fxsplit tests benchmarks examples
 mypy fxsplit
 python -m pytest -q "$@"

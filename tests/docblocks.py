@@ -87,7 +87,7 @@ def parse(path: Path) -> list[Block]:
         end = index + 1
         while end < len(lines) and lines[end].strip() != "```":
             end += 1
-        text = "\n".join(_dedent(line, indent) for line in lines[index + 1:end])
+        text = "\n".join(_dedent(line, indent) for line in lines[index + 1 : end])
         markers = _markers_above(lines, index, indent, name)
         blocks.append(Block(name, index + 1, fence["lang"], text + "\n", markers))
         index = end + 1
@@ -133,8 +133,9 @@ def contains(expected: str, text: str) -> bool:
 
 
 def difference(expected: str, got: str) -> str:
-    diff = difflib.unified_diff(_trim(expected).splitlines(), _trim(got).splitlines(), "documented", "printed now",
-                                lineterm="")
+    diff = difflib.unified_diff(
+        _trim(expected).splitlines(), _trim(got).splitlines(), "documented", "printed now", lineterm=""
+    )
     return "\n".join(diff)
 
 

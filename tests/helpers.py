@@ -89,8 +89,9 @@ def split_and_compare(
     reference = copy.deepcopy(model)
     kwargs = kwargs or {}
     params_before = {n: p for n, p in model.named_parameters()}
-    gm = fxsplit.fxsplit(model, budgets, example_inputs=tuple(inputs), trace=trace,
-                         example_kwargs=kwargs or None, mode=mode, **options)
+    gm = fxsplit.fxsplit(
+        model, budgets, example_inputs=tuple(inputs), trace=trace, example_kwargs=kwargs or None, mode=mode, **options
+    )
     plan = gm.meta["fxsplit_plan"]
     assert plan.trace == trace
     verify_plan(plan, model=model)
@@ -136,16 +137,18 @@ def assert_same_state(model: nn.Module, reference: nn.Module) -> None:
 
 
 def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32),
-                         nn.ReLU(), nn.Linear(32, 8))
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8)
+    )
 
 
 class Residual(nn.Module):
     def __init__(self, width: int = 24, blocks: int = 4) -> None:
         super().__init__()
         self.inp = nn.Linear(10, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
-                                    for _ in range(blocks))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width)) for _ in range(blocks)
+        )
         self.norm = nn.LayerNorm(width)
         self.out = nn.Linear(width, 3)
 

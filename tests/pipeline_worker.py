@@ -30,8 +30,10 @@ def batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same data on every rank and in the single-process reference."""
     gen = torch.Generator().manual_seed(7)
     if name == "Tied":
-        return [(torch.randint(0, 24, (8, 5), generator=gen), torch.randint(0, 24, (8, 5), generator=gen))
-                for _ in range(STEPS)]
+        return [
+            (torch.randint(0, 24, (8, 5), generator=gen), torch.randint(0, 24, (8, 5), generator=gen))
+            for _ in range(STEPS)
+        ]
     return [(torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)) for _ in range(STEPS)]
 
 
@@ -49,8 +51,9 @@ def make(name: str) -> torch.nn.Module:
 def train(name: str, kind: str, rank: int, world: int) -> dict[str, Any]:
     model = make(name)
     data = batches(name)
-    stages = fxsplit.pipeline_stages(model, budgets(model, world), mode="weights",
-                                     example_inputs=(data[0][0],), chunks=CHUNKS)
+    stages = fxsplit.pipeline_stages(
+        model, budgets(model, world), mode="weights", example_inputs=(data[0][0],), chunks=CHUNKS
+    )
     stage = stages.build_stage(rank)
     schedule_type = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
     schedule = schedule_type(stage, n_microbatches=CHUNKS, loss_fn=loss_fn)

@@ -28,8 +28,10 @@ def draw_dag_values(draw: st.DrawFn, n: int, *, inputs: bool = True) -> list[Val
 
 def seeded_dag(rng: random.Random, n: int = 12, min_weight: int = 0) -> PartitionProblem:
     """``n`` ops, each output read by the next two (or fewer) later ops, one weight per op."""
-    values = [Value(f"a{i}", rng.randint(1, 99), i, tuple(sorted(rng.sample(range(i + 1, n), min(n - i - 1, 2)))))
-              for i in range(n - 1)]
+    values = [
+        Value(f"a{i}", rng.randint(1, 99), i, tuple(sorted(rng.sample(range(i + 1, n), min(n - i - 1, 2)))))
+        for i in range(n - 1)
+    ]
     values += [Value(f"w{i}", 0, i, (i,), weight=rng.randint(min_weight, 40)) for i in range(n)]
     return PartitionProblem(tuple(f"op{i}" for i in range(n)), tuple(values))
 

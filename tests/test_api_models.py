@@ -101,8 +101,9 @@ def test_tied_head_runs_beside_its_embedding_when_that_copies_less() -> None:
     torch.manual_seed(0)
     model = Tied()
     inputs = (torch.randint(0, 40, (3, 7)),)
-    contiguous = fxsplit.plan(copy.deepcopy(model), budgets_for(model, 2), example_inputs=inputs, trace="fx",
-                              contiguous=True, mode="weights")
+    contiguous = fxsplit.plan(
+        copy.deepcopy(model), budgets_for(model, 2), example_inputs=inputs, trace="fx", contiguous=True, mode="weights"
+    )
     gm = split_and_compare(model, budgets_for(model, 2), inputs)
     plan = gm.meta["fxsplit_plan"]
     assert plan.placement["head"] == plan.param_devices["emb.weight"]
@@ -126,8 +127,9 @@ def test_batchnorm_cumulative_average_falls_back_to_fx() -> None:
     model = WithBatchNorm(cumulative=True)
     gm = split_and_compare(model, budgets_for(model, 2), (torch.randn(6, 8),), trace="fx", steps=3)
     assert int(model.bn2.num_batches_tracked) == 3
-    auto = fxsplit.plan(WithBatchNorm(cumulative=True), budgets_for(model, 2), example_inputs=(torch.randn(6, 8),),
-                        mode="weights")
+    auto = fxsplit.plan(
+        WithBatchNorm(cumulative=True), budgets_for(model, 2), example_inputs=(torch.randn(6, 8),), mode="weights"
+    )
     assert auto.trace == "fx"
     assert gm.meta["fxsplit_plan"].placement == auto.placement
 
@@ -143,8 +145,9 @@ def test_keyword_inputs_with_export() -> None:
 def test_output_device_option(trace: str) -> None:
     torch.manual_seed(0)
     model = MultiIO()
-    gm = split_and_compare(model, budgets_for(model, 3), (torch.randn(3, 6), torch.randn(3, 4)), trace=trace,
-                           output_device="cpu:0")
+    gm = split_and_compare(
+        model, budgets_for(model, 3), (torch.randn(3, 6), torch.randn(3, 4)), trace=trace, output_device="cpu:0"
+    )
     plan = gm.meta["fxsplit_plan"]
     assert plan.output_device == "cpu:0"
     assert any(c.kind == "output" and c.destination == "cpu:0" for c in plan.cuts)
@@ -265,8 +268,9 @@ def test_split_shares_parameters_with_the_model(trace: str) -> None:
     model = Residual()
     reference = copy.deepcopy(model)
     originals = dict(model.named_parameters())
-    gm = fxsplit.fxsplit(model, budgets_for(model, 3), example_inputs=(torch.randn(2, 10),), trace=trace,
-                         mode="weights")
+    gm = fxsplit.fxsplit(
+        model, budgets_for(model, 3), example_inputs=(torch.randn(2, 10),), trace=trace, mode="weights"
+    )
     assert dict(model.named_parameters()) == originals  # the very same Parameter objects
     by_id = {id(p) for p in model.parameters()}
     assert {id(p) for p in gm.parameters()} <= by_id
@@ -346,13 +350,31 @@ def test_hugging_face_causal_lm_with_labels() -> None:
     """A transformers 5.x GPT-2 (tied head) via export: the ModelOutput, its loss and every gradient match."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=4, n_head=2, use_cache=False,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=16,
+        n_layer=4,
+        n_head=2,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="eager",
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 64, (2, 8))
-    gm = split_and_compare(model, budgets_for(model, 3), (ids,), kwargs={"labels": ids}, trace="export",
-                           loss=lambda out: out.loss, min_devices=3)
+    gm = split_and_compare(
+        model,
+        budgets_for(model, 3),
+        (ids,),
+        kwargs={"labels": ids},
+        trace="export",
+        loss=lambda out: out.loss,
+        min_devices=3,
+    )
     out = gm(ids, labels=ids)
     assert type(out).__name__ == "CausalLMOutputWithCrossAttentions" and out.loss.dim() == 0
     plan = gm.meta["fxsplit_plan"]

@@ -126,10 +126,18 @@ API_CASES = [
     Case("budget-overflow", plan_with({"cpu:0": "1e400GiB"}), Spec, r"1e400GiB"),
     Case("budget-none", plan_with({"cpu:0": None}), Spec, r"byte count"),
     Case("budgets-all-zero", plan_with({"cpu:0": 0, "cpu:1": 0}), Budget, r"short by"),
-    Case("budgets-too-small", plan_with({"cpu:0": 1000, "cpu:1": 1000}, mode="weights"), Budget,
-         r"short by .*raise the budgets"),
-    Case("reserve-over-budget", plan_with({"cpu:0": 1024, "cpu:1": "8KiB"}, reserve="1KiB"), Spec,
-         r"reserve 1.00 KiB of 'cpu:0' leaves nothing"),
+    Case(
+        "budgets-too-small",
+        plan_with({"cpu:0": 1000, "cpu:1": 1000}, mode="weights"),
+        Budget,
+        r"short by .*raise the budgets",
+    ),
+    Case(
+        "reserve-over-budget",
+        plan_with({"cpu:0": 1024, "cpu:1": "8KiB"}, reserve="1KiB"),
+        Spec,
+        r"reserve 1.00 KiB of 'cpu:0' leaves nothing",
+    ),
     Case("reserve-percent-over", plan_with(reserve="150%"), Spec, r"reserve"),
     Case("reserve-float-over-one", plan_with(reserve=1.5), Spec, r"reserve 1.5 is a float.*'10%'"),
     Case("reserve-words", plan_with(reserve="some"), Spec, r"reserve"),
@@ -157,8 +165,7 @@ API_CASES = [
     Case("dynamic-shapes", plan_with(dynamic_shapes="some"), Spec, r"dynamic_shapes"),
     Case("pipeline-zero-chunks", plan_with(pipeline=0), Spec, r"chunks"),
     Case("pipeline-unknown-key", plan_with(pipeline={"chunk": 2}), Spec, r"chunk"),
-    Case("concrete-args-unknown", plan_with(example_inputs=None, trace="fx", concrete_args={"nope": 1}), Spec,
-         r"nope"),
+    Case("concrete-args-unknown", plan_with(example_inputs=None, trace="fx", concrete_args={"nope": 1}), Spec, r"nope"),
     Case("output-device", plan_with(output_device="gpu"), Spec, r"'gpu' is not a device"),
     # example inputs
     Case("example-wrong-width", plan_with(example_inputs=(torch.randn(4, 8),)), Trace, r"example|input"),
@@ -167,41 +174,79 @@ API_CASES = [
     # specs
     Case("spec-missing-file", plan_with(budgets=None, spec="no/such/spec.yaml"), Spec, r"no/such/spec\.yaml"),
     Case("spec-syntax", plan_with(budgets=None, spec="devices: {cpu:0: [\n"), Spec, r"<spec>:\d+: .*not valid YAML"),
-    Case("spec-unknown-key", plan_with(budgets=None, spec="devices: {cpu:0: 8KiB}\nobjectiv: balanced\n"), Spec,
-         r"objectiv"),
-    Case("spec-python-tag", plan_with(budgets=None, spec="devices: !!python/object/apply:os.system [ls]\n"), Spec,
-         r"python"),
+    Case(
+        "spec-unknown-key",
+        plan_with(budgets=None, spec="devices: {cpu:0: 8KiB}\nobjectiv: balanced\n"),
+        Spec,
+        r"objectiv",
+    ),
+    Case(
+        "spec-python-tag",
+        plan_with(budgets=None, spec="devices: !!python/object/apply:os.system [ls]\n"),
+        Spec,
+        r"python",
+    ),
     Case("spec-alias-bomb", plan_with(budgets=None, spec=_alias_bomb()), Spec, r"alias|anchor"),
     Case("spec-not-a-mapping", plan_with(budgets=None, spec="- cpu:0\n- cpu:1\n"), Spec, r"mapping"),
     Case("load-spec-int", lambda m: fxsplit.load_spec(123), Spec, r"spec"),
     # running a split
-    Case("device-not-usable", split_with({"cpu:0": "8KiB", "cuda:0": "8KiB"} if not torch.cuda.is_available()
-                                         else {"cpu:0": "8KiB", "cuda:120": "8KiB"}), Any_, r"cuda.*cpu:0"),
-    Case("meta-model-split", split_with(), Any_, r"meta device.*fxsplit\.plan",
-         make=lambda: small().to("meta")),
+    Case(
+        "device-not-usable",
+        split_with(
+            {"cpu:0": "8KiB", "cuda:0": "8KiB"}
+            if not torch.cuda.is_available()
+            else {"cpu:0": "8KiB", "cuda:120": "8KiB"}
+        ),
+        Any_,
+        r"cuda.*cpu:0",
+    ),
+    Case("meta-model-split", split_with(), Any_, r"meta device.*fxsplit\.plan", make=lambda: small().to("meta")),
     # saved plans
     Case("plan-garbage", lambda m: fxsplit.Plan.from_yaml("devices: [cpu:0\n"), Spec, r"plan"),
     Case("plan-not-a-mapping", lambda m: fxsplit.Plan.from_yaml("- 1\n- 2\n"), Spec, r"plan"),
-    Case("plan-python-tag", lambda m: fxsplit.Plan.from_yaml("devices: !!python/object/apply:os.system [ls]\n"),
-         Spec, r"python|tag"),
+    Case(
+        "plan-python-tag",
+        lambda m: fxsplit.Plan.from_yaml("devices: !!python/object/apply:os.system [ls]\n"),
+        Spec,
+        r"python|tag",
+    ),
     Case("plan-alias-bomb", lambda m: fxsplit.Plan.from_yaml(_alias_bomb(top="placement")), Spec, r"alias|anchor"),
-    Case("plan-huge-file", lambda m: fxsplit.Plan.from_yaml("devices: [" + "cpu:0, " * 3_000_000 + "]\n"), Spec,
-         r"MiB|too large|size"),
-    Case("plan-of-another-model", apply_text(lambda: _plan_yaml(), example_inputs=(torch.randn(4, 32),)), Mismatch,
-         r"another model", make=lambda: nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32),
-                                                      nn.Linear(32, 32))),
-    Case("plan-tampered-fingerprint", apply_text(_edit_plan("fingerprint: ", "fingerprint: 0000")), Any_,
-         r"fingerprint"),
+    Case(
+        "plan-huge-file",
+        lambda m: fxsplit.Plan.from_yaml("devices: [" + "cpu:0, " * 3_000_000 + "]\n"),
+        Spec,
+        r"MiB|too large|size",
+    ),
+    Case(
+        "plan-of-another-model",
+        apply_text(lambda: _plan_yaml(), example_inputs=(torch.randn(4, 32),)),
+        Mismatch,
+        r"another model",
+        make=lambda: nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 32)),
+    ),
+    Case(
+        "plan-tampered-fingerprint", apply_text(_edit_plan("fingerprint: ", "fingerprint: 0000")), Any_, r"fingerprint"
+    ),
     Case("plan-not-a-plan", lambda m: fxsplit.apply(m, "plan.yaml", example_inputs=X), Any_, r"Plan"),
-    Case("plan-unknown-device", apply_text(_edit_plan("  0.weight: cpu:0", "  0.weight: cpu:5")), Any_,
-         r"cpu:5"),
-    Case("pipeline-stages-pipeline-option", lambda m: fxsplit.pipeline_stages(m, BUDGETS, example_inputs=X,
-                                                                              pipeline=2), Spec, r"chunks="),
-    Case("apply-unknown-option", lambda m: fxsplit.apply(m, fxsplit.Plan.from_yaml(_plan_yaml()), example_inputs=X,
-                                                         objective="balanced"), Spec, r"apply\(\) takes no option"),
-    Case("check-plan-unknown-option", lambda m: fxsplit.check_plan(m, fxsplit.Plan.from_yaml(_plan_yaml()),
-                                                                   example_inputs=X, budget=1), Spec,
-         r"check_plan\(\) takes no option 'budget'"),
+    Case("plan-unknown-device", apply_text(_edit_plan("  0.weight: cpu:0", "  0.weight: cpu:5")), Any_, r"cpu:5"),
+    Case(
+        "pipeline-stages-pipeline-option",
+        lambda m: fxsplit.pipeline_stages(m, BUDGETS, example_inputs=X, pipeline=2),
+        Spec,
+        r"chunks=",
+    ),
+    Case(
+        "apply-unknown-option",
+        lambda m: fxsplit.apply(m, fxsplit.Plan.from_yaml(_plan_yaml()), example_inputs=X, objective="balanced"),
+        Spec,
+        r"apply\(\) takes no option",
+    ),
+    Case(
+        "check-plan-unknown-option",
+        lambda m: fxsplit.check_plan(m, fxsplit.Plan.from_yaml(_plan_yaml()), example_inputs=X, budget=1),
+        Spec,
+        r"check_plan\(\) takes no option 'budget'",
+    ),
     Case("parse-size", lambda m: fxsplit.parse_size("twelve"), Spec, r"not a size"),
 ]
 
@@ -270,36 +315,63 @@ def factory():
 CLI_CASES: list[tuple[str, Callable[[Path], list[str]], int, str]] = [
     ("model-file-missing", lambda t: ["plan", "no/such/file.py:factory", "--budget", "cpu:0=1MiB"], 2, "no/such"),
     ("model-ref-no-colon", lambda t: ["plan", "examples/models.py", "--budget", "cpu:0=1MiB"], 2, ":"),
-    ("factory-missing", lambda t: ["plan", MODEL_FILE.replace(":factory", ":nope"), "--budget", "cpu:0=1MiB"], 2,
-     "nope"),
-    ("factory-raises", lambda t: ["plan", _write(t, "f.py", FAILING_FACTORY) + ":factory", "--budget",
-                                  "cpu:0=1MiB"], 2, "checkpoint missing"),
-    ("factory-exits", lambda t: ["plan", _write(t, "f.py", EXITING_FACTORY) + ":factory", "--budget",
-                                 "cpu:0=1MiB"], 2, "exit"),
-    ("factory-not-a-model", lambda t: ["plan", _write(t, "f.py", NOT_A_MODEL_FACTORY) + ":factory", "--budget",
-                                       "cpu:0=1MiB"], 2, "str"),
+    (
+        "factory-missing",
+        lambda t: ["plan", MODEL_FILE.replace(":factory", ":nope"), "--budget", "cpu:0=1MiB"],
+        2,
+        "nope",
+    ),
+    (
+        "factory-raises",
+        lambda t: ["plan", _write(t, "f.py", FAILING_FACTORY) + ":factory", "--budget", "cpu:0=1MiB"],
+        2,
+        "checkpoint missing",
+    ),
+    (
+        "factory-exits",
+        lambda t: ["plan", _write(t, "f.py", EXITING_FACTORY) + ":factory", "--budget", "cpu:0=1MiB"],
+        2,
+        "exit",
+    ),
+    (
+        "factory-not-a-model",
+        lambda t: ["plan", _write(t, "f.py", NOT_A_MODEL_FACTORY) + ":factory", "--budget", "cpu:0=1MiB"],
+        2,
+        "str",
+    ),
     ("budget-malformed", lambda t: ["plan", MODEL_FILE, "--budget", "cpu:0"], 2, "DEVICE=SIZE"),
-    ("budget-repeated", lambda t: ["plan", MODEL_FILE, "--budget", "cpu:0=1MiB", "--budget", "cpu:0=2MiB"], 2,
-     "cpu:0"),
+    ("budget-repeated", lambda t: ["plan", MODEL_FILE, "--budget", "cpu:0=1MiB", "--budget", "cpu:0=2MiB"], 2, "cpu:0"),
     ("budget-overflow", lambda t: ["plan", MODEL_FILE, "--budget", "cpu:0=1e400GiB"], 2, "1e400GiB"),
     ("budget-bad-device", lambda t: ["plan", MODEL_FILE, "--budget", "gpu:0=1MiB"], 2, "gpu:0"),
     ("no-budget-no-spec", lambda t: ["plan", MODEL_FILE], 2, "--spec"),
-    ("does-not-fit", lambda t: ["plan", MODEL_FILE, "--budget", "cpu:0=10KiB", "--budget", "cpu:1=10KiB"], 1,
-     "short by"),
+    (
+        "does-not-fit",
+        lambda t: ["plan", MODEL_FILE, "--budget", "cpu:0=10KiB", "--budget", "cpu:1=10KiB"],
+        1,
+        "short by",
+    ),
     ("spec-missing", lambda t: ["plan", MODEL_FILE, "--spec", "no/such.yaml"], 2, "no/such.yaml"),
-    ("spec-alias-bomb", lambda t: ["plan", MODEL_FILE, "--spec", _write(t, "bomb.yaml", _alias_bomb())], 2,
-     "alias"),
+    ("spec-alias-bomb", lambda t: ["plan", MODEL_FILE, "--spec", _write(t, "bomb.yaml", _alias_bomb())], 2, "alias"),
     ("plan-missing", lambda t: ["code", MODEL_FILE, "--plan", "no/such-plan.yaml"], 2, "no/such-plan.yaml"),
-    ("plan-alias-bomb", lambda t: ["code", MODEL_FILE, "--plan", _write(t, "bomb.yaml", _alias_bomb(top="placement"))],
-     2, "alias"),
-    ("plan-garbage", lambda t: ["check", MODEL_FILE, "--plan", _write(t, "p.yaml", "devices: [\n")], 2,
-     "not valid YAML"),
+    (
+        "plan-alias-bomb",
+        lambda t: ["code", MODEL_FILE, "--plan", _write(t, "bomb.yaml", _alias_bomb(top="placement"))],
+        2,
+        "alias",
+    ),
+    (
+        "plan-garbage",
+        lambda t: ["check", MODEL_FILE, "--plan", _write(t, "p.yaml", "devices: [\n")],
+        2,
+        "not valid YAML",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("case", "args", "code", "says"), CLI_CASES, ids=[c[0] for c in CLI_CASES])
-def test_cli_bad_input_exits_with_one_line(case: str, args: Callable[[Path], list[str]], code: int, says: str,
-                                           tmp_path: Path) -> None:
+def test_cli_bad_input_exits_with_one_line(
+    case: str, args: Callable[[Path], list[str]], code: int, says: str, tmp_path: Path
+) -> None:
     out, err = io.StringIO(), io.StringIO()
     with time_limit(SECONDS):
         got = main(args(tmp_path), out=out, err=err)

@@ -19,8 +19,14 @@ def test_quick_suite_on_one_model_writes_results(tmp_path: Path) -> None:
     code = run.main(["--quick", "--models", "mlp48", "--out", str(out), "--llama-layers", "0"])
 
     names = {p.name for p in out.iterdir()}
-    assert {"RESULTS.md", "results.json", "quality_bytes.png", "time_to_split.png", "planning_scaling.png",
-            "runtime_overhead.png"} <= names
+    assert {
+        "RESULTS.md",
+        "results.json",
+        "quality_bytes.png",
+        "time_to_split.png",
+        "planning_scaling.png",
+        "runtime_overhead.png",
+    } <= names
     for png in out.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -33,8 +39,9 @@ def test_quick_suite_on_one_model_writes_results(tmp_path: Path) -> None:
         assert row["fxsplit"]["bytes_between"] == row["fxsplit"]["plan_transfer_bytes"]
         assert row["fxsplit"]["bytes_between"] <= row["reference"]["bytes_between"]
         assert set(row["accelerate"]) == {"accelerate", "accelerate-plain"}
-    assert all(r["outputs_match"] == {"fxsplit": True, "accelerate": True}
-               for r in results["planning"]["time_to_split"])
+    assert all(
+        r["outputs_match"] == {"fxsplit": True, "accelerate": True} for r in results["planning"]["time_to_split"]
+    )
     assert {r["n_devices"] for r in results["runtime"]["rows"]} == {2, 4}
     assert all(all(r["outputs_match"].values()) for r in results["runtime"]["rows"])
     assert all("pass" in bar for bar in results["bars"].values())
@@ -61,21 +68,26 @@ def test_exit_code_is_1_when_a_bar_fails_and_info_bars_never_fail() -> None:
     assert run.exit_code({**passing, **info, **failing}) == run.EXIT_BAR_FAILED == 1
     lines, failed = run.verdicts({**passing, **info, **failing})
     assert failed == ["gpt2 N=2: fxsplit <= 1.03 x hand placement"]
-    assert lines == ["  PASS  deep: plan <= 50 ms at 2k ops  37.8 ms",
-                     "  no    info: cut bytes <= Accelerate's between the given devices  ",
-                     "  FAIL  gpt2 N=2: fxsplit <= 1.03 x hand placement  1.05"]
+    assert lines == [
+        "  PASS  deep: plan <= 50 ms at 2k ops  37.8 ms",
+        "  no    info: cut bytes <= Accelerate's between the given devices  ",
+        "  FAIL  gpt2 N=2: fxsplit <= 1.03 x hand placement  1.05",
+    ]
 
 
 def test_the_measured_commit_is_recorded() -> None:
     from benchmarks.measure import git_commit
     from benchmarks.report import _at_commit
 
-    head = subprocess.run(["git", "-C", str(Path(__file__).parents[1]), "rev-parse", "HEAD"], capture_output=True,
-                          text=True, check=False)
+    head = subprocess.run(
+        ["git", "-C", str(Path(__file__).parents[1]), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    )
     state = git_commit()
     if head.returncode != 0:
         pytest.skip("not a git checkout")
     assert state["commit"] == head.stdout.strip() and isinstance(state["dirty"], bool)
-    assert _at_commit({"commit": "abc", "dirty": True}) == \
-        "at commit `abc` with uncommitted changes to fxsplit/ or benchmarks/ "
+    assert (
+        _at_commit({"commit": "abc", "dirty": True})
+        == "at commit `abc` with uncommitted changes to fxsplit/ or benchmarks/ "
+    )
     assert _at_commit({"commit": "abc", "dirty": False}) == "at commit `abc` "

@@ -51,16 +51,27 @@ def test_check_plan_lists_every_violation() -> None:
         placement={**{k: v for k, v in plan.placement.items() if k != "_0"}, "ghost": "cpu:7"},
         param_devices={k: v for k, v in plan.param_devices.items() if k != "0.bias"},
         device_bytes={**plan.device_bytes, "cpu:0": 301},
-        cuts=(*plan.cuts, cut, Cut(cut.producer, "cpu:0", "cpu:0", 4, "activation"),
-              Cut("x", "cpu:0", "cpu:1", 1, "weird")),
+        cuts=(
+            *plan.cuts,
+            cut,
+            Cut(cut.producer, "cpu:0", "cpu:0", 4, "activation"),
+            Cut("x", "cpu:0", "cpu:1", 1, "weird"),
+        ),
     )
     with pytest.raises(InvariantError) as info:
         verify_plan(broken, planned.traced.graph_module, m)
     message = str(info.value)
-    for expected in ["node '_0' is not placed", "'ghost', which is not a node", "'ghost' is placed on 'cpu:7'",
-                     "'0.bias' of the model has no device", "'cpu:0' holds 301 bytes, over its budget of 300",
-                     f"'{cut.producer}' is cut to 'cpu:1' more than once", "goes from 'cpu:0' to itself",
-                     "unknown kind 'weird'", "tensors['0.bias']: '0.bias' has no device in param_devices"]:
+    for expected in [
+        "node '_0' is not placed",
+        "'ghost', which is not a node",
+        "'ghost' is placed on 'cpu:7'",
+        "'0.bias' of the model has no device",
+        "'cpu:0' holds 301 bytes, over its budget of 300",
+        f"'{cut.producer}' is cut to 'cpu:1' more than once",
+        "goes from 'cpu:0' to itself",
+        "unknown kind 'weird'",
+        "tensors['0.bias']: '0.bias' has no device in param_devices",
+    ]:
         assert expected in message, (expected, message)
     assert "breaks 9 invariant(s)" in message
 

@@ -103,8 +103,9 @@ def test_tied_weights_load_once_and_stay_tied(tmp_path: Path, fmt: str) -> None:
     reference = saved(Tied, path, fmt)  # safetensors: 'emb.weight' only; torch.save: both names
     model = on_meta(Tied)
     ids = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(2))
-    split = fxsplit.fxsplit(model, {"cpu:0": "4KiB", "cpu:1": "4KiB"}, example_inputs=(ids,), mode="weights",
-                            checkpoint=tmp_path)
+    split = fxsplit.fxsplit(
+        model, {"cpu:0": "4KiB", "cpu:1": "4KiB"}, example_inputs=(ids,), mode="weights", checkpoint=tmp_path
+    )
     assert model.head.weight is model.emb.weight
     assert split.get_parameter("head.weight") is model.emb.weight  # export keeps one name of a tied tensor
     assert_matches(split, model, reference, (ids,))
@@ -113,8 +114,9 @@ def test_tied_weights_load_once_and_stay_tied(tmp_path: Path, fmt: str) -> None:
 def test_load_checkpoint_fills_a_tied_weight_the_split_holds_under_its_other_name(tmp_path: Path) -> None:
     reference = saved(Tied, tmp_path / "model.safetensors")  # holds 'emb.weight' only
     ids = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(2))
-    split = fxsplit.fxsplit(on_meta(Tied), {"cpu:0": "4KiB", "cpu:1": "4KiB"}, example_inputs=(ids,),
-                            mode="weights", checkpoint=False)
+    split = fxsplit.fxsplit(
+        on_meta(Tied), {"cpu:0": "4KiB", "cpu:1": "4KiB"}, example_inputs=(ids,), mode="weights", checkpoint=False
+    )
     assert "emb.weight" not in dict(split.named_parameters())
     fxsplit.load_checkpoint(split, tmp_path)
     torch.testing.assert_close(split(ids), reference(ids))
@@ -130,8 +132,9 @@ def test_sharded_index_and_dtype_of_the_plan(tmp_path: Path) -> None:
     weight_map = {n: file for file, names in shards.items() for n in names}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     model = on_meta(two_layers)
-    split = fxsplit.fxsplit(model, {"cpu:0": "600B", "cpu:1": "600B"}, trace="fx", mode="weights", dtype="bfloat16",
-                            checkpoint=tmp_path)
+    split = fxsplit.fxsplit(
+        model, {"cpu:0": "600B", "cpu:1": "600B"}, trace="fx", mode="weights", dtype="bfloat16", checkpoint=tmp_path
+    )
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     out = split(X.to(torch.bfloat16))
     torch.testing.assert_close(out, reference.to(torch.bfloat16)(X.to(torch.bfloat16)))
@@ -184,22 +187,26 @@ def test_meta_buffers_the_checkpoint_cannot_fill_are_named(tmp_path: Path) -> No
 def test_a_bad_checkpoint_lists_every_problem_with_its_file_and_loads_nothing(tmp_path: Path) -> None:
     torch.manual_seed(0)
     good = two_layers().state_dict()
-    safetensors_torch.save_file({"0.weight": good["0.weight"], "0.bias": good["0.bias"].long()},
-                                str(tmp_path / "one.safetensors"))
-    safetensors_torch.save_file({"2.weight": torch.zeros(8, 16), "extra.table": torch.zeros(3)},
-                                str(tmp_path / "two.safetensors"))
+    safetensors_torch.save_file(
+        {"0.weight": good["0.weight"], "0.bias": good["0.bias"].long()}, str(tmp_path / "one.safetensors")
+    )
+    safetensors_torch.save_file(
+        {"2.weight": torch.zeros(8, 16), "extra.table": torch.zeros(3)}, str(tmp_path / "two.safetensors")
+    )
     model = on_meta(two_layers)
     before = dict(model.named_parameters())
     with pytest.raises(fxsplit.CheckpointError) as raised:
         fxsplit.fxsplit(model, BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path)
     assert isinstance(raised.value, ValueError)
-    assert sorted(raised.value.problems) == sorted([
-        "missing: '2.bias' (float32[16]) is not in the checkpoint",
-        "dtype: '0.bias' is int64[16] in 'one.safetensors', float32[16] in the model; only floating dtypes are "
-        "converted",
-        "shape: '2.weight' is float32[8, 16] in 'two.safetensors', float32[16, 16] in the model",
-        "unexpected: 'extra.table' (float32[3]) in 'two.safetensors' is not a tensor of the model",
-    ])
+    assert sorted(raised.value.problems) == sorted(
+        [
+            "missing: '2.bias' (float32[16]) is not in the checkpoint",
+            "dtype: '0.bias' is int64[16] in 'one.safetensors', float32[16] in the model; only floating dtypes are "
+            "converted",
+            "shape: '2.weight' is float32[8, 16] in 'two.safetensors', float32[16, 16] in the model",
+            "unexpected: 'extra.table' (float32[3]) in 'two.safetensors' is not a tensor of the model",
+        ]
+    )
     assert "nothing was loaded" in str(raised.value)
     assert dict(model.named_parameters()) == before
     assert all(p.device.type == "meta" for p in model.parameters())
@@ -253,8 +260,9 @@ def test_an_empty_directory_says_what_was_looked_for(tmp_path: Path) -> None:
         fxsplit.fxsplit(on_meta(two_layers), BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path)
 
 
-def test_progress_is_silent_off_a_terminal_and_drawn_when_asked(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_is_silent_off_a_terminal_and_drawn_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     saved(two_layers, tmp_path / "model.safetensors")
     fxsplit.fxsplit(on_meta(two_layers), BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path)
     assert capsys.readouterr().err == ""  # stderr is not a terminal here
@@ -286,8 +294,9 @@ def test_benchmark_small_checkpoint_meets_the_memory_bar(tmp_path: Path) -> None
 
 def test_load_checkpoint_into_a_pipeline(tmp_path: Path) -> None:
     reference = saved(two_layers, tmp_path / "model.safetensors")
-    pipeline = fxsplit.fxsplit(on_meta(two_layers), BUDGETS, example_inputs=(X,), mode="weights", pipeline=2,
-                               checkpoint=False)
+    pipeline = fxsplit.fxsplit(
+        on_meta(two_layers), BUDGETS, example_inputs=(X,), mode="weights", pipeline=2, checkpoint=False
+    )
     fxsplit.load_checkpoint(pipeline, tmp_path)
     torch.testing.assert_close(pipeline(X), reference(X))
 

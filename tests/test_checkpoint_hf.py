@@ -23,14 +23,25 @@ BUDGETS = {"cpu:0": "500KiB", "cpu:1": "500KiB"}  # neither holds the whole mode
 
 
 def _gpt2() -> Any:
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=32, bos_token_id=0, eos_token_id=0))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=32, bos_token_id=0, eos_token_id=0
+        )
+    )
 
 
 def _llama() -> Any:
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128,
-        vocab_size=1000, max_position_embeddings=32))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=128,
+            vocab_size=1000,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def _save(factory: Callable[[], Any], directory: Path) -> None:
@@ -45,8 +56,9 @@ def _empty_from_config(directory: Path) -> Any:
 
 
 def _split(model: Any, directory: Path | str) -> torch.fx.GraphModule:
-    return fxsplit.fxsplit(model, BUDGETS, example_inputs=(IDS,), example_kwargs={"use_cache": False},
-                           mode="weights", checkpoint=directory)
+    return fxsplit.fxsplit(
+        model, BUDGETS, example_inputs=(IDS,), example_kwargs={"use_cache": False}, mode="weights", checkpoint=directory
+    )
 
 
 @pytest.mark.parametrize("factory", [_gpt2, _llama], ids=["gpt2", "llama"])

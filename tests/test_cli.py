@@ -23,8 +23,9 @@ SPEC = str(ROOT / "examples" / "spec_example.yaml")
 def run_module(*args: str) -> subprocess.CompletedProcess[str]:
     """``python -m fxsplit ARGS`` with this checkout first on the path."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "fxsplit", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "fxsplit", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
 
 
 def run(*args: str) -> tuple[int, str, str]:
@@ -98,8 +99,18 @@ def test_check_a_saved_plan(saved_plan: Path) -> None:
     assert "plan matches the model" in out and "cpu:2: " in out and "460.80 KiB usable" in out
     code, out, err = run("check", MODEL, "--plan", str(saved_plan), "--spec", SPEC)
     assert code == 0, err
-    code, _, err = run("check", MODEL, "--plan", str(saved_plan), "--budget", "cpu:0=100KiB",
-                       "--budget", "cpu:1=1MiB", "--budget", "cpu:2=1MiB")
+    code, _, err = run(
+        "check",
+        MODEL,
+        "--plan",
+        str(saved_plan),
+        "--budget",
+        "cpu:0=100KiB",
+        "--budget",
+        "cpu:1=1MiB",
+        "--budget",
+        "cpu:2=1MiB",
+    )
     assert code == 1 and "fxsplit: does not fit: the plan does not fit the budgets: 'cpu:0' holds" in err
     untied = f"{ROOT / 'examples' / 'models.py'}:untied"
     code, _, err = run("check", untied, "--plan", str(saved_plan))
@@ -117,21 +128,26 @@ def test_show_writes_a_dot_file(tmp_path: Path) -> None:
     assert "cluster_2" in source and "model.layers.7" in source and 'label="8.00 KiB"' in source
 
 
-@pytest.mark.parametrize(("args", "fragment"), [
-    (("plan", "examples/models.py"), "must be 'path/to/file.py:factory' or 'package.module:factory'"),
-    (("plan", "examples/nope.py:factory", "--spec", SPEC), "no such file: 'examples/nope.py'"),
-    (("plan", f"{ROOT / 'examples' / 'models.py'}:factroy", "--spec", SPEC), "has no callable 'factroy'; did you "
-                                                                             "mean 'factory'?"),
-    (("plan", "fxsplit.nonexistent:f", "--spec", SPEC), "cannot import module 'fxsplit.nonexistent'"),
-    (("plan", MODEL), "needs --spec SPEC or --budget DEVICE=SIZE"),
-    (("code", MODEL), "fxsplit code needs --spec SPEC, --plan PLAN or --budget DEVICE=SIZE"),
-    (("show", MODEL, "-o", "split.svg"), "fxsplit show needs --spec SPEC, --plan PLAN or --budget DEVICE=SIZE"),
-    (("plan", MODEL, "--budget", "cpu:0"), "--budget 'cpu:0' must look like DEVICE=SIZE"),
-    (("code", MODEL, "--plan", "/nonexistent/plan.yaml"), "cannot read plan file '/nonexistent/plan.yaml'"),
-    (("code", MODEL, "--plan", SPEC), "format: must be 'fxsplit-plan/1'"),
-    (("show", MODEL, "--spec", SPEC, "-o", "split.gif"), "cannot tell the picture format"),
-    (("plan", MODEL, "--spec", SPEC, "--budget", "gpu:0=1GiB"), "is not a device"),
-])
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("plan", "examples/models.py"), "must be 'path/to/file.py:factory' or 'package.module:factory'"),
+        (("plan", "examples/nope.py:factory", "--spec", SPEC), "no such file: 'examples/nope.py'"),
+        (
+            ("plan", f"{ROOT / 'examples' / 'models.py'}:factroy", "--spec", SPEC),
+            "has no callable 'factroy'; did you mean 'factory'?",
+        ),
+        (("plan", "fxsplit.nonexistent:f", "--spec", SPEC), "cannot import module 'fxsplit.nonexistent'"),
+        (("plan", MODEL), "needs --spec SPEC or --budget DEVICE=SIZE"),
+        (("code", MODEL), "fxsplit code needs --spec SPEC, --plan PLAN or --budget DEVICE=SIZE"),
+        (("show", MODEL, "-o", "split.svg"), "fxsplit show needs --spec SPEC, --plan PLAN or --budget DEVICE=SIZE"),
+        (("plan", MODEL, "--budget", "cpu:0"), "--budget 'cpu:0' must look like DEVICE=SIZE"),
+        (("code", MODEL, "--plan", "/nonexistent/plan.yaml"), "cannot read plan file '/nonexistent/plan.yaml'"),
+        (("code", MODEL, "--plan", SPEC), "format: must be 'fxsplit-plan/1'"),
+        (("show", MODEL, "--spec", SPEC, "-o", "split.gif"), "cannot tell the picture format"),
+        (("plan", MODEL, "--spec", SPEC, "--budget", "gpu:0=1GiB"), "is not a device"),
+    ],
+)
 def test_bad_input_exits_2_with_a_clear_message(args: tuple[str, ...], fragment: str) -> None:
     code, _, err = run(*args)
     assert code == 2
@@ -172,8 +188,9 @@ def test_progress_only_on_a_terminal() -> None:
 
 def test_memory_mode_and_dynamic_shapes_flags_override_the_spec(tmp_path: Path) -> None:
     target = tmp_path / "plan.yaml"
-    code, out, err = run("plan", MODEL, "--spec", SPEC, "--mode", "weights", "--dynamic-shapes", "batch",
-                         "-o", str(target))
+    code, out, err = run(
+        "plan", MODEL, "--spec", SPEC, "--mode", "weights", "--dynamic-shapes", "batch", "-o", str(target)
+    )
     assert code == 0, err
     plan = fxsplit.Plan.from_yaml(target.read_text())
     assert plan.dynamic_shapes == "batch"

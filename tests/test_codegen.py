@@ -40,7 +40,7 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, 4), torch.randn(2, 4)
 
 
-EXPECTED_WITH_SHAPES = '''
+EXPECTED_WITH_SHAPES = """
 def forward(self, x : torch.Tensor, y : torch.Tensor) -> torch.Tensor:
     to = x.to('cpu:0');  x = None
     a = self.a(to);  to = None
@@ -54,10 +54,10 @@ def forward(self, x : torch.Tensor, y : torch.Tensor) -> torch.Tensor:
     to_4 = y.to('cpu:2');  y = None
     add_1 = add + to_4;  add = to_4 = None
     return add_1
-'''
+"""
 
 # Without example inputs fx knows no shapes: values not known to be tensors go through runtime.move.
-EXPECTED_WITHOUT_SHAPES = '''
+EXPECTED_WITHOUT_SHAPES = """
 def forward(self, x : torch.Tensor, y : torch.Tensor) -> torch.Tensor:
     move = fxsplit_runtime_move(x, 'cpu:0');  x = None
     a = self.a(move);  move = None
@@ -71,7 +71,7 @@ def forward(self, x : torch.Tensor, y : torch.Tensor) -> torch.Tensor:
     move_3 = fxsplit_runtime_move(y, 'cpu:2');  y = None
     add_1 = add + move_3;  add = move_3 = None
     return add_1
-'''
+"""
 
 
 def test_expected_code_with_shapes() -> None:
@@ -183,7 +183,7 @@ def test_copies_sit_right_before_their_first_reader() -> None:
         if COPY_META not in node.meta:
             continue
         first_user = min(nodes.index(u) for u in node.users)
-        between = nodes[i + 1:first_user]
+        between = nodes[i + 1 : first_user]
         assert all(COPY_META in n.meta for n in between), (node.name, [n.name for n in between])
 
 
@@ -204,8 +204,9 @@ def test_an_input_read_on_two_devices_is_copied_from_its_first_device() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.b(self.a(x)) * x
 
-    gm = fxsplit.fxsplit(TwoUses(), {"cpu:0": 80, "cpu:1": 80}, mode="weights", example_inputs=(torch.randn(2, 4),),
-                         trace="fx")
+    gm = fxsplit.fxsplit(
+        TwoUses(), {"cpu:0": 80, "cpu:1": 80}, mode="weights", example_inputs=(torch.randn(2, 4),), trace="fx"
+    )
     copies = [n.meta[COPY_META] for n in gm.graph.nodes if COPY_META in n.meta]
     assert copies == [("x", None, "cpu:0"), ("a", "cpu:0", "cpu:1"), ("x", "cpu:0", "cpu:1")]
     assert [(c.producer, c.kind) for c in gm.meta["fxsplit_plan"].cuts] == [("a", "activation"), ("x", "input")]

@@ -29,8 +29,16 @@ BUDGETS = {"cpu:0": "24KiB", "cpu:1": "24KiB"}
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.LayerNorm(32), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    return nn.Sequential(
+        nn.Linear(16, 32),
+        nn.Tanh(),
+        nn.LayerNorm(32),
+        nn.Linear(32, 32),
+        nn.Tanh(),
+        nn.Linear(32, 32),
+        nn.Tanh(),
+        nn.Linear(32, 4),
+    )
 
 
 def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:

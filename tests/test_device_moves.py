@@ -32,8 +32,16 @@ Snapshot = dict[str, tuple[torch.Tensor, torch.Tensor, torch.device, int, Any]]
 def snapshot(model: nn.Module) -> Snapshot:
     """Each parameter and buffer: the object, a copy of its values, its device and storage, and its gradient's."""
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    return {name: (t, t.detach().clone(), t.device, t.data_ptr(),
-                   None if t.grad is None else (t.grad, t.grad.clone(), t.grad.data_ptr())) for name, t in tensors}
+    return {
+        name: (
+            t,
+            t.detach().clone(),
+            t.device,
+            t.data_ptr(),
+            None if t.grad is None else (t.grad, t.grad.clone(), t.grad.data_ptr()),
+        )
+        for name, t in tensors
+    }
 
 
 def assert_unchanged(model: nn.Module, before: Snapshot) -> None:
@@ -198,8 +206,9 @@ def test_every_unusable_device_is_listed_once() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("succeed", [0, 2])
-def test_a_failed_move_to_a_gpu_puts_every_tensor_back_on_the_cpu(monkeypatch: pytest.MonkeyPatch,
-                                                                  succeed: int) -> None:
+def test_a_failed_move_to_a_gpu_puts_every_tensor_back_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, succeed: int
+) -> None:
     model = with_grads(model_with_buffers())
     budgets = {"cpu:0": "3KiB", "cuda:0": "3KiB"}
     assert "cuda:0" in fxsplit.plan(model, budgets, trace="fx").param_devices.values()

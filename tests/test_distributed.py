@@ -61,8 +61,9 @@ def test_stages_chained_by_hand_equal_the_model(make: Callable[[], torch.nn.Modu
 
 
 def test_skip_connection_is_relayed_through_the_middle_stage() -> None:
-    stages = fxsplit.pipeline_stages(LongSkip(), budgets(LongSkip(), 3), mode="weights",
-                                     example_inputs=_inputs("LongSkip"))
+    stages = fxsplit.pipeline_stages(
+        LongSkip(), budgets(LongSkip(), 3), mode="weights", example_inputs=_inputs("LongSkip")
+    )
     first, middle, last = stages.specs
     skip = [name for name in first.outputs if name in last.inputs]
     assert skip and set(skip) <= set(middle.inputs) and set(skip) <= set(middle.outputs)
@@ -75,8 +76,10 @@ def test_tied_weight_is_replicated_on_the_stages_that_read_it() -> None:
     assert not any(t is model.embed.weight for t in stages[1].parameters())
     assert stages.plan.param_devices["embed.weight"] == "cpu:0"
     text = str(stages)  # what a stage holds, not the single-process plan's copy per forward
-    assert "tied: embed.weight = head.weight: replicated on stages 0 (cpu:0), 2 (cpu:2), gradients summed by " \
+    assert (
+        "tied: embed.weight = head.weight: replicated on stages 0 (cpu:0), 2 (cpu:2), gradients summed by "
         "reduce_tied_grads (no copy per forward; its " in text
+    )
     assert "each forward" not in text and text.startswith("device  budget")
 
 
@@ -87,11 +90,12 @@ def test_a_given_plan_and_a_plan_that_cannot_be_staged() -> None:
     stages = fxsplit.pipeline_stages(model, plan, example_inputs=x, chunks=2)
     assert [s.device for s in stages.specs] == ["cpu:0", "cpu:1"] and stages.plan is plan
     swap = {"cpu:0": "cpu:1", "cpu:1": "cpu:0"}
-    backwards = dataclasses.replace(plan, placement={k: swap[v] for k, v in plan.placement.items()},
-                                    param_devices={k: swap[v] for k, v in plan.param_devices.items()},
-                                    cuts=tuple(dataclasses.replace(c, source=swap[c.source],
-                                                                   destination=swap[c.destination])
-                                               for c in plan.cuts))
+    backwards = dataclasses.replace(
+        plan,
+        placement={k: swap[v] for k, v in plan.placement.items()},
+        param_devices={k: swap[v] for k, v in plan.param_devices.items()},
+        cuts=tuple(dataclasses.replace(c, source=swap[c.source], destination=swap[c.destination]) for c in plan.cuts),
+    )
     with pytest.raises(fxsplit.FxsplitError, match="cannot run as a pipeline.*list cpu:1 before cpu:0"):
         fxsplit.pipeline_stages(model, backwards, example_inputs=x, chunks=2)
     with pytest.raises(fxsplit.PlanMismatchError, match="made for another model"):
@@ -103,8 +107,15 @@ def test_a_plan_made_with_leaf_modules_stages_like_apply(leaf: Any) -> None:
     """pipeline_stages re-traces a saved plan the way apply does (it once dropped the plan's leaf_modules)."""
     model = LongSkip()
     x = _inputs("LongSkip")
-    plan = fxsplit.plan(model, {"cpu:0": 3000, "cpu:1": 6000}, mode="weights", example_inputs=x, trace="fx",
-                        leaf_modules=[leaf], pipeline={"chunks": 2})
+    plan = fxsplit.plan(
+        model,
+        {"cpu:0": 3000, "cpu:1": 6000},
+        mode="weights",
+        example_inputs=x,
+        trace="fx",
+        leaf_modules=[leaf],
+        pipeline={"chunks": 2},
+    )
     assert any(n.startswith("middle") for n in plan.placement) and "middle_0" not in plan.placement
     loaded = fxsplit.Plan.from_yaml(plan.to_yaml())
     stages = fxsplit.pipeline_stages(model, loaded, example_inputs=x, chunks=2)
@@ -130,9 +141,14 @@ class _SizeAcross(torch.nn.Module):
 def test_non_tensor_crossing_processes_is_refused() -> None:
     model = _SizeAcross()
     with pytest.raises(fxsplit.FxsplitError, match="exchange tensors only"):
-        fxsplit.pipeline_stages(model, budgets(model, 2), mode="weights",
-                                example_inputs=(torch.randn(4, 16),), trace="fx",
-                                pins={"a": "cpu:0", "b": "cpu:1"})
+        fxsplit.pipeline_stages(
+            model,
+            budgets(model, 2),
+            mode="weights",
+            example_inputs=(torch.randn(4, 16),),
+            trace="fx",
+            pins={"a": "cpu:0", "b": "cpu:1"},
+        )
 
 
 def _free_port() -> int:
@@ -155,10 +171,24 @@ def _single_process(name: str) -> tuple[list[float], torch.nn.Module]:
 
 
 def test_two_gloo_ranks_train_like_one_process(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), str(HERE / "pipeline_worker.py"), str(tmp_path)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        str(HERE / "pipeline_worker.py"),
+        str(tmp_path),
+    ]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
@@ -170,8 +200,9 @@ def test_two_gloo_ranks_train_like_one_process(tmp_path: Path) -> None:
         seen = set()
         for rank in ranks:
             for path, value in rank[case]["params"].items():
-                torch.testing.assert_close(value, model.get_parameter(path).detach(), atol=1e-5, rtol=1e-5,
-                                           msg=f"{case}: {path}")
+                torch.testing.assert_close(
+                    value, model.get_parameter(path).detach(), atol=1e-5, rtol=1e-5, msg=f"{case}: {path}"
+                )
                 seen.add(id(model.get_parameter(path)))
         assert seen == {id(p) for p in model.parameters()}, case  # every weight was trained somewhere
     assert ranks[0]["Tied-gpipe"]["tied"] == {"embed.weight": (0, 1)}

@@ -100,8 +100,10 @@ def test_document(document: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         if "file" in block.markers:
             written = (tmp_path / block.markers["file"]).read_text(encoding="utf-8")
             if not contains(block.text, written):
-                pytest.fail(f"{block.where}: not what {block.markers['file']} holds now\n"
-                            + difference(block.text, written), pytrace=False)
+                pytest.fail(
+                    f"{block.where}: not what {block.markers['file']} holds now\n" + difference(block.text, written),
+                    pytrace=False,
+                )
             continue
         printed = None if skip_reason(block) else run_block(block, namespace, tmp_path)
 
@@ -120,8 +122,11 @@ def run_block(block: Block, namespace: dict[str, object], where: Path) -> str:
         for command in console_commands(text):
             got = run_command(command.line, where)
             if not matches(command.expected, got):
-                pytest.fail(f"{block.where}: `{command.line.splitlines()[0]}` printed something else\n"
-                            + difference(command.expected, got), pytrace=False)
+                pytest.fail(
+                    f"{block.where}: `{command.line.splitlines()[0]}` printed something else\n"
+                    + difference(command.expected, got),
+                    pytrace=False,
+                )
         return ""
     return "".join(run_command(line, where) for line in shell_commands(text))
 
@@ -163,7 +168,8 @@ def run_command(line: str, where: Path) -> str:
 
 def test_the_runner_reads_markers_and_sees_drift(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     page = tmp_path / "page.md"
-    page.write_text(textwrap.dedent("""\
+    page.write_text(
+        textwrap.dedent("""\
         - a list item:
 
           <!-- cuda-as-cpu -->
@@ -185,7 +191,9 @@ def test_the_runner_reads_markers_and_sees_drift(tmp_path: Path, monkeypatch: py
         $ cat a.txt
         two
         ```
-        """), encoding="utf-8")
+        """),
+        encoding="utf-8",
+    )
     code, shown, console = parse(page)
     assert code.markers == {"cuda-as-cpu": "", "setup": 'devices = ["cuda:0"]\nwidth = 3'} and shown.quotes
     assert code.text == 'if True:\n    print("cuda:1", devices, "x" * width)\n'

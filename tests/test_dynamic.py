@@ -54,8 +54,9 @@ def pair(make: Any = Tokens) -> tuple[nn.Module, nn.Module]:
     return model, reference
 
 
-def assert_same_at_batches(split: nn.Module, model: nn.Module, reference: nn.Module, batches: tuple[int, ...],
-                           grads_at: int) -> None:
+def assert_same_at_batches(
+    split: nn.Module, model: nn.Module, reference: nn.Module, batches: tuple[int, ...], grads_at: int
+) -> None:
     """Outputs equal the unsplit model's at every batch size, and gradients at one more."""
     for batch in batches:
         x = torch.randn(batch, 5, 8)
@@ -68,8 +69,9 @@ def assert_same_at_batches(split: nn.Module, model: nn.Module, reference: nn.Mod
 
 def test_batch_may_vary_forward_and_backward() -> None:
     model, reference = pair()
-    gm = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(4, 5, 8),), mode="weights",
-                         dynamic_shapes="batch")
+    gm = fxsplit.fxsplit(
+        model, budgets(model), example_inputs=(torch.randn(4, 5, 8),), mode="weights", dynamic_shapes="batch"
+    )
     plan = gm.meta["fxsplit_plan"]
     assert plan.trace == "export" and plan.dynamic_shapes == "batch"
     assert len(set(plan.param_devices.values())) == 2
@@ -80,8 +82,9 @@ def test_batch_may_vary_forward_and_backward() -> None:
 
 def test_all_sizes_may_vary() -> None:
     model, reference = pair()
-    gm = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(4, 5, 8),), mode="weights",
-                         dynamic_shapes="all")
+    gm = fxsplit.fxsplit(
+        model, budgets(model), example_inputs=(torch.randn(4, 5, 8),), mode="weights", dynamic_shapes="all"
+    )
     assert gm.meta["fxsplit_plan"].dynamic_shapes == "all"
     for shape in ((2, 3, 8), (6, 11, 8)):
         x = torch.randn(*shape)
@@ -113,8 +116,14 @@ class Flagged(Tokens):
 def test_a_non_tensor_input_other_than_traced_says_to_split_with_that_value() -> None:
     model, reference = pair(Flagged)
     x = torch.randn(4, 5, 8)
-    gm = fxsplit.fxsplit(model, budgets(model), example_inputs=(x,), example_kwargs={"double": False},
-                         mode="weights", dynamic_shapes="batch")
+    gm = fxsplit.fxsplit(
+        model,
+        budgets(model),
+        example_inputs=(x,),
+        example_kwargs={"double": False},
+        mode="weights",
+        dynamic_shapes="batch",
+    )
     torch.testing.assert_close(gm(x), reference(x))
     with pytest.raises(InputMismatchError) as caught:
         gm(x, double=True)
@@ -128,15 +137,17 @@ def test_a_non_tensor_input_other_than_traced_says_to_split_with_that_value() ->
 def test_a_batch_the_model_fixes_is_reported_by_input() -> None:
     model, _ = pair(FixedBatch)
     with pytest.raises(TraceError, match=r"kept the batch size fixed for 'x' \(batch 4\).*depends on its value"):
-        fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(4, 8),), mode="weights",
-                        dynamic_shapes="batch")
+        fxsplit.fxsplit(
+            model, budgets(model), example_inputs=(torch.randn(4, 8),), mode="weights", dynamic_shapes="batch"
+        )
 
 
 def test_an_example_batch_of_one_is_refused_with_the_reason() -> None:
     model, _ = pair()
     with pytest.raises(TraceError, match="at least 2"):
-        fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(1, 5, 8),), mode="weights",
-                        dynamic_shapes="batch")
+        fxsplit.fxsplit(
+            model, budgets(model), example_inputs=(torch.randn(1, 5, 8),), mode="weights", dynamic_shapes="batch"
+        )
 
 
 def test_bad_values_are_refused() -> None:
@@ -147,8 +158,14 @@ def test_bad_values_are_refused() -> None:
 
 def test_fx_graphs_take_any_size_and_record_nothing() -> None:
     model, reference = pair()
-    gm = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(4, 5, 8),), mode="weights",
-                         trace="fx", dynamic_shapes="batch")
+    gm = fxsplit.fxsplit(
+        model,
+        budgets(model),
+        example_inputs=(torch.randn(4, 5, 8),),
+        mode="weights",
+        trace="fx",
+        dynamic_shapes="batch",
+    )
     assert gm.meta["fxsplit_plan"].dynamic_shapes is None
     x = torch.randn(3, 2, 8)
     torch.testing.assert_close(gm(x).to("cpu"), reference(x))
@@ -193,37 +210,50 @@ def test_spec_files_set_it() -> None:
 
 
 def test_gpt2_takes_any_batch_with_its_keyword_inputs() -> None:
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=160, n_positions=32,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=160, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()
     reference = transformers.GPT2LMHeadModel(config).eval()
     reference.load_state_dict(model.state_dict())
     ids = torch.randint(0, 160, (2, 8))
     mask = torch.ones(2, 8, dtype=torch.long)
-    gm = fxsplit.fxsplit(model, {"cpu:0": "100KiB", "cpu:1": "100KiB"}, example_inputs=(ids,),
-                         example_kwargs={"attention_mask": mask, "use_cache": False}, dynamic_shapes="batch")
+    gm = fxsplit.fxsplit(
+        model,
+        {"cpu:0": "100KiB", "cpu:1": "100KiB"},
+        example_inputs=(ids,),
+        example_kwargs={"attention_mask": mask, "use_cache": False},
+        dynamic_shapes="batch",
+    )
     assert len(set(gm.meta["fxsplit_plan"].param_devices.values())) == 2
     with torch.no_grad():
         for batch in (1, 5):
             ids = torch.randint(0, 160, (batch, 8))
             mask = torch.ones(batch, 8, dtype=torch.long)
             mask[0, :3] = 0
-            torch.testing.assert_close(gm(ids, attention_mask=mask).logits.to("cpu"),
-                                       reference(ids, attention_mask=mask, use_cache=False).logits)
+            torch.testing.assert_close(
+                gm(ids, attention_mask=mask).logits.to("cpu"),
+                reference(ids, attention_mask=mask, use_cache=False).logits,
+            )
 
 
 def test_pipelines_of_a_dynamic_batch_take_any_batch_that_splits_into_chunks() -> None:
     model, reference = pair()
-    piped = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(8, 5, 8),), mode="weights",
-                            pipeline=4, dynamic_shapes="batch")
+    piped = fxsplit.fxsplit(
+        model,
+        budgets(model),
+        example_inputs=(torch.randn(8, 5, 8),),
+        mode="weights",
+        pipeline=4,
+        dynamic_shapes="batch",
+    )
     assert isinstance(piped, fxsplit.Pipeline)
     assert_same_at_batches(piped, model, reference, (8, 16, 10), grads_at=12)  # 10 rows: micro-batches 3, 3, 2, 2
 
 
 def test_pipelines_of_a_fixed_batch_say_how_to_vary_it() -> None:
     model, _ = pair()
-    piped = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(8, 5, 8),), mode="weights",
-                            pipeline=4)
+    piped = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(8, 5, 8),), mode="weights", pipeline=4)
     with pytest.raises(FxsplitError, match="micro-batches of 2 rows.*dynamic_shapes='batch'"):
         piped(torch.randn(16, 5, 8))

@@ -34,12 +34,17 @@ def test_error_for_one_piece_says_what_the_mode_counts_and_the_whole_model() -> 
     with pytest.raises(fxsplit.BudgetError) as info:
         fxsplit.plan(model, {"cpu:0": 3000, "cpu:1": 4000}, example_inputs=X, mode="weights")
     message = str(info.value)
-    assert "(with mode='weights' a budget holds its parameters and buffers; the whole model needs parameters " \
-        "5.31 KiB)" in message  # (16 * 16 + 16 + 16 * 64 + 64) * 4 bytes
+    assert (
+        "(with mode='weights' a budget holds its parameters and buffers; the whole model needs parameters "
+        "5.31 KiB)" in message
+    )  # (16 * 16 + 16 + 16 * 64 + 64) * 4 bytes
     with pytest.raises(fxsplit.BudgetError) as info:
         fxsplit.plan(model, {"cpu:0": 3000, "cpu:1": 4000}, example_inputs=X)
-    assert re.search(r"\(with mode='inference' a budget holds its parameters, buffers and activations; the whole "
-                     r"model needs parameters 5.31 KiB, activations peak \d+ B = [\d.]+ KiB\)", str(info.value))
+    assert re.search(
+        r"\(with mode='inference' a budget holds its parameters, buffers and activations; the whole "
+        r"model needs parameters 5.31 KiB, activations peak \d+ B = [\d.]+ KiB\)",
+        str(info.value),
+    )
 
 
 def test_one_parameter_larger_than_every_device_is_named() -> None:
@@ -62,8 +67,13 @@ def test_same_errors_from_fxsplit_and_from_fx_tracing() -> None:
 
 def test_pinned_piece_too_big_for_its_device() -> None:
     with pytest.raises(fxsplit.BudgetError) as info:
-        fxsplit.plan(three_linears(), {"cpu:0": 2 * LINEAR, "cpu:1": LINEAR - 8, "cpu:2": 2 * LINEAR},
-                     example_inputs=X, pins={"3": "cpu:1"}, mode="weights")
+        fxsplit.plan(
+            three_linears(),
+            {"cpu:0": 2 * LINEAR, "cpu:1": LINEAR - 8, "cpu:2": 2 * LINEAR},
+            example_inputs=X,
+            pins={"3": "cpu:1"},
+            mode="weights",
+        )
     message = str(info.value)
     assert "budget of pinned device 'cpu:1'" in message and "short by 8 B (8 bytes)" in message
     assert "raise that budget or unpin" in message
@@ -72,8 +82,9 @@ def test_pinned_piece_too_big_for_its_device() -> None:
 def test_fragmentation_says_how_much_more_would_fit() -> None:
     # 3 equal layers, 2 devices of 1.5 layers: the total fits, no order of layers does.
     with pytest.raises(fxsplit.BudgetError) as info:
-        fxsplit.plan(three_linears(), {"cpu:0": 3 * LINEAR // 2, "cpu:1": 3 * LINEAR // 2}, example_inputs=X,
-                     mode="weights")
+        fxsplit.plan(
+            three_linears(), {"cpu:0": 3 * LINEAR // 2, "cpu:1": 3 * LINEAR // 2}, example_inputs=X, mode="weights"
+        )
     message = str(info.value)
     assert "cannot be packed into the devices without exceeding a budget, in order or out of order" in message
     percent = float(re.search(r"raised by ([0-9.]+)%", message).group(1))  # type: ignore[union-attr]
@@ -151,8 +162,11 @@ def test_untraceable_by_both_tracers_reports_both() -> None:
 
 
 def test_export_with_wrong_inputs() -> None:
-    with pytest.raises(fxsplit.TraceError, match=r"(?s)the model cannot run on the example inputs: RuntimeError: .*"
-                                                 r"input \(example_inputs\[0\]\) = float32\[2, 3\]") as caught:
+    with pytest.raises(
+        fxsplit.TraceError,
+        match=r"(?s)the model cannot run on the example inputs: RuntimeError: .*"
+        r"input \(example_inputs\[0\]\) = float32\[2, 3\]",
+    ) as caught:
         fxsplit.plan(three_linears(), {"cpu:0": 10**6}, example_inputs=(torch.randn(2, 3),), trace="export")
     assert isinstance(caught.value, fxsplit.ExampleInputError)
 

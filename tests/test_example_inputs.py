@@ -41,17 +41,36 @@ def test_inputs_the_model_runs_give_the_budget_error() -> None:
 
 
 BAD_INPUTS: dict[str, tuple[Any, dict[str, Any] | None, list[str]]] = {
-    "wrong width": ((torch.randn(512, 32),), None,
-                    [r"RuntimeError: a and b must have same reduction dim, but got \[512, 32\] X \[64, 64\]",
-                     r"x \(example_inputs\[0\]\) = float32\[512, 32\]", MODEL_LINE]),
-    "a list": ([X], None, [r"TypeError: linear\(\): argument 'input' \(position 1\) must be Tensor, not list",
-                           r"x \(example_inputs\[0\]\) = a list of 1: \[float32\[512, 64\]\]",
-                           r"a list given as example_inputs \(or inside its tuple\) reaches forward\(\) as one input: "
-                           r"only a tuple is spread over forward\(\)'s positional inputs", MODEL_LINE]),
+    "wrong width": (
+        (torch.randn(512, 32),),
+        None,
+        [
+            r"RuntimeError: a and b must have same reduction dim, but got \[512, 32\] X \[64, 64\]",
+            r"x \(example_inputs\[0\]\) = float32\[512, 32\]",
+            MODEL_LINE,
+        ],
+    ),
+    "a list": (
+        [X],
+        None,
+        [
+            r"TypeError: linear\(\): argument 'input' \(position 1\) must be Tensor, not list",
+            r"x \(example_inputs\[0\]\) = a list of 1: \[float32\[512, 64\]\]",
+            r"a list given as example_inputs \(or inside its tuple\) reaches forward\(\) as one input: "
+            r"only a tuple is spread over forward\(\)'s positional inputs",
+            MODEL_LINE,
+        ],
+    ),
     "a dict": ({"x": X}, None, [r"not dict", r"a dict of 1: \{'x': float32\[512, 64\]\}", r"example_kwargs"]),
-    "an unknown keyword": ((X,), {"y": 1}, [r"forward\(x\) does not take them: got an unexpected keyword "
-                                            r"argument 'y'",
-                                            r"y \(example_kwargs\['y'\]\) = 1"]),
+    "an unknown keyword": (
+        (X,),
+        {"y": 1},
+        [
+            r"forward\(x\) does not take them: got an unexpected keyword "
+            r"argument 'y'",
+            r"y \(example_kwargs\['y'\]\) = 1",
+        ],
+    ),
     "a missing input": ((), {"mask": X}, [r"missing a required argument: 'x'"]),
 }
 
@@ -103,8 +122,11 @@ class Scaled(nn.Module):
 
 
 def test_export_failing_on_good_inputs_falls_back_to_fx_with_a_warning() -> None:
-    with pytest.warns(FxsplitWarning, match=r"torch.export could not trace the model \(ValueError: Unsupported input "
-                                            r"type .*Settings.*\); fxsplit traced it with torch.fx instead"):
+    with pytest.warns(
+        FxsplitWarning,
+        match=r"torch.export could not trace the model \(ValueError: Unsupported input "
+        r"type .*Settings.*\); fxsplit traced it with torch.fx instead",
+    ):
         traced = trace(Scaled(), example_inputs=(X, Settings(2.0)))
     assert traced.method == "fx" and traced.has_shapes
     assert issubclass(FxsplitWarning, UserWarning) and fxsplit.FxsplitWarning is FxsplitWarning
@@ -154,8 +176,11 @@ class WithHost(nn.Module):
 
 
 def test_a_model_fake_tensors_cannot_run_is_not_blamed_on_its_inputs() -> None:
-    with pytest.warns(FxsplitWarning, match=r"activations not counted: running the fx graph on fake tensors failed: "
-                                            r"RuntimeError: .numpy\(\) is not supported"):
+    with pytest.warns(
+        FxsplitWarning,
+        match=r"activations not counted: running the fx graph on fake tensors failed: "
+        r"RuntimeError: .numpy\(\) is not supported",
+    ):
         plan = fxsplit.plan(WithHost(), BUDGETS, example_inputs=(X,), trace="fx", leaf_modules=[Host])
     assert "activations not counted: running the fx graph" in str(plan)
 
@@ -164,16 +189,21 @@ def test_print_plan_says_activations_are_not_counted_and_the_file_keeps_it() -> 
     with pytest.warns(FxsplitWarning, match="activations not counted: no example_inputs"):
         plan = fxsplit.plan(TwoLayers(), BUDGETS)
     assert plan.activations_not_counted == "no example_inputs, so the graph has no sizes"
-    assert str(plan).splitlines()[-1] == ("activations not counted: no example_inputs, so the graph has no sizes; "
-                                          "leave room in the budgets or pass example_inputs")
+    assert str(plan).splitlines()[-1] == (
+        "activations not counted: no example_inputs, so the graph has no sizes; "
+        "leave room in the budgets or pass example_inputs"
+    )
     text = plan.to_yaml()
     assert "activations_not_counted: no example_inputs, so the graph has no sizes\n" in text
     assert Plan.from_yaml(text) == plan and Plan.from_dict(plan.to_dict()) == plan
     old_file = "".join(line for line in text.splitlines(keepends=True) if "activations_not_counted" not in line)
     assert Plan.from_yaml(old_file).activations_not_counted is None
     with pytest.raises(fxsplit.SpecError, match=r"activations_not_counted: must be a reason \(text\) or null"):
-        Plan.from_yaml(text.replace("activations_not_counted: no example_inputs, so the graph has no sizes",
-                                    "activations_not_counted: [1]"))
+        Plan.from_yaml(
+            text.replace(
+                "activations_not_counted: no example_inputs, so the graph has no sizes", "activations_not_counted: [1]"
+            )
+        )
 
 
 def test_plans_that_count_activations_or_need_not_say_nothing() -> None:

@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_example(name: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / name)], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -43,7 +44,10 @@ def test_train_two_devices() -> None:
 def test_pipeline_inprocess() -> None:
     out = run_example("pipeline_inprocess.py")
     assert [line.split(":")[0] for line in out.splitlines() if line.startswith("# stage")] == [
-        "# stage 0 on cpu", "# stage 1 on cpu", "# stage 2 on cpu"]
+        "# stage 0 on cpu",
+        "# stage 1 on cpu",
+        "# stage 2 on cpu",
+    ]
     steps = re.findall(r"^step (\d+): pipelined loss ([\d.]+) +unsplit loss ([\d.]+)$", out, re.M)
     assert len(steps) == 5
     assert all(abs(float(piped) - float(alone)) <= 1e-6 for _, piped, alone in steps)
@@ -52,11 +56,27 @@ def test_pipeline_inprocess() -> None:
 def test_pipeline_torchrun_command_of_the_readme() -> None:
     command = "torchrun --standalone --nproc-per-node 2 examples/pipeline_torchrun.py"
     assert f"  {command}\n" in (ROOT / "README.md").read_text(encoding="utf-8")  # the README's block, run here
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(ROOT / "examples" / "pipeline_torchrun.py")], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=120)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "examples" / "pipeline_torchrun.py"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "tied: embed.weight = head.weight: replicated on stages 0 (cpu:0), 1 (cpu:1)" in out

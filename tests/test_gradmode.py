@@ -175,8 +175,14 @@ def test_export_keeps_the_region_as_one_op_on_one_device() -> None:
     """torch.export wraps the region in one higher-order op: the cut falls before or after it, never inside."""
     torch.manual_seed(0)
     model = SpanningRegion()
-    gm = split_and_compare(model, _budgets(model, 1), (torch.randn(4, 16),), trace="export",
-                           pins={"stem": "cpu:0", "head": "cpu:1"}, steps=2)
+    gm = split_and_compare(
+        model,
+        _budgets(model, 1),
+        (torch.randn(4, 16),),
+        trace="export",
+        pins={"stem": "cpu:0", "head": "cpu:1"},
+        steps=2,
+    )
     plan = gm.meta["fxsplit_plan"]
     regions = [n for n in gm.graph.nodes if "wrap_with_set_grad_enabled" in str(n.target)]
     assert len(regions) == 1 and plan.placement[regions[0].name] in ("cpu:0", "cpu:1")
@@ -211,8 +217,9 @@ def test_called_under_no_grad_stays_no_grad(trace: str) -> None:
 
 
 def test_tracing_leaves_the_grad_mode_alone() -> None:
-    fxsplit.fxsplit(SetGradEnabled(), _budgets(SetGradEnabled()), example_inputs=(torch.randn(2, 16),),
-                    trace="fx", mode="weights")
+    fxsplit.fxsplit(
+        SetGradEnabled(), _budgets(SetGradEnabled()), example_inputs=(torch.randn(2, 16),), trace="fx", mode="weights"
+    )
     assert torch.is_grad_enabled()
 
 
@@ -243,8 +250,15 @@ def test_pipeline_refuses_a_region_across_stages() -> None:
     model = SpanningRegion()
     pins = {"stem": "cpu:0", "frozen.0": "cpu:0", "frozen.3": "cpu:1", "head": "cpu:1"}
     with pytest.raises(FxsplitError, match="grad-mode region.*spans stages"):
-        fxsplit.fxsplit(model, _budgets(model), example_inputs=(torch.randn(4, 16),), trace="fx", pins=pins,
-                        mode="weights", pipeline=2)
+        fxsplit.fxsplit(
+            model,
+            _budgets(model),
+            example_inputs=(torch.randn(4, 16),),
+            trace="fx",
+            pins=pins,
+            mode="weights",
+            pipeline=2,
+        )
 
 
 class RaisesInside(nn.Module):

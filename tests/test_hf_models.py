@@ -24,26 +24,41 @@ transformers = pytest.importorskip("transformers")
 
 
 def _gpt2() -> torch.nn.Module:
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=160, n_positions=32,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=160, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
 def _bert() -> torch.nn.Module:
-    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-                                     vocab_size=128, max_position_embeddings=32)
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=128,
+        max_position_embeddings=32,
+    )
     return transformers.BertModel(config)
 
 
 def _llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-                                      intermediate_size=64, vocab_size=128, max_position_embeddings=32)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=128,
+        max_position_embeddings=32,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
 def _vit() -> torch.nn.Module:
-    config = transformers.ViTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-                                    image_size=16, patch_size=4)
+    config = transformers.ViTConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, image_size=16, patch_size=4
+    )
     return transformers.ViTModel(config)
 
 
@@ -71,11 +86,15 @@ def _make(name: str) -> tuple[torch.nn.Module, torch.Tensor, dict[str, Any], str
 
 
 def _budgets(model: torch.nn.Module, x: torch.Tensor, kwargs: dict[str, Any], kind: str, n: int) -> dict[str, int]:
-    one = fxsplit.plan(model, {"cpu:0": "1GiB"}, example_inputs=(x,), example_kwargs=kwargs or None,
-                       mode="inference").memory["cpu:0"]
+    one = fxsplit.plan(
+        model, {"cpu:0": "1GiB"}, example_inputs=(x,), example_kwargs=kwargs or None, mode="inference"
+    ).memory["cpu:0"]
     weights = one["params"] + one["buffers"]
-    each = {"weights": 1.1 * weights / n, "memory": 1.1 * weights / n + one["activations_peak"],
-            "loose": 4 * (weights + one["activations_peak"])}[kind]
+    each = {
+        "weights": 1.1 * weights / n,
+        "memory": 1.1 * weights / n + one["activations_peak"],
+        "loose": 4 * (weights + one["activations_peak"]),
+    }[kind]
     return {f"cpu:{i}": int(each) for i in range(n)}
 
 
@@ -114,16 +133,18 @@ def test_tied_embedding_has_one_home_and_its_other_use_is_a_parameter_cut(n: int
     tied = ("lm_head.weight", "transformer.wte.weight")
     assert model.lm_head.weight is model.transformer.wte.weight
     unique = len({id(p) for p in model.parameters()})
-    gm = fxsplit.fxsplit(model, _budgets(model, x, kwargs, "memory", n), example_inputs=(x,), example_kwargs=kwargs,
-                         mode="inference")
+    gm = fxsplit.fxsplit(
+        model, _budgets(model, x, kwargs, "memory", n), example_inputs=(x,), example_kwargs=kwargs, mode="inference"
+    )
     plan = gm.meta["fxsplit_plan"]
 
     homes = {plan.param_devices[name] for name in tied}
     assert len(homes) == 1
     assert model.lm_head.weight is model.transformer.wte.weight  # still one tensor, moved in place
     assert len({id(p) for p in gm.parameters()}) == unique  # never duplicated
-    lm_head_device = plan.placement[next(n for n in plan.placement if n.startswith("linear")
-                                         and "lm_head" in _module_of(gm, n))]
+    lm_head_device = plan.placement[
+        next(n for n in plan.placement if n.startswith("linear") and "lm_head" in _module_of(gm, n))
+    ]
     cuts = [c for c in plan.cuts if c.producer in tied]
     if lm_head_device != homes.pop():
         assert [(c.kind, c.destination, c.nbytes) for c in cuts] == [("parameter", lm_head_device, 160 * 32 * 4)]
@@ -151,14 +172,25 @@ def test_constant_keyword_inputs_are_defaults_and_other_values_are_refused() -> 
 
 
 def test_llama_built_on_meta_is_planned_with_fused_attention_memory() -> None:
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=8,
-                                      num_key_value_heads=2, intermediate_size=512, vocab_size=512,
-                                      max_position_embeddings=2048)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=512,
+        max_position_embeddings=2048,
+    )
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).eval()
     ids = torch.zeros(1, 1024, dtype=torch.long, device="meta")
-    plan = fxsplit.plan(model, {"cuda:0": "64MiB", "cuda:1": "64MiB"}, example_inputs=(ids,),
-                        example_kwargs={"use_cache": False}, mode="inference")
+    plan = fxsplit.plan(
+        model,
+        {"cuda:0": "64MiB", "cuda:1": "64MiB"},
+        example_inputs=(ids,),
+        example_kwargs={"use_cache": False},
+        mode="inference",
+    )
     attention_matrix = 8 * 1024 * 1024 * 4  # what the math path on meta would materialise: heads x seq x seq floats
     for device in plan.devices:
         assert plan.memory[device]["activations_peak"] < attention_matrix

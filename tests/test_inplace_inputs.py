@@ -97,8 +97,9 @@ class SetItem(TwoBlocks):
         return self.b(h) + cache
 
 
-MODELS = [(m, t) for m in (CacheAdd, CopyUnderNoGrad, Chained, ThroughViews, OutKeyword, ScaleInput)
-          for t in TRACES] + [(SetItem, "export")]
+MODELS = [
+    (m, t) for m in (CacheAdd, CopyUnderNoGrad, Chained, ThroughViews, OutKeyword, ScaleInput) for t in TRACES
+] + [(SetItem, "export")]
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,8 +112,9 @@ def test_caller_tensors_match_eager_over_calls(make: type[nn.Module], trace: str
     torch.manual_seed(0)
     model = make()
     reference = copy.deepcopy(model)
-    gm = fxsplit.fxsplit(model, BUDGETS, example_inputs=tuple(t.clone() for t in _inputs()), trace=trace,
-                         mode="weights", pins=PINS)
+    gm = fxsplit.fxsplit(
+        model, BUDGETS, example_inputs=tuple(t.clone() for t in _inputs()), trace=trace, mode="weights", pins=PINS
+    )
     verify_split(gm)
     plan = gm.meta["fxsplit_plan"]
     assert plan.param_devices["a.0.weight"] == "cpu:0" and plan.param_devices["b.0.weight"] == "cpu:1"

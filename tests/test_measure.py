@@ -23,8 +23,9 @@ def _tied_split() -> tuple[nn.Module, nn.Module, torch.fx.GraphModule, torch.Ten
     model = Tied()
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 40, (3, 7))
-    gm = fxsplit.fxsplit(model, budgets_for(model, 2), example_inputs=(ids,), trace="fx", contiguous=True,
-                         mode="weights")
+    gm = fxsplit.fxsplit(
+        model, budgets_for(model, 2), example_inputs=(ids,), trace="fx", contiguous=True, mode="weights"
+    )
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is runtime.call_with_weights]
     assert len(calls) == 1 and [c.kind for c in gm.meta["fxsplit_plan"].cuts].count("parameter") == 1
     return model, reference, gm, ids
@@ -92,8 +93,9 @@ def test_measured_peak_frees_values_nobody_reads() -> None:
     model, x = _DeadValue().eval(), torch.randn(32, 64)
     two_activations = 2 * 32 * 64 * 4
     for trace in ("fx", "export"):
-        gm = fxsplit.fxsplit(model, {"cpu:0": "64KiB", "cpu:1": "64KiB"}, example_inputs=(x,), trace=trace,
-                             mode="inference")
+        gm = fxsplit.fxsplit(
+            model, {"cpu:0": "64KiB", "cpu:1": "64KiB"}, example_inputs=(x,), trace=trace, mode="inference"
+        )
         assert len(set(gm.meta["fxsplit_plan"].placement.values())) == 2
         assert measure_forward(gm, x) == {"cpu:0": two_activations, "cpu:1": two_activations}, trace
 

@@ -26,8 +26,10 @@ from fxsplit.tracing.capture import trace
 class Residual(nn.Module):
     def __init__(self, width: int = 32, depth: int = 4) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(),
-                                                  nn.Linear(2 * width, width)) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+            for _ in range(depth)
+        )
         self.head = nn.Linear(width, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,8 +86,9 @@ def test_estimate_matches_the_measured_activation_peak(name: str, mode: str, tra
     assert all(placement.modules[d] for d in placement.devices)
     roomy = {d: 10 * _weights(model) for d in budgets}
     pins = {path: device for device, paths in placement.modules.items() for path in paths if path}
-    gm = fxsplit.fxsplit(model, roomy, example_inputs=(x,), trace=trace_mode, mode=mode, pins=pins,
-                         objective="balanced")
+    gm = fxsplit.fxsplit(
+        model, roomy, example_inputs=(x,), trace=trace_mode, mode=mode, pins=pins, objective="balanced"
+    )
     plan = gm.meta["fxsplit_plan"]
     measured = measure_forward(gm, x) if mode == "inference" else measure_training(gm, x)
     for device in plan.devices:
@@ -150,13 +153,17 @@ def test_without_shapes_activations_are_not_counted_and_the_table_says_so() -> N
 
 
 def test_a_graph_that_cannot_be_profiled_is_planned_without_activations_and_says_so(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     def fail(*args: object, **kwargs: object) -> None:
         raise NotImplementedError("no fake kernel for my_op\nmore detail")
 
     monkeypatch.setattr("fxsplit.api.profile_activations", fail)
-    with pytest.warns(fxsplit.FxsplitWarning, match=r"activations not counted: profiling them on fake tensors failed "
-                                                    r"\(NotImplementedError: no fake kernel for my_op\)"):
+    with pytest.warns(
+        fxsplit.FxsplitWarning,
+        match=r"activations not counted: profiling them on fake tensors failed "
+        r"\(NotImplementedError: no fake kernel for my_op\)",
+    ):
         plan = fxsplit.plan(_mlp(), {"cpu:0": "1MiB"}, example_inputs=(torch.randn(2, 64),), mode="inference")
     assert "activations_peak" not in plan.memory["cpu:0"]
     assert "activations not counted: profiling them on fake tensors failed" in str(plan)
@@ -164,8 +171,9 @@ def test_a_graph_that_cannot_be_profiled_is_planned_without_activations_and_says
 
 def test_plan_prints_and_round_trips_the_breakdown() -> None:
     model, x = _mlp(), torch.randn(16, 64)
-    plan = fxsplit.plan(model, {"cpu:0": "100KiB", "cpu:1": "100KiB"}, example_inputs=(x,), mode="training",
-                        optimizer="sgd")
+    plan = fxsplit.plan(
+        model, {"cpu:0": "100KiB", "cpu:1": "100KiB"}, example_inputs=(x,), mode="training", optimizer="sgd"
+    )
     text = str(plan)
     header = text.split("\n")[4]
     assert header.split() == ["memory", "params", "grads", "activations", "total", "%"]
@@ -190,24 +198,30 @@ def test_budget_error_names_the_component_that_does_not_fit() -> None:
     with pytest.raises(fxsplit.BudgetError, match=r"the parameters alone exceed them; short by .*add a device"):
         fxsplit.plan(model, {"cpu:0": weights // 2}, example_inputs=(x[:4],))
     with pytest.raises(fxsplit.BudgetError, match=r"adding the gradients"):
-        fxsplit.plan(model, {"cpu:0": int(1.5 * weights)}, example_inputs=(x[:4],), mode="training",
-                     optimizer="sgd")
+        fxsplit.plan(model, {"cpu:0": int(1.5 * weights)}, example_inputs=(x[:4],), mode="training", optimizer="sgd")
 
 
 def test_an_indivisible_piece_says_how_much_is_weights_and_how_much_activations() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     with pytest.raises(fxsplit.BudgetError, match=r"weights 16.25 KiB .*'0.weight' 16.00 KiB.* and per-op memory"):
-        fxsplit.plan(model, dict.fromkeys(("cpu:0", "cpu:1", "cpu:2", "cpu:3"), 17_000),
-                     example_inputs=(torch.randn(64, 64),), mode="inference")
+        fxsplit.plan(
+            model,
+            dict.fromkeys(("cpu:0", "cpu:1", "cpu:2", "cpu:3"), 17_000),
+            example_inputs=(torch.randn(64, 64),),
+            mode="inference",
+        )
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"mode": "train"}, "mode must be one of inference, training, weights"),
-    ({"mode": "training", "optimizer": "lamb"}, "optimizer must be one of adam, adamw, sgd_momentum, sgd"),
-    ({"optimizer": "adam"}, "only counts with mode='training'"),
-    ({"mode": "training", "optimizer": -1}, "int >= 0"),
-    ({"mode": "training", "optimizer": True}, "int >= 0"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"mode": "train"}, "mode must be one of inference, training, weights"),
+        ({"mode": "training", "optimizer": "lamb"}, "optimizer must be one of adam, adamw, sgd_momentum, sgd"),
+        ({"optimizer": "adam"}, "only counts with mode='training'"),
+        ({"mode": "training", "optimizer": -1}, "int >= 0"),
+        ({"mode": "training", "optimizer": True}, "int >= 0"),
+    ],
+)
 def test_bad_memory_options_are_refused(options: dict[str, object], message: str) -> None:
     with pytest.raises(fxsplit.SpecError, match=message):
         fxsplit.plan(_mlp(), {"cpu:0": "1MiB"}, example_inputs=(torch.randn(2, 64),), **options)
@@ -215,8 +229,10 @@ def test_bad_memory_options_are_refused(options: dict[str, object], message: str
 
 def test_a_plan_that_copies_more_than_the_partitioner_counted_is_planned_again() -> None:
     calls: list[list[int]] = []
-    usage = [{"cpu:0": {"params": 10, "total": 130}, "cpu:1": {"params": 10, "total": 50}},
-             {"cpu:0": {"params": 10, "total": 95}, "cpu:1": {"params": 10, "total": 80}}]
+    usage = [
+        {"cpu:0": {"params": 10, "total": 130}, "cpu:1": {"params": 10, "total": 50}},
+        {"cpu:0": {"params": 10, "total": 95}, "cpu:1": {"params": 10, "total": 80}},
+    ]
 
     class Model:
         spec = MemorySpec()
@@ -252,8 +268,16 @@ def _chain(sizes: list[int], skips: list[tuple[int, int]], training: bool) -> Ac
     values.update({n: ValueMemory(s, (i + 1,), training) for i, (n, s) in enumerate(zip(names, sizes, strict=True))})
     storage = {0: 8, **{i + 1: s for i, s in enumerate(sizes)}}
     saved = tuple((i,) if training else () for i in range(len(sizes)))  # each op saves its input
-    return ActivationProfile(names, tuple(tuple(r) for r in reads), values, storage, inputs=("x",),
-                             outputs=(names[-1],), saved=saved if training else (), training=training)
+    return ActivationProfile(
+        names,
+        tuple(tuple(r) for r in reads),
+        values,
+        storage,
+        inputs=("x",),
+        outputs=(names[-1],),
+        saved=saved if training else (),
+        training=training,
+    )
 
 
 def test_partitioner_loads_bound_the_simulation_on_one_device() -> None:
@@ -288,8 +312,16 @@ def test_device_bytes_stay_parameters_and_buffers_when_the_problem_charges_more(
     n = costs.problem.num_ops
     costs.problem = dataclasses.replace(costs.problem, op_extra=(1000,) * n, op_transient=(500,) * n)
     solution = partition(costs.problem, [10_000, 10_000])
-    made = make_plan(costs, traced.graph_module, solution, ["cpu:0", "cpu:1"], {"cpu:0": 10_000, "cpu:1": 10_000},
-                     output_device=None, trace="fx", objective="min_transfer")
+    made = make_plan(
+        costs,
+        traced.graph_module,
+        solution,
+        ["cpu:0", "cpu:1"],
+        {"cpu:0": 10_000, "cpu:1": 10_000},
+        output_device=None,
+        trace="fx",
+        objective="min_transfer",
+    )
     assert sum(solution.device_weights) > 2 * 1088 + 1000 * n  # the partitioner charged the extras...
     assert sum(made.device_bytes.values()) == 2 * (16 * 16 + 16) * 4  # ...the plan reports weights only
 
@@ -298,8 +330,9 @@ def test_planning_never_touches_the_model() -> None:
     torch.manual_seed(0)
     model = ConvNet()
     before = copy.deepcopy(model.state_dict())
-    fxsplit.plan(model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(torch.randn(2, 3, 12, 12),),
-                 mode="training")
+    fxsplit.plan(
+        model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(torch.randn(2, 3, 12, 12),), mode="training"
+    )
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in model.parameters())
@@ -355,8 +388,16 @@ def test_auto_budgets_are_free_memory_minus_the_reserve() -> None:
 def test_an_output_that_is_also_saved_counts_once() -> None:
     names = ("a", "b")
     values = {"x": ValueMemory(8, (0,)), "a": ValueMemory(16, (1,), True), "b": ValueMemory(32, (2,), True)}
-    profile = ActivationProfile(names, (("x",), ("a",)), values, {0: 8, 1: 16, 2: 32}, inputs=("x",),
-                                outputs=("b",), saved=((), (2,)), training=True)  # b saves its own result
+    profile = ActivationProfile(
+        names,
+        (("x",), ("a",)),
+        values,
+        {0: 8, 1: 16, 2: 32},
+        inputs=("x",),
+        outputs=("b",),
+        saved=((), (2,)),
+        training=True,
+    )  # b saves its own result
     sim = simulate(profile, ["d", "d"], {"x": "d"}, "d")
     # backward at op b: b held (32) + gradient of a (16); b's result is saved too but is one storage
     assert sim.backward == {"d": 48}
@@ -376,9 +417,16 @@ def test_planning_dtype_scales_activations_as_well_as_weights() -> None:
 def _pipelined_peaks(checkpoint: str, chunks: int, x: torch.Tensor) -> tuple[dict[str, int], fxsplit.Pipeline]:
     torch.manual_seed(0)
     model = Residual(width=32, depth=4)
-    piped = fxsplit.fxsplit(model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(x,), trace="fx",
-                            mode="training", optimizer="sgd", pins={"head": "cpu:1", "blocks.0": "cpu:0"},
-                            pipeline=fxsplit.PipelineConfig(chunks=chunks, checkpoint=checkpoint))
+    piped = fxsplit.fxsplit(
+        model,
+        {"cpu:0": "1MiB", "cpu:1": "1MiB"},
+        example_inputs=(x,),
+        trace="fx",
+        mode="training",
+        optimizer="sgd",
+        pins={"head": "cpu:1", "blocks.0": "cpu:0"},
+        pipeline=fxsplit.PipelineConfig(chunks=chunks, checkpoint=checkpoint),
+    )
     assert isinstance(piped, fxsplit.Pipeline)
     return {d: row["activations_peak"] for d, row in piped.meta["fxsplit_plan"].memory.items()}, piped
 
@@ -408,8 +456,9 @@ def test_pipelined_training_under_checkpointing_holds_only_stage_inputs() -> Non
     never, _ = _pipelined_peaks("never", 4, x)
     always, piped = _pipelined_peaks("always", 4, x)
     plan = piped.meta["fxsplit_plan"]
-    received = {d: sum(c.nbytes or 0 for c in plan.cuts if c.destination == d and c.kind != "parameter")
-                for d in plan.devices}
+    received = {
+        d: sum(c.nbytes or 0 for c in plan.cuts if c.destination == d and c.kind != "parameter") for d in plan.devices
+    }
     received["cpu:0"] += 16 * 32 * 4  # the model input of one micro-batch, read on cpu:0
     for device in plan.devices:
         assert always[device] == one[device] + 3 * received[device]

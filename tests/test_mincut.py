@@ -57,8 +57,9 @@ def test_the_cut_is_the_cheapest_re_split_of_the_free_ops(case: tuple[PartitionP
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(placed_dags(), st.lists(st.integers(0, 400), min_size=3, max_size=3))
-def test_exchange_only_lowers_the_bytes_and_keeps_every_budget(case: tuple[PartitionProblem, list[int]],
-                                                               budgets: list[int]) -> None:
+def test_exchange_only_lowers_the_bytes_and_keeps_every_budget(
+    case: tuple[PartitionProblem, list[int]], budgets: list[int]
+) -> None:
     problem, devices = case
     if not feasible(problem, devices, budgets):
         budgets = [b + 400 for b in budgets]
@@ -81,9 +82,15 @@ def test_frozen_ops_keep_their_device() -> None:
 def _two_branches() -> PartitionProblem:
     """stem -> (x1 -> x2 -> x3) and (y1 -> y2 -> y3) -> merge; heavy edges inside each branch."""
     ops = ["stem", "x1", "x2", "x3", "y1", "y2", "y3", "merge"]
-    values = [Value("stem_out", 64, 0, (1, 4)), Value("x1_out", 256, 1, (2,)), Value("x2_out", 256, 2, (3,)),
-              Value("y1_out", 256, 4, (5,)), Value("y2_out", 256, 5, (6,)), Value("x3_out", 32, 3, (7,)),
-              Value("y3_out", 32, 6, (7,))]
+    values = [
+        Value("stem_out", 64, 0, (1, 4)),
+        Value("x1_out", 256, 1, (2,)),
+        Value("x2_out", 256, 2, (3,)),
+        Value("y1_out", 256, 4, (5,)),
+        Value("y2_out", 256, 5, (6,)),
+        Value("x3_out", 32, 3, (7,)),
+        Value("y3_out", 32, 6, (7,)),
+    ]
     values += [Value(f"w_{name}", 0, i, (i,), weight=10) for i, name in enumerate(ops)]
     return PartitionProblem(tuple(ops), tuple(values))
 
@@ -143,8 +150,9 @@ def test_exchanges_are_deterministic_across_hash_seeds() -> None:
     outputs = []
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        done = subprocess.run([sys.executable, "-c", _SCRIPT.format(root=root)], capture_output=True, text=True,
-                              env=env, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", _SCRIPT.format(root=root)], capture_output=True, text=True, env=env, timeout=300
+        )
         assert done.returncode == 0, done.stderr
         outputs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert outputs[0] == outputs[1]

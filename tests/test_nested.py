@@ -37,8 +37,9 @@ def test_a_subgraph_shared_by_ops_on_two_devices_gets_a_copy_per_device() -> Non
     module = torch.fx.GraphModule(root, graph)
     pin_subgraph_devices(module, {first.name: "cpu:0", second.name: "cpu:1"})
     module.recompile()
-    targets = [a.target for n in module.graph.nodes if n.op == "call_function" for a in n.all_input_nodes
-               if a.op == "get_attr"]
+    targets = [
+        a.target for n in module.graph.nodes if n.op == "call_function" for a in n.all_input_nodes if a.op == "get_attr"
+    ]
     assert targets[0] == "sub" and targets[1] != "sub"
     assert _devices(module.sub) == ["cpu:0", "cpu:0"]
     assert _devices(getattr(module, targets[1])) == ["cpu:1", "cpu:1"]

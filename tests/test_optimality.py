@@ -53,8 +53,9 @@ def test_default_placement_is_optimal_on_small_dags(seed: int) -> None:
         if best[0]:
             worst = max(worst, result.transfer_bytes / best[0])
     rate = optimal / feasible_cases
-    print(f"\nseed {seed}: optimal in {optimal} of {feasible_cases} feasible cases ({rate:.1%}), "
-          f"worst ratio {worst:.2f}")
+    print(
+        f"\nseed {seed}: optimal in {optimal} of {feasible_cases} feasible cases ({rate:.1%}), worst ratio {worst:.2f}"
+    )
     assert rate >= 0.98
     assert worst <= 1.25
 

@@ -92,8 +92,13 @@ def dags(draw: st.DrawFn) -> tuple[PartitionProblem, list[int]]:
     extra = tuple(draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))) if draw(st.booleans()) else ()
     transient = tuple(draw(st.lists(st.integers(0, 30), min_size=n, max_size=n))) if draw(st.booleans()) else ()
     problem = PartitionProblem(
-        tuple(f"op{i}" for i in range(n)), tuple(values), dict(zip(pinned_ops, pin_devices, strict=True)), together,
-        op_extra=extra, op_transient=transient)
+        tuple(f"op{i}" for i in range(n)),
+        tuple(values),
+        dict(zip(pinned_ops, pin_devices, strict=True)),
+        together,
+        op_extra=extra,
+        op_transient=transient,
+    )
     budgets = draw(st.lists(st.integers(0, 200), min_size=k, max_size=k))
     return problem, budgets
 
@@ -208,8 +213,12 @@ def test_unmovable_value_keeps_its_readers_home() -> None:
 
 def test_shared_weight_used_on_two_devices_costs_one_copy() -> None:
     # An embedding read by op 0 and op 3 (tied head): if ops split, the weight travels once.
-    values = (Value("emb", 40, 0, (0, 3), weight=40), Value("w", 60, 1, (1,), weight=60),
-              Value("w2", 60, 2, (2,), weight=60), *chain([0, 0, 0, 0], [2, 2, 2]).values)
+    values = (
+        Value("emb", 40, 0, (0, 3), weight=40),
+        Value("w", 60, 1, (1,), weight=60),
+        Value("w2", 60, 2, (2,), weight=60),
+        *chain([0, 0, 0, 0], [2, 2, 2]).values,
+    )
     problem = PartitionProblem(tuple(f"op{i}" for i in range(4)), values)
     result = partition(problem, [100, 100], contiguous=True)
     assert result.op_devices == (0, 0, 1, 1)

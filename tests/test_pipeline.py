@@ -55,8 +55,14 @@ def _compare(make: Callable[[], torch.nn.Module], chunks: int, devices: int = 3,
     inputs = _inputs(type(model).__name__)
     expected = reference(*inputs)
     _loss(expected).backward()
-    pipe = fxsplit.fxsplit(model, budgets(model, devices), mode="weights", example_inputs=inputs,
-                           pipeline=fxsplit.PipelineConfig(chunks=chunks, **options.pop("config", {})), **options)
+    pipe = fxsplit.fxsplit(
+        model,
+        budgets(model, devices),
+        mode="weights",
+        example_inputs=inputs,
+        pipeline=fxsplit.PipelineConfig(chunks=chunks, **options.pop("config", {})),
+        **options,
+    )
     assert len(pipe.stages) == devices
     out = pipe(*inputs)
     _assert_same(out, expected)
@@ -111,9 +117,14 @@ def test_each_weight_lives_in_exactly_one_stage() -> None:
 def test_outputs_land_on_output_device_and_plan_is_kept() -> None:
     torch.manual_seed(0)
     model = MLP()
-    pipe = fxsplit.fxsplit(model, budgets(model, 2), mode="weights",
-                           example_inputs=_inputs("MLP"), output_device="cpu:0",
-                           pipeline={"chunks": 2})
+    pipe = fxsplit.fxsplit(
+        model,
+        budgets(model, 2),
+        mode="weights",
+        example_inputs=_inputs("MLP"),
+        output_device="cpu:0",
+        pipeline={"chunks": 2},
+    )
     plan = pipe.meta["fxsplit_plan"]
     assert isinstance(plan, fxsplit.Plan) and plan.output_device == "cpu:0"
     (x,) = _inputs("MLP")
@@ -126,21 +137,37 @@ def test_batchnorm_warns_errors_or_is_allowed() -> None:
     model = WithBatchNorm()
     x = torch.randn(8, 16)
     for trace in ("fx", "export"):
-        pipe = fxsplit.fxsplit(copy.deepcopy(model), budgets(model, 2), mode="weights",
-                               example_inputs=(x,), trace=trace,
-                               pipeline={"chunks": 2})
+        pipe = fxsplit.fxsplit(
+            copy.deepcopy(model),
+            budgets(model, 2),
+            mode="weights",
+            example_inputs=(x,),
+            trace=trace,
+            pipeline={"chunks": 2},
+        )
         with pytest.warns(UserWarning, match="batch statistics"):
             pipe(x)
-    strict = fxsplit.fxsplit(copy.deepcopy(model), budgets(model, 2), mode="weights", example_inputs=(x,), trace="fx",
-                             pipeline={"chunks": 2, "batch_stats": "error"})
+    strict = fxsplit.fxsplit(
+        copy.deepcopy(model),
+        budgets(model, 2),
+        mode="weights",
+        example_inputs=(x,),
+        trace="fx",
+        pipeline={"chunks": 2, "batch_stats": "error"},
+    )
     with pytest.raises(fxsplit.FxsplitError, match=r"batch statistics.*batch_stats='allow'"):
         strict(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         strict.eval()(x)  # running statistics: nothing differs
-        allowed = fxsplit.fxsplit(copy.deepcopy(model), budgets(model, 2), mode="weights",
-                                  example_inputs=(x,), trace="fx",
-                                  pipeline={"chunks": 2, "batch_stats": "allow"})
+        allowed = fxsplit.fxsplit(
+            copy.deepcopy(model),
+            budgets(model, 2),
+            mode="weights",
+            example_inputs=(x,),
+            trace="fx",
+            pipeline={"chunks": 2, "batch_stats": "allow"},
+        )
         allowed(x)
 
 
@@ -167,20 +194,28 @@ def test_plan_that_sends_a_value_back_cannot_be_staged() -> None:
 
 def test_export_pipeline_refuses_other_micro_batch_sizes() -> None:
     model = MLP()
-    pipe = fxsplit.fxsplit(model, budgets(model, 2), mode="weights",
-                           example_inputs=(torch.randn(8, 16),), pipeline={"chunks": 4})
+    pipe = fxsplit.fxsplit(
+        model, budgets(model, 2), mode="weights", example_inputs=(torch.randn(8, 16),), pipeline={"chunks": 4}
+    )
     assert pipe(torch.randn(8, 16)).shape == (8, 16)
     with pytest.raises(fxsplit.FxsplitError, match=r"micro-batches of 2 rows.*batches of 8 rows"):
         pipe(torch.randn(6, 16))
-    fx = fxsplit.fxsplit(model, budgets(model, 2), mode="weights", example_inputs=(torch.randn(8, 16),), trace="fx",
-                         pipeline={"chunks": 4})
+    fx = fxsplit.fxsplit(
+        model,
+        budgets(model, 2),
+        mode="weights",
+        example_inputs=(torch.randn(8, 16),),
+        trace="fx",
+        pipeline={"chunks": 4},
+    )
     assert fx(torch.randn(6, 16)).shape == (6, 16)  # fx graphs take any size
 
 
 def test_example_batch_must_split_evenly() -> None:
     with pytest.raises(fxsplit.SpecError, match="does not split evenly into 4 micro-batches"):
-        fxsplit.fxsplit(MLP(), budgets(MLP(), 2), mode="weights",
-                        example_inputs=(torch.randn(6, 16),), pipeline={"chunks": 4})
+        fxsplit.fxsplit(
+            MLP(), budgets(MLP(), 2), mode="weights", example_inputs=(torch.randn(6, 16),), pipeline={"chunks": 4}
+        )
 
 
 def test_config_is_validated() -> None:
@@ -217,8 +252,10 @@ def test_scatter_splits_batched_tensors_and_broadcasts_the_rest() -> None:
 
 
 def test_gather_concatenates_and_averages_scalars_by_rows() -> None:
-    outs = [{"y": torch.ones(2, 1), "loss": torch.tensor(1.0), "k": "a"},
-            {"y": torch.zeros(1, 1), "loss": torch.tensor(4.0), "k": "a"}]
+    outs = [
+        {"y": torch.ones(2, 1), "loss": torch.tensor(1.0), "k": "a"},
+        {"y": torch.zeros(1, 1), "loss": torch.tensor(4.0), "k": "a"},
+    ]
     with pytest.warns(UserWarning, match="0-dim tensor"):
         merged = gather(outs, [2, 1])
     assert merged["y"].tolist() == [[1.0], [1.0], [0.0]] and merged["k"] == "a"
@@ -230,13 +267,24 @@ def test_gather_concatenates_and_averages_scalars_by_rows() -> None:
 def test_hugging_face_model_output_comes_back_whole() -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=4, n_head=2, use_cache=False,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=16,
+        n_layer=4,
+        n_head=2,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="eager",
+    )
     model = transformers.GPT2LMHeadModel(config)
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(2))
-    pipe = fxsplit.fxsplit(model, budgets(model, 3, slack=1.3), mode="weights",
-                           example_inputs=(ids,), pipeline={"chunks": 2})
+    pipe = fxsplit.fxsplit(
+        model, budgets(model, 3, slack=1.3), mode="weights", example_inputs=(ids,), pipeline={"chunks": 2}
+    )
     assert len(pipe.stages) == 3
     out, expected = pipe(ids), reference(ids)
     assert type(out) is type(expected) and list(out.keys()) == list(expected.keys())
@@ -252,8 +300,9 @@ def test_fx_without_example_inputs_and_uneven_micro_batches() -> None:
     torch.manual_seed(0)
     model = TwoHeads()
     reference = copy.deepcopy(model)
-    pipe = fxsplit.fxsplit(model, budgets(model, 3), mode="weights",
-                           pipeline=3)  # traced by fx, no shapes; 8 rows -> 3, 3, 2
+    pipe = fxsplit.fxsplit(
+        model, budgets(model, 3), mode="weights", pipeline=3
+    )  # traced by fx, no shapes; 8 rows -> 3, 3, 2
     inputs = _inputs("TwoHeads")
     out, expected = pipe(*inputs), reference(*inputs)
     _assert_same(out, expected)

@@ -37,10 +37,18 @@ def plans(draw: st.DrawFn) -> Plan:
     params = draw(st.dictionaries(names, device, max_size=8))
     tensors = {name: draw(names) for name in params}
     by_device = [[n for n, d in params.items() if d == home] for home in devices]
-    tied = tuple(tuple(draw(st.lists(st.sampled_from(group), min_size=2, max_size=3, unique=True)))
-                 for group in by_device if len(group) > 1 and draw(st.booleans()))
-    cuts = draw(st.lists(st.builds(Cut, names, known, known, st.none() | sizes, st.sampled_from(CUT_KINDS)),
-                         max_size=5, unique_by=lambda c: (c.producer, c.destination)))
+    tied = tuple(
+        tuple(draw(st.lists(st.sampled_from(group), min_size=2, max_size=3, unique=True)))
+        for group in by_device
+        if len(group) > 1 and draw(st.booleans())
+    )
+    cuts = draw(
+        st.lists(
+            st.builds(Cut, names, known, known, st.none() | sizes, st.sampled_from(CUT_KINDS)),
+            max_size=5,
+            unique_by=lambda c: (c.producer, c.destination),
+        )
+    )
     used = {d: draw(sizes) for d in devices}
     return Plan(
         devices=devices,
@@ -80,8 +88,11 @@ def test_dict_round_trip_is_exact(plan: Plan) -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.lists(st.sampled_from(["a", "b", "0", "1", "2", "x"]), min_size=1, max_size=4).map(".".join),
-                max_size=12))
+@given(
+    st.lists(
+        st.lists(st.sampled_from(["a", "b", "0", "1", "2", "x"]), min_size=1, max_size=4).map(".".join), max_size=12
+    )
+)
 def test_module_ranges_cover_every_block_in_order(paths: list[str]) -> None:
     from fxsplit.planning.ranges import module_block
 
@@ -111,11 +122,17 @@ def test_plan_files_reject_what_they_cannot_read() -> None:
 
 def _small_plan() -> Plan:
     tensors = {"a.weight": "float32[16, 16]", "b.weight": "float32[16, 16]"}
-    return Plan(devices=("cpu:0", "cpu:1"), budgets={"cpu:0": 4096, "cpu:1": 4096},
-                placement={"x": "cpu:0", "a": "cpu:0", "b": "cpu:1", "output": "cpu:1"},
-                param_devices={"a.weight": "cpu:0", "b.weight": "cpu:1"}, device_bytes={"cpu:0": 1024, "cpu:1": 1024},
-                cuts=(Cut("a", "cpu:0", "cpu:1", 64),), output_device="cpu:1", tensors=tensors,
-                fingerprint=fingerprint_of(tensors, ()))
+    return Plan(
+        devices=("cpu:0", "cpu:1"),
+        budgets={"cpu:0": 4096, "cpu:1": 4096},
+        placement={"x": "cpu:0", "a": "cpu:0", "b": "cpu:1", "output": "cpu:1"},
+        param_devices={"a.weight": "cpu:0", "b.weight": "cpu:1"},
+        device_bytes={"cpu:0": 1024, "cpu:1": 1024},
+        cuts=(Cut("a", "cpu:0", "cpu:1", 64),),
+        output_device="cpu:1",
+        tensors=tensors,
+        fingerprint=fingerprint_of(tensors, ()),
+    )
 
 
 X = torch.randint(0, 100, (2, 6))
@@ -214,8 +231,10 @@ def test_a_plan_made_for_bf16_applies_to_the_cast_model() -> None:
     model = tiny().to(torch.bfloat16)
     gm = fxsplit.apply(model, plan, example_inputs=(X,))
     assert gm(X).dtype == torch.bfloat16
-    with pytest.raises(fxsplit.PlanMismatchError,
-                       match=r"changed: 'model.embed_tokens.weight' is float16\[100, 16\] in the model, float32"):
+    with pytest.raises(
+        fxsplit.PlanMismatchError,
+        match=r"changed: 'model.embed_tokens.weight' is float16\[100, 16\] in the model, float32",
+    ):
         fxsplit.apply(tiny().to(torch.float16), plan, example_inputs=(X,))
 
 

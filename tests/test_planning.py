@@ -45,4 +45,3 @@ def test_tensors_no_op_reads_are_packed_with_the_rest() -> None:
         assert plan.device_bytes[device] <= budget
     assert sum(plan.device_bytes.values()) == sum(sizes)
     assert [c.nbytes for c in plan.cuts if c.kind == "activation"] == [3 * 8 * 4]  # still one cut
-

@@ -19,7 +19,7 @@ from fxsplit.planning.rules import PlanProblems, plan_problems
 
 # Two layers of 9408 bytes each; budgets of 12 KiB hold one layer per device. The large model has the
 # same graph (same node and tensor names) with layers four times larger: 36.4 KiB each.
-MODELS = '''
+MODELS = """
 import torch
 from torch import nn
 
@@ -32,7 +32,7 @@ def small():
 def large():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(96, 96), nn.ReLU(), nn.Linear(96, 96))
-'''
+"""
 BUDGETS = {"cpu:0": "12KiB", "cpu:1": "12KiB"}
 LAYER = 48 * 48 * 4 + 48 * 4
 TinyLM = load_model(f"{Path(__file__).resolve().parents[1] / 'examples' / 'models.py'}:factory").model.__class__
@@ -104,8 +104,10 @@ def test_a_tampered_fingerprint_is_refused(models: Path, tmp_path: Path) -> None
     with pytest.raises(PlanProblems) as caught:
         Plan.from_yaml(tampered)
     assert isinstance(caught.value, fxsplit.SpecError) and isinstance(caught.value, fxsplit.PlanMismatchError)
-    assert (f"<plan>:5: fingerprint: is 'sha256:0123456789abcdef' but the plan's tensors and tied groups give "
-            f"'{plan.fingerprint}'; the plan was edited or damaged") in str(caught.value)
+    assert (
+        f"<plan>:5: fingerprint: is 'sha256:0123456789abcdef' but the plan's tensors and tied groups give "
+        f"'{plan.fingerprint}'; the plan was edited or damaged"
+    ) in str(caught.value)
     with pytest.raises(PlanProblems, match="fingerprint: is 'sha256:0123456789abcdef'"):
         fxsplit.apply(small(), dataclasses.replace(plan, fingerprint="sha256:0123456789abcdef"))
     path = tmp_path / "tampered.yaml"
@@ -159,19 +161,28 @@ def test_a_plan_for_the_small_model_is_refused_on_the_large_one(models: Path, tm
 
 def over_budget_plan() -> Plan:
     """Both layers on cpu:0 (cuts as the placement implies), its budget left at 12 KiB: an edited placement."""
-    roomy = fxsplit.plan(small(), {"cpu:0": "24KiB", "cpu:1": "24KiB"}, mode="weights", trace="fx",
-                         pins={"0": "cpu:0", "2": "cpu:0"}, output_device="cpu:1")
+    roomy = fxsplit.plan(
+        small(),
+        {"cpu:0": "24KiB", "cpu:1": "24KiB"},
+        mode="weights",
+        trace="fx",
+        pins={"0": "cpu:0", "2": "cpu:0"},
+        output_device="cpu:1",
+    )
     assert set(roomy.param_devices.values()) == {"cpu:0"}
-    return dataclasses.replace(roomy, budgets={"cpu:0": 12 * 1024, "cpu:1": 12 * 1024},
-                               device_bytes={"cpu:0": LAYER, "cpu:1": LAYER})
+    return dataclasses.replace(
+        roomy, budgets={"cpu:0": 12 * 1024, "cpu:1": 12 * 1024}, device_bytes={"cpu:0": LAYER, "cpu:1": LAYER}
+    )
 
 
 def test_apply_rechecks_the_budgets_with_the_models_own_tensors(models: Path, tmp_path: Path) -> None:
     edited = Plan.from_yaml(over_budget_plan().to_yaml())  # the file meets every rule: the bytes it states fit
     model = small()
     before = weights_of(model)
-    expected = (f"'cpu:0' holds 18.38 KiB ({2 * LAYER} bytes) of parameters and buffers but may hold 12.00 KiB: "
-                f"over by 6.38 KiB ({2 * LAYER - 12 * 1024} bytes)")
+    expected = (
+        f"'cpu:0' holds 18.38 KiB ({2 * LAYER} bytes) of parameters and buffers but may hold 12.00 KiB: "
+        f"over by 6.38 KiB ({2 * LAYER - 12 * 1024} bytes)"
+    )
     with pytest.raises(fxsplit.BudgetError) as caught:
         fxsplit.apply(model, edited)
     assert expected in str(caught.value) and "plan again for this model" in str(caught.value)
@@ -189,8 +200,11 @@ def test_apply_rechecks_the_budgets_with_the_models_own_tensors(models: Path, tm
 def test_the_reserve_counts_when_a_plan_is_applied() -> None:
     plan = saved_plan()
     reserving = dataclasses.replace(plan, reserved={"cpu:1": 4096})
-    with pytest.raises(fxsplit.BudgetError, match=r"'cpu:1' holds 9.19 KiB \(9408 bytes\) of parameters and buffers "
-                       r"but may hold 8.00 KiB \(its budget 12.00 KiB less 4.00 KiB reserved\): over by 1.19 KiB"):
+    with pytest.raises(
+        fxsplit.BudgetError,
+        match=r"'cpu:1' holds 9.19 KiB \(9408 bytes\) of parameters and buffers "
+        r"but may hold 8.00 KiB \(its budget 12.00 KiB less 4.00 KiB reserved\): over by 1.19 KiB",
+    ):
         fxsplit.apply(small(), Plan.from_yaml(reserving.to_yaml()))
 
 
@@ -200,8 +214,11 @@ def test_apply_rechecks_the_cuts(models: Path, tmp_path: Path) -> None:
     uncut = dataclasses.replace(plan, cuts=())
     model = small()
     before = weights_of(model)
-    with pytest.raises(fxsplit.PlanMismatchError, match=r"cuts are not those its placement implies(.|\n)*"
-                       r"placement implies .*cpu:0 -> cpu:1"):
+    with pytest.raises(
+        fxsplit.PlanMismatchError,
+        match=r"cuts are not those its placement implies(.|\n)*"
+        r"placement implies .*cpu:0 -> cpu:1",
+    ):
         fxsplit.apply(model, Plan.from_yaml(uncut.to_yaml()))
     assert_untouched(model, before)
     path = tmp_path / "uncut.yaml"
@@ -232,8 +249,10 @@ def test_one_tied_tensor_on_two_devices_is_refused() -> None:
     assert "tied[0]: tied names are one tensor, so they share one device, but param_devices puts " in message
     assert f"'model.embed_tokens.weight' on '{home}', 'lm_head.weight' on '{other}'; give them one device" in message
     with pytest.raises(PlanProblems, match="tied names are one tensor"):
-        fxsplit.apply(TinyLM(vocab=100, width=16, depth=2),
-                      dataclasses.replace(plan, param_devices={**plan.param_devices, "lm_head.weight": other}))
+        fxsplit.apply(
+            TinyLM(vocab=100, width=16, depth=2),
+            dataclasses.replace(plan, param_devices={**plan.param_devices, "lm_head.weight": other}),
+        )
 
 
 def test_every_problem_of_a_plan_file_is_reported_at_once() -> None:
@@ -241,16 +260,22 @@ def test_every_problem_of_a_plan_file_is_reported_at_once() -> None:
     home = plan.param_devices["lm_head.weight"]
     other = next(d for d in plan.devices if d != home)
     node = next(iter(plan.placement))
-    text = (plan.to_yaml()
-            .replace(f"fingerprint: {plan.fingerprint}", "fingerprint: sha256:feedfacefeedface")
-            .replace(f"  lm_head.weight: {home}\n", f"  lm_head.weight: '{other}'\n")
-            .replace(f"\n  {node}: {plan.placement[node]}\n", f"\n  {node}: cuda:9\n")
-            .replace("  model.norm.weight: float32[16]\n", ""))
+    text = (
+        plan.to_yaml()
+        .replace(f"fingerprint: {plan.fingerprint}", "fingerprint: sha256:feedfacefeedface")
+        .replace(f"  lm_head.weight: {home}\n", f"  lm_head.weight: '{other}'\n")
+        .replace(f"\n  {node}: {plan.placement[node]}\n", f"\n  {node}: cuda:9\n")
+        .replace("  model.norm.weight: float32[16]\n", "")
+    )
     with pytest.raises(PlanProblems) as caught:
         Plan.from_yaml(text)
     found = [(p.path, p.line) for p in caught.value.problems]
-    assert {path for path, _ in found} == {("fingerprint",), ("param_devices", "model.norm.weight"), ("tied", 0),
-                                           ("placement", node)}
+    assert {path for path, _ in found} == {
+        ("fingerprint",),
+        ("param_devices", "model.norm.weight"),
+        ("tied", 0),
+        ("placement", node),
+    }
     assert [line for _, line in found] == sorted(line or 0 for _, line in found)
     lines = text.splitlines()
     for path, line in found:
@@ -264,9 +289,14 @@ def test_every_problem_of_a_plan_file_is_reported_at_once() -> None:
 def test_a_damaged_plan_file_raises_only_fxsplit_errors() -> None:
     text = saved_plan().to_yaml()
     cut_short = [text[:n] for n in range(0, text.index("\ntensors:"), 97)]  # each misses a required part
-    edits = [text.replace(": cpu:", ": [cpu:", 1), text.replace("budget: 12288", "budget: -1", 1),
-             text.replace("kind: activation", "kind: teleport"), text.replace("format:", "format: ["),
-             text.replace("  0.weight: float32[48, 48]", "  0.weight: [48, 48]"), text.replace("\n", "\n\t", 1)]
+    edits = [
+        text.replace(": cpu:", ": [cpu:", 1),
+        text.replace("budget: 12288", "budget: -1", 1),
+        text.replace("kind: activation", "kind: teleport"),
+        text.replace("format:", "format: ["),
+        text.replace("  0.weight: float32[48, 48]", "  0.weight: [48, 48]"),
+        text.replace("\n", "\n\t", 1),
+    ]
     for case in [*cut_short, *edits]:
         with pytest.raises(fxsplit.FxsplitError) as caught:
             Plan.from_yaml(case)
@@ -276,5 +306,9 @@ def test_a_damaged_plan_file_raises_only_fxsplit_errors() -> None:
 def test_pipeline_stages_hold_a_given_plan_to_the_rules() -> None:
     plan = saved_plan()
     with pytest.raises(PlanProblems, match="fingerprint: is 'sha256:0123456789abcdef'"):
-        fxsplit.pipeline_stages(small(), dataclasses.replace(plan, fingerprint="sha256:0123456789abcdef"),
-                                example_inputs=(torch.randn(4, 48),), chunks=2)
+        fxsplit.pipeline_stages(
+            small(),
+            dataclasses.replace(plan, fingerprint="sha256:0123456789abcdef"),
+            example_inputs=(torch.randn(4, 48),),
+            chunks=2,
+        )

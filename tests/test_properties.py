@@ -106,10 +106,16 @@ def optimum(model: nn.Module, inputs: tuple[torch.Tensor, ...], budgets: dict[st
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(spec=specs(), mode=st.sampled_from(["fx", "export"]), devices=st.integers(2, 3),
-       fractions=st.lists(st.floats(0.3, 1.0), min_size=3, max_size=3), seed=st.integers(0, 2**16))
-def test_random_models_and_budgets(spec: dict[str, Any], mode: str, devices: int, fractions: list[float],
-                                   seed: int) -> None:
+@given(
+    spec=specs(),
+    mode=st.sampled_from(["fx", "export"]),
+    devices=st.integers(2, 3),
+    fractions=st.lists(st.floats(0.3, 1.0), min_size=3, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_random_models_and_budgets(
+    spec: dict[str, Any], mode: str, devices: int, fractions: list[float], seed: int
+) -> None:
     model, inputs = build(spec, seed)
     total = tensor_bytes(model)
     budgets = {d: int(f * total) for d, f in zip(CPUS[:devices], fractions, strict=False)}

@@ -129,8 +129,9 @@ def _inputs(spec: dict[str, Any], seed: int) -> tuple[torch.Tensor, torch.Tensor
     return tuple(torch.randn(3, spec["width"], generator=generator) for _ in range(2))  # type: ignore[return-value]
 
 
-def _split(model: nn.Module, budgets: dict[str, int], example: tuple[torch.Tensor, ...], trace: str,
-           saved: bool) -> torch.fx.GraphModule:
+def _split(
+    model: nn.Module, budgets: dict[str, int], example: tuple[torch.Tensor, ...], trace: str, saved: bool
+) -> torch.fx.GraphModule:
     if not saved:
         return fxsplit.fxsplit(model, budgets, example_inputs=example, trace=trace, mode="weights")
     plan = fxsplit.plan(model, budgets, example_inputs=example, trace=trace, mode="weights")
@@ -153,8 +154,10 @@ def check_against_eager(spec: dict[str, Any], trace: str, fractions: list[float]
         return
     plan = gm.meta["fxsplit_plan"]
     verify_split(gm)
-    event(f"{trace}{' saved' if saved else ''}: {len(set(plan.param_devices.values()))} device(s), "
-          f"region {spec['region']}")
+    event(
+        f"{trace}{' saved' if saved else ''}: {len(set(plan.param_devices.values()))} device(s), "
+        f"region {spec['region']}"
+    )
     event(f"cache written: {spec['cache_write'] is not None}, buffer written: {spec['buffer_write'] is not None}")
     split_args, eager_args = _inputs(spec, seed), _inputs(spec, seed)
     for _ in range(2):
@@ -172,14 +175,22 @@ def check_against_eager(spec: dict[str, Any], trace: str, fractions: list[float]
 
 
 @limits(250, 2000)
-@given(spec=specs(), trace=st.sampled_from(["fx", "export"]),
-       fractions=st.lists(st.floats(0.5, 1.0), min_size=2, max_size=3), seed=st.integers(0, 2**16))
+@given(
+    spec=specs(),
+    trace=st.sampled_from(["fx", "export"]),
+    fractions=st.lists(st.floats(0.5, 1.0), min_size=2, max_size=3),
+    seed=st.integers(0, 2**16),
+)
 def test_random_models_match_eager(spec: dict[str, Any], trace: str, fractions: list[float], seed: int) -> None:
     check_against_eager(spec, trace, fractions, seed, saved=False)
 
 
 @limits(100, 1000)
-@given(spec=specs(), trace=st.sampled_from(["fx", "export"]),
-       fractions=st.lists(st.floats(0.5, 1.0), min_size=2, max_size=3), seed=st.integers(0, 2**16))
+@given(
+    spec=specs(),
+    trace=st.sampled_from(["fx", "export"]),
+    fractions=st.lists(st.floats(0.5, 1.0), min_size=2, max_size=3),
+    seed=st.integers(0, 2**16),
+)
 def test_saved_plans_match_eager(spec: dict[str, Any], trace: str, fractions: list[float], seed: int) -> None:
     check_against_eager(spec, trace, fractions, seed, saved=True)

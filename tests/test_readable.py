@@ -61,9 +61,14 @@ def tutorial_split() -> torch.fx.GraphModule:
 def tiny_lm_split(trace: str) -> torch.fx.GraphModule:
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 5))
-    return fxsplit.fxsplit(TinyLM(vocab=64, width=16, depth=2), {"cpu:0": "16KiB", "cpu:1": "16KiB"},
-                           example_inputs=(ids,), mode="weights", trace=trace,
-                           pins={"model.embed_tokens": "cpu:0", "lm_head": "cpu:1"})
+    return fxsplit.fxsplit(
+        TinyLM(vocab=64, width=16, depth=2),
+        {"cpu:0": "16KiB", "cpu:1": "16KiB"},
+        example_inputs=(ids,),
+        mode="weights",
+        trace=trace,
+        pins={"model.embed_tokens": "cpu:0", "lm_head": "cpu:1"},
+    )
 
 
 def test_tutorial_model_reads_as_expected() -> None:

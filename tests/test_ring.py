@@ -53,8 +53,9 @@ def skip_dags(draw: st.DrawFn) -> tuple[PartitionProblem, list[int], int]:
     pins = {op: draw(st.integers(0, k - 1)) for op in pinned_ops}
     extra = tuple(draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))) if draw(st.booleans()) else ()
     transient = tuple(draw(st.lists(st.integers(0, 30), min_size=n, max_size=n))) if draw(st.booleans()) else ()
-    problem = PartitionProblem(tuple(f"op{i}" for i in range(n)), tuple(values), pins,
-                               op_extra=extra, op_transient=transient)
+    problem = PartitionProblem(
+        tuple(f"op{i}" for i in range(n)), tuple(values), pins, op_extra=extra, op_transient=transient
+    )
     budgets = draw(st.lists(st.integers(0, 200), min_size=k, max_size=k))
     return problem, budgets, draw(st.integers(1, n - 1))
 

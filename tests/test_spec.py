@@ -20,45 +20,86 @@ TinyLM = load_model(f"{ROOT / 'examples' / 'models.py'}:factory").model.__class_
 
 # (spec text, [(line, path, message fragment), ...]): every expected problem, and nothing else.
 BAD_SPECS = [
-    pytest.param("devices: {cpu:0: 1GiB}\nobjectiv: balanced",
-                 [(2, "objectiv", "unknown key; did you mean 'objective'?")], id="unknown-key"),
-    pytest.param("devices: {cpu:0: 1GiB}\npins: {a: cpu:0}",
-                 [(2, "pins", "did you mean 'pin'?")], id="unknown-key-pins"),
-    pytest.param("devices:\n  cpu:0: 1GiB\n  cpu:1: {budget: 1GiB, reserv: 1%}",
-                 [(3, "devices['cpu:1']['reserv']", "did you mean 'reserve'?")], id="unknown-device-key"),
-    pytest.param("devices:\n  cpu:0: 10 GiBs",
-                 [(2, "devices['cpu:0']", "budget '10 GiBs' has unknown unit 'GiBs'")], id="malformed-size"),
-    pytest.param("devices:\n  cpu:0: -3",
-                 [(2, "devices['cpu:0']", "must not be negative")], id="negative-size"),
-    pytest.param("devices:\n  gpu:1: 1GiB",
-                 [(2, "devices['gpu:1']", "unknown device 'gpu:1'; did you mean 'cuda:1'?")], id="unknown-device"),
-    pytest.param("devices:\n  tpu:0: 1GiB",
-                 [(2, "devices['tpu:0']", "unknown device 'tpu:0'")], id="unknown-device-type"),
+    pytest.param(
+        "devices: {cpu:0: 1GiB}\nobjectiv: balanced",
+        [(2, "objectiv", "unknown key; did you mean 'objective'?")],
+        id="unknown-key",
+    ),
+    pytest.param(
+        "devices: {cpu:0: 1GiB}\npins: {a: cpu:0}", [(2, "pins", "did you mean 'pin'?")], id="unknown-key-pins"
+    ),
+    pytest.param(
+        "devices:\n  cpu:0: 1GiB\n  cpu:1: {budget: 1GiB, reserv: 1%}",
+        [(3, "devices['cpu:1']['reserv']", "did you mean 'reserve'?")],
+        id="unknown-device-key",
+    ),
+    pytest.param(
+        "devices:\n  cpu:0: 10 GiBs",
+        [(2, "devices['cpu:0']", "budget '10 GiBs' has unknown unit 'GiBs'")],
+        id="malformed-size",
+    ),
+    pytest.param("devices:\n  cpu:0: -3", [(2, "devices['cpu:0']", "must not be negative")], id="negative-size"),
+    pytest.param(
+        "devices:\n  gpu:1: 1GiB",
+        [(2, "devices['gpu:1']", "unknown device 'gpu:1'; did you mean 'cuda:1'?")],
+        id="unknown-device",
+    ),
+    pytest.param(
+        "devices:\n  tpu:0: 1GiB", [(2, "devices['tpu:0']", "unknown device 'tpu:0'")], id="unknown-device-type"
+    ),
     pytest.param("devices:\n  meta: 1GiB", [(2, "devices['meta']", "'meta' holds no data")], id="meta-device"),
     pytest.param("devices: [cpu:0, cpu:1]", [(1, "devices", "must map each device to its budget")], id="devices-list"),
-    pytest.param("devices:\n  cpu:0: 1GiB\n  0: 1GiB\n  cuda:0: 2GiB",
-                 [(4, "devices['cuda:0']", "names device 'cuda:0' a second time")], id="same-device-twice"),
-    pytest.param("devices:\n  cpu:0: 1GiB\n  cpu:0: 2GiB",
-                 [(3, "devices['cpu:0']", "duplicate key")], id="duplicate-key"),
+    pytest.param(
+        "devices:\n  cpu:0: 1GiB\n  0: 1GiB\n  cuda:0: 2GiB",
+        [(4, "devices['cuda:0']", "names device 'cuda:0' a second time")],
+        id="same-device-twice",
+    ),
+    pytest.param(
+        "devices:\n  cpu:0: 1GiB\n  cpu:0: 2GiB", [(3, "devices['cpu:0']", "duplicate key")], id="duplicate-key"
+    ),
     pytest.param("devices:\n  cpu:1: {reserve: 10%}", [(2, "devices['cpu:1']", "needs a budget")], id="no-budget"),
-    pytest.param("devices:\n  cpu:1: {budget: 1GiB, reserve: 1GiB}",
-                 [(2, "devices['cpu:1']['reserve']", "leaves nothing of the budget")], id="reserve-all"),
-    pytest.param("devices: {cpu:0: 1GiB}\nreserve: 120%",
-                 [(2, "reserve", "not a percentage of the budget from 0% to below 100%")], id="reserve-percent"),
-    pytest.param("devices: {cpu:0: 1GiB}\npin:\n  lm_head: cpu:3",
-                 [(3, "pin['lm_head']", "pins to 'cpu:3', which is not under devices (cpu:0)")], id="pin-no-budget"),
-    pytest.param("devices: {cpu:0: 1GiB}\npin: [lm_head]", [(2, "pin", "must map module paths or globs")],
-                 id="pin-list"),
-    pytest.param("devices: {cpu:0: 1GiB}\npin:\n  0.5: cpu:0", [(3, "pin[0.5]", "quote paths that look like numbers")],
-                 id="pin-float-key"),
+    pytest.param(
+        "devices:\n  cpu:1: {budget: 1GiB, reserve: 1GiB}",
+        [(2, "devices['cpu:1']['reserve']", "leaves nothing of the budget")],
+        id="reserve-all",
+    ),
+    pytest.param(
+        "devices: {cpu:0: 1GiB}\nreserve: 120%",
+        [(2, "reserve", "not a percentage of the budget from 0% to below 100%")],
+        id="reserve-percent",
+    ),
+    pytest.param(
+        "devices: {cpu:0: 1GiB}\npin:\n  lm_head: cpu:3",
+        [(3, "pin['lm_head']", "pins to 'cpu:3', which is not under devices (cpu:0)")],
+        id="pin-no-budget",
+    ),
+    pytest.param(
+        "devices: {cpu:0: 1GiB}\npin: [lm_head]", [(2, "pin", "must map module paths or globs")], id="pin-list"
+    ),
+    pytest.param(
+        "devices: {cpu:0: 1GiB}\npin:\n  0.5: cpu:0",
+        [(3, "pin[0.5]", "quote paths that look like numbers")],
+        id="pin-float-key",
+    ),
     pytest.param("together: lm_head", [(1, "together", "must be a list of groups")], id="together-string"),
-    pytest.param("together:\n  - [a, 3]\n  - []",
-                 [(2, "together[0][1]", "must be a module path or glob, as a string (got int 3)"),
-                  (3, "together[1]", "an empty group")], id="together-items"),
-    pytest.param("leaf_modules: Block", [(1, "leaf_modules", "must be a list, each item a module path or class name")],
-                 id="leaf-string"),
-    pytest.param("trace: exprt",
-                 [(1, "trace", "must be one of auto, fx, export (got 'exprt'); did you mean 'export'?")], id="trace"),
+    pytest.param(
+        "together:\n  - [a, 3]\n  - []",
+        [
+            (2, "together[0][1]", "must be a module path or glob, as a string (got int 3)"),
+            (3, "together[1]", "an empty group"),
+        ],
+        id="together-items",
+    ),
+    pytest.param(
+        "leaf_modules: Block",
+        [(1, "leaf_modules", "must be a list, each item a module path or class name")],
+        id="leaf-string",
+    ),
+    pytest.param(
+        "trace: exprt",
+        [(1, "trace", "must be one of auto, fx, export (got 'exprt'); did you mean 'export'?")],
+        id="trace",
+    ),
     pytest.param("objective: 3", [(1, "objective", "must be one of min_transfer, balanced (got 3)")], id="objective"),
     pytest.param("dtype: bf17", [(1, "dtype", "did you mean 'bf16'?")], id="dtype"),
     pytest.param("output_device: gpu", [(1, "output_device", "did you mean 'cuda'?")], id="output-device"),
@@ -66,17 +107,24 @@ BAD_SPECS = [
     pytest.param("optimizer: adam", [(1, "optimizer", "only counts with mode: training")], id="optimizer-no-training"),
     pytest.param("mode: training\noptimizer: adma", [(2, "optimizer", "did you mean 'adam'?")], id="optimizer-name"),
     pytest.param("mode: training\noptimizer: -4", [(2, "optimizer", "must be 0 or more")], id="optimizer-negative"),
-    pytest.param("mode: training\noptimizer: [adam]", [(2, "optimizer", "or bytes per parameter element")],
-                 id="optimizer-type"),
+    pytest.param(
+        "mode: training\noptimizer: [adam]", [(2, "optimizer", "or bytes per parameter element")], id="optimizer-type"
+    ),
     pytest.param("dynamic_shapes: batches", [(1, "dynamic_shapes", "did you mean 'batch'?")], id="dynamic-shapes"),
     pytest.param("- devices\n- pin", [(1, "<top>", "a spec must be a mapping")], id="not-a-mapping"),
     pytest.param("", [(None, "<top>", "(it is empty)")], id="empty"),
     pytest.param("devices: {cpu:0: 1GiB", [(1, "<top>", "not valid YAML")], id="bad-yaml"),
     pytest.param(
         "devices:\n  cuda:0: 10 GiBs\n  gpu:1: 1GiB\npinn: {a: cuda:0}\ntrace: fxx\ndtype: 16\n",
-        [(2, "devices['cuda:0']", "unknown unit 'GiBs'"), (3, "devices['gpu:1']", "did you mean 'cuda:1'?"),
-         (4, "pinn", "did you mean 'pin'?"), (5, "trace", "did you mean 'fx'?"), (6, "dtype", "must be one of")],
-        id="several-at-once"),
+        [
+            (2, "devices['cuda:0']", "unknown unit 'GiBs'"),
+            (3, "devices['gpu:1']", "did you mean 'cuda:1'?"),
+            (4, "pinn", "did you mean 'pin'?"),
+            (5, "trace", "did you mean 'fx'?"),
+            (6, "dtype", "must be one of"),
+        ],
+        id="several-at-once",
+    ),
 ]
 
 
@@ -144,8 +192,9 @@ dtype: half
     assert spec.locate(("pin", "decoder.*")) == "<spec>:7: pin['decoder.*']"
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "specs" / "*.yaml"))) + [
-    str(ROOT / "examples" / "spec_example.yaml")])
+@pytest.mark.parametrize(
+    "path", sorted(glob.glob(str(ROOT / "specs" / "*.yaml"))) + [str(ROOT / "examples" / "spec_example.yaml")]
+)
 def test_shipped_specs_load_and_plan(path: str) -> None:
     spec = fxsplit.load_spec(path)
     assert spec.devices
@@ -155,7 +204,8 @@ def test_shipped_specs_load_and_plan(path: str) -> None:
     plan = fxsplit.plan(model, spec=path, example_inputs=(ids,), trace="fx")
     assert plan.devices == tuple(spec.devices)
     assert plan.reserved == {d: spec.reserve_for(d).of(b) for d, b in spec.devices.items()} or not (
-        spec.reserve or spec.default_reserve)
+        spec.reserve or spec.default_reserve
+    )
     for pattern, device in spec.pins.items():
         assert plan.param_devices[f"{pattern}.weight"] in (device, plan.param_devices["model.embed_tokens.weight"])
 
@@ -273,13 +323,17 @@ def test_pins_against_the_device_order_are_reported() -> None:
 
 
 def test_together_group_pinned_to_two_devices() -> None:
-    text = (f"devices: {{cpu:0: {6 * LAYER}, cpu:1: {6 * LAYER}}}\npin: {{embed: cpu:0, head: cpu:1}}\n"
-            "together:\n  - [embed, head]\n  - [nothing]\n")
+    text = (
+        f"devices: {{cpu:0: {6 * LAYER}, cpu:1: {6 * LAYER}}}\npin: {{embed: cpu:0, head: cpu:1}}\n"
+        "together:\n  - [embed, head]\n  - [nothing]\n"
+    )
     with pytest.raises(fxsplit.SpecError) as caught:
         plan_with(text)
     text = str(caught.value)
-    assert "<spec>:4: together[0]: its ops must share a device, but pins 'embed', 'head' put some of them on cpu:0 " \
-           "and cpu:1" in text
+    assert (
+        "<spec>:4: together[0]: its ops must share a device, but pins 'embed', 'head' put some of them on cpu:0 "
+        "and cpu:1" in text
+    )
     assert "<spec>:5: together[1][0]: no module of the model matches 'nothing'" in text
 
 
@@ -292,11 +346,19 @@ def test_pins_that_make_budgets_infeasible_name_the_pin() -> None:
     message = str(caught.value)
     assert isinstance(caught.value, ValueError)
     assert "it fits without <spec>:4: pin['embed'] -> 'cpu:1'" in message
-    assert "Everything after 'embed' (pinned to 'cpu:1') needs 5.31 KiB, but 'cpu:1' and the devices after it have " \
-           "2.12 KiB left" in message
+    assert (
+        "Everything after 'embed' (pinned to 'cpu:1') needs 5.31 KiB, but 'cpu:1' and the devices after it have "
+        "2.12 KiB left" in message
+    )
     with pytest.raises(fxsplit.BudgetError, match=r"it fits without pins\['embed'\] -> 'cpu:1'"):
-        fxsplit.plan(Chain(), {"cpu:0": 3 * LAYER, "cpu:1": 3 * LAYER}, example_inputs=X, pins={"embed": "cpu:1"},
-                     contiguous=True, mode="weights")
+        fxsplit.plan(
+            Chain(),
+            {"cpu:0": 3 * LAYER, "cpu:1": 3 * LAYER},
+            example_inputs=X,
+            pins={"embed": "cpu:1"},
+            contiguous=True,
+            mode="weights",
+        )
 
 
 def test_together_that_makes_budgets_infeasible_is_named() -> None:

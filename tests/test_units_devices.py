@@ -57,8 +57,15 @@ def test_parse_size_rejects(value: object, message: str) -> None:
 
 @pytest.mark.parametrize(
     ("nbytes", "text"),
-    [(0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (3 * 2**30, "3.00 GiB"), (5 * 2**40, "5.00 TiB"),
-     (-2048, "-2.00 KiB"), (None, "unknown")],
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.00 KiB"),
+        (3 * 2**30, "3.00 GiB"),
+        (5 * 2**40, "5.00 TiB"),
+        (-2048, "-2.00 KiB"),
+        (None, "unknown"),
+    ],
 )
 def test_format_size(nbytes: int | None, text: str) -> None:
     assert format_size(nbytes) == text
@@ -71,8 +78,17 @@ def test_parse_format_round_trip() -> None:
 
 @pytest.mark.parametrize(
     ("key", "name"),
-    [(0, "cuda:0"), (3, "cuda:3"), ("cuda:1", "cuda:1"), ("cpu", "cpu"), ("cpu:3", "cpu:3"), (" cpu:2 ", "cpu:2"),
-     (torch.device("cpu", 1), "cpu:1"), (torch.device("cuda", 2), "cuda:2"), ("cuda", "cuda")],
+    [
+        (0, "cuda:0"),
+        (3, "cuda:3"),
+        ("cuda:1", "cuda:1"),
+        ("cpu", "cpu"),
+        ("cpu:3", "cpu:3"),
+        (" cpu:2 ", "cpu:2"),
+        (torch.device("cpu", 1), "cpu:1"),
+        (torch.device("cuda", 2), "cuda:2"),
+        ("cuda", "cuda"),
+    ],
 )
 def test_normalize_device(key: object, name: str) -> None:
     assert normalize_device(key) == name

@@ -34,21 +34,32 @@ def three_linears() -> nn.Module:
         ({"pins": {("0",): "cpu:0"}}, "'pins' keys must be strings"),
         ({"pins": {"0": 1.5}}, "pins['0']: device must be a string, torch.device or int (got float)"),
         ({"output_device": "cuda:300"}, "output_device: device 'cuda:300' has index 300"),
-        ({"leaf_modules": [42]}, "'leaf_modules'[0] must be an nn.Module subclass (like torch.nn.MultiheadAttention) "
-                                 "or a module path or class name as a string (got 42)"),
+        (
+            {"leaf_modules": [42]},
+            "'leaf_modules'[0] must be an nn.Module subclass (like torch.nn.MultiheadAttention) "
+            "or a module path or class name as a string (got 42)",
+        ),
         ({"leaf_modules": [int]}, "'leaf_modules'[0] must be an nn.Module subclass"),
-        ({"leaf_modules": "Linear"}, "'leaf_modules' must be a list of module classes or module names (got 'Linear'); "
-                                     "write ['Linear']"),
+        (
+            {"leaf_modules": "Linear"},
+            "'leaf_modules' must be a list of module classes or module names (got 'Linear'); write ['Linear']",
+        ),
         ({"contiguous": "no"}, "'contiguous' must be True or False (got 'no')"),
         ({"contiguous": 1}, "'contiguous' must be True or False (got 1)"),
         ({"check": "yes"}, "'check' must be True or False (got 'yes')"),
-        ({"concrete_args": {"nope": 1}}, "concrete_args names 'nope', which is not an argument of Sequential.forward "
-                                         "(its arguments: input); fix the name or drop it"),
+        (
+            {"concrete_args": {"nope": 1}},
+            "concrete_args names 'nope', which is not an argument of Sequential.forward "
+            "(its arguments: input); fix the name or drop it",
+        ),
         ({"concrete_args": [("input", 1)]}, "'concrete_args' must be a mapping, like {'use_cache': False}"),
         ({"example_kwargs": [1]}, "'example_kwargs' must be a mapping"),
         ({"dynamic_shapes": 1}, "'dynamic_shapes' must be 'batch', 'all', a torch.export dynamic_shapes spec"),
-        ({"reserve": 1.5}, "reserve 1.5 is a float, which means a fraction of the budget from 0 to below 1 (0.1 is "
-                           "'10%'); for bytes write an int or a size like '100MiB'"),
+        (
+            {"reserve": 1.5},
+            "reserve 1.5 is a float, which means a fraction of the budget from 0 to below 1 (0.1 is "
+            "'10%'); for bytes write an int or a size like '100MiB'",
+        ),
         ({"reserve": float("nan")}, "reserve nan is a float"),
     ],
 )
@@ -75,8 +86,11 @@ def test_a_model_that_is_not_a_module(model: Any) -> None:
 def test_apply_and_check_plan_name_unknown_options() -> None:
     model = three_linears()
     plan = fxsplit.plan(model, ROOMY, trace="fx")
-    with pytest.raises(fxsplit.SpecError, match="apply\\(\\) takes no option 'objective'; its options are "
-                                                "example_kwargs, concrete_args, leaf_modules, dynamic_shapes"):
+    with pytest.raises(
+        fxsplit.SpecError,
+        match="apply\\(\\) takes no option 'objective'; its options are "
+        "example_kwargs, concrete_args, leaf_modules, dynamic_shapes",
+    ):
         fxsplit.apply(model, plan, objective="balanced")
     with pytest.raises(fxsplit.SpecError, match="check_plan\\(\\) takes no option 'budget'"):
         fxsplit.check_plan(model, plan, budget=ROOMY)
@@ -105,10 +119,15 @@ def test_concrete_args_of_a_forward_with_kwargs_are_not_checked() -> None:
         ({"cuda:128": "1GiB"}, "device 'cuda:128' has index 128"),
         ({"cpu:0": "1GiB", "cpu:255": "1GiB"}, "device 'cpu:255' has index 255"),
         ({200: "1GiB"}, "device 200 has index 200"),
-        ({torch.device("cuda", 128): "1GiB"}, "device 'cuda:-128' has a negative index: torch keeps device indices "
-                                              "in 8 bits"),
-        ({"cuda": "1GiB", "cuda:0": "1GiB"}, "budgets name device 'cuda:0' twice (as 'cuda' and 'cuda:0'); a bare "
-                                             "'cuda' means the current cuda device, index 0 here"),
+        (
+            {torch.device("cuda", 128): "1GiB"},
+            "device 'cuda:-128' has a negative index: torch keeps device indices in 8 bits",
+        ),
+        (
+            {"cuda": "1GiB", "cuda:0": "1GiB"},
+            "budgets name device 'cuda:0' twice (as 'cuda' and 'cuda:0'); a bare "
+            "'cuda' means the current cuda device, index 0 here",
+        ),
         ({"cuda:0": "1GiB", "cuda": "1GiB"}, "budgets name device 'cuda:0' twice (as 'cuda:0' and 'cuda')"),
         ({"cpu:0": "1e400GiB"}, "budget of 'cpu:0' '1e400GiB' is larger than the largest size fxsplit handles, 8 EiB"),
         ({"cpu:0": "1e18GiB"}, "is larger than the largest size fxsplit handles"),
@@ -155,8 +174,7 @@ def test_the_partitioner_refuses_negative_budgets() -> None:
     from fxsplit.partition.problem import PartitionProblem, Value
     from fxsplit.partition.solve import partition
 
-    problem = PartitionProblem(op_names=("a", "b"), values=(Value("w", 0, 0, (0,), weight=10),
-                                                             Value("a", 4, 0, (1,))))
+    problem = PartitionProblem(op_names=("a", "b"), values=(Value("w", 0, 0, (0,), weight=10), Value("a", 4, 0, (1,))))
     with pytest.raises(fxsplit.SpecError, match=r"budgets must not be negative \(x: -1\)"):
         partition(problem, [100, -1], device_names=["w", "x"])
 
@@ -182,8 +200,10 @@ def factory_file(tmp_path: Path) -> Path:
 def test_cli_repeated_budget_for_one_device(factory_file: Path) -> None:
     code, out, err = run_cli("plan", f"{factory_file}:factory", "--budget", "cpu:0=1MiB", "--budget", "cpu:0=2MiB")
     assert code == 2 and out == ""
-    assert err.strip() == ("fxsplit: error: --budget names 'cpu:0' twice (cpu:0=1MiB and cpu:0=2MiB); give each "
-                           "device one --budget, in stage order")
+    assert err.strip() == (
+        "fxsplit: error: --budget names 'cpu:0' twice (cpu:0=1MiB and cpu:0=2MiB); give each "
+        "device one --budget, in stage order"
+    )
     code, _, err = run_cli("plan", f"{factory_file}:factory", "--budget", "cuda:0=1MiB", "--budget", "cuda=2MiB")
     assert code == 2 and "budgets name device 'cuda:0' twice (as 'cuda:0' and 'cuda')" in err
 
@@ -194,8 +214,10 @@ def test_cli_size_overflow_is_bad_input(factory_file: Path) -> None:
     assert "'1e400GiB' is larger than the largest size fxsplit handles" in err and "internal error" not in err
 
 
-@pytest.mark.parametrize(("factory", "fragment"), [("quits", "called sys.exit(0) instead of returning a model"),
-                                                   ("fails", "called sys.exit('no model today')")])
+@pytest.mark.parametrize(
+    ("factory", "fragment"),
+    [("quits", "called sys.exit(0) instead of returning a model"), ("fails", "called sys.exit('no model today')")],
+)
 def test_cli_factory_that_exits(factory_file: Path, factory: str, fragment: str) -> None:
     code, out, err = run_cli("plan", f"{factory_file}:{factory}", "--budget", "cpu:0=1MiB")
     assert code == 2 and out == ""

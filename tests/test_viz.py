@@ -22,8 +22,9 @@ def planned() -> tuple[torch.fx.GraphModule, fxsplit.Plan]:
     loaded = load_model(f"{ROOT / 'examples' / 'models.py'}:factory")
     # Pinning the embedding away from its tied head forces a copy of the weight (a parameter cut) to draw.
     pins = {"lm_head": "cpu:2", "model.embed_tokens": "cpu:0"}
-    made = trace_and_plan(loaded.model, None, loaded.example_inputs,
-                 {"spec": str(ROOT / "examples" / "spec_example.yaml"), "pins": pins})
+    made = trace_and_plan(
+        loaded.model, None, loaded.example_inputs, {"spec": str(ROOT / "examples" / "spec_example.yaml"), "pins": pins}
+    )
     return made.traced.graph_module, made.plan
 
 
@@ -82,8 +83,9 @@ def test_missing_dot_program_gives_the_hint(planned: tuple, tmp_path: Path, monk
     assert "apt-get install graphviz" in str(caught.value)
 
 
-def test_missing_graphviz_package_gives_the_hint(planned: tuple, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_graphviz_package_gives_the_hint(
+    planned: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_import = builtins.__import__
 
     def without_graphviz(name: str, *args: object, **kwargs: object) -> object:

@@ -68,8 +68,12 @@ def test_alias_bombs_through_the_cli_exit_2_fast(tmp_path: Path) -> None:
     spec, plan = tmp_path / "spec.yaml", tmp_path / "plan.yaml"
     spec.write_text(alias_bomb(9, "devices"))
     plan.write_text(plan_bomb(9))
-    for args in (("plan", MODEL, "--spec", str(spec)), ("check", MODEL, "--plan", str(plan)),
-                 ("code", MODEL, "--plan", str(plan)), ("check", MODEL, "--plan", str(plan), "--spec", str(spec))):
+    for args in (
+        ("plan", MODEL, "--spec", str(spec)),
+        ("check", MODEL, "--plan", str(plan)),
+        ("code", MODEL, "--plan", str(plan)),
+        ("check", MODEL, "--plan", str(plan), "--spec", str(spec)),
+    ):
         code, err, seconds = run(*args)
         assert code == 2 and seconds < QUICK, (args, code, seconds)
         assert err.startswith("fxsplit: error: ") and "takes no YAML aliases" in err and len(err) < 1000
@@ -89,7 +93,8 @@ def test_a_huge_file_is_refused_without_being_read(tmp_path: Path) -> None:
     assert spec_seconds < QUICK and cli_seconds < QUICK
     assert peak < MAX_PLAN_BYTES, peak
     assert f"spec file '{huge}' is 256.00 MiB (268435456 bytes); a spec file may hold at most 1.00 MiB" in str(
-        spec_error)
+        spec_error
+    )
     assert code == 2 and "plan file" in err and "256.00 MiB" in err and "at most 8.00 MiB" in err
 
 

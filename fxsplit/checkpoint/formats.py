@@ -35,11 +35,23 @@ from fxsplit.errors import CheckpointError
 __all__ = ["Entry", "TableOfContents", "read_table"]
 
 SAFETENSORS_DTYPES: dict[str, str] = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
-    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
-    "C64": "complex64", "C128": "complex128",
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "C64": "complex64",
+    "C128": "complex128",
 }
 """safetensors dtype code -> torch dtype name."""
 
@@ -86,8 +98,10 @@ class _SafetensorsFile:
             head = handle.read(8)
             length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
             if not 0 < length <= min(_MAX_HEADER, size - 8):
-                raise CheckpointError(f"'{self.path}' is not a safetensors file: its header length "
-                                      f"{length} does not fit its {size} bytes; is the file truncated?")
+                raise CheckpointError(
+                    f"'{self.path}' is not a safetensors file: its header length "
+                    f"{length} does not fit its {size} bytes; is the file truncated?"
+                )
             try:
                 header = json.loads(handle.read(length))
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -107,8 +121,10 @@ class _SafetensorsFile:
         for dim in shape:
             numel *= dim
         if dtype is not None and (end - begin != numel * dtype.itemsize or begin > end or start + end > size):
-            raise CheckpointError(f"'{self.path}': '{name}' ({code}{list(shape)}) claims bytes {begin}..{end} "
-                                  f"of a data section of {size - start} bytes; the file is corrupt or truncated")
+            raise CheckpointError(
+                f"'{self.path}': '{name}' ({code}{list(shape)}) claims bytes {begin}..{end} "
+                f"of a data section of {size - start} bytes; the file is corrupt or truncated"
+            )
         self.entries[name] = Entry(name, shape, dtype, code, self.path, end - begin)
         self._ranges[name] = (start + begin, end - begin)
 
@@ -160,15 +176,20 @@ def _torch_load(path: Path) -> dict[str, torch.Tensor]:
         first = (str(error).strip().splitlines() or [""])[0]
         hint = ""
         if "zipfile" in first or "mmap" in first:
-            hint = ("; only files written by torch.save's default (zip) format can be memory-mapped: load it once "
-                    "and save it again with torch.save, or convert it to safetensors")
-        raise CheckpointError(f"'{path}' could not be opened as a PyTorch state dict "
-                              f"({type(error).__name__}: {first}){hint}") from None
+            hint = (
+                "; only files written by torch.save's default (zip) format can be memory-mapped: load it once "
+                "and save it again with torch.save, or convert it to safetensors"
+            )
+        raise CheckpointError(
+            f"'{path}' could not be opened as a PyTorch state dict ({type(error).__name__}: {first}){hint}"
+        ) from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         values = state.values() if isinstance(state, dict) else [state]
         kinds = sorted({type(v).__name__ for v in values})
-        raise CheckpointError(f"'{path}' holds {', '.join(kinds)}, not a state dict (name -> tensor); save "
-                              "model.state_dict() with torch.save")
+        raise CheckpointError(
+            f"'{path}' holds {', '.join(kinds)}, not a state dict (name -> tensor); save "
+            "model.state_dict() with torch.save"
+        )
     return state
 
 
@@ -209,16 +230,19 @@ def read_table(path: str | os.PathLike[str]) -> TableOfContents:
     """
     root = Path(path)
     if not root.exists():
-        raise CheckpointError(f"checkpoint={str(path)!r} does not exist; pass a safetensors or torch.save file, "
-                              "an index .json, or a directory written by save_pretrained")
+        raise CheckpointError(
+            f"checkpoint={str(path)!r} does not exist; pass a safetensors or torch.save file, "
+            "an index .json, or a directory written by save_pretrained"
+        )
     files, index = _files_of(root)
     sources = [_open(f) for f in files]
     table = TableOfContents(root, {}, sources)
     for source in sources:
         for name, entry in source.entries.items():
             if name in table.entries:
-                table.problems.append(f"duplicate: '{name}' is in both '{table.entries[name].file.name}' and "
-                                      f"'{entry.file.name}'")
+                table.problems.append(
+                    f"duplicate: '{name}' is in both '{table.entries[name].file.name}' and '{entry.file.name}'"
+                )
                 continue
             table.entries[name] = entry
     for name, file in (index or {}).items():
@@ -248,8 +272,10 @@ def _files_of(root: Path) -> tuple[list[Path], dict[str, str] | None]:
             return [root / name], None
     found = sorted(root.glob("*.safetensors")) or sorted(p for s in _TORCH_SUFFIXES for p in root.glob(f"*{s}"))
     if not found:
-        raise CheckpointError(f"no checkpoint in '{root}': looked for {', '.join(_INDEX_FILES + _SINGLE_FILES)} "
-                              f"and *.safetensors, *{', *'.join(_TORCH_SUFFIXES)} files")
+        raise CheckpointError(
+            f"no checkpoint in '{root}': looked for {', '.join(_INDEX_FILES + _SINGLE_FILES)} "
+            f"and *.safetensors, *{', *'.join(_TORCH_SUFFIXES)} files"
+        )
     return found, None
 
 
@@ -257,8 +283,10 @@ def _index_map(index: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"'{index}' is not a checkpoint index (a JSON object with a 'weight_map' of "
-                              f"tensor name -> file): {type(error).__name__}: {error}") from None
+        raise CheckpointError(
+            f"'{index}' is not a checkpoint index (a JSON object with a 'weight_map' of "
+            f"tensor name -> file): {type(error).__name__}: {error}"
+        ) from None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"'{index}': 'weight_map' must map tensor names to files (got {type(weight_map)})")
     return {str(k): str(v) for k, v in weight_map.items()}

@@ -42,8 +42,11 @@ NON_PERSISTENT = "fxsplit_non_persistent"
 
 def non_persistent_names(module: torch.nn.Module) -> frozenset[str]:
     """Qualified names of the buffers ``module`` keeps out of its state dict."""
-    return frozenset(f"{path}.{name}" if path else name for path, sub in module.named_modules(remove_duplicate=False)
-                     for name in sub._non_persistent_buffers_set)
+    return frozenset(
+        f"{path}.{name}" if path else name
+        for path, sub in module.named_modules(remove_duplicate=False)
+        for name in sub._non_persistent_buffers_set
+    )
 
 
 def remember_non_persistent(split: Any, model: torch.nn.Module) -> Any:
@@ -160,8 +163,10 @@ def load_checkpoint(split: torch.nn.Module, checkpoint: PathLike, *, progress: b
     meta = meta if isinstance(meta, dict) else {}
     plan = meta.get("fxsplit_plan")
     if not isinstance(plan, Plan):
-        raise CheckpointError(f"load_checkpoint needs a split made by fxsplit.fxsplit or fxsplit.apply (got a "
-                              f"{type(split).__name__} without meta['fxsplit_plan'])")
+        raise CheckpointError(
+            f"load_checkpoint needs a split made by fxsplit.fxsplit or fxsplit.apply (got a "
+            f"{type(split).__name__} without meta['fxsplit_plan'])"
+        )
     stages = getattr(split, "stages", None)  # a Pipeline holds its weights in its stages
     holders = list(stages) if isinstance(stages, torch.nn.ModuleList) else [split]
     table = read_table(checkpoint)
@@ -182,12 +187,12 @@ def _with_tied(slots: list[Slot], tied: tuple[tuple[str, ...], ...]) -> list[Slo
     return slots
 
 
-def _load(found: list[Match], table: TableOfContents, plan: Plan, holders: list[torch.nn.Module],
-          progress: bool | None) -> Callable[[], None]:
+def _load(
+    found: list[Match], table: TableOfContents, plan: Plan, holders: list[torch.nn.Module], progress: bool | None
+) -> Callable[[], None]:
     """Read every matched tensor onto its device, then commit; return what undoes the commit."""
     homes = [_home(m.slot, plan) for m in found]
-    bar = Progress("loading checkpoint", items=len(found), nbytes=sum(m.entry.nbytes for m in found),
-                   enabled=progress)
+    bar = Progress("loading checkpoint", items=len(found), nbytes=sum(m.entry.nbytes for m in found), enabled=progress)
     try:
         loaded = [_read(m, table, device, _dtype(m.slot, plan), bar) for m, device in zip(found, homes, strict=True)]
     finally:
@@ -201,8 +206,9 @@ def _home(slot: Slot, plan: Plan) -> torch.device:
             return torch.device(plan.param_devices[name])
     if slot.tensor.device.type != "meta":
         return slot.tensor.device
-    raise CheckpointError(f"the plan does not place '{slot.names[0]}'; was it made for this model? "
-                          "(fxsplit.check_plan says what differs)")
+    raise CheckpointError(
+        f"the plan does not place '{slot.names[0]}'; was it made for this model? (fxsplit.check_plan says what differs)"
+    )
 
 
 def _dtype(slot: Slot, plan: Plan) -> torch.dtype:
@@ -212,8 +218,9 @@ def _dtype(slot: Slot, plan: Plan) -> torch.dtype:
     return slot.tensor.dtype
 
 
-def _read(found: Match, table: TableOfContents, device: torch.device, dtype: torch.dtype,
-          bar: Progress) -> torch.Tensor:
+def _read(
+    found: Match, table: TableOfContents, device: torch.device, dtype: torch.dtype, bar: Progress
+) -> torch.Tensor:
     """One tensor from its mapped file into new memory on ``device`` as ``dtype``: one copy."""
     source = table.read(found.entry.name)
     loaded = torch.empty(found.entry.shape, dtype=dtype, device=device)
@@ -253,8 +260,6 @@ def _commit(found: list[Match], loaded: list[torch.Tensor], holders: list[torch.
                 tensor.grad = grad
 
     return undo
-
-
 
 
 def _replace(holders: list[torch.nn.Module], replacements: dict[int, torch.Tensor]) -> None:

@@ -72,20 +72,25 @@ def match(slots: list[Slot], table: TableOfContents, *, also_known: Iterable[str
         if not present:
             if slot.persistent:
                 missing.append(slot.names[0])
-                problems.append(f"missing: '{slot.names[0]}' ({tensor_signature(slot.tensor)}){_tied(slot)} is not "
-                                "in the checkpoint")
+                problems.append(
+                    f"missing: '{slot.names[0]}' ({tensor_signature(slot.tensor)}){_tied(slot)} is not "
+                    "in the checkpoint"
+                )
             elif slot.tensor.device.type == "meta":
-                problems.append(f"meta buffer: '{slot.names[0]}' ({tensor_signature(slot.tensor)}) is on the meta "
-                                "device and no checkpoint holds it (a non-persistent buffer, computed when the module "
-                                "is built)")
+                problems.append(
+                    f"meta buffer: '{slot.names[0]}' ({tensor_signature(slot.tensor)}) is on the meta "
+                    "device and no checkpoint holds it (a non-persistent buffer, computed when the module "
+                    "is built)"
+                )
             continue
         for name in present:
             problems += _fit(slot, table.entries[name])
         found.append(Match(slot, table.entries[present[0]]))
     known = used | set(also_known)
     unexpected = [e for name, e in table.entries.items() if name not in known]
-    problems += [f"unexpected: '{e.name}' ({_signature(e)}) in '{e.file.name}' is not a tensor of the model"
-                 for e in unexpected]
+    problems += [
+        f"unexpected: '{e.name}' ({_signature(e)}) in '{e.file.name}' is not a tensor of the model" for e in unexpected
+    ]
     if problems:
         raise CheckpointError(_message(table, problems, missing, [e.name for e in unexpected]), tuple(problems))
     return found
@@ -104,14 +109,18 @@ def _fit(slot: Slot, entry: Entry) -> list[str]:
     """What keeps ``entry`` from filling ``slot``: shape, then dtype."""
     where = f"in '{entry.file.name}'"
     if entry.dtype is None:
-        return [f"dtype: '{entry.name}' {where} is {entry.dtype_name}, which this torch ({torch.__version__}) has "
-                "no dtype for"]
+        return [
+            f"dtype: '{entry.name}' {where} is {entry.dtype_name}, which this torch ({torch.__version__}) has "
+            "no dtype for"
+        ]
     if tuple(slot.tensor.shape) != entry.shape:
         return [f"shape: '{entry.name}' is {_signature(entry)} {where}, {tensor_signature(slot.tensor)} in the model"]
     ours = slot.tensor.dtype
     if entry.dtype != ours and not (entry.dtype.is_floating_point and ours.is_floating_point):
-        return [f"dtype: '{entry.name}' is {_signature(entry)} {where}, {tensor_signature(slot.tensor)} in the model; "
-                "only floating dtypes are converted"]
+        return [
+            f"dtype: '{entry.name}' is {_signature(entry)} {where}, {tensor_signature(slot.tensor)} in the model; "
+            "only floating dtypes are converted"
+        ]
     return []
 
 
@@ -123,8 +132,11 @@ def _message(table: TableOfContents, problems: list[str], missing: list[str], un
         of_kind = [p for p in problems if p.split(":", 1)[0] == kind]
         lines += of_kind[:_SHOWN] + ([f"... and {len(of_kind) - _SHOWN} more {kind}"] if len(of_kind) > _SHOWN else [])
     fixes = _fixes(kinds, missing, unexpected)
-    return (f"checkpoint '{table.path}' does not fit the model ({summary}); nothing was loaded:\n  "
-            + "\n  ".join(lines) + ("\n" + "\n".join(fixes) if fixes else ""))
+    return (
+        f"checkpoint '{table.path}' does not fit the model ({summary}); nothing was loaded:\n  "
+        + "\n  ".join(lines)
+        + ("\n" + "\n".join(fixes) if fixes else "")
+    )
 
 
 def _fixes(kinds: Counter[str], missing: list[str], unexpected: list[str]) -> list[str]:
@@ -133,8 +145,10 @@ def _fixes(kinds: Counter[str], missing: list[str], unexpected: list[str]) -> li
     if prefix:
         fixes.append(prefix)
     if kinds.get("meta buffer"):
-        fixes.append("fix for meta buffers: build the model inside fxsplit.empty_weights() (parameters on meta, "
-                     "buffers computed for real) instead of torch.device('meta')")
+        fixes.append(
+            "fix for meta buffers: build the model inside fxsplit.empty_weights() (parameters on meta, "
+            "buffers computed for real) instead of torch.device('meta')"
+        )
     if kinds.get("shape") or kinds.get("missing") or kinds.get("unexpected"):
         fixes.append("check that the model was built from the checkpoint's own config")
     return fixes
@@ -152,6 +166,8 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
     added = Counter(n.split(".", 1)[0] for n in missing if "." in n and n.split(".", 1)[1] in extra)
     if added:
         head, _ = added.most_common(1)[0]
-        return (f"the model's names start with '{head}.' where the checkpoint's do not: load it into "
-                f"model.{head}, or save the whole model")
+        return (
+            f"the model's names start with '{head}.' where the checkpoint's do not: load it into "
+            f"model.{head}, or save the whole model"
+        )
     return ""

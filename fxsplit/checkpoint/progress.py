@@ -39,8 +39,16 @@ class Progress:
         now: the clock (for tests).
     """
 
-    def __init__(self, label: str, *, items: int, nbytes: int, enabled: bool | None = None,
-                 stream: TextIO | None = None, now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        label: str,
+        *,
+        items: int,
+        nbytes: int,
+        enabled: bool | None = None,
+        stream: TextIO | None = None,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = _is_terminal(self.stream) if enabled is None else bool(enabled)
         self.label, self.items, self.nbytes = label, items, nbytes
@@ -71,8 +79,10 @@ class Progress:
         filled = min(_WIDTH, int(share * _WIDTH))
         elapsed = moment - self._start
         rate = f"{format_size(int(self.bytes_done / elapsed))}/s" if elapsed > 0 else "-"
-        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (_WIDTH - filled)}] {self.items_done}/{self.items} "
-                          f"tensors, {format_size(self.bytes_done)} of {format_size(self.nbytes)}, {rate}")
+        self.stream.write(
+            f"\r{self.label} [{'#' * filled}{'.' * (_WIDTH - filled)}] {self.items_done}/{self.items} "
+            f"tensors, {format_size(self.bytes_done)} of {format_size(self.nbytes)}, {rate}"
+        )
         self.stream.flush()
 
 

@@ -78,8 +78,9 @@ class MovedWeights:
             self._put_back(*self._before.pop())
 
     @staticmethod
-    def _put_back(tensor: torch.Tensor, data: torch.Tensor, grad: torch.Tensor | None,
-                  grad_data: torch.Tensor | None) -> None:
+    def _put_back(
+        tensor: torch.Tensor, data: torch.Tensor, grad: torch.Tensor | None, grad_data: torch.Tensor | None
+    ) -> None:
         with torch.no_grad():
             tensor.data = data
             if grad is not None and grad_data is not None:
@@ -219,8 +220,13 @@ class _Emitter:
     def _lookup_env(self, node: torch.fx.Node) -> torch.fx.Node:
         return self.env[node.name]
 
-    def _copy_node(self, node: torch.fx.Node, replaced: dict[str, torch.fx.Node],
-                   foreign: dict[str, tuple[Weight, torch.fx.Node]], device: str) -> torch.fx.Node:
+    def _copy_node(
+        self,
+        node: torch.fx.Node,
+        replaced: dict[str, torch.fx.Node],
+        foreign: dict[str, tuple[Weight, torch.fx.Node]],
+        device: str,
+    ) -> torch.fx.Node:
         def remap(arg: torch.fx.Node) -> torch.fx.Node:
             return replaced.get(arg.name) or self.env[arg.name]
 
@@ -231,8 +237,12 @@ class _Emitter:
             pin_device_arguments(new, device)
         return new
 
-    def _functional_call(self, node: torch.fx.Node, foreign: dict[str, tuple[Weight, torch.fx.Node]],
-                         remap: Callable[[torch.fx.Node], torch.fx.Node]) -> torch.fx.Node:
+    def _functional_call(
+        self,
+        node: torch.fx.Node,
+        foreign: dict[str, tuple[Weight, torch.fx.Node]],
+        remap: Callable[[torch.fx.Node], torch.fx.Node],
+    ) -> torch.fx.Node:
         """A call_module whose weights live elsewhere: call it with copies of them."""
         module = self.modules[str(node.target)]
         copies = {id(_weight_tensor(self.source, weight)): copy for weight, copy in foreign.values()}
@@ -358,8 +368,9 @@ class InputGuard(torch.nn.Module):
     ``example_kwargs``: no ``dynamic_shapes`` can vary a value export fixed.
     """
 
-    def __init__(self, check: torch.nn.Module, traced_with: str, dynamic: str | None,
-                 input_names: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, check: torch.nn.Module, traced_with: str, dynamic: str | None, input_names: tuple[str, ...] = ()
+    ) -> None:
         super().__init__()
         self.check = check
         self.traced_with = traced_with
@@ -373,12 +384,16 @@ class InputGuard(torch.nn.Module):
             fixed = self._non_tensor(str(error), args)
             if fixed is not None:
                 name, value = fixed
-                fix = (f"Call it with {name} as traced; {name} is not a tensor, so torch.export fixed its value in "
-                       f"the graph and no dynamic_shapes can vary it: to call it with {name}={value!r}, split again "
-                       f"with example_kwargs={{{name!r}: {value!r}}} (one split per value), or use trace='fx'")
+                fix = (
+                    f"Call it with {name} as traced; {name} is not a tensor, so torch.export fixed its value in "
+                    f"the graph and no dynamic_shapes can vary it: to call it with {name}={value!r}, split again "
+                    f"with example_kwargs={{{name!r}: {value!r}}} (one split per value), or use trace='fx'"
+                )
             else:
-                fix = ("Call it with inputs like those (same sizes where they are fixed, same non-tensor values), or "
-                       f"split again with {_WIDER.get(self.dynamic, 'a wider dynamic_shapes spec')}, or use trace='fx'")
+                fix = (
+                    "Call it with inputs like those (same sizes where they are fixed, same non-tensor values), or "
+                    f"split again with {_WIDER.get(self.dynamic, 'a wider dynamic_shapes spec')}, or use trace='fx'"
+                )
             raise InputMismatchError(
                 f"the inputs do not match what torch.export traced this split with ({error}); traced with "
                 f"{self.traced_with}. {fix}"
@@ -387,7 +402,7 @@ class InputGuard(torch.nn.Module):
     def _non_tensor(self, failed: str, args: tuple[Any, ...]) -> tuple[str, Any] | None:
         """``(name, value)`` of the non-tensor input a failed guard tests, if it tests one."""
         subject = re.search(r"Guard failed: (\w+)", failed)
-        if subject is None or subject[1] not in self.input_names[:len(args)]:
+        if subject is None or subject[1] not in self.input_names[: len(args)]:
             return None
         value = args[self.input_names.index(subject[1])]
         return None if isinstance(value, torch.Tensor) else (subject[1], value)

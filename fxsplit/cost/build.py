@@ -85,8 +85,11 @@ def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]
     while stack:  # pre-order, children in registration order, as named_modules
         prefix, module = stack.pop()
         modules.append((prefix, module))
-        children = [(f"{prefix}.{name}" if prefix else name, child) for name, child in module._modules.items()
-                    if child is not None]
+        children = [
+            (f"{prefix}.{name}" if prefix else name, child)
+            for name, child in module._modules.items()
+            if child is not None
+        ]
         stack.extend(reversed(children))
     found: list[tuple[str, torch.Tensor, bool]] = []
     for attribute, is_buffer in (("_parameters", False), ("_buffers", True)):
@@ -148,8 +151,13 @@ def build_problem(
         elif node.op == "call_module":
             module = modules[str(node.target)]
             for name, tensor in _module_tensors(module):
-                add_weight(tensor, f"{node.target}.{name}", not isinstance(tensor, torch.nn.Parameter),
-                           node.name, {index[node]})
+                add_weight(
+                    tensor,
+                    f"{node.target}.{name}",
+                    not isinstance(tensor, torch.nn.Parameter),
+                    node.name,
+                    {index[node]},
+                )
 
     mutated_weights: set[int] = set()
     last_write: dict[int, int] = {}
@@ -195,14 +203,25 @@ def build_problem(
         weights.append(weight)
         if readers:
             weight_values.append(len(values))
-            values.append(Value(names[0], weight.nbytes, readers[0], tuple(readers), weight=weight.nbytes,
-                                movable=key not in mutated_weights))
+            values.append(
+                Value(
+                    names[0],
+                    weight.nbytes,
+                    readers[0],
+                    tuple(readers),
+                    weight=weight.nbytes,
+                    movable=key not in mutated_weights,
+                )
+            )
             if key in last_write and last_write[key] > readers[0]:
                 write_spans.append((readers[0], last_write[key]))
         else:
             weight_values.append(-1)
-    unused = [Weight(tuple(names), _tensor_bytes(t, dtype), b, ()) for key, (names, t, b) in known.items()
-              if key not in weight_tensor]
+    unused = [
+        Weight(tuple(names), _tensor_bytes(t, dtype), b, ())
+        for key, (names, t, b) in known.items()
+        if key not in weight_tensor
+    ]
 
     labels = tuple(module_path(n) for n in ops)
     problem = PartitionProblem(
@@ -236,8 +255,9 @@ def _resolve_pins(
     pinned: dict[int, int] = {}
     for pattern, device in pins.items():
         if device not in device_index:
-            raise SpecError(f"pin {pattern!r} names device {device!r}, which has no budget; "
-                            f"budgets: {sorted(device_index)}")
+            raise SpecError(
+                f"pin {pattern!r} names device {device!r}, which has no budget; budgets: {sorted(device_index)}"
+            )
         matched = False
         for i, (node, label) in enumerate(zip(ops, labels, strict=True)):
             if path_matches(pattern, label) or node.name == pattern:
@@ -271,6 +291,9 @@ def path_matches(pattern: str, path: str) -> bool:
     """Whether module path ``path`` is ``pattern``, inside it, or matches it as a glob (``layers.*``)."""
     if not path:
         return False
-    return path == pattern or path.startswith(pattern + ".") or fnmatch.fnmatchcase(path, pattern) or (
-        fnmatch.fnmatchcase(path, pattern + ".*")
+    return (
+        path == pattern
+        or path.startswith(pattern + ".")
+        or fnmatch.fnmatchcase(path, pattern)
+        or (fnmatch.fnmatchcase(path, pattern + ".*"))
     )

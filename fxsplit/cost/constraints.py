@@ -26,7 +26,12 @@ from fxsplit.tracing.graphinfo import module_path
 from fxsplit.units import format_size
 
 __all__ = [
-    "Locate", "check_constraints", "explain_infeasible_pins", "locator", "resolve_leaf_modules", "together_groups",
+    "Locate",
+    "check_constraints",
+    "explain_infeasible_pins",
+    "locator",
+    "resolve_leaf_modules",
+    "together_groups",
 ]
 
 Locate = Callable[..., str]
@@ -78,8 +83,10 @@ def resolve_leaf_modules(model: torch.nn.Module, leaves: Iterable[type | str], l
         elif leaf in classes or leaf.replace("torch.nn.modules.", "torch.nn.") in _short(classes):
             resolved.append(classes.get(leaf) or _short(classes)[leaf.replace("torch.nn.modules.", "torch.nn.")])
         else:
-            problems.append(f"{locate('leaf_modules', index)}: {leaf!r} is neither a module path of the model nor "
-                            f"the class of one of its modules{_suggest(leaf, [*paths, *classes])}")
+            problems.append(
+                f"{locate('leaf_modules', index)}: {leaf!r} is neither a module path of the model nor "
+                f"the class of one of its modules{_suggest(leaf, [*paths, *classes])}"
+            )
     _raise(problems, "leaf modules")
     return resolved
 
@@ -124,11 +131,14 @@ def _hits(pattern: str, ops: list[torch.fx.Node], labels: list[str]) -> list[int
 def _no_match(pattern: str, model: torch.nn.Module) -> str:
     paths = [name for name, _ in model.named_modules() if name]
     if pattern in paths:
-        return (f"module {pattern!r} runs no op of the traced graph (is it called in forward? a module traced "
-                "as part of a leaf has no ops of its own)")
+        return (
+            f"module {pattern!r} runs no op of the traced graph (is it called in forward? a module traced "
+            "as part of a leaf has no ops of its own)"
+        )
     tops = sorted({p.split(".")[0] for p in paths})
     hint = _suggest(pattern, _glob_candidates(pattern, paths)) or (
-        f"; top-level modules: {', '.join(tops[:12])}" if tops else "")
+        f"; top-level modules: {', '.join(tops[:12])}" if tops else ""
+    )
     return f"no module of the model matches {pattern!r}{hint}"
 
 
@@ -184,9 +194,11 @@ def check_constraints(
         for op in hits:
             other = owner.setdefault(op, pattern)
             if other != pattern and pins[other] != device:
-                problems.append(f"{where}: conflicts with {locate('pins', other)}: both match "
-                                f"{_label(ops, labels, op)} but pin it to '{device}' and '{pins[other]}'; "
-                                "make the patterns disjoint")
+                problems.append(
+                    f"{where}: conflicts with {locate('pins', other)}: both match "
+                    f"{_label(ops, labels, op)} but pin it to '{device}' and '{pins[other]}'; "
+                    "make the patterns disjoint"
+                )
                 break
     if problems:
         _raise(problems, "pins")
@@ -203,8 +215,10 @@ def check_constraints(
             pinned = sorted({pins[owner[op]] for op in span if op in owner}, key=order.__getitem__)
             if len(pinned) > 1:
                 names = sorted({owner[op] for op in span if op in owner})
-                problems.append(f"{locate('together', index)}: its ops must share a device, but pins "
-                                f"{', '.join(repr(n) for n in names)} put some of them on {' and '.join(pinned)}")
+                problems.append(
+                    f"{locate('together', index)}: its ops must share a device, but pins "
+                    f"{', '.join(repr(n) for n in names)} put some of them on {' and '.join(pinned)}"
+                )
     _raise(problems, "pins and together-groups")
 
 
@@ -212,8 +226,14 @@ def _label(ops: list[torch.fx.Node], labels: list[str], op: int) -> str:
     return f"op '{ops[op].name}'" + (f" (in '{labels[op]}')" if labels[op] else "")
 
 
-def _order_problems(ops: list[torch.fx.Node], labels: list[str], owner: dict[int, str], pins: Mapping[str, str],
-                    order: dict[str, int], locate: Locate) -> list[str]:
+def _order_problems(
+    ops: list[torch.fx.Node],
+    labels: list[str],
+    owner: dict[int, str],
+    pins: Mapping[str, str],
+    order: dict[str, int],
+    locate: Locate,
+) -> list[str]:
     problems: list[str] = []
     latest: tuple[int, str] | None = None  # (op, pattern) pinned to the latest device so far
     reported: set[tuple[str, str]] = set()
@@ -226,7 +246,8 @@ def _order_problems(ops: list[torch.fx.Node], labels: list[str], owner: dict[int
                     f"{locate('pins', pattern)}: pins {_label(ops, labels, op)} to '{pins[pattern]}', but it runs "
                     f"after {_label(ops, labels, latest[0])}, pinned to the later stage '{pins[latest[1]]}' by "
                     f"{locate('pins', latest[1])}; devices run in the order the budgets list them: reorder the "
-                    "devices or change a pin")
+                    "devices or change a pin"
+                )
         else:
             latest = (op, pattern)
     return problems
@@ -251,22 +272,26 @@ def explain_infeasible_pins(
         return None
     keep = problem.together[: len(problem.together) - extra_groups]
     labels = list(problem.op_labels) or [""] * problem.num_ops
-    ops_of = {p: {op for op in problem.pinned if path_matches(p, labels[op]) or problem.op_names[op] == p}
-              for p in pins}
+    ops_of = {
+        p: {op for op in problem.pinned if path_matches(p, labels[op]) or problem.op_names[op] == p} for p in pins
+    }
     constraints: list[tuple[str, PartitionProblem]] = []
     for pattern, device in pins.items():
         pinned = {op: d for op, d in problem.pinned.items() if op not in ops_of[pattern]}
         constraints.append((f"{locate('pins', pattern)} -> '{device}'", dataclasses.replace(problem, pinned=pinned)))
     for i in range(extra_groups):
-        groups = problem.together[: len(keep) + i] + problem.together[len(keep) + i + 1:]
+        groups = problem.together[: len(keep) + i] + problem.together[len(keep) + i + 1 :]
         constraints.append((locate("together", i), dataclasses.replace(problem, together=groups)))
     if not _fits(dataclasses.replace(problem, pinned={}, together=keep), budgets, devices):
         return None
     culprits = [name for name, relaxed in constraints[:16] if _fits(relaxed, budgets, devices)]
     detail = _forced_spans(problem, budgets, devices)
     if culprits:
-        what = f"it fits without {culprits[0]}" if len(culprits) == 1 else (
-            f"it fits without any one of {'; '.join(culprits)}")
+        what = (
+            f"it fits without {culprits[0]}"
+            if len(culprits) == 1
+            else (f"it fits without any one of {'; '.join(culprits)}")
+        )
     else:
         what = f"it fits only without several of them ({'; '.join(name for name, _ in constraints)})"
     return BudgetError(
@@ -292,17 +317,23 @@ def _forced_spans(problem: PartitionProblem, budgets: Sequence[int], devices: Se
         if not ops:
             continue
         lo, hi = ops[0], ops[-1]
-        span = sum(weights[lo: hi + 1])
+        span = sum(weights[lo : hi + 1])
         before, after = sum(weights[:lo]), total - span - sum(weights[:lo])
         room_before = sum(budgets[:k]) + budgets[k] - span
-        room_after = sum(budgets[k + 1:]) + budgets[k] - span
+        room_after = sum(budgets[k + 1 :]) + budgets[k] - span
         if span > budgets[k]:
-            return (f"The ops pinned to '{device}', from {problem.label(lo)} to {problem.label(hi)}, and all ops "
-                    f"between them need {format_size(span)}, more than its budget {format_size(budgets[k])}. ")
+            return (
+                f"The ops pinned to '{device}', from {problem.label(lo)} to {problem.label(hi)}, and all ops "
+                f"between them need {format_size(span)}, more than its budget {format_size(budgets[k])}. "
+            )
         if before > room_before:
-            return (f"Everything before {problem.label(lo)} (pinned to '{device}') needs {format_size(before)}, but "
-                    f"'{device}' and the devices before it have {format_size(room_before)} left. ")
+            return (
+                f"Everything before {problem.label(lo)} (pinned to '{device}') needs {format_size(before)}, but "
+                f"'{device}' and the devices before it have {format_size(room_before)} left. "
+            )
         if after > room_after:
-            return (f"Everything after {problem.label(hi)} (pinned to '{device}') needs {format_size(after)}, but "
-                    f"'{device}' and the devices after it have {format_size(room_after)} left. ")
+            return (
+                f"Everything after {problem.label(hi)} (pinned to '{device}') needs {format_size(after)}, but "
+                f"'{device}' and the devices after it have {format_size(room_after)} left. "
+            )
     return ""

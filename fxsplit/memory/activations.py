@@ -89,14 +89,16 @@ class _Allocations(TorchDispatchMode):
     def node_done(self, op: int, fn: Any, grad_inputs: Any, grad_outputs: Any) -> None:
         """A backward node of op ``op`` returned: note its peak beyond the gradients it returns, and
         which earlier ops get the gradient of op ``op``'s result passed on as is (an add's backward)."""
-        returned = {StorageWeakRef(t.untyped_storage()) for t in tree_leaves(grad_inputs)
-                    if isinstance(t, torch.Tensor)}
+        returned = {
+            StorageWeakRef(t.untyped_storage()) for t in tree_leaves(grad_inputs) if isinstance(t, torch.Tensor)
+        }
         kept = sum(nbytes for ref, nbytes in self.live.items() if ref in returned)
         self.backward_internal[op] = max(self.backward_internal.get(op, 0), self.peak - kept)
         incoming = self.result_grads.setdefault(op, set())
         if fn in self.roots.get(op, ()):
-            incoming.update(StorageWeakRef(t.untyped_storage()) for t in tree_leaves(grad_outputs)
-                            if isinstance(t, torch.Tensor))
+            incoming.update(
+                StorageWeakRef(t.untyped_storage()) for t in tree_leaves(grad_outputs) if isinstance(t, torch.Tensor)
+            )
         for tensor, (next_fn, _) in zip(grad_inputs, fn.next_functions, strict=False):
             if isinstance(tensor, torch.Tensor) and StorageWeakRef(tensor.untyped_storage()) in incoming:
                 other = self.backward_ops.get(next_fn)
@@ -156,8 +158,9 @@ class _Recorder(torch.fx.Interpreter):
     def _claim(self, value: Any, op: int) -> None:
         """The autograd nodes that ``value``'s computation created belong to op ``op``."""
         owners = self.allocations.backward_ops
-        stack: list[Any] = [t.grad_fn for t in tree_leaves(value)
-                            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        stack: list[Any] = [
+            t.grad_fn for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        ]
         self.allocations.roots[op] = {fn for fn in stack if fn not in owners}
         while stack:
             fn = stack.pop()
@@ -228,8 +231,10 @@ def profile_activations(
 
 def _fake_weights(graph_module: torch.fx.GraphModule, mode: Any, training: bool) -> dict[str, torch.Tensor]:
     fakes: dict[str, torch.Tensor] = {}
-    named = [*graph_module.named_parameters(remove_duplicate=False),
-             *graph_module.named_buffers(remove_duplicate=False)]
+    named = [
+        *graph_module.named_parameters(remove_duplicate=False),
+        *graph_module.named_buffers(remove_duplicate=False),
+    ]
     for node in graph_module.graph.nodes:
         if node.op == "get_attr":
             attr = _resolve(graph_module, str(node.target))
@@ -271,8 +276,14 @@ def _fused_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not isinstance(query, torch.Tensor) or query.device.type != "meta" or bound.get("enable_gqa"):
         return None
     out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
-        query, bound["key"], bound["value"], float(bound.get("dropout_p", 0.0)), bool(bound.get("is_causal", False)),
-        attn_mask=bound.get("attn_mask"), scale=bound.get("scale"))
+        query,
+        bound["key"],
+        bound["value"],
+        float(bound.get("dropout_p", 0.0)),
+        bool(bound.get("is_causal", False)),
+        attn_mask=bound.get("attn_mask"),
+        scale=bound.get("scale"),
+    )
     return out[0]
 
 
@@ -301,8 +312,14 @@ def _reads(node: torch.fx.Node, by_node: dict[str, list[Weight]]) -> Iterator[st
         yield from (w.names[0] for w in by_node.get(node.name, ()))
 
 
-def _profile(graph_module: torch.fx.GraphModule, costs: GraphCosts, recorder: _Recorder, storages: _Storages,
-             fakes: dict[str, torch.Tensor], training: bool) -> ActivationProfile:
+def _profile(
+    graph_module: torch.fx.GraphModule,
+    costs: GraphCosts,
+    recorder: _Recorder,
+    storages: _Storages,
+    fakes: dict[str, torch.Tensor],
+    training: bool,
+) -> ActivationProfile:
     by_node = _weight_reads(costs)
     values: dict[str, ValueMemory] = dict(recorder.results)
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
@@ -339,8 +356,8 @@ def _profile(graph_module: torch.fx.GraphModule, costs: GraphCosts, recorder: _R
         internal=tuple(recorder.internal.get(i, 0) for i in range(len(costs.ops))),
         internal_saved=tuple(internal_saved) if training else (),
         backward_internal=tuple(recorder.allocations.backward_internal.get(i, 0) for i in range(len(costs.ops)))
-        if training else (),
+        if training
+        else (),
         grad_passthrough=tuple(sorted(recorder.allocations.passthrough)) if training else (),
         training=training,
     )
-

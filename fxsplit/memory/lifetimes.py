@@ -201,8 +201,11 @@ class _Walk:
         own: dict[int, int | None] = {}
         if result is not None:
             for key in result.storages:
-                own[key] = read[key] if key in read else self._new(
-                    device, profile.storage_bytes[key], op, result.requires_grad)
+                own[key] = (
+                    read[key]
+                    if key in read
+                    else self._new(device, profile.storage_bytes[key], op, result.requires_grad)
+                )
         self.on[(profile.op_names[op], device)] = own
         for key in profile.per_op("saved")[op]:
             index = own.get(key, read.get(key, _MISSING))
@@ -275,8 +278,13 @@ class _Walk:
                     self.storages[index].held = True
 
 
-def _walk(profile: ActivationProfile, op_devices: Sequence[Hashable], input_homes: Mapping[str, Hashable],
-          weight_homes: Mapping[str, Hashable], output_device: Hashable) -> _Walk:
+def _walk(
+    profile: ActivationProfile,
+    op_devices: Sequence[Hashable],
+    input_homes: Mapping[str, Hashable],
+    weight_homes: Mapping[str, Hashable],
+    output_device: Hashable,
+) -> _Walk:
     home: dict[str, Hashable] = dict(zip(profile.op_names, op_devices, strict=True))
     home.update(input_homes)
     home.update(weight_homes)
@@ -289,8 +297,13 @@ def _walk(profile: ActivationProfile, op_devices: Sequence[Hashable], input_home
     return walk
 
 
-def simulate(profile: ActivationProfile, op_devices: Sequence[Hashable], input_homes: Mapping[str, Hashable],
-             output_device: Hashable, weight_homes: Mapping[str, Hashable] | None = None) -> Simulated:
+def simulate(
+    profile: ActivationProfile,
+    op_devices: Sequence[Hashable],
+    input_homes: Mapping[str, Hashable],
+    output_device: Hashable,
+    weight_homes: Mapping[str, Hashable] | None = None,
+) -> Simulated:
     """Peak activation bytes per device when op ``i`` runs on ``op_devices[i]``.
 
     Args:

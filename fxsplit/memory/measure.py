@@ -71,8 +71,10 @@ class ActivationMeter(TorchDispatchMode):
         self._current: str | None = None
         self._backward_devices: dict[Any, str] = {}
         self._tags: dict[StorageWeakRef, str] = {}
-        self._params_by_storage = {StorageWeakRef(p.untyped_storage()): plan.param_devices.get(n, UNTAGGED)
-                                   for n, p in split.named_parameters(remove_duplicate=False)}
+        self._params_by_storage = {
+            StorageWeakRef(p.untyped_storage()): plan.param_devices.get(n, UNTAGGED)
+            for n, p in split.named_parameters(remove_duplicate=False)
+        }
         self.untagged_bytes = 0
         self.phase = "forward"
         self._paused = False

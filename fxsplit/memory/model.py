@@ -46,8 +46,13 @@ __all__ = ["COMPONENTS", "MODES", "OPTIMIZERS", "MemoryModel", "MemorySpec", "fi
 
 """State tensors per parameter, each the size of the parameter."""
 COMPONENTS = ("params", "buffers", "grads", "optimizer", "activations_peak")
-_WORDS = {"params": "parameters", "buffers": "buffers", "grads": "gradients", "optimizer": "optimizer state",
-          "activations_peak": "activations peak"}
+_WORDS = {
+    "params": "parameters",
+    "buffers": "buffers",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "activations_peak": "activations peak",
+}
 MAX_REPLANS = 4
 
 
@@ -74,13 +79,16 @@ class MemorySpec:
         if mode not in MODES:
             raise SpecError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
         if optimizer is not None and mode != "training":
-            raise SpecError(f"optimizer={optimizer!r} only counts with mode='training' (got mode={mode!r}); "
-                            "pass mode='training' or drop the optimizer")
+            raise SpecError(
+                f"optimizer={optimizer!r} only counts with mode='training' (got mode={mode!r}); "
+                "pass mode='training' or drop the optimizer"
+            )
         if isinstance(optimizer, bool) or (isinstance(optimizer, int) and optimizer < 0):
             raise SpecError(f"optimizer bytes per parameter element must be an int >= 0 (got {optimizer!r})")
         if isinstance(optimizer, str) and optimizer.lower() not in OPTIMIZERS:
-            raise SpecError(f"optimizer must be one of {', '.join(OPTIMIZERS)} or bytes per parameter element "
-                            f"(got {optimizer!r})")
+            raise SpecError(
+                f"optimizer must be one of {', '.join(OPTIMIZERS)} or bytes per parameter element (got {optimizer!r})"
+            )
         if optimizer is not None and not isinstance(optimizer, (str, int)):
             raise SpecError(f"optimizer must be a name or an int (got {type(optimizer).__name__})")
         if mode == "training" and optimizer is None:
@@ -241,9 +249,12 @@ class MemoryModel:
                 return BudgetError(
                     f"with {self.spec.describe()} the model needs {_sum(totals)} before splitting, but the "
                     f"budgets add up to {format_size(capacity)}: {_first_over(name, totals[name])}; short by "
-                    f"{format_size(total - capacity)} ({total - capacity} bytes); {_advice(name)}")
-        return BudgetError(f"{error} (with {self.spec.describe()} a budget holds {self.spec.holds()}; the whole model "
-                           f"needs {_sum(totals)})")
+                    f"{format_size(total - capacity)} ({total - capacity} bytes); {_advice(name)}"
+                )
+        return BudgetError(
+            f"{error} (with {self.spec.describe()} a budget holds {self.spec.holds()}; the whole model "
+            f"needs {_sum(totals)})"
+        )
 
     def over_budget(self, usage: Mapping[str, Mapping[str, int]], budgets: Mapping[str, int]) -> BudgetError:
         """The error for a plan whose simulated use exceeds a budget, naming the component."""
@@ -261,9 +272,11 @@ class MemoryModel:
             problems.append(
                 f"'{device}' needs {format_size(row['total'])} ({_listing(row)}) but its budget is "
                 f"{format_size(budget)}: {_first_over(culprit, row.get(culprit, 0)).replace('them', 'it')}, short by "
-                f"{format_size(row['total'] - budget)} ({row['total'] - budget} bytes)")
-        return BudgetError(f"with {self.spec.describe()} no split fits: " + "; ".join(problems)
-                           + f"; {_advice('activations_peak')}")
+                f"{format_size(row['total'] - budget)} ({row['total'] - budget} bytes)"
+            )
+        return BudgetError(
+            f"with {self.spec.describe()} no split fits: " + "; ".join(problems) + f"; {_advice('activations_peak')}"
+        )
 
 
 def _first_over(component: str, nbytes: int) -> str:
@@ -288,8 +301,10 @@ def _advice(component: str) -> str:
     if component in ("params", "buffers"):
         return "raise the budgets or add a device"
     if component in ("grads", "optimizer"):
-        return ("raise the budgets, add a device, freeze parameters (requires_grad=False) or pick an optimizer "
-                "with less state (optimizer='sgd')")
+        return (
+            "raise the budgets, add a device, freeze parameters (requires_grad=False) or pick an optimizer "
+            "with less state (optimizer='sgd')"
+        )
     return "raise the budgets, add a device, or plan with smaller example inputs (batch, sequence length)"
 
 

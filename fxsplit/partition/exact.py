@@ -137,8 +137,12 @@ class _Search:
             self.sent[index].discard(d)
 
 
-def exact_placement(problem: PartitionProblem, budgets: Sequence[int], incumbent: Sequence[int] | None,
-                    incumbent_cost: int | None = None) -> list[int] | None:
+def exact_placement(
+    problem: PartitionProblem,
+    budgets: Sequence[int],
+    incumbent: Sequence[int] | None,
+    incumbent_cost: int | None = None,
+) -> list[int] | None:
     """The cheapest placement that fits, or ``incumbent`` when none is strictly cheaper (None: none fits).
 
     Only for graphs of up to :data:`EXACT_OPS` ops (else ``incumbent``

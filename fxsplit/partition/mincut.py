@@ -49,8 +49,9 @@ MAX_FREE = 160
 _SOURCE, _SINK = "a", "b"
 
 
-def exchange(problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequence[int],
-             frozen: set[int], *, rounds: int = 2) -> list[int]:
+def exchange(
+    problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequence[int], frozen: set[int], *, rounds: int = 2
+) -> list[int]:
     """Apply every pairwise cut that lowers the bytes copied per forward while every budget holds."""
     devices = list(op_devices)
     touching: list[list[int]] = [[] for _ in range(problem.num_ops)]
@@ -125,8 +126,9 @@ def _net(graph: nx.DiGraph, key: Hashable, pins: set[Hashable], nbytes: int) -> 
         graph.add_edge(leave, p)
 
 
-def _pair_graph(problem: PartitionProblem, op_devices: Sequence[int], a: int,
-                b: int) -> tuple[dict[int, set[int]], set[int]]:
+def _pair_graph(
+    problem: PartitionProblem, op_devices: Sequence[int], a: int, b: int
+) -> tuple[dict[int, set[int]], set[int]]:
     """Ops of ``a`` and ``b`` linked by a value, and those on the frontier (a value crosses between them)."""
     neighbours: dict[int, set[int]] = {}
     frontier: set[int] = set()
@@ -141,8 +143,9 @@ def _pair_graph(problem: PartitionProblem, op_devices: Sequence[int], a: int,
     return neighbours, frontier
 
 
-def _window(neighbours: dict[int, set[int]], frontier: set[int], frozen: set[int], resident: Sequence[int],
-            limit: float) -> set[int]:
+def _window(
+    neighbours: dict[int, set[int]], frontier: set[int], frozen: set[int], resident: Sequence[int], limit: float
+) -> set[int]:
     """Ops nearest the frontier (breadth first through values), not frozen, while their weights fit ``limit``."""
     start = sorted(op for op in frontier if op not in frozen)
     seen = set(start)
@@ -185,8 +188,15 @@ def _cost(problem: PartitionProblem, op_devices: Sequence[int], values: Iterable
     return total
 
 
-def _fit_back(problem: PartitionProblem, candidate: list[int], original: Sequence[int], changed: dict[int, int],
-              touching: Sequence[Sequence[int]], budgets: Sequence[int], pair: tuple[int, int]) -> list[int] | None:
+def _fit_back(
+    problem: PartitionProblem,
+    candidate: list[int],
+    original: Sequence[int],
+    changed: dict[int, int],
+    touching: Sequence[Sequence[int]],
+    budgets: Sequence[int],
+    pair: tuple[int, int],
+) -> list[int] | None:
     """``candidate`` brought within the pair's budgets by sending moved ops back, cheapest first, or None.
 
     The cut knows no budgets: when it overfills a device, the op it moved

@@ -73,8 +73,9 @@ class _State:
             self.load[device] += self.resident[op]
             bisect.insort(self.transients[device], self.transient[op])
 
-    def total(self, device: int, add_resident: int = 0, add_transient: int | None = None,
-              drop_transient: int | None = None) -> int:
+    def total(
+        self, device: int, add_resident: int = 0, add_transient: int | None = None, drop_transient: int | None = None
+    ) -> int:
         """Bytes ``device`` needs, optionally with one op added or removed."""
         peaks = self.transients[device]
         peak = peaks[-1] if peaks else 0
@@ -153,8 +154,9 @@ def device_loads(problem: PartitionProblem, op_devices: Sequence[int], num_devic
     return [load + peak for load, peak in zip(loads, peaks, strict=True)]
 
 
-def improve(problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequence[int],
-            *, max_moves: int | None = None) -> list[int]:
+def improve(
+    problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequence[int], *, max_moves: int | None = None
+) -> list[int]:
     """Move single ops to other devices while that strictly lowers the bytes copied per forward.
 
     Every move keeps every budget. Deterministic: ops are visited in index
@@ -271,8 +273,9 @@ def pack(problem: PartitionProblem, budgets: Sequence[int]) -> list[int] | None:
     return _first_fit(problem, by_size, budgets, walk=False)
 
 
-def _first_fit(problem: PartitionProblem, items: list[tuple[int, int, list[int]]], budgets: Sequence[int],
-               *, walk: bool) -> list[int] | None:
+def _first_fit(
+    problem: PartitionProblem, items: list[tuple[int, int, list[int]]], budgets: Sequence[int], *, walk: bool
+) -> list[int] | None:
     loads, peaks = [0] * len(budgets), [0] * len(budgets)
     placement = [0] * problem.num_ops
     current = 0
@@ -296,8 +299,9 @@ def _first_fit(problem: PartitionProblem, items: list[tuple[int, int, list[int]]
     return placement
 
 
-def repair(problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequence[int],
-           *, max_steps: int = 64) -> list[int] | None:
+def repair(
+    problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequence[int], *, max_steps: int = 64
+) -> list[int] | None:
     """Bring an over-budget placement within budgets by moving ops that hold weights, or None.
 
     Each step takes the device furthest over its budget and moves the one op

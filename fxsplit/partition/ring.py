@@ -28,8 +28,15 @@ import numpy as np
 if TYPE_CHECKING:
     from fxsplit.partition.solve import _Context
 
-__all__ = ["LONG_REACH", "WRAP_TRIES", "cheapest_wraps", "has_long_reach", "step_matrices", "wrap_points",
-           "wrapped_placement"]
+__all__ = [
+    "LONG_REACH",
+    "WRAP_TRIES",
+    "cheapest_wraps",
+    "has_long_reach",
+    "step_matrices",
+    "wrap_points",
+    "wrapped_placement",
+]
 
 WRAP_TRIES = 16
 """How many wrap points ``b`` are tried (each costs one pass of the exact programme)."""
@@ -61,7 +68,8 @@ def wrap_points(ctx: _Context, cands: np.ndarray, budget: int) -> list[int]:
         suffix_ok -= 1
     total = int(ctx.prefix_weight[n])
     fitting = [
-        idx for idx, t in enumerate(cands.tolist())
+        idx
+        for idx, t in enumerate(cands.tolist())
         if 0 < t < n and t >= suffix_ok and not ctx.forbidden[t] and ctx.weight(t, n) <= budget
     ]
     if len(fitting) <= WRAP_TRIES:
@@ -72,8 +80,9 @@ def wrap_points(ctx: _Context, cands: np.ndarray, budget: int) -> list[int]:
     return sorted(chosen)
 
 
-def step_matrices(cost: np.ndarray, seg_weight: np.ndarray, masks: list[np.ndarray],
-                  budgets: Sequence[int]) -> list[np.ndarray]:
+def step_matrices(
+    cost: np.ndarray, seg_weight: np.ndarray, masks: list[np.ndarray], budgets: Sequence[int]
+) -> list[np.ndarray]:
     """``steps[k][i, j]``: what device ``k`` running ``[cands[i], cands[j])`` adds to the programme's objective.
 
     The bytes copied into it plus a small balance term (its squared budget
@@ -94,8 +103,15 @@ def step_matrices(cost: np.ndarray, seg_weight: np.ndarray, masks: list[np.ndarr
     return steps
 
 
-def wrapped_placement(ctx: _Context, cands: np.ndarray, cost: np.ndarray, seg_weight: np.ndarray,
-                      masks: list[np.ndarray], budgets: Sequence[int], wrap: int) -> list[int] | None:
+def wrapped_placement(
+    ctx: _Context,
+    cands: np.ndarray,
+    cost: np.ndarray,
+    seg_weight: np.ndarray,
+    masks: list[np.ndarray],
+    budgets: Sequence[int],
+    wrap: int,
+) -> list[int] | None:
     """Op devices of the cheapest placement wrapped at ``cands[wrap]``, or None if none fits.
 
     ``cost``, ``seg_weight`` and ``masks`` are the contiguous programme's
@@ -107,9 +123,16 @@ def wrapped_placement(ctx: _Context, cands: np.ndarray, cost: np.ndarray, seg_we
     return None if found is None else found[1]
 
 
-def cheapest_wraps(ctx: _Context, cands: np.ndarray, cost: np.ndarray, seg_weight: np.ndarray,
-                   steps: list[np.ndarray], budgets: Sequence[int], points: Sequence[int],
-                   keep: int) -> list[list[int]]:
+def cheapest_wraps(
+    ctx: _Context,
+    cands: np.ndarray,
+    cost: np.ndarray,
+    seg_weight: np.ndarray,
+    steps: list[np.ndarray],
+    budgets: Sequence[int],
+    points: Sequence[int],
+    keep: int,
+) -> list[list[int]]:
     """The ``keep`` cheapest of the placements :func:`wrapped_placement` finds at ``points``, cheapest first.
 
     Ties go to the earlier wrap point. Each wrap point's placement is still
@@ -150,8 +173,9 @@ class _Start:
     bound: float
 
 
-def _start(ctx: _Context, cands: np.ndarray, cost: np.ndarray, seg_weight: np.ndarray,
-           budgets: Sequence[int], wrap: int) -> _Start:
+def _start(
+    ctx: _Context, cands: np.ndarray, cost: np.ndarray, seg_weight: np.ndarray, budgets: Sequence[int], wrap: int
+) -> _Start:
     n, b = ctx.n, int(cands[wrap])
     m = wrap + 1  # candidate positions 0..b
     suffix_resident = int(ctx.prefix_weight[n] - ctx.prefix_weight[b])
@@ -170,8 +194,9 @@ def _start(ctx: _Context, cands: np.ndarray, cost: np.ndarray, seg_weight: np.nd
     return _Start(wrap, objective, suffix_cost, float(bounds.min()) if m else _INF)
 
 
-def _wrapped(ctx: _Context, cands: np.ndarray, cost: np.ndarray, steps: list[np.ndarray], start: _Start,
-             budgets: Sequence[int]) -> tuple[int, list[int]] | None:
+def _wrapped(
+    ctx: _Context, cands: np.ndarray, cost: np.ndarray, steps: list[np.ndarray], start: _Start, budgets: Sequence[int]
+) -> tuple[int, list[int]] | None:
     """``(bytes copied, op devices)`` of the cheapest placement wrapped at ``start.wrap``, or None."""
     m = start.wrap + 1
     previous = start.objective
@@ -193,7 +218,7 @@ def _wrapped(ctx: _Context, cands: np.ndarray, cost: np.ndarray, steps: list[np.
         first = int(choices[k - 1][stop])
         if first < 0:
             continue
-        op_devices[int(cands[first]):int(cands[stop])] = [k] * int(cands[stop] - cands[first])
+        op_devices[int(cands[first]) : int(cands[stop])] = [k] * int(cands[stop] - cands[first])
         copied += cost[first, stop]
         stop = first
     return int(copied + start.suffix_cost[stop]), op_devices

@@ -179,8 +179,9 @@ def _exchanged(problem: PartitionProblem, op_devices: list[int], budgets: Sequen
     return improve(problem, exchanged, budgets)
 
 
-def _ordered_candidates(ctx: _Context, cands: np.ndarray, budgets: Sequence[int],
-                        matrices: _Matrices) -> list[list[int]]:
+def _ordered_candidates(
+    ctx: _Context, cands: np.ndarray, budgets: Sequence[int], matrices: _Matrices
+) -> list[list[int]]:
     """Contiguous and wrapped placements, improved, for each order of the devices :func:`_device_orders` gives.
 
     Out of order nothing ties stage ``k`` to the ``k``-th budget, so with
@@ -221,8 +222,14 @@ def _device_orders(ctx: _Context, budgets: Sequence[int]) -> list[tuple[int, ...
     return distinct
 
 
-def _wrapped_candidates(ctx: _Context, cands: np.ndarray, budgets: Sequence[int],
-                        matrices: _Matrices | None = None, *, improved: bool = True) -> list[list[int]]:
+def _wrapped_candidates(
+    ctx: _Context,
+    cands: np.ndarray,
+    budgets: Sequence[int],
+    matrices: _Matrices | None = None,
+    *,
+    improved: bool = True,
+) -> list[list[int]]:
     """The cheapest placements where device 0 also runs the last ops (see :mod:`fxsplit.partition.ring`), improved.
 
     On graphs of more than ``EXACT_LIMIT`` ops only tried when a copied value
@@ -278,9 +285,11 @@ class _Context:
         self.crossing = self._crossing()
         reaching = [v for v in problem.values if v.nbytes and v.consumers]
         # start, last reader and bytes of every copied value, for the wrapped programme
-        self.reach = (np.array([v.start for v in reaching], dtype=np.int64),
-                      np.array([v.last for v in reaching], dtype=np.int64),
-                      np.array([v.nbytes for v in reaching], dtype=np.float64))
+        self.reach = (
+            np.array([v.start for v in reaching], dtype=np.int64),
+            np.array([v.last for v in reaching], dtype=np.int64),
+            np.array([v.nbytes for v in reaching], dtype=np.float64),
+        )
         # last_bad[k][t]: 1 + index of the last op before t pinned to a device other than k.
         self.last_bad: list[list[int]] = []
         for k in range(len(budgets)):
@@ -335,8 +344,9 @@ def _check_pin_order(problem: PartitionProblem, names: Sequence[str]) -> None:
     for op in sorted(problem.pinned):
         device = problem.pinned[op]
         if not 0 <= device < len(names):
-            raise SpecError(f"op {problem.label(op)} is pinned to device index {device}, "
-                            "which is not among the budgets")
+            raise SpecError(
+                f"op {problem.label(op)} is pinned to device index {device}, which is not among the budgets"
+            )
         if previous is not None and device < previous[1]:
             raise SpecError(
                 f"pins contradict the device order: {problem.label(previous[0])} is pinned to "
@@ -463,7 +473,7 @@ def _segment_masks(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> 
         pairs = zip(cands[:-1], cands[1:], strict=True)
         block_max = np.array([transient[a:b].max() if b > a else 0.0 for a, b in pairs])
         for i in range(m - 1):
-            seg_weight[i, i + 1:] += np.maximum.accumulate(block_max[i:])
+            seg_weight[i, i + 1 :] += np.maximum.accumulate(block_max[i:])
     base = np.triu(np.ones((m, m), dtype=bool), k=1)
     starts_ok = np.array([t == 0 or not ctx.forbidden[t] for t in cands.tolist()])
     base &= starts_ok[:, None]
@@ -501,8 +511,9 @@ class _Matrices:
         return cls(cost, seg_weight, masks, step_matrices(cost, seg_weight, masks, budgets))
 
 
-def _exact_boundaries(ctx: _Context, cands: np.ndarray, budgets: Sequence[int],
-                      matrices: _Matrices) -> list[int] | None:
+def _exact_boundaries(
+    ctx: _Context, cands: np.ndarray, budgets: Sequence[int], matrices: _Matrices
+) -> list[int] | None:
     """Cheapest placement (true copy cost, then balance) with boundaries in ``cands``."""
     m = len(cands)
     previous = np.full(m, _INF)
@@ -550,8 +561,9 @@ def _result(problem: PartitionProblem, ctx: _Context, boundaries: list[int]) -> 
     return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(device_weights))
 
 
-def _raise_infeasible(problem: PartitionProblem, ctx: _Context, names: Sequence[str],
-                      contiguous: bool = True) -> NoReturn:
+def _raise_infeasible(
+    problem: PartitionProblem, ctx: _Context, names: Sequence[str], contiguous: bool = True
+) -> NoReturn:
     total, capacity = ctx.weight(0, ctx.n), sum(ctx.budgets)
     budget_list = ", ".join(f"'{d}' {format_size(b)}" for d, b in zip(names, ctx.budgets, strict=True))
     if total > capacity:
@@ -566,8 +578,11 @@ def _raise_infeasible(problem: PartitionProblem, ctx: _Context, names: Sequence[
         allowed = sorted(pins) if pins else list(range(len(ctx.budgets)))
         best = max(allowed, key=lambda k: (ctx.budgets[k], -k))
         if weight > ctx.budgets[best]:
-            what = problem.label(lo) if lo == hi else (
-                f"ops {problem.label(lo)} .. {problem.label(hi)} (they must share a device)")
+            what = (
+                problem.label(lo)
+                if lo == hi
+                else (f"ops {problem.label(lo)} .. {problem.label(hi)} (they must share a device)")
+            )
             where = f"pinned device '{names[best]}'" if pins else f"every device (the largest, '{names[best]}',"
             tail = "" if pins else ")"
             raise BudgetError(
@@ -591,8 +606,9 @@ def _heaviest(problem: PartitionProblem, lo: int, hi: int, needed: int) -> str:
     weights = sum(size for size, _ in homed)
     if needed > weights and (problem.op_extra or problem.op_transient):
         named = f" ({listed}{more})" if homed else ""
-        return (f": weights {format_size(weights)}{named} and per-op memory (activations) "
-                f"{format_size(needed - weights)}")
+        return (
+            f": weights {format_size(weights)}{named} and per-op memory (activations) {format_size(needed - weights)}"
+        )
     if not homed:
         return ""
     return f" for its parameters and buffers ({listed}{more})"
@@ -623,15 +639,21 @@ def _nearly_fitting(ctx: _Context) -> list[int] | None:
     return _devices_of(ctx.n, boundaries)
 
 
-def _raise_fragmented(problem: PartitionProblem, ctx: _Context, names: Sequence[str], total: int, capacity: int,
-                      contiguous: bool) -> NoReturn:
+def _raise_fragmented(
+    problem: PartitionProblem, ctx: _Context, names: Sequence[str], total: int, capacity: int, contiguous: bool
+) -> NoReturn:
     high, _ = _min_scale(ctx)
     shortfalls = ", ".join(
         f"'{d}' short by {format_size(int(b * high) - b)}" for d, b in zip(names, ctx.budgets, strict=True)
     )
-    how = ("in order without exceeding a budget (contiguous=True: ops run on consecutive devices, and "
-           "indivisible pieces do not fit the gaps)") if contiguous else (
-           "without exceeding a budget, in order or out of order (indivisible pieces do not fit the gaps)")
+    how = (
+        (
+            "in order without exceeding a budget (contiguous=True: ops run on consecutive devices, and "
+            "indivisible pieces do not fit the gaps)"
+        )
+        if contiguous
+        else ("without exceeding a budget, in order or out of order (indivisible pieces do not fit the gaps)")
+    )
     raise BudgetError(
         f"the budgets hold {format_size(capacity)} and the model needs {format_size(total)}, but its "
         f"{problem.num_ops} ops cannot be packed into the devices {how}; it fits in order when "
@@ -648,5 +670,3 @@ def _indivisible_blocks(ctx: _Context) -> list[tuple[int, int, int]]:
             blocks.append((start, t - 1, ctx.weight(start, t)))
             start = t
     return blocks
-
-

@@ -93,8 +93,10 @@ class PipelineStages:
                 where = ", ".join(f"{index} ({self.specs[index].device})" for index in holders)
                 copied = sum(c.nbytes or 0 for c in self.plan.cuts if c.kind == "parameter" and c.producer in group)
                 unsent = f"; its {format_size(copied)} parameter cut counted above is not sent" if copied else ""
-                line = (f"tied: {' = '.join(group)}: replicated on stages {where}, gradients summed by "
-                        f"reduce_tied_grads (no copy per forward{unsent})")
+                line = (
+                    f"tied: {' = '.join(group)}: replicated on stages {where}, gradients summed by "
+                    f"reduce_tied_grads (no copy per forward{unsent})"
+                )
             lines.append(line)
         return lines
 
@@ -200,8 +202,9 @@ def pipeline_stages(
     else:
         from fxsplit.api import trace_and_plan
 
-        planned = trace_and_plan(model, plan_or_budgets, example_inputs,
-                                 {**options, "pipeline": PipelineConfig(chunks)})
+        planned = trace_and_plan(
+            model, plan_or_budgets, example_inputs, {**options, "pipeline": PipelineConfig(chunks)}
+        )
         graph_module, plan, by_node = planned.traced.graph_module, planned.plan, weights_by_node(planned.costs)
     split = emit(graph_module, plan, by_node)
     stages = split_stages(split, plan, relay=True)
@@ -209,8 +212,9 @@ def pipeline_stages(
     return PipelineStages(plan, stages.specs, stages.modules, tied, chunks, paths)
 
 
-def _apply(model: torch.nn.Module, plan: Plan, example_inputs: Any, chunks: int,
-           options: Mapping[str, Any]) -> tuple[torch.fx.GraphModule, Plan, dict[str, Any]]:
+def _apply(
+    model: torch.nn.Module, plan: Plan, example_inputs: Any, chunks: int, options: Mapping[str, Any]
+) -> tuple[torch.fx.GraphModule, Plan, dict[str, Any]]:
     """Trace ``model`` as ``plan`` was traced, through apply's one checked re-trace path.
 
     The plan's rules, fingerprint, ``leaf_modules``, ``dtype`` and ``dynamic_shapes``, its budgets
@@ -223,15 +227,21 @@ def _apply(model: torch.nn.Module, plan: Plan, example_inputs: Any, chunks: int,
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     args, kwargs = first_microbatch(example_inputs, options.get("example_kwargs"), chunks)
-    traced, costs, _ = checked_retrace(model, plan, example_inputs=args, example_kwargs=kwargs,
-                                       concrete_args=options.get("concrete_args"),
-                                       leaf_modules=options.get("leaf_modules", ()),
-                                       dynamic_shapes=options.get("dynamic_shapes"))
+    traced, costs, _ = checked_retrace(
+        model,
+        plan,
+        example_inputs=args,
+        example_kwargs=kwargs,
+        concrete_args=options.get("concrete_args"),
+        leaf_modules=options.get("leaf_modules", ()),
+        dynamic_shapes=options.get("dynamic_shapes"),
+    )
     return traced.graph_module, plan, weights_by_node(costs)
 
 
-def _replicas(model: torch.nn.Module, modules: tuple[torch.fx.GraphModule, ...]
-              ) -> tuple[dict[str, tuple[int, ...]], tuple[dict[str, str], ...]]:
+def _replicas(
+    model: torch.nn.Module, modules: tuple[torch.fx.GraphModule, ...]
+) -> tuple[dict[str, tuple[int, ...]], tuple[dict[str, str], ...]]:
     """Trainable weights held by several stage modules (by the model's name), and where each stage holds them.
 
     Buffers read by several stages are replicated too, but nothing reduces them:

@@ -88,8 +88,10 @@ class Pipeline(torch.nn.Module):
         """The generated code of every stage, each under a comment naming its device and values."""
         parts = []
         for spec, module in zip(self.stage_specs, self._layout.modules, strict=True):
-            parts.append(f"# stage {spec.index} on {spec.device}: takes ({', '.join(spec.inputs)}), "
-                         f"returns ({', '.join(spec.outputs)})" + module.code)
+            parts.append(
+                f"# stage {spec.index} on {spec.device}: takes ({', '.join(spec.inputs)}), "
+                f"returns ({', '.join(spec.outputs)})" + module.code
+            )
         return "\n".join(parts)
 
     def train(self, mode: bool = True) -> Pipeline:
@@ -127,10 +129,12 @@ class Pipeline(torch.nn.Module):
         found = [name for module in self._layout.modules for name in batch_stat_ops(module)]
         if not found:
             return
-        message = (f"ops {', '.join(found[:3])}{' ...' if len(found) > 3 else ''} normalise with batch statistics "
-                   f"(BatchNorm in training); with {self.config.chunks} micro-batches each is normalised with its "
-                   "own statistics and running statistics are updated once per micro-batch, so results differ from "
-                   "the unsplit model; call .eval(), use chunks=1, or pass PipelineConfig(batch_stats='allow')")
+        message = (
+            f"ops {', '.join(found[:3])}{' ...' if len(found) > 3 else ''} normalise with batch statistics "
+            f"(BatchNorm in training); with {self.config.chunks} micro-batches each is normalised with its "
+            "own statistics and running statistics are updated once per micro-batch, so results differ from "
+            "the unsplit model; call .eval(), use chunks=1, or pass PipelineConfig(batch_stats='allow')"
+        )
         if self.config.batch_stats == "error":
             raise FxsplitError(message)
         warnings.warn(message, stacklevel=3)

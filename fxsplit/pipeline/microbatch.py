@@ -67,11 +67,15 @@ def scatter(
     if rows is None and chunks == 1:
         return [list(inputs)], [0]  # nothing to split, and no need to
     if rows is None:
-        raise FxsplitError(f"no tensor input has a batch dimension to split into micro-batches (inputs: "
-                           f"{', '.join(names) or 'none'}); pipelining needs one")
+        raise FxsplitError(
+            f"no tensor input has a batch dimension to split into micro-batches (inputs: "
+            f"{', '.join(names) or 'none'}); pipelining needs one"
+        )
     if rows < chunks:
-        raise FxsplitError(f"a batch of {rows} rows (in '{first}') cannot be split into {chunks} micro-batches; "
-                           f"pass at least {chunks} rows or use fewer chunks")
+        raise FxsplitError(
+            f"a batch of {rows} rows (in '{first}') cannot be split into {chunks} micro-batches; "
+            f"pass at least {chunks} rows or use fewer chunks"
+        )
     sizes = [int(piece.size(0)) for piece in next(iter(split.values()))]
     parts = []
     for c in range(chunks):
@@ -97,8 +101,10 @@ def gather(outputs: Sequence[Any], rows: Sequence[int]) -> Any:
     spec = flat[0][1]
     for _, other in flat[1:]:
         if other != spec:
-            raise FxsplitError(f"micro-batches returned different output structures ({spec} vs {other}); "
-                               "pipelining needs the model to return the same structure for every micro-batch")
+            raise FxsplitError(
+                f"micro-batches returned different output structures ({spec} vs {other}); "
+                "pipelining needs the model to return the same structure for every micro-batch"
+            )
     total = sum(rows)
     merged: list[Any] = []
     for index, values in enumerate(zip(*(leaves for leaves, _ in flat), strict=True)):
@@ -113,11 +119,15 @@ def gather(outputs: Sequence[Any], rows: Sequence[int]) -> Any:
             warnings.warn(
                 f"output leaf {index} is a 0-dim tensor (a loss computed in the model?); pipelining averages "
                 "it over micro-batches weighted by rows, which equals the full-batch value only when the model "
-                "averages over samples", stacklevel=3)
+                "averages over samples",
+                stacklevel=3,
+            )
             merged.append(sum(v * (n / total) for v, n in zip(values, rows, strict=True)))
         else:
-            raise FxsplitError(f"output leaf {index} is a 0-dim {head.dtype} tensor; pipelining cannot combine it "
-                               "over micro-batches (return it with a batch dimension)")
+            raise FxsplitError(
+                f"output leaf {index} is a 0-dim {head.dtype} tensor; pipelining cannot combine it "
+                "over micro-batches (return it with a batch dimension)"
+            )
     return pytree.tree_unflatten(merged, spec)
 
 
@@ -149,5 +159,7 @@ def first_microbatch(
         )
     # Own copies: a slice would keep (and be charged for) the whole example batch's storage.
     first = [v.clone() if isinstance(v, torch.Tensor) else v for v in parts[0]]
-    return (tuple(first[: len(args)]) if example_inputs is not None else None,
-            dict(zip(kwargs, first[len(args):], strict=True)) if example_kwargs else None)
+    return (
+        tuple(first[: len(args)]) if example_inputs is not None else None,
+        dict(zip(kwargs, first[len(args) :], strict=True)) if example_kwargs else None,
+    )

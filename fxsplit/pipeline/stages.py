@@ -146,8 +146,10 @@ class _Cutter:
         ops = [n for n in self.nodes if n.op.startswith("call_") and n.name not in self.moves]
         for node in ops:
             if DEVICE_META not in node.meta:
-                raise FxsplitError(f"node '{node.name}' has no device; split_stages needs a module made by "
-                                   "fxsplit.fxsplit (its nodes record their device)")
+                raise FxsplitError(
+                    f"node '{node.name}' has no device; split_stages needs a module made by "
+                    "fxsplit.fxsplit (its nodes record their device)"
+                )
         used = {n.meta[DEVICE_META] for n in ops}
         self.devices = tuple(d for d in plan.devices if d in used) or (plan.output_device,)
         self.index = {d: i for i, d in enumerate(self.devices)}
@@ -200,10 +202,13 @@ class _Cutter:
             modules.append(self._build(specs[-1], s == last))
         release = self._release(specs, readers)
         return StageSplit(
-            specs=tuple(specs), modules=tuple(modules),
+            specs=tuple(specs),
+            modules=tuple(modules),
             input_names=tuple(p.name for p in self.placeholders),
             input_targets=tuple(str(p.target) for p in self.placeholders),
-            relay=self.relay, release=release, _binder=self._binder(),
+            relay=self.relay,
+            release=release,
+            _binder=self._binder(),
             _template=torch.fx.node.map_arg(self.output.args[0], lambda n: _Ref(n.name)),  # type: ignore[arg-type,return-value]
             _moves={name: (self._source(n).name, n.meta[COPY_META][2]) for name, n in self.moves.items()},
             _out_spec=self._out_spec(),

@@ -50,9 +50,13 @@ def _check_structure(model: torch.nn.Module, plan: Plan) -> None:
     found = differences(plan.tensors, plan.tied, model, dtype=plan.dtype)
     if found:
         ours = describe(model)[0]
-        raise PlanMismatchError(_listing(
-            f"the plan was made for another model (fingerprint {plan.fingerprint} in the plan, {ours} for this "
-            f"model); {len(found)} difference(s):", found))
+        raise PlanMismatchError(
+            _listing(
+                f"the plan was made for another model (fingerprint {plan.fingerprint} in the plan, {ours} for this "
+                f"model); {len(found)} difference(s):",
+                found,
+            )
+        )
 
 
 def retrace(
@@ -74,8 +78,14 @@ def retrace(
         TraceError: the model cannot be traced.
     """
     require_module(model)
-    check_option_types({"example_kwargs": example_kwargs, "concrete_args": concrete_args,
-                        "leaf_modules": leaf_modules, "dynamic_shapes": dynamic_shapes})
+    check_option_types(
+        {
+            "example_kwargs": example_kwargs,
+            "concrete_args": concrete_args,
+            "leaf_modules": leaf_modules,
+            "dynamic_shapes": dynamic_shapes,
+        }
+    )
     check_concrete_args(model, concrete_args)
     validate_plan(plan)
     _check_structure(model, plan)
@@ -83,15 +93,25 @@ def retrace(
         example_inputs = (example_inputs,)
     if example_inputs is None and not example_kwargs:
         if plan.trace == "export":
-            raise FxsplitError("this plan was traced with torch.export; pass example_inputs=(...) (same shapes as "
-                               "when planning) so that the graph can be traced again")
+            raise FxsplitError(
+                "this plan was traced with torch.export; pass example_inputs=(...) (same shapes as "
+                "when planning) so that the graph can be traced again"
+            )
         if any(cut.nbytes is not None for cut in plan.cuts if cut.kind != "parameter"):
-            raise FxsplitError("this plan was made with example inputs (its cuts have sizes); pass the same "
-                               "example_inputs=(...) so that the generated code is the same")
+            raise FxsplitError(
+                "this plan was made with example inputs (its cuts have sizes); pass the same "
+                "example_inputs=(...) so that the generated code is the same"
+            )
     leaves = resolve_leaf_modules(model, [*plan.leaf_modules, *leaf_modules], locator(None, ()))
-    traced = trace(model, example_inputs=example_inputs, example_kwargs=example_kwargs, mode=plan.trace,
-                   leaf_modules=leaves, concrete_args=concrete_args,
-                   dynamic_shapes=dynamic_shapes_for(plan, dynamic_shapes))
+    traced = trace(
+        model,
+        example_inputs=example_inputs,
+        example_kwargs=example_kwargs,
+        mode=plan.trace,
+        leaf_modules=leaves,
+        concrete_args=concrete_args,
+        dynamic_shapes=dynamic_shapes_for(plan, dynamic_shapes),
+    )
     _check_nodes(traced.graph_module, plan)
     dtype = getattr(torch, plan.dtype) if plan.dtype else None
     index = {d: i for i, d in enumerate(plan.devices)}
@@ -109,14 +129,24 @@ def _check_nodes(graph_module: torch.fx.GraphModule, plan: Plan) -> None:
     if extra or missing:
         lines = [f"not in the plan: node '{n}'" for n in extra] + [f"not in the graph: node '{n}'" for n in missing]
         how = f"trace={plan.trace!r}" + (f", leaf_modules={list(plan.leaf_modules)}" if plan.leaf_modules else "")
-        raise PlanMismatchError(_listing(
-            f"the traced graph has {len(extra)} node(s) the plan does not place and the plan places {len(missing)} "
-            f"node(s) the graph does not have; was the model's code changed? (the plan was made with {how})",
-            lines))
+        raise PlanMismatchError(
+            _listing(
+                f"the traced graph has {len(extra)} node(s) the plan does not place and the plan places {len(missing)} "
+                f"node(s) the graph does not have; was the model's code changed? (the plan was made with {how})",
+                lines,
+            )
+        )
 
 
-def apply(model: torch.nn.Module, plan: Plan, *, example_inputs: Any = None, checkpoint: Any = None,
-          progress: bool | None = None, **options: Any) -> torch.fx.GraphModule:
+def apply(
+    model: torch.nn.Module,
+    plan: Plan,
+    *,
+    example_inputs: Any = None,
+    checkpoint: Any = None,
+    progress: bool | None = None,
+    **options: Any,
+) -> torch.fx.GraphModule:
     """Split ``model`` as ``plan`` says, without solving again: same plan, same generated code.
 
     The model is traced again (as the plan was: ``plan.trace``, its leaf
@@ -188,16 +218,21 @@ _RETRACE_OPTIONS = ("example_kwargs", "concrete_args", "leaf_modules", "dynamic_
 
 def _require_plan(plan: Any, caller: str) -> None:
     if not isinstance(plan, Plan):
-        hint = (f"; to use the plan file {plan!r}, pass fxsplit.Plan.from_yaml(Path({plan!r}).read_text())"
-                if isinstance(plan, str) and len(plan) < 200 else "")
+        hint = (
+            f"; to use the plan file {plan!r}, pass fxsplit.Plan.from_yaml(Path({plan!r}).read_text())"
+            if isinstance(plan, str) and len(plan) < 200
+            else ""
+        )
         raise SpecError(f"{caller}() takes a fxsplit.Plan (got {type(plan).__name__}){hint}")
 
 
 def _known_options(options: Mapping[str, Any], caller: str) -> None:
     unknown = [name for name in options if name not in _RETRACE_OPTIONS]
     if unknown:
-        raise SpecError(f"{caller}() takes no option {', '.join(map(repr, unknown))}; its options are "
-                        f"{', '.join(_RETRACE_OPTIONS)} (the rest comes from the plan)")
+        raise SpecError(
+            f"{caller}() takes no option {', '.join(map(repr, unknown))}; its options are "
+            f"{', '.join(_RETRACE_OPTIONS)} (the rest comes from the plan)"
+        )
 
 
 def _cut_text(cut: Cut) -> str:
@@ -214,8 +249,13 @@ class PlanCheck:
 
     def __str__(self) -> str:
         rows = [f"  {d}: {format_size(used)} of {format_size(limit)} usable" for d, limit, used in self.devices]
-        return "\n".join([f"plan matches the model ({self.nodes} graph nodes placed); budgets held:", *rows,
-                          *(f"note: {n}" for n in self.notes)])
+        return "\n".join(
+            [
+                f"plan matches the model ({self.nodes} graph nodes placed); budgets held:",
+                *rows,
+                *(f"note: {n}" for n in self.notes),
+            ]
+        )
 
 
 def check_plan(
@@ -264,8 +304,12 @@ def checked_retrace(
     for weight in [*costs.weights, *costs.unused]:
         held[plan.param_devices[weight.names[0]]] += weight.nbytes
     _check_budgets(plan, held, limits, own=budgets is None)
-    notes = [f"plan.device_bytes says {format_size(plan.device_bytes.get(d))} on '{d}', the placement puts "
-             f"{format_size(n)} there" for d, n in held.items() if plan.device_bytes.get(d) != n]
+    notes = [
+        f"plan.device_bytes says {format_size(plan.device_bytes.get(d))} on '{d}', the placement puts "
+        f"{format_size(n)} there"
+        for d, n in held.items()
+        if plan.device_bytes.get(d) != n
+    ]
     notes += _check_cuts(plan, traced, costs)
     rows = tuple((d, limits.get(d, 0), held[d]) for d in plan.devices)
     return traced, costs, PlanCheck(rows, len(plan.placement), tuple(notes))
@@ -279,13 +323,21 @@ def _check_budgets(plan: Plan, held: dict[str, int], limits: dict[str, int], *, 
         if nbytes <= limit:
             continue
         reserved = plan.reserved.get(device, 0) if own else 0
-        of = f" (its budget {format_size(plan.budgets[device])} less {format_size(reserved)} reserved)" if (
-            reserved) else ""
-        over.append(f"'{device}' holds {format_size(nbytes)} ({nbytes} bytes) of parameters and buffers but may hold "
-                    f"{format_size(limit)}{of}: over by {format_size(nbytes - limit)} ({nbytes - limit} bytes)")
+        of = (
+            f" (its budget {format_size(plan.budgets[device])} less {format_size(reserved)} reserved)"
+            if (reserved)
+            else ""
+        )
+        over.append(
+            f"'{device}' holds {format_size(nbytes)} ({nbytes} bytes) of parameters and buffers but may hold "
+            f"{format_size(limit)}{of}: over by {format_size(nbytes - limit)} ({nbytes - limit} bytes)"
+        )
     if over:
-        fix = ("the plan was edited or made for a smaller model: plan again for this model" if own
-               else "plan again with these budgets")
+        fix = (
+            "the plan was edited or made for a smaller model: plan again for this model"
+            if own
+            else "plan again with these budgets"
+        )
         raise BudgetError("the plan does not fit the budgets: " + "; ".join(over) + f"; {fix}")
 
 
@@ -298,10 +350,17 @@ def _check_cuts(plan: Plan, traced: Traced, costs: GraphCosts) -> list[str]:
         stale = [f"plan lists {_cut_text(c)}" for c in plan.cuts if _route(c) not in routes]
         listed = {_route(c) for c in plan.cuts}
         stale += [f"placement implies {_cut_text(c)}" for c in expected if _route(c) not in listed]
-        raise PlanMismatchError(_listing("the plan's cuts are not those its placement implies (was it edited?):",
-                                         stale or ["same cuts, different order"]))
-    return [f"cut {_cut_text(c)} is {format_size(e.nbytes)} with these inputs" for c, e in zip(
-        plan.cuts, expected, strict=True) if c.nbytes != e.nbytes]
+        raise PlanMismatchError(
+            _listing(
+                "the plan's cuts are not those its placement implies (was it edited?):",
+                stale or ["same cuts, different order"],
+            )
+        )
+    return [
+        f"cut {_cut_text(c)} is {format_size(e.nbytes)} with these inputs"
+        for c, e in zip(plan.cuts, expected, strict=True)
+        if c.nbytes != e.nbytes
+    ]
 
 
 def _route(cut: Cut) -> tuple[str, str, str, str]:

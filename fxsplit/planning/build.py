@@ -145,8 +145,9 @@ def _read_homes(costs: GraphCosts, devices: Sequence[str], solution: Partition) 
     return homes
 
 
-def _pack_unread(costs: GraphCosts, devices: Sequence[str], budgets: dict[str, int],
-                 solution: Partition) -> dict[str, str] | None:
+def _pack_unread(
+    costs: GraphCosts, devices: Sequence[str], budgets: dict[str, int], solution: Partition
+) -> dict[str, str] | None:
     """Canonical name -> device for the tensors no op reads, in the room ``solution`` leaves, or None.
 
     Largest first (ties in the model's order); each goes beside its module's
@@ -170,8 +171,12 @@ def _pack_unread(costs: GraphCosts, devices: Sequence[str], budgets: dict[str, i
     return homes
 
 
-def _set_aside_unread(costs: GraphCosts, devices: Sequence[str], budgets: dict[str, int],
-                      repartition: Callable[[Sequence[int]], Partition]) -> tuple[Partition, dict[str, str] | None]:
+def _set_aside_unread(
+    costs: GraphCosts,
+    devices: Sequence[str],
+    budgets: dict[str, int],
+    repartition: Callable[[Sequence[int]], Partition],
+) -> tuple[Partition, dict[str, str] | None]:
     """Pack the unread tensors first (largest first, onto the device with the most room), then the ops."""
     room = dict(budgets)
     homes: dict[str, str] = {}

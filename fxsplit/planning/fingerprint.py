@@ -65,10 +65,16 @@ def differences(
     cast model.
     """
     _, found, found_tied = describe(model)
-    lines = [f"missing: the plan has '{name}' ({sig}), the model does not" for name, sig in tensors.items()
-             if name not in found]
-    lines += [f"extra: the model has '{name}' ({sig}), the plan does not" for name, sig in found.items()
-              if name not in tensors]
+    lines = [
+        f"missing: the plan has '{name}' ({sig}), the model does not"
+        for name, sig in tensors.items()
+        if name not in found
+    ]
+    lines += [
+        f"extra: the model has '{name}' ({sig}), the plan does not"
+        for name, sig in found.items()
+        if name not in tensors
+    ]
     for name, sig in found.items():
         if name in tensors and sig != tensors[name] and not _cast_of(tensors[name], sig, dtype):
             lines.append(f"changed: '{name}' is {sig} in the model, {tensors[name]} in the plan")

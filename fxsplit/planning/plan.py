@@ -124,8 +124,13 @@ class Plan:
             "param_devices": dict(self.param_devices),
             "device_bytes": dict(self.device_bytes),
             "cuts": [
-                {"producer": c.producer, "source": c.source, "destination": c.destination,
-                 "nbytes": c.nbytes, "kind": c.kind}
+                {
+                    "producer": c.producer,
+                    "source": c.source,
+                    "destination": c.destination,
+                    "nbytes": c.nbytes,
+                    "kind": c.kind,
+                }
                 for c in self.cuts
             ],
             "output_device": self.output_device,
@@ -200,18 +205,32 @@ class Plan:
             incoming = sum(c.nbytes or 0 for c in self.cuts if c.destination == device)
             outgoing = sum(c.nbytes or 0 for c in self.cuts if c.source == device)
             reserve = (format_size(self.reserved.get(device, 0)),) if reserving else ()
-            rows.append((device, format_size(budget), *reserve, format_size(used), percent,
-                         _module_summary(self.modules.get(device, ())), format_size(incoming), format_size(outgoing)))
+            rows.append(
+                (
+                    device,
+                    format_size(budget),
+                    *reserve,
+                    format_size(used),
+                    percent,
+                    _module_summary(self.modules.get(device, ())),
+                    format_size(incoming),
+                    format_size(outgoing),
+                )
+            )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
-        lines.append(f"cuts: {len(self.cuts)}, transfer per forward: {format_size(self.transfer_bytes)}; "
-                     f"outputs on {self.output_device}" + (f"; planned as {self.dtype}" if self.dtype else ""))
+        lines.append(
+            f"cuts: {len(self.cuts)}, transfer per forward: {format_size(self.transfer_bytes)}; "
+            f"outputs on {self.output_device}" + (f"; planned as {self.dtype}" if self.dtype else "")
+        )
         lines.extend(self.tied_summary())
         if self.memory:
             lines.extend(self._memory_table())
         if self.activations_not_counted:
-            lines.append(f"activations not counted: {self.activations_not_counted}; "
-                         "leave room in the budgets or pass example_inputs")
+            lines.append(
+                f"activations not counted: {self.activations_not_counted}; "
+                "leave room in the budgets or pass example_inputs"
+            )
         return "\n".join(lines)
 
     def tied_summary(self) -> list[str]:
@@ -230,10 +249,18 @@ class Plan:
 
     def _memory_table(self) -> list[str]:
         """One row per device: each component of memory, the total and its share of the budget."""
-        keys = [k for k in ("params", "buffers", "grads", "optimizer", "activations_peak")
-                if any(k in row and (row[k] or k in ("params", "activations_peak")) for row in self.memory.values())]
-        titles = {"params": "params", "buffers": "buffers", "grads": "grads", "optimizer": "optimizer",
-                  "activations_peak": "activations"}
+        keys = [
+            k
+            for k in ("params", "buffers", "grads", "optimizer", "activations_peak")
+            if any(k in row and (row[k] or k in ("params", "activations_peak")) for row in self.memory.values())
+        ]
+        titles = {
+            "params": "params",
+            "buffers": "buffers",
+            "grads": "grads",
+            "optimizer": "optimizer",
+            "activations_peak": "activations",
+        }
         rows = [("memory", *(titles[k] for k in keys), "total", "%")]
         for device in self.devices:
             row = self.memory.get(device, {})

@@ -30,7 +30,7 @@ def module_block(path: str) -> str:
         return "<root>"
     parts = path.split(".")
     for index, part in enumerate(parts):
-        if (part.isascii() and part.isdigit()):
+        if part.isascii() and part.isdigit():
             return ".".join(parts[: index + 1])
     return ".".join(parts[:2])
 

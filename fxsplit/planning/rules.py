@@ -76,11 +76,17 @@ def _record_problems(plan: Plan, problem: _Report) -> None:
     """The recorded structure: fingerprint, and ``tensors`` naming what ``param_devices`` places."""
     expected = fingerprint_of(plan.tensors, plan.tied)
     if plan.fingerprint != expected:
-        problem(("fingerprint",), f"is {short_repr(plan.fingerprint)} but the plan's tensors and tied groups give "
-                f"{expected!r}; the plan was edited or damaged: {_REMAKE}")
+        problem(
+            ("fingerprint",),
+            f"is {short_repr(plan.fingerprint)} but the plan's tensors and tied groups give "
+            f"{expected!r}; the plan was edited or damaged: {_REMAKE}",
+        )
     if plan.param_devices and not plan.tensors:
-        problem(("tensors",), f"is empty but param_devices places {len(plan.param_devices)} tensor(s); a plan "
-                f"records the name, dtype and shape of every tensor it places: {_REMAKE}")
+        problem(
+            ("tensors",),
+            f"is empty but param_devices places {len(plan.param_devices)} tensor(s); a plan "
+            f"records the name, dtype and shape of every tensor it places: {_REMAKE}",
+        )
         return
     for name in plan.param_devices:
         if name not in plan.tensors:
@@ -96,26 +102,39 @@ def _device_problems(plan: Plan, problem: _Report) -> None:
     listing = ", ".join(plan.devices)
     for name, device in plan.placement.items():
         if device not in budgeted and device != plan.output_device:
-            problem(("placement", name), f"node {short_repr(name)} is placed on {short_repr(device)}, which is "
-                    f"neither a budget device ({listing}) nor the output device")
+            problem(
+                ("placement", name),
+                f"node {short_repr(name)} is placed on {short_repr(device)}, which is "
+                f"neither a budget device ({listing}) nor the output device",
+            )
     for name, device in plan.param_devices.items():
         if device not in budgeted:
-            problem(("param_devices", name), f"{short_repr(name)} is placed on {short_repr(device)}, which has no "
-                    f"budget (devices: {listing})")
+            problem(
+                ("param_devices", name),
+                f"{short_repr(name)} is placed on {short_repr(device)}, which has no budget (devices: {listing})",
+            )
     for device in plan.devices:
         if device not in plan.budgets:
             problem(("devices", device), f"{short_repr(device)} has no budget")
-    for what, keys in (("budgets", plan.budgets), ("device_bytes", plan.device_bytes), ("modules", plan.modules),
-                       ("memory", plan.memory), ("reserved", plan.reserved)):
+    for what, keys in (
+        ("budgets", plan.budgets),
+        ("device_bytes", plan.device_bytes),
+        ("modules", plan.modules),
+        ("memory", plan.memory),
+        ("reserved", plan.reserved),
+    ):
         for device in keys:
             if device not in budgeted:
-                problem(("devices", device) if what in ("budgets", "device_bytes", "reserved") else (what, device),
-                        f"{what} names {short_repr(device)}, which is not one of the devices ({listing})")
+                problem(
+                    ("devices", device) if what in ("budgets", "device_bytes", "reserved") else (what, device),
+                    f"{what} names {short_repr(device)}, which is not one of the devices ({listing})",
+                )
     for device, used in plan.device_bytes.items():
         budget = plan.budgets.get(device)
         if budget is not None and used > budget:
-            problem(("devices", device, "used"), f"{short_repr(device)} holds {used} bytes, over its budget of "
-                    f"{budget}")
+            problem(
+                ("devices", device, "used"), f"{short_repr(device)} holds {used} bytes, over its budget of {budget}"
+            )
 
 
 def _tied_problems(plan: Plan, problem: _Report) -> None:
@@ -127,8 +146,11 @@ def _tied_problems(plan: Plan, problem: _Report) -> None:
         homes = {name: plan.param_devices[name] for name in group if name in plan.param_devices}
         if len(set(homes.values())) > 1:
             where = ", ".join(f"{short_repr(name)} on {short_repr(device)}" for name, device in homes.items())
-            problem(("tied", index), f"tied names are one tensor, so they share one device, but param_devices puts "
-                    f"{where}; give them one device")
+            problem(
+                ("tied", index),
+                f"tied names are one tensor, so they share one device, but param_devices puts "
+                f"{where}; give them one device",
+            )
 
 
 def _cut_problems(plan: Plan, problem: _Report) -> None:
@@ -143,8 +165,10 @@ def _cut_problems(plan: Plan, problem: _Report) -> None:
             problem(("cuts", index), f"{name} is cut to {short_repr(cut.destination)} more than once")
         seen.add((cut.producer, cut.destination))
         if cut.source not in known or cut.destination not in known:
-            problem(("cuts", index), f"cut of {name} names an unknown device ({short_repr(cut.source)} -> "
-                    f"{short_repr(cut.destination)})")
+            problem(
+                ("cuts", index),
+                f"cut of {name} names an unknown device ({short_repr(cut.source)} -> {short_repr(cut.destination)})",
+            )
         if cut.kind not in CUT_KINDS:
             problem(("cuts", index), f"cut of {name} has unknown kind {short_repr(cut.kind)}")
         if cut.nbytes is not None and cut.nbytes < 0:

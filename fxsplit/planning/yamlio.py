@@ -118,8 +118,11 @@ def plan_to_yaml(plan: Plan) -> str:
         f"output_device: {k(plan.output_device)}",
         f"leaf_modules: {_flow_list(plan.leaf_modules)}",
         *([f"dynamic_shapes: {k(plan.dynamic_shapes)}"] if plan.dynamic_shapes else []),
-        *([f"activations_not_counted: {k(plan.activations_not_counted)}"]
-          if plan.activations_not_counted is not None else []),
+        *(
+            [f"activations_not_counted: {k(plan.activations_not_counted)}"]
+            if plan.activations_not_counted is not None
+            else []
+        ),
         "devices:",
     ]
     for device in plan.devices:
@@ -135,8 +138,13 @@ def plan_to_yaml(plan: Plan) -> str:
     transfer = f"{len(plan.cuts)}, {format_size(plan.transfer_bytes)} per forward"
     lines.append(f"cuts:  # {transfer}" if plan.cuts else "cuts: []")
     for cut in plan.cuts:
-        entry: dict[str, Any] = {"value": cut.producer, "from": cut.source, "to": cut.destination,
-                                 "bytes": cut.nbytes, "kind": cut.kind}
+        entry: dict[str, Any] = {
+            "value": cut.producer,
+            "from": cut.source,
+            "to": cut.destination,
+            "bytes": cut.nbytes,
+            "kind": cut.kind,
+        }
         lines.append(f"- {_flow_map(entry)}  # {format_size(cut.nbytes)}")
     lines.append("tied:" if plan.tied else "tied: []")
     for group in plan.tied:
@@ -227,15 +235,18 @@ class _Reader:
     def plan(self, data: Any) -> Plan | None:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            self.problem(("format",), f"must be {FORMAT!r} (got {short_repr(found)}); is this a plan file made by "
-                         "fxsplit?")
+            self.problem(
+                ("format",), f"must be {FORMAT!r} (got {short_repr(found)}); is this a plan file made by fxsplit?"
+            )
             return None
         get = self.field
         devices = get(data, "devices", lambda v: isinstance(v, dict) and bool(v), "device -> budget, used") or {}
         budgets, used, reserved = self.devices(devices)
         cuts = tuple(self.cut(i, c) for i, c in enumerate(get(data, "cuts", _is_list, "a list") or []))
-        tied = [get(g, "names", _is_str_list, "a list of names", ("tied", i))
-                for i, g in enumerate(get(data, "tied", _is_list, "a list") or [])]
+        tied = [
+            get(g, "names", _is_str_list, "a list of names", ("tied", i))
+            for i, g in enumerate(get(data, "tied", _is_list, "a list") or [])
+        ]
         modules = get(data, "modules", lambda v: _is_map(v, _is_str_list), "device -> list of module paths") or {}
         fields = {
             "placement": dict(get(data, "placement", lambda v: _is_map(v, _is_str), "node -> device") or {}),
@@ -247,19 +258,40 @@ class _Reader:
             "tensors": dict(get(data, "tensors", lambda v: _is_map(v, _is_str), "name -> 'dtype[shape]'") or {}),
             "dtype": get(data, "dtype", lambda v: v is None or _is_str(v), "a dtype name or null"),
             "leaf_modules": tuple(get(data, "leaf_modules", _is_str_list, "a list of strings") or ()),
-            "memory": {d: dict(row) for d, row in (get(data, "memory", lambda v: _is_map(v, lambda r: _is_map(
-                r, _is_int)), "device -> {component: bytes}") or {}).items()},
-            "dynamic_shapes": self.optional(data, "dynamic_shapes", lambda v: v is None or v in ("batch", "all",
-                                            "custom"), "batch, all, custom or null"),
-            "activations_not_counted": self.optional(data, "activations_not_counted",
-                                                     lambda v: v is None or _is_str(v), "a reason (text) or null"),
+            "memory": {
+                d: dict(row)
+                for d, row in (
+                    get(
+                        data,
+                        "memory",
+                        lambda v: _is_map(v, lambda r: _is_map(r, _is_int)),
+                        "device -> {component: bytes}",
+                    )
+                    or {}
+                ).items()
+            },
+            "dynamic_shapes": self.optional(
+                data,
+                "dynamic_shapes",
+                lambda v: v is None or v in ("batch", "all", "custom"),
+                "batch, all, custom or null",
+            ),
+            "activations_not_counted": self.optional(
+                data, "activations_not_counted", lambda v: v is None or _is_str(v), "a reason (text) or null"
+            ),
         }
         if self.problems:
             return None
-        return Plan(devices=tuple(devices), budgets=budgets, device_bytes=used, reserved=reserved,
-                    cuts=cuts,  # type: ignore[arg-type]
-                    tied=tuple(tuple(g) for g in tied if g is not None),
-                    modules={d: tuple(m) for d, m in modules.items()}, **fields)
+        return Plan(
+            devices=tuple(devices),
+            budgets=budgets,
+            device_bytes=used,
+            reserved=reserved,
+            cuts=cuts,  # type: ignore[arg-type]
+            tied=tuple(tuple(g) for g in tied if g is not None),
+            modules={d: tuple(m) for d, m in modules.items()},
+            **fields,
+        )
 
     def devices(self, entries: dict[Any, Any]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
         """``(budgets, bytes used, bytes reserved)`` per device, from the ``devices`` mapping."""

@@ -37,7 +37,6 @@ from fxsplit.tracing.gradmode import recording_grad_mode, refusing_inference_mod
 __all__ = ["TRACE_MODES", "Traced", "trace"]
 
 
-
 @dataclass
 class Traced:
     """An FX graph of the model and how it was obtained.
@@ -243,10 +242,10 @@ def _propagate_shapes(
     from torch.nn.utils.stateless import _reparametrize_module
 
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
-    unknown = sorted(set(kwargs) - {str(n.target) for n in placeholders[len(args):]})
+    unknown = sorted(set(kwargs) - {str(n.target) for n in placeholders[len(args) :]})
     if unknown:
         return f"example_kwargs {unknown} are not inputs of the traced graph"
-    flat = list(args) + [kwargs[n.target] for n in placeholders[len(args):] if n.target in kwargs]
+    flat = list(args) + [kwargs[n.target] for n in placeholders[len(args) :] if n.target in kwargs]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     grad_enabled = torch.is_grad_enabled()  # the graph may set it (recorded no_grad blocks)
     try:
@@ -285,11 +284,15 @@ def _export_message(error: BaseException) -> str:
     where = _user_frame(error)
     hint = ""
     if "Cache" in str(error):
-        hint = ("\n  this looks like a Hugging Face model returning its key/value cache: pass "
-                "example_kwargs={'use_cache': False} (and call the split model with use_cache=False)")
+        hint = (
+            "\n  this looks like a Hugging Face model returning its key/value cache: pass "
+            "example_kwargs={'use_cache': False} (and call the split model with use_cache=False)"
+        )
     if "Constraints violated" in str(error) or "dynamic_shapes" in str(error):
-        hint += ("\n  this is about dynamic_shapes: a size you marked variable must stay fixed or equal another; "
-                 "mark fewer dimensions (dynamic_shapes='batch' marks only the batch)")
+        hint += (
+            "\n  this is about dynamic_shapes: a size you marked variable must stay fixed or equal another; "
+            "mark fewer dimensions (dynamic_shapes='batch' marks only the batch)"
+        )
     return (
         f"torch.export could not trace the model on the example inputs: {_first_line(error)}"
         + (f"\n  at {where}" if where else "")

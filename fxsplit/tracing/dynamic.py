@@ -28,10 +28,14 @@ from fxsplit.errors import FxsplitError, SpecError, TraceError
 from fxsplit.options import DYNAMIC_SHAPES
 
 __all__ = [
-    "TRACED_INPUTS", "check_kept_dynamic", "describe", "describe_inputs", "dynamic_shapes_for",
-    "export_spec", "is_symbolic",
+    "TRACED_INPUTS",
+    "check_kept_dynamic",
+    "describe",
+    "describe_inputs",
+    "dynamic_shapes_for",
+    "export_spec",
+    "is_symbolic",
 ]
-
 
 
 def describe(dynamic_shapes: Any) -> str | None:
@@ -40,8 +44,10 @@ def describe(dynamic_shapes: Any) -> str | None:
         return None
     if isinstance(dynamic_shapes, str):
         if dynamic_shapes not in DYNAMIC_SHAPES:
-            raise SpecError(f"dynamic_shapes must be one of {', '.join(DYNAMIC_SHAPES)}, a torch.export dynamic_shapes "
-                            f"spec, or None (got {dynamic_shapes!r})")
+            raise SpecError(
+                f"dynamic_shapes must be one of {', '.join(DYNAMIC_SHAPES)}, a torch.export dynamic_shapes "
+                f"spec, or None (got {dynamic_shapes!r})"
+            )
         return dynamic_shapes
     return "custom"
 
@@ -55,8 +61,9 @@ def export_spec(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[s
         signature = inspect.signature(model.forward)
         bound = signature.bind(*args, **kwargs)
     except (TypeError, ValueError) as error:
-        raise TraceError(f"dynamic_shapes={dynamic_shapes!r}: the example inputs do not fit "
-                         f"{type(model).__name__}.forward: {error}") from error
+        raise TraceError(
+            f"dynamic_shapes={dynamic_shapes!r}: the example inputs do not fit {type(model).__name__}.forward: {error}"
+        ) from error
     spec: dict[str, Any] = {}
     for name, value in bound.arguments.items():
         kind = signature.parameters[name].kind
@@ -131,9 +138,11 @@ def check_kept_dynamic(graph_module: torch.fx.GraphModule, dynamic_shapes: Any) 
     if not fixed:
         return
     listed = ", ".join(f"'{name}' (batch {size})" for name, size in fixed)
-    why = ("torch.export always fixes a size of 1, so use an example batch of at least 2"
-           if all(size == 1 for _, size in fixed) else
-           "the model's code depends on its value (a Python branch on it, or a size used as a constant)")
+    why = (
+        "torch.export always fixes a size of 1, so use an example batch of at least 2"
+        if all(size == 1 for _, size in fixed)
+        else "the model's code depends on its value (a Python branch on it, or a size used as a constant)"
+    )
     raise TraceError(
         f"dynamic_shapes='batch': torch.export kept the batch size fixed for {listed}: {why}. Otherwise split "
         "without dynamic_shapes (the split then runs at that batch size only), or use trace='fx', whose graphs "
@@ -151,6 +160,8 @@ def dynamic_shapes_for(plan: Any, given: Any) -> Any:
         return given
     recorded = getattr(plan, "dynamic_shapes", None)
     if recorded == "custom":
-        raise FxsplitError("this plan was traced by torch.export with a custom dynamic_shapes spec; pass the same "
-                           "dynamic_shapes=... again so that the graph is the same")
+        raise FxsplitError(
+            "this plan was traced by torch.export with a custom dynamic_shapes spec; pass the same "
+            "dynamic_shapes=... again so that the graph is the same"
+        )
     return recorded

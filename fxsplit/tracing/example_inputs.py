@@ -29,8 +29,14 @@ from fxsplit.errors import ExampleInputError
 
 __all__ = ["check_example_inputs", "describe_value", "first_line", "quiet_fake_tensor_log", "user_frame"]
 
-_SHAPE_CHECKS = ("/torch/_meta_registrations.py", "/torch/_prims_common/", "/torch/_prims/", "/torch/_refs/",
-                 "/torch/_decomp/", "/torch/_subclasses/fake_impls.py")
+_SHAPE_CHECKS = (
+    "/torch/_meta_registrations.py",
+    "/torch/_prims_common/",
+    "/torch/_prims/",
+    "/torch/_refs/",
+    "/torch/_decomp/",
+    "/torch/_subclasses/fake_impls.py",
+)
 """Where torch checks the shapes of an op's inputs when it runs on fake tensors."""
 
 _MODEL_COMPLAINTS = (TypeError, ValueError, IndexError, AssertionError, KeyError)
@@ -49,8 +55,9 @@ def check_example_inputs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: 
         try:
             signature.bind(*args, **kwargs)
         except TypeError as unbound:
-            raise ExampleInputError(_message(f"forward{_unannotated(signature)} does not take them: {unbound}", "",
-                                             signature, args, kwargs)) from None
+            raise ExampleInputError(
+                _message(f"forward{_unannotated(signature)} does not take them: {unbound}", "", signature, args, kwargs)
+            ) from None
     failure = _run_on_fakes(model, args, kwargs)
     if failure is not None and _rejects_inputs(failure):
         raise ExampleInputError(_message(first_line(failure), user_frame(failure), signature, args, kwargs)) from None
@@ -79,8 +86,12 @@ def _run_on_fakes(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping
         fake_args, fake_kwargs = tree_map_only(torch.Tensor, mode.from_tensor, (tuple(args), dict(kwargs)))
         tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
         state: dict[str, torch.Tensor] = {name: mode.from_tensor(t) for name, t in tensors if t is not None}
-        with quiet_fake_tensor_log(), torch.no_grad(), _reparametrize_module(model, state, tie_weights=True,
-                                                                              strict=False), mode:
+        with (
+            quiet_fake_tensor_log(),
+            torch.no_grad(),
+            _reparametrize_module(model, state, tie_weights=True, strict=False),
+            mode,
+        ):
             model(*fake_args, **fake_kwargs)
     except Exception as error:  # noqa: BLE001 - a model can raise anything; the caller sorts it
         return error
@@ -97,8 +108,14 @@ def _rejects_inputs(error: Exception) -> bool:
     )
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    limits = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedFakeTensorException,
-              UnsupportedOperatorException, GuardOnDataDependentSymNode, NotImplementedError)
+    limits = (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedFakeTensorException,
+        UnsupportedOperatorException,
+        GuardOnDataDependentSymNode,
+        NotImplementedError,
+    )
     if isinstance(error, limits):
         return False
     frames = traceback.extract_tb(error.__traceback__)
@@ -124,8 +141,10 @@ def describe_value(value: Any, depth: int = 0) -> str:
     if isinstance(value, (list, tuple, dict)) and depth < 2:
         kind = "a list" if isinstance(value, list) else "a tuple" if isinstance(value, tuple) else "a dict"
         items = value.items() if isinstance(value, dict) else enumerate(value)
-        shown = [(f"{k!r}: " if isinstance(value, dict) else "") + describe_value(v, depth + 1)
-                 for _, (k, v) in zip(range(3), items, strict=False)]
+        shown = [
+            (f"{k!r}: " if isinstance(value, dict) else "") + describe_value(v, depth + 1)
+            for _, (k, v) in zip(range(3), items, strict=False)
+        ]
         more = ", ..." if len(value) > 3 else ""
         brackets = "{}" if isinstance(value, dict) else "[]"
         return f"{kind} of {len(value)}: {brackets[0]}{', '.join(shown)}{more}{brackets[1]}"
@@ -135,26 +154,35 @@ def describe_value(value: Any, depth: int = 0) -> str:
 
 def _labels(signature: inspect.Signature | None, count: int) -> list[str]:
     """``x (example_inputs[0])`` for each positional input, with forward's parameter name where known."""
-    positional = [p.name for p in (signature.parameters.values() if signature is not None else ())
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return [f"{positional[i]} (example_inputs[{i}])" if i < len(positional) else f"example_inputs[{i}]"
-            for i in range(count)]
+    positional = [
+        p.name
+        for p in (signature.parameters.values() if signature is not None else ())
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return [
+        f"{positional[i]} (example_inputs[{i}])" if i < len(positional) else f"example_inputs[{i}]"
+        for i in range(count)
+    ]
 
 
-def _message(complaint: str, where: str, signature: inspect.Signature | None, args: tuple[Any, ...],
-             kwargs: Mapping[str, Any]) -> str:
+def _message(
+    complaint: str, where: str, signature: inspect.Signature | None, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> str:
     given = [f"{label} = {describe_value(v)}" for label, v in zip(_labels(signature, len(args)), args, strict=True)]
     given += [f"{name} (example_kwargs[{name!r}]) = {describe_value(v)}" for name, v in kwargs.items()]
     containers = sorted({type(v).__name__ for v in args if isinstance(v, (list, dict))})
     hint = ""
     if containers:
-        hint = (f"\n  a {' or '.join(containers)} given as example_inputs (or inside its tuple) reaches forward() as "
-                "one input: only a tuple is spread over forward()'s positional inputs (example_inputs=(x, y)); "
-                "keyword inputs go in example_kwargs={...}")
+        hint = (
+            f"\n  a {' or '.join(containers)} given as example_inputs (or inside its tuple) reaches forward() as "
+            "one input: only a tuple is spread over forward()'s positional inputs (example_inputs=(x, y)); "
+            "keyword inputs go in example_kwargs={...}"
+        )
     return (
         f"the model cannot run on the example inputs: {complaint}"
         + (f"\n  at {where}" if where else "")
-        + "\n  example inputs: " + ("; ".join(given) or "none")
+        + "\n  example inputs: "
+        + ("; ".join(given) or "none")
         + hint
         + "\n  fix: pass example inputs like a real call of the model (same widths, dtypes and argument names): "
         "fxsplit sizes activations and cuts from them"

@@ -30,8 +30,7 @@ from torch.autograd import grad_mode
 
 from fxsplit.errors import TraceError
 
-__all__ = ["GRAD_MODE_FUNCTIONS", "is_grad_mode_node", "open_regions", "recording_grad_mode",
-           "refusing_inference_mode"]
+__all__ = ["GRAD_MODE_FUNCTIONS", "is_grad_mode_node", "open_regions", "recording_grad_mode", "refusing_inference_mode"]
 
 GRAD_MODE_FUNCTIONS: tuple[Callable[..., Any], ...] = (torch.is_grad_enabled, torch._C._set_grad_enabled)
 """The calls a recorded grad-mode region is made of; neither returns a tensor."""
@@ -169,7 +168,8 @@ def refusing_inference_mode(route: str) -> Iterator[None]:
             return original(self)
         where = _caller_line()
         raise TraceError(
-            f"forward() enters torch.inference_mode({self.mode})" + (f" at {where}" if where else "")
+            f"forward() enters torch.inference_mode({self.mode})"
+            + (f" at {where}" if where else "")
             + f"; {route} cannot keep it in the graph, so the split would compute gradients where the model "
             "computes none. Use torch.no_grad() there (fxsplit keeps it on both trace routes), or call the "
             "split model under torch.inference_mode() instead"

@@ -31,18 +31,72 @@ __all__ = [
 TENSOR, NONTENSOR, UNKNOWN = "tensor", "nontensor", "unknown"
 
 _NONTENSOR_METHODS = frozenset(
-    {"size", "dim", "numel", "ndimension", "nelement", "element_size", "item", "tolist", "stride",
-     "is_contiguous", "data_ptr", "get_device", "is_floating_point", "__len__"}
+    {
+        "size",
+        "dim",
+        "numel",
+        "ndimension",
+        "nelement",
+        "element_size",
+        "item",
+        "tolist",
+        "stride",
+        "is_contiguous",
+        "data_ptr",
+        "get_device",
+        "is_floating_point",
+        "__len__",
+    }
 )
 _NONTENSOR_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_sparse"})
 _VIEW_METHODS = frozenset(
-    {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "squeeze", "unsqueeze", "expand",
-     "expand_as", "narrow", "select", "t", "flatten", "unflatten", "as_strided", "split", "chunk", "unbind",
-     "detach", "movedim", "swapaxes", "diagonal", "unfold", "__getitem__", "T", "mT"}
+    {
+        "view",
+        "view_as",
+        "reshape",
+        "reshape_as",
+        "transpose",
+        "permute",
+        "squeeze",
+        "unsqueeze",
+        "expand",
+        "expand_as",
+        "narrow",
+        "select",
+        "t",
+        "flatten",
+        "unflatten",
+        "as_strided",
+        "split",
+        "chunk",
+        "unbind",
+        "detach",
+        "movedim",
+        "swapaxes",
+        "diagonal",
+        "unfold",
+        "__getitem__",
+        "T",
+        "mT",
+    }
 )
-_VIEW_FUNCTIONS = {torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze, torch.flatten,
-                   torch.narrow, torch.select, torch.split, torch.chunk, torch.unbind, torch.movedim,
-                   torch.t, torch.detach, operator.getitem}
+_VIEW_FUNCTIONS = {
+    torch.reshape,
+    torch.transpose,
+    torch.permute,
+    torch.squeeze,
+    torch.unsqueeze,
+    torch.flatten,
+    torch.narrow,
+    torch.select,
+    torch.split,
+    torch.chunk,
+    torch.unbind,
+    torch.movedim,
+    torch.t,
+    torch.detach,
+    operator.getitem,
+}
 _STAT_OPS = ("batch_norm", "instance_norm")
 
 
@@ -86,12 +140,35 @@ def value_kind(node: torch.fx.Node) -> str:
 
 
 _TENSOR_MODULES = (
-    torch.nn.Linear, torch.nn.Bilinear, torch.nn.modules.conv._ConvNd, torch.nn.modules.batchnorm._NormBase,
-    torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.Embedding, torch.nn.Dropout,
-    torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.Identity, torch.nn.Flatten,
-    torch.nn.Unflatten, torch.nn.ReLU, torch.nn.ReLU6, torch.nn.GELU, torch.nn.SiLU, torch.nn.Tanh,
-    torch.nn.Sigmoid, torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.LeakyReLU, torch.nn.ELU, torch.nn.Mish,
-    torch.nn.Hardswish, torch.nn.Upsample, torch.nn.modules.pooling._AvgPoolNd,
+    torch.nn.Linear,
+    torch.nn.Bilinear,
+    torch.nn.modules.conv._ConvNd,
+    torch.nn.modules.batchnorm._NormBase,
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.RMSNorm,
+    torch.nn.Embedding,
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.Identity,
+    torch.nn.Flatten,
+    torch.nn.Unflatten,
+    torch.nn.ReLU,
+    torch.nn.ReLU6,
+    torch.nn.GELU,
+    torch.nn.SiLU,
+    torch.nn.Tanh,
+    torch.nn.Sigmoid,
+    torch.nn.Softmax,
+    torch.nn.LogSoftmax,
+    torch.nn.LeakyReLU,
+    torch.nn.ELU,
+    torch.nn.Mish,
+    torch.nn.Hardswish,
+    torch.nn.Upsample,
+    torch.nn.modules.pooling._AvgPoolNd,
     torch.nn.modules.pooling._AdaptiveAvgPoolNd,
 )
 
@@ -105,8 +182,10 @@ def _returns_one_tensor(node: torch.fx.Node) -> bool:
         module = root.get_submodule(str(node.target))
     except AttributeError:
         return False
-    return type(module).forward is not None and isinstance(module, _TENSOR_MODULES) and (
-        type(module).__module__.startswith("torch.nn.")
+    return (
+        type(module).forward is not None
+        and isinstance(module, _TENSOR_MODULES)
+        and (type(module).__module__.startswith("torch.nn."))
     )
 
 
@@ -216,12 +295,15 @@ def _subgraph_writes(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -
     for position, arg in enumerate(node.args):
         graph_module = modules.get(str(arg.target)) if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" else None
         if isinstance(graph_module, torch.fx.GraphModule):
-            operands = node.args[position + 1:]
+            operands = node.args[position + 1 :]
             inner = dict(graph_module.named_modules())
             placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
             written = {alias_root(t) for n in graph_module.graph.nodes for t in mutated_inputs(n, inner)}
-            return [value for p, value in zip(placeholders, operands, strict=False)
-                    if p in written and isinstance(value, torch.fx.Node)]
+            return [
+                value
+                for p, value in zip(placeholders, operands, strict=False)
+                if p in written and isinstance(value, torch.fx.Node)
+            ]
     return []
 
 
