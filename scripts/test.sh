@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v dot >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "installing graphviz with apt-get (the rendering tests draw plans with its dot program)"
   (apt-get update -qq && apt-get install -y -qq graphviz) >/dev/null 2>&1 || echo "note: could not install graphviz; rendering tests will check the install hint instead"
 fi
 bash scripts/setup.sh "test,bench,viz,hf,dev"
