@@ -97,8 +97,26 @@ class SetItem(TwoBlocks):
         return self.b(h) + cache
 
 
+class InPlaceByArgument(TwoBlocks):
+    """Ops made in-place by an argument return the input they wrote; a later write through that result
+    writes the input too (``F.relu(cache, True)`` positional, then ``nn.ReLU(inplace=True)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        self.act(x).mul_(0.5)
+        h = self.a(x)
+        y = torch.nn.functional.relu(cache, True)
+        y.add_(h.detach())
+        return self.b(h) + y
+
+
 MODELS = [
-    (m, t) for m in (CacheAdd, CopyUnderNoGrad, Chained, ThroughViews, OutKeyword, ScaleInput) for t in TRACES
+    (m, t)
+    for m in (CacheAdd, CopyUnderNoGrad, Chained, ThroughViews, OutKeyword, ScaleInput, InPlaceByArgument)
+    for t in TRACES
 ] + [(SetItem, "export")]
 
 

@@ -6,8 +6,10 @@ bytes it is, which module it belongs to, and which of its inputs it mutates.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
@@ -273,18 +275,45 @@ def mutated_inputs(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> 
             mutated.append(first)
     elif node.op == "call_function":
         name = getattr(target, "__name__", "")
-        if _is_inplace_name(name) or node.kwargs.get("inplace") is True:
-            if first is not None:
-                mutated.append(first)
+        if (_is_inplace_name(name) or _inplace_by_argument(node)) and first is not None:
+            mutated.append(first)
         if target is operator.setitem and first is not None:
             mutated.append(first)
         if any(stat in name for stat in _STAT_OPS):
             mutated.extend(n for n in node.all_input_nodes if n.op == "get_attr")
-    elif node.op == "call_module":
-        module = modules.get(str(target))
-        if getattr(module, "inplace", False) is True and first is not None:
-            mutated.append(first)
+    elif node.op == "call_module" and _inplace_by_argument(node, modules) and first is not None:
+        mutated.append(first)
     return mutated
+
+
+def _inplace_by_argument(node: torch.fx.Node, modules: dict[str, torch.nn.Module] | None = None) -> bool:
+    """Whether ``node`` is an op made in-place by an argument: ``F.relu(x, inplace=True)`` (keyword or
+    positional) or a module built with ``inplace=True`` (``nn.ReLU(inplace=True)``). Such an op writes its
+    first argument and returns it."""
+    if node.op == "call_module":
+        if modules is None:
+            owner = node.graph.owning_module
+            modules = dict(owner.named_modules()) if owner is not None else {}
+        return getattr(modules.get(str(node.target)), "inplace", False) is True
+    if node.op != "call_function" or isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if node.kwargs.get("inplace") is True:
+        return True
+    try:
+        position = _inplace_position(node.target)
+    except TypeError:  # an unhashable callable
+        position = None
+    return position is not None and len(node.args) > position and node.args[position] is True
+
+
+@functools.cache
+def _inplace_position(function: Callable[..., Any]) -> int | None:
+    """The position of a Python function's ``inplace`` parameter, if it has one (``F.relu(x, True)``)."""
+    try:
+        parameters = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # builtins without a signature
+        return None
+    return parameters.index("inplace") if "inplace" in parameters else None
 
 
 def _subgraph_writes(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> list[torch.fx.Node]:
@@ -339,6 +368,8 @@ def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
     if not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
     base = node.args[0]
+    if _inplace_by_argument(node):  # F.relu(x, inplace=True) and nn.ReLU(inplace=True) return x
+        return base
     if node.op == "call_method" and isinstance(node.target, str):
         # In-place methods return the tensor they wrote: ``x.add_(1).mul_(2)`` writes x twice.
         return base if node.target in _VIEW_METHODS or _is_inplace_name(node.target) else None
