@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence, overload
+from typing import Any, Mapping, Sequence, overload
 
 import torch
 import torch.fx
@@ -28,7 +28,7 @@ from fxsplit.gcpause import gc_paused
 from fxsplit.memory.activations import profile_activations
 from fxsplit.memory.autobudget import auto_budgets
 from fxsplit.memory.model import MemoryModel, MemorySpec, fit_budgets
-from fxsplit.options import OBJECTIVES, TRACE_MODES, PipelineConfig
+from fxsplit.options import OBJECTIVES, TRACE_MODES, Options, PipelineConfig
 from fxsplit.partition.solve import Partition, partition
 from fxsplit.pipeline.gpipe import Pipeline, pipelined
 from fxsplit.pipeline.microbatch import first_microbatch
@@ -41,29 +41,6 @@ from fxsplit.tracing.dynamic import describe as describe_dynamic
 from fxsplit.validate import check_concrete_args, check_option_types, device_option, require_module
 
 __all__ = ["Planned", "fxsplit", "plan", "refuse_meta", "trace_and_plan"]
-
-
-@dataclass(frozen=True)
-class Options:
-    """Every option ``fxsplit`` and ``plan`` take besides the model and budgets."""
-
-    example_kwargs: Mapping[str, Any] | None = None
-    trace: str = "auto"
-    leaf_modules: Iterable[type | str] = ()
-    concrete_args: Mapping[str, Any] | None = None
-    output_device: Any = None
-    objective: str = "min_transfer"
-    pins: Mapping[str, Any] | None = None
-    pipeline: PipelineConfig | Mapping[str, Any] | int | None = None
-    contiguous: bool = False
-    together: Iterable[Iterable[str]] = ()
-    reserve: Any = None
-    dtype: Any = None
-    spec: Any = None
-    check: bool = False
-    mode: str = "inference"
-    optimizer: str | int | None = None
-    dynamic_shapes: Any = None
 
 
 _OPTION_NAMES = tuple(Options.__dataclass_fields__)
