@@ -10,6 +10,7 @@ import torch
 
 import fxsplit
 from fxsplit.options import MODES, OBJECTIVES, TRACE_MODES, Budgets, Options, usable_bytes
+from fxsplit.planning.plan import Plan
 
 # -- Budgets ---------------------------------------------------------------------------------------
 
@@ -91,6 +92,16 @@ def test_parse_refuses_with_one_clear_spec_error(written: object, reserve: objec
 def test_budgets_check_what_they_are_given(limits: dict[str, int], reserved: dict[str, int], message: str) -> None:
     with pytest.raises(fxsplit.SpecError, match=message):
         Budgets(limits, reserved)
+
+
+def test_a_plan_records_the_full_budgets_and_plans_under_the_usable_ones() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    plan = fxsplit.plan(model, {"cpu:0": "2KiB", "cpu:1": "2KiB"}, mode="weights", trace="fx", reserve="900B")
+    assert plan.budgets == {"cpu:0": 2048, "cpu:1": 2048} and plan.reserved == {"cpu:0": 900, "cpu:1": 900}
+    assert plan.usable == {"cpu:0": 1148, "cpu:1": 1148}  # one 1088-byte layer each; 2 KiB would take both
+    assert plan.param_devices["0.weight"] == "cpu:0" and plan.param_devices["2.weight"] == "cpu:1"
+    assert all(plan.memory[d]["total"] <= plan.usable[d] for d in plan.devices)
+    assert Plan.from_yaml(plan.to_yaml()).usable == plan.usable
 
 
 # -- Options ---------------------------------------------------------------------------------------
