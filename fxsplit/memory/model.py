@@ -40,6 +40,7 @@ from fxsplit.memory.lifetimes import ActivationProfile, planning_loads, simulate
 from fxsplit.options import MODES, OPTIMIZERS, Budgets
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.planning.plan import Plan
+from fxsplit.planning.rules import budget_overruns
 from fxsplit.units import format_size
 
 __all__ = ["COMPONENTS", "MODES", "OPTIMIZERS", "MemoryModel", "MemorySpec", "fit_budgets"]
@@ -316,8 +317,9 @@ def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[
     makes the plan. The caps start at ``budgets.caps()``. The partitioner's
     per-op loads are close to, but not always above, the exact simulation
     (copies between devices are only known once ops are placed); when a
-    device's simulated total comes out over its budget less its reserve,
-    its cap is lowered by the excess and the model planned again.
+    device's simulated total comes out over its budget less its reserve
+    (:func:`fxsplit.planning.rules.budget_overruns`), its cap is lowered by
+    the excess and the model planned again.
 
     Raises:
         BudgetError: nothing fits; says which component does not, where, by how much.
@@ -331,8 +333,10 @@ def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[
         except BudgetError as error:
             raise (model.explain(error, usable) if attempt == 0 else model.over_budget(usage, usable)) from None
         usage = model.usage(plan)
-        over = {d: usage[d]["total"] - usable[d] for d in budgets.devices if usage[d]["total"] > usable[d]}
+        plan = dataclasses.replace(plan, memory=usage)
+        simulated = {d: row.get("params", 0) + row.get("buffers", 0) for d, row in usage.items()}
+        over = {o.device: o.excess for o in budget_overruns(plan, simulated, budgets)}
         if not over:
-            return dataclasses.replace(plan, memory=usage)
+            return plan
         caps = [max(0, cap - over.get(d, 0)) for d, cap in zip(budgets.devices, caps, strict=True)]
     raise model.over_budget(usage, usable)
