@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.accelerate_maps import accelerate_map
     from benchmarks.placements import from_device_map, score
     from fxsplit.cost.build import build_problem
-    from fxsplit.devices import normalize_budgets
+    from fxsplit.options import Budgets
     from fxsplit.partition.solve import partition
     from fxsplit.planning.build import make_plan
     from fxsplit.tracing.capture import trace
@@ -82,17 +82,16 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     traced = trace(model, example_inputs=(ids,))
     traced_at = time.perf_counter()
-    limits = normalize_budgets({f"cpu:{k}": BUDGET for k in range(8)})
-    devices = list(limits)
+    device_budgets = Budgets.parse({f"cpu:{k}": BUDGET for k in range(8)})
+    devices = list(device_budgets.devices)
     costs = build_problem(traced.graph_module, model, device_index={d: k for k, d in enumerate(devices)})
     costed_at = time.perf_counter()
-    solution = partition(costs.problem, [limits[d] for d in devices], device_names=devices)
+    solution = partition(costs.problem, device_budgets.caps(), device_names=devices)
     plan = make_plan(
         costs,
         traced.graph_module,
         solution,
-        devices,
-        limits,
+        device_budgets,
         output_device=None,
         trace=traced.method,
         objective="min_transfer",
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     planned_at = time.perf_counter()
     rss_peak = _rss_gib()
 
-    budgets = [limits[d] for d in devices]
+    budgets = device_budgets.caps()
     acc_start = time.perf_counter()
     device_map = accelerate_map(model, budgets, model._no_split_modules)
     acc_time = time.perf_counter() - acc_start

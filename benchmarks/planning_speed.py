@@ -37,7 +37,7 @@ from benchmarks.plan_stages import PLAN_SIZES, QUICK_PLAN_SIZES, plan_scaling
 from benchmarks.synthetic import deep, skips, wide
 from fxsplit.codegen.emitter import emit, move_weights
 from fxsplit.cost.build import build_problem
-from fxsplit.devices import normalize_budgets
+from fxsplit.options import Budgets
 from fxsplit.partition.solve import partition
 from fxsplit.planning.build import make_plan, weights_by_node
 from fxsplit.tracing.capture import trace
@@ -60,21 +60,20 @@ def _budgets(model: torch.nn.Module, n: int, factor: float = 1.5) -> dict[str, i
 
 def _fxsplit_stages(case: Case, budgets: dict[str, int]) -> tuple[dict[str, float], torch.nn.Module]:
     model = case.build()
-    limits = normalize_budgets(budgets)
-    devices = list(limits)
+    device_budgets = Budgets.parse(budgets)
+    devices = list(device_budgets.devices)
     t_trace, traced = time_call(
         lambda: trace(model, example_inputs=case.inputs(), example_kwargs=case.kwargs() or None)
     )
 
     def plan_step() -> Any:
         costs = build_problem(traced.graph_module, model, device_index={d: k for k, d in enumerate(devices)})
-        solution = partition(costs.problem, [limits[d] for d in devices], device_names=devices)
+        solution = partition(costs.problem, device_budgets.caps(), device_names=devices)
         made = make_plan(
             costs,
             traced.graph_module,
             solution,
-            devices,
-            limits,
+            device_budgets,
             output_device=None,
             trace=traced.method,
             objective="min_transfer",

@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence, overload
+from typing import Any, Mapping, Sequence, overload
 
 import torch
 import torch.fx
@@ -22,48 +22,24 @@ from fxsplit.cost.constraints import (
     resolve_leaf_modules,
     together_groups,
 )
-from fxsplit.devices import normalize_budgets, require_usable
+from fxsplit.devices import require_usable
 from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.memory.activations import profile_activations
-from fxsplit.memory.autobudget import auto_budgets
 from fxsplit.memory.model import MemoryModel, MemorySpec, fit_budgets
-from fxsplit.options import OBJECTIVES, TRACE_MODES, PipelineConfig
+from fxsplit.options import OBJECTIVES, TRACE_MODES, Budgets, Options, PipelineConfig
 from fxsplit.partition.solve import Partition, partition
 from fxsplit.pipeline.gpipe import Pipeline, pipelined
 from fxsplit.pipeline.microbatch import first_microbatch
 from fxsplit.planning.build import make_plan, weights_by_node
 from fxsplit.planning.fingerprint import describe
 from fxsplit.planning.plan import Plan
-from fxsplit.spec import load_spec, merge_spec, planning_dtype, reserve_bytes
+from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.dynamic import describe as describe_dynamic
 from fxsplit.validate import check_concrete_args, check_option_types, device_option, require_module
 
 __all__ = ["Planned", "fxsplit", "plan", "refuse_meta", "trace_and_plan"]
-
-
-@dataclass(frozen=True)
-class Options:
-    """Every option ``fxsplit`` and ``plan`` take besides the model and budgets."""
-
-    example_kwargs: Mapping[str, Any] | None = None
-    trace: str = "auto"
-    leaf_modules: Iterable[type | str] = ()
-    concrete_args: Mapping[str, Any] | None = None
-    output_device: Any = None
-    objective: str = "min_transfer"
-    pins: Mapping[str, Any] | None = None
-    pipeline: PipelineConfig | Mapping[str, Any] | int | None = None
-    contiguous: bool = False
-    together: Iterable[Iterable[str]] = ()
-    reserve: Any = None
-    dtype: Any = None
-    spec: Any = None
-    check: bool = False
-    mode: str = "inference"
-    optimizer: str | int | None = None
-    dynamic_shapes: Any = None
 
 
 _OPTION_NAMES = tuple(Options.__dataclass_fields__)
@@ -112,13 +88,11 @@ def trace_and_plan(
         raise SpecError(
             "no budgets: pass budgets={'cuda:0': '20GiB', 'cuda:1': '20GiB'}, budgets='auto', or a spec with devices"
         )
-    limits = normalize_budgets(auto_budgets() if isinstance(budgets, str) and budgets == "auto" else budgets)
-    reserved = reserve_bytes(options.reserve, limits)
-    usable = {d: b - reserved.get(d, 0) for d, b in limits.items()}
-    devices = list(limits)
+    device_budgets = Budgets.parse(budgets, options.reserve)
+    devices = list(device_budgets.devices)
     output_device = device_option("output_device", options.output_device) if options.output_device is not None else None
     if runnable:
-        require_usable([*devices, *([output_device] if output_device else [])], limits)
+        require_usable([*devices, *([output_device] if output_device else [])], device_budgets.limits)
     check_concrete_args(model, options.concrete_args)
     dtype = planning_dtype(options.dtype)
     locate = locator(spec, explicit)
@@ -162,33 +136,31 @@ def trace_and_plan(
     problem = memory.problem()
     contiguous = options.contiguous or options.pipeline is not None
 
-    def split(budgets_now: Sequence[int]) -> Partition:
+    def split(caps: Sequence[int]) -> Partition:
         try:
-            return partition(
-                problem, budgets_now, objective=options.objective, device_names=devices, contiguous=contiguous
-            )
+            return partition(problem, caps, objective=options.objective, device_names=devices, contiguous=contiguous)
         except BudgetError as error:
-            better = explain_infeasible_pins(error, problem, list(budgets_now), devices, pins, len(together), locate)
+            better = explain_infeasible_pins(error, problem, list(caps), devices, pins, len(together), locate)
             if better is None:
                 raise
             raise better from error
 
-    def solve(budgets_now: Sequence[int]) -> Plan:
+    def solve(caps: Sequence[int]) -> Plan:
         return make_plan(
             costs,
             traced.graph_module,
-            split(budgets_now),
-            devices,
-            dict(zip(devices, budgets_now, strict=True)),
+            split(caps),
+            device_budgets,
+            caps=caps,
             output_device=output_device,
             trace=traced.method,
             objective=options.objective,
             repartition=split,
         )
 
-    made = fit_budgets(memory, usable, solve)
+    made = fit_budgets(memory, device_budgets, solve)
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
-    made = _record(made, model, limits, reserved, dtype, leaves, dynamic)
+    made = _record(made, model, dtype, leaves, dynamic)
     if uncounted is not None:
         made = dataclasses.replace(made, activations_not_counted=uncounted)
     if options.check:
@@ -247,21 +219,13 @@ def _also(spec: MemorySpec) -> str:
 
 
 def _record(
-    made: Plan,
-    model: torch.nn.Module,
-    budgets: dict[str, int],
-    reserved: dict[str, int],
-    dtype: str | None,
-    leaves: list[type | str],
-    dynamic: str | None = None,
+    made: Plan, model: torch.nn.Module, dtype: str | None, leaves: list[type | str], dynamic: str | None = None
 ) -> Plan:
-    """The plan with what it was made from: the full budgets, reserves, the model's structure, how to re-trace."""
+    """The plan with what it was made from: the model's structure, the planning dtype, how to re-trace."""
     fingerprint, tensors, tied = describe(model)
     names = tuple(leaf if isinstance(leaf, str) else f"{leaf.__module__}.{leaf.__qualname__}" for leaf in leaves)
     return dataclasses.replace(
         made,
-        budgets=dict(budgets),
-        reserved=reserved,
         fingerprint=fingerprint,
         tensors=tensors,
         tied=tied,

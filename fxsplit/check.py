@@ -1,8 +1,9 @@
 """Invariants of plans and split modules, checked by tests and on request.
 
 * :func:`verify_plan`: the rules of :mod:`fxsplit.planning.rules` (devices known,
-  budgets held, cuts that go somewhere, once; fingerprint, tensors and tied
-  groups consistent), and every node and every parameter and buffer placed.
+  cuts that go somewhere, once; fingerprint, tensors and tied groups
+  consistent), budgets held (each device's memory total within its budget
+  less its reserve), and every node and every parameter and buffer placed.
 * :func:`verify_split`: the generated graph copies each value once per
   destination device, never to where it already lives, exactly at the plan's
   cuts, and no op reads values from two devices (found by following devices
@@ -43,7 +44,7 @@ from fxsplit import runtime
 from fxsplit.codegen.emitter import COPY_META, DEVICE_META
 from fxsplit.errors import FxsplitError
 from fxsplit.planning.plan import Plan
-from fxsplit.planning.rules import plan_problems
+from fxsplit.planning.rules import budget_overruns, plan_problems
 from fxsplit.tracing.graphinfo import NONTENSOR, value_kind
 from fxsplit.yamlfile import format_path
 
@@ -72,10 +73,15 @@ def verify_plan(
         model: the model; every parameter and buffer name must be placed, and
             each device's ``device_bytes`` must cover the tensors placed there.
 
+    Each device must hold what it needs (its ``memory`` total, or its
+    ``device_bytes`` without a memory breakdown) within its budget less its
+    reserve: :func:`fxsplit.planning.rules.budget_overruns`.
+
     Raises:
         InvariantError: listing every violation.
     """
     problems = [f"{format_path(p.path)}: {p.message}" for p in plan_problems(plan)]
+    problems += [str(overrun) for overrun in budget_overruns(plan)]
     if graph_module is not None:
         names = [n.name for n in graph_module.graph.nodes]
         problems += [f"node '{n}' is not placed" for n in names if n not in plan.placement]

@@ -227,24 +227,23 @@ def _run(args: argparse.Namespace, out: TextIO, progress: _Progress) -> int:
             target = render(traced, plan, args.output, depth=depth, title=f"{args.model}: {len(plan.devices)} devices")
         print(f"wrote {target}" + (f" (one box per module at depth {depth})" if depth else ""), file=out)
     else:
-        from fxsplit.devices import normalize_budgets
+        from fxsplit.options import Budgets
         from fxsplit.planning.apply import check_plan
-        from fxsplit.spec import load_spec, reserve_bytes
+        from fxsplit.spec import load_spec
 
         plan = _read_plan(args.plan)
-        limits = None
+        budgets = None
         if args.spec:
             spec = load_spec(args.spec)
-            limits = dict(spec.devices)
-            held = reserve_bytes({d: spec.reserve_for(d) for d in limits}, limits)
-            limits = {d: b - held.get(d, 0) for d, b in limits.items()}
+            if not args.budget:  # --budget replaces the spec's devices
+                budgets = Budgets.parse(spec.devices, {d: spec.reserve_for(d) for d in spec.devices})
         if args.budget:
-            limits = normalize_budgets(_budgets(args.budget) or {})
+            budgets = Budgets.parse(_budgets(args.budget))
         with progress.stage("tracing and checking"):
             report = check_plan(
                 loaded.model,
                 plan,
-                limits,
+                budgets,
                 example_inputs=loaded.example_inputs,
                 **({"example_kwargs": loaded.example_kwargs} if loaded.example_kwargs else {}),
             )

@@ -1,15 +1,22 @@
-"""The choices of fxsplit's options, and the ``pipeline`` option's value: plain data, no torch.
+"""fxsplit's options and budgets as values: plain data, no torch.
 
 The stages that act on an option, the spec reader and the command line all take its choices from
-here, so they agree, and reading a spec or ``fxsplit --help`` loads no stage.
+here, so they agree, and reading a spec or ``fxsplit --help`` loads no stage. :class:`Options`
+holds every option of :func:`fxsplit.plan` but the budgets; :class:`Budgets` holds those, made
+once from what the user wrote and passed whole to every stage that needs them.
+
+>>> budgets = Budgets({"cpu:0": 1000, "cpu:1": 2000}, reserved={"cpu:0": 100, "cpu:1": 0})
+>>> budgets.devices, budgets.usable, budgets.caps()
+(('cpu:0', 'cpu:1'), {'cpu:0': 900, 'cpu:1': 2000}, [900, 2000])
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Union
+from typing import Any, Iterable, Mapping, Union
 
 from fxsplit.errors import SpecError
+from fxsplit.units import format_size
 
 __all__ = [
     "BATCH_STATS_MODES",
@@ -19,7 +26,10 @@ __all__ = [
     "OBJECTIVES",
     "OPTIMIZERS",
     "TRACE_MODES",
+    "Budgets",
+    "Options",
     "PipelineConfig",
+    "usable_bytes",
 ]
 
 TRACE_MODES = ("auto", "fx", "export")  # trace: torch.export with a torch.fx fallback, or one of them
@@ -94,3 +104,161 @@ class PipelineConfig:
     def checkpoints(self, micro_batch: int, chunks: int) -> bool:
         """Whether micro-batch ``micro_batch`` of ``chunks`` runs under activation checkpointing."""
         return self.checkpoint == "always" or (self.checkpoint == "except_last" and micro_batch < chunks - 1)
+
+
+def usable_bytes(limit: int, reserved: int) -> int:
+    """What planning lets a device hold: its budget ``limit`` less ``reserved``, never negative."""
+    return max(0, limit - reserved)
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """What each device may hold: its full budget, the part held back, and what planning uses.
+
+    Made once from what the user wrote (:meth:`parse`) and passed whole to
+    every stage: the partitioner plans under :attr:`usable` (:meth:`caps`,
+    in stage order), a :class:`~fxsplit.planning.plan.Plan` records
+    :attr:`limits` and :attr:`reserved`, and checks hold each device's
+    memory to :attr:`usable`. Direct construction takes canonical device
+    names and byte counts, and checks them.
+
+    Attributes:
+        limits: device name -> full budget in bytes, in stage order.
+        reserved: device -> bytes held back from its budget (the ``reserve``
+            option); a device not named holds nothing back. Always less than
+            a non-zero budget, and 0 where the budget is 0.
+
+    Raises:
+        SpecError: no device, a name that is not a string, a byte count
+            that is not an int >= 0, a reserve for a device without a
+            budget, or a reserve that leaves nothing of a budget.
+    """
+
+    limits: Mapping[str, int]
+    reserved: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.limits, Mapping) or not self.limits:
+            raise SpecError(f"budgets must name at least one device, like {{'cuda:0': 2**30}} (got {self.limits!r})")
+        if not isinstance(self.reserved, Mapping):
+            raise SpecError(f"reserved must be a mapping of device to bytes (got {type(self.reserved).__name__})")
+        for what, sizes in (("budget", self.limits), ("reserve", self.reserved)):
+            for device, nbytes in sizes.items():
+                if not isinstance(device, str) or not device:
+                    raise SpecError(f"{what} devices must be device names like 'cuda:0' (got {device!r})")
+                if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+                    raise SpecError(f"{what} of '{device}' must be an int >= 0 bytes (got {nbytes!r})")
+        for device, nbytes in self.reserved.items():
+            if device not in self.limits:
+                raise SpecError(f"reserve names '{device}', which has no budget (devices: {', '.join(self.limits)})")
+            if nbytes and nbytes >= self.limits[device]:
+                raise SpecError(
+                    f"reserve {format_size(nbytes)} of '{device}' leaves nothing of its budget "
+                    f"{format_size(self.limits[device])}; reserve less or raise the budget"
+                )
+        object.__setattr__(self, "limits", dict(self.limits))
+        object.__setattr__(self, "reserved", dict(self.reserved))
+
+    @classmethod
+    def parse(cls, budgets: Any, reserve: Any = None) -> Budgets:
+        """Budgets from what users write: the one place sizes, device names and reserves are read.
+
+        Loads torch, which knows the device names (importing this module does not).
+
+        Args:
+            budgets: device -> bytes or a size string (``{"cuda:0": "20GiB"}``;
+                keys as :func:`fxsplit.devices.normalize_device` reads them),
+                in stage order; or ``"auto"``: the free memory of every
+                visible GPU less 1 GiB (:func:`fxsplit.auto_budgets`).
+            reserve: headroom kept free: a size, ``"10%"`` of the budget, or
+                a mapping device -> either (None: nothing held back).
+
+        Raises:
+            SpecError: as :func:`fxsplit.devices.normalize_budgets` and
+                :func:`fxsplit.spec.reserve_bytes` (a bad device or size, a
+                device named twice, a reserve that leaves nothing).
+        """
+        from fxsplit.devices import normalize_budgets
+        from fxsplit.spec import reserve_bytes
+
+        if isinstance(budgets, str) and budgets == "auto":
+            from fxsplit.memory.autobudget import auto_budgets
+
+            budgets = auto_budgets()
+        limits = normalize_budgets(budgets)
+        return cls(limits, reserve_bytes(reserve, limits))
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The devices, in stage order."""
+        return tuple(self.limits)
+
+    @property
+    def usable(self) -> dict[str, int]:
+        """Device -> bytes planning may fill: its budget less its reserve."""
+        return {d: usable_bytes(b, self.reserved.get(d, 0)) for d, b in self.limits.items()}
+
+    def caps(self) -> list[int]:
+        """The usable bytes in stage order, as the partitioner takes them."""
+        return list(self.usable.values())
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every option :func:`fxsplit.fxsplit` and :func:`fxsplit.plan` take besides the model, inputs and budgets.
+
+    Each field's default is the option's default; ``fxsplit.api`` checks
+    the values once, before any work.
+
+    Attributes:
+        example_kwargs: keyword inputs for tracing, beside ``example_inputs``.
+        trace: how to trace, one of :data:`TRACE_MODES`: ``"auto"`` (torch.export,
+            torch.fx when export fails), ``"fx"`` or ``"export"``.
+        leaf_modules: module classes, or module paths or class names, that
+            torch.fx keeps as one op instead of tracing into them.
+        concrete_args: arguments of ``forward`` fixed while tracing with fx
+            (``torch.fx.symbolic_trace``'s ``concrete_args``).
+        output_device: where the outputs are returned (None: the device of
+            the last stage that runs ops).
+        objective: what the partitioner optimises, one of :data:`OBJECTIVES`:
+            ``"min_transfer"`` (fewest bytes copied) or ``"balanced"``.
+        pins: module path or glob -> the device its ops and tensors must go to.
+        pipeline: run micro-batches through the stages: a :class:`PipelineConfig`,
+            a mapping (``{"chunks": 4}``) or an int (chunks); None: no
+            pipeline. Implies ``contiguous``.
+        contiguous: keep each device's ops one consecutive run of the graph,
+            in device order.
+        together: groups of module patterns whose ops must share a device.
+        reserve: headroom kept free on each device: a size, ``"10%"`` of the
+            budget, or a mapping device -> either (read into :class:`Budgets`).
+        dtype: plan as if floating tensors had this dtype (``"bfloat16"``,
+            ``torch.float16``, ...); the model is not cast. None: its own dtypes.
+        spec: a :class:`~fxsplit.spec.Spec`, a spec file or YAML text; its
+            devices are the budgets when none are given, and explicit options
+            override its fields.
+        check: verify the invariants of the plan and the split (:mod:`fxsplit.check`).
+        mode: what the budgets hold, one of :data:`MODES` (see :mod:`fxsplit.memory`).
+        optimizer: optimizer state counted with ``mode="training"``: a name
+            from :data:`OPTIMIZERS` or bytes per parameter element (None:
+            ``"adam"`` in training).
+        dynamic_shapes: input sizes a torch.export split keeps variable: one
+            of :data:`DYNAMIC_SHAPES` or a torch.export ``dynamic_shapes`` spec.
+    """
+
+    example_kwargs: Mapping[str, Any] | None = None
+    trace: str = "auto"
+    leaf_modules: Iterable[type | str] = ()
+    concrete_args: Mapping[str, Any] | None = None
+    output_device: Any = None
+    objective: str = "min_transfer"
+    pins: Mapping[str, Any] | None = None
+    pipeline: PipelineConfig | Mapping[str, Any] | int | None = None
+    contiguous: bool = False
+    together: Iterable[Iterable[str]] = ()
+    reserve: Any = None
+    dtype: Any = None
+    spec: Any = None
+    check: bool = False
+    mode: str = "inference"
+    optimizer: str | int | None = None
+    dynamic_shapes: Any = None

@@ -66,7 +66,7 @@ def test_check_plan_lists_every_violation() -> None:
         "'ghost', which is not a node",
         "'ghost' is placed on 'cpu:7'",
         "'0.bias' of the model has no device",
-        "'cpu:0' holds 301 bytes, over its budget of 300",
+        "'cpu:0' holds 301 B (301 bytes) of parameters and buffers but may hold 300 B: over by 1 B (1 bytes)",
         f"'{cut.producer}' is cut to 'cpu:1' more than once",
         "goes from 'cpu:0' to itself",
         "unknown kind 'weird'",
@@ -81,6 +81,59 @@ def test_check_plan_device_bytes_must_cover_the_weights_placed() -> None:
     plan = fxsplit.plan(m, BUDGETS, mode="weights", example_inputs=(torch.randn(2, 4),))
     with pytest.raises(InvariantError, match="'cpu:1' holds .* bytes of parameters and buffers but device_bytes says"):
         verify_plan(dataclasses.replace(plan, device_bytes={**plan.device_bytes, "cpu:1": 0}), model=m)
+
+
+def _inference_plan(**options: object) -> fxsplit.Plan:
+    """A plan that counts activations: 384 bytes of parameters and about 200 of activations, on two devices."""
+    return fxsplit.plan(model(), {"cpu:0": 600, "cpu:1": 600}, example_inputs=(torch.randn(2, 4),), **options)
+
+
+def _with_activations(plan: fxsplit.Plan, device: str, total: int) -> fxsplit.Plan:
+    """``plan`` with the activations of ``device`` raised so that its memory total is ``total``."""
+    row = plan.memory[device]
+    peak = total - (row["total"] - row["activations_peak"])
+    return dataclasses.replace(plan, memory={**plan.memory, device: {**row, "activations_peak": peak, "total": total}})
+
+
+def test_activations_over_the_budget_are_reported_though_the_parameters_fit() -> None:
+    plan = _inference_plan()
+    verify_plan(plan, model=model())
+    device = plan.devices[0]
+    assert plan.memory[device]["activations_peak"] > 0 and plan.device_bytes[device] < 600
+    with pytest.raises(InvariantError) as info:
+        verify_plan(_with_activations(plan, device, 601), model=model())
+    params = plan.device_bytes[device]
+    assert (
+        f"'{device}' holds {params} B ({params} bytes) of parameters and buffers and {601 - params} B of activations "
+        "peak, 601 B (601 bytes) in all, but may hold 600 B: over by 1 B (1 bytes)"
+    ) in str(info.value)
+    assert "breaks 1 invariant(s)" in str(info.value)
+
+
+def test_the_reserve_is_held_back_from_what_a_device_may_hold() -> None:
+    plan = _inference_plan(reserve=50)
+    assert plan.budgets == {"cpu:0": 600, "cpu:1": 600} and plan.reserved == {"cpu:0": 50, "cpu:1": 50}
+    assert all(plan.memory[d]["total"] <= 550 for d in plan.devices)  # planned under the usable budget...
+    verify_plan(plan, model=model())
+    device = plan.devices[0]
+    verify_plan(_with_activations(plan, device, 550))
+    with pytest.raises(
+        InvariantError, match=r"but may hold 550 B \(its budget 600 B less 50 B reserved\): over by 1 B"
+    ):
+        verify_plan(_with_activations(plan, device, 551))  # ...and checked against it, not the full 600
+
+
+def test_the_check_option_checks_the_memory_total(monkeypatch: pytest.MonkeyPatch) -> None:
+    fit_budgets = fxsplit.api.fit_budgets
+
+    def activations_over(*args: object) -> fxsplit.Plan:
+        made = fit_budgets(*args)  # type: ignore[arg-type]
+        return _with_activations(made, made.devices[-1], made.usable[made.devices[-1]] + 1)
+
+    monkeypatch.setattr(fxsplit.api, "fit_budgets", activations_over)
+    _inference_plan()  # unchecked: goes unnoticed
+    with pytest.raises(InvariantError, match=r"in all, but may hold 550 B \(its budget 600 B less 50 B reserved\)"):
+        _inference_plan(check=True, reserve=50)
 
 
 def _erase_copy(gm: torch.fx.GraphModule, key: str) -> None:
@@ -225,5 +278,5 @@ def test_check_option_runs_the_checkers(monkeypatch: pytest.MonkeyPatch) -> None
         return dataclasses.replace(made, device_bytes={d: 10**6 for d in made.device_bytes})
 
     monkeypatch.setattr(fxsplit.api, "make_plan", over_budget)
-    with pytest.raises(InvariantError, match="over its budget"):
+    with pytest.raises(InvariantError, match="but may hold 300 B: over by"):
         fxsplit.plan(model(), BUDGETS, mode="weights", example_inputs=(x,), check=True)

@@ -15,6 +15,7 @@ from fxsplit.cost.build import build_problem
 from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory, planning_loads, simulate
 from fxsplit.memory.measure import measure_forward, measure_training
 from fxsplit.memory.model import MemoryModel, MemorySpec, fit_budgets
+from fxsplit.options import Budgets
 from fxsplit.partition.solve import partition
 from fxsplit.planning.build import make_plan
 from fxsplit.planning.plan import Plan
@@ -241,18 +242,41 @@ def test_a_plan_that_copies_more_than_the_partitioner_counted_is_planned_again()
         def usage(self, plan: Plan) -> dict[str, dict[str, int]]:
             return usage[len(calls) - 1]
 
-    def solve(budgets: list[int]) -> Plan:
-        calls.append(list(budgets))
-        return Plan(("cpu:0", "cpu:1"), {}, {}, {}, {}, (), "cpu:1")
+    budgets = Budgets({"cpu:0": 100, "cpu:1": 100})
 
-    plan = fit_budgets(Model(), {"cpu:0": 100, "cpu:1": 100}, solve)  # type: ignore[arg-type]
+    def solve(caps: list[int]) -> Plan:
+        calls.append(list(caps))
+        return Plan(("cpu:0", "cpu:1"), dict(budgets.limits), {}, {}, {"cpu:0": 10, "cpu:1": 10}, (), "cpu:1")
+
+    plan = fit_budgets(Model(), budgets, solve)  # type: ignore[arg-type]
     assert calls == [[100, 100], [70, 100]]
     assert plan.memory["cpu:0"]["total"] == 95 and plan.budgets == {"cpu:0": 100, "cpu:1": 100}
     usage[1]["cpu:0"]["total"] = 120
     usage.extend([usage[1]] * 5)
     calls.clear()
     with pytest.raises(fxsplit.BudgetError, match=r"'cpu:0' needs 120 B .* budget is 100 B: .* short by 20 B"):
-        fit_budgets(Model(), {"cpu:0": 100, "cpu:1": 100}, solve)  # type: ignore[arg-type]
+        fit_budgets(Model(), budgets, solve)  # type: ignore[arg-type]
+
+
+def test_the_reserve_is_held_back_while_fitting_and_the_plan_keeps_the_full_budgets() -> None:
+    calls: list[list[int]] = []
+
+    class Model:
+        spec = MemorySpec()
+        over_budget = MemoryModel.over_budget
+
+        def usage(self, plan: Plan) -> dict[str, dict[str, int]]:
+            return {"cpu:0": {"params": 10, "total": 85 if len(calls) == 1 else 75}, "cpu:1": {"total": 0}}
+
+    budgets = Budgets({"cpu:0": 100, "cpu:1": 100}, reserved={"cpu:0": 20})
+
+    def solve(caps: list[int]) -> Plan:
+        calls.append(list(caps))
+        return Plan(("cpu:0", "cpu:1"), dict(budgets.limits), {}, {}, {"cpu:0": 10, "cpu:1": 0}, (), "cpu:1")
+
+    plan = fit_budgets(Model(), budgets, solve)  # type: ignore[arg-type]
+    assert calls == [[80, 100], [75, 100]]  # 85 needed, 80 usable: planned again 5 B lower
+    assert plan.budgets == {"cpu:0": 100, "cpu:1": 100} and plan.memory["cpu:0"]["total"] == 75
 
 
 # -- the pure simulation -------------------------------------------------------------------------------
@@ -316,8 +340,7 @@ def test_device_bytes_stay_parameters_and_buffers_when_the_problem_charges_more(
         costs,
         traced.graph_module,
         solution,
-        ["cpu:0", "cpu:1"],
-        {"cpu:0": 10_000, "cpu:1": 10_000},
+        Budgets({"cpu:0": 10_000, "cpu:1": 10_000}),
         output_device=None,
         trace="fx",
         objective="min_transfer",

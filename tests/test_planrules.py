@@ -14,8 +14,9 @@ from torch import nn
 import fxsplit
 from fxsplit.cli import main
 from fxsplit.factory import load_model
+from fxsplit.options import Budgets
 from fxsplit.planning.plan import Plan
-from fxsplit.planning.rules import PlanProblems, plan_problems
+from fxsplit.planning.rules import PlanProblems, budget_overruns, device_needs, plan_problems
 
 # Two layers of 9408 bytes each; budgets of 12 KiB hold one layer per device. The large model has the
 # same graph (same node and tensor names) with layers four times larger: 36.4 KiB each.
@@ -206,6 +207,71 @@ def test_the_reserve_counts_when_a_plan_is_applied() -> None:
         r"but may hold 8.00 KiB \(its budget 12.00 KiB less 4.00 KiB reserved\): over by 1.19 KiB",
     ):
         fxsplit.apply(small(), Plan.from_yaml(reserving.to_yaml()))
+
+
+def test_check_plan_holds_activations_to_the_budgets_too() -> None:
+    x = torch.randn(4, 48)
+    plan = fxsplit.plan(small(), BUDGETS, example_inputs=(x,))  # mode="inference": activations count
+    report = fxsplit.check_plan(small(), plan, example_inputs=(x,))
+    assert [(d, needs) for d, _, needs in report.devices] == [(d, plan.memory[d]["total"]) for d in plan.devices]
+    weights_only = {d: plan.device_bytes[d] for d in plan.devices}  # room for the parameters, not the activations
+    with pytest.raises(fxsplit.BudgetError) as caught:
+        fxsplit.check_plan(small(), plan, weights_only, example_inputs=(x,))
+    assert plan.memory["cpu:0"] == {
+        "params": 9408,
+        "buffers": 0,
+        "grads": 0,
+        "optimizer": 0,
+        "activations_peak": 1536,
+        "total": 10944,
+    }
+    assert (
+        "'cpu:0' holds 9.19 KiB (9408 bytes) of parameters and buffers and 1.50 KiB of activations peak, 10.69 KiB "
+        "(10944 bytes) in all, but may hold 9.19 KiB: over by 1.50 KiB (1536 bytes)"
+    ) in str(caught.value) and "plan again with these budgets" in str(caught.value)
+
+
+def _bare_plan(**fields: object) -> Plan:
+    base: dict[str, object] = {
+        "devices": ("a", "b"),
+        "budgets": {"a": 100, "b": 100},
+        "placement": {},
+        "param_devices": {},
+        "device_bytes": {"a": 60, "b": 100},
+        "cuts": (),
+        "output_device": "b",
+    }
+    return Plan(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_the_budget_rule_is_one_helper_over_the_memory_total_and_the_usable_budget() -> None:
+    assert budget_overruns(_bare_plan()) == []  # no breakdown: device_bytes, against the full budget
+    reserving = _bare_plan(reserved={"b": 10})
+    assert [(o.device, o.needs, o.usable, o.excess) for o in budget_overruns(reserving)] == [("b", 100, 90, 10)]
+    assert str(budget_overruns(reserving)[0]) == (
+        "'b' holds 100 B (100 bytes) of parameters and buffers but may hold 90 B (its budget 100 B less 10 B "
+        "reserved): over by 10 B (10 bytes)"
+    )
+    rows = {
+        "a": {"params": 60, "buffers": 0, "grads": 60, "optimizer": 0, "activations_peak": 30, "total": 150},
+        "b": {"params": 100, "buffers": 0, "total": 100},
+    }
+    training = _bare_plan(memory=rows)
+    assert device_needs(training) == {"a": 150, "b": 100}
+    assert device_needs(training, {"a": 10, "b": 0}) == {"a": 100, "b": 0}  # the model's own bytes replace the plan's
+    (over,) = budget_overruns(training)
+    assert str(over).startswith(
+        "'a' holds 60 B (60 bytes) of parameters and buffers and 90 B of gradients and activations peak, 150 B "
+        "(150 bytes) in all, but may hold 100 B: over by 50 B"
+    )
+    given = Budgets({"a": 1000})  # budgets given to check against: a device they leave out may hold nothing
+    assert [(o.device, o.usable) for o in budget_overruns(training, budgets=given)] == [("b", 0)]
+
+
+def test_a_plan_file_may_state_no_negative_bytes() -> None:
+    problems = plan_problems(_bare_plan(budgets={"a": -1, "b": 100}, reserved={"b": -5}))
+    messages = [p.message for p in problems]
+    assert "budget of 'a' is negative (-1 bytes)" in messages and "reserved of 'b' is negative (-5 bytes)" in messages
 
 
 def test_apply_rechecks_the_cuts(models: Path, tmp_path: Path) -> None:

@@ -37,9 +37,10 @@ from fxsplit.cost.build import GraphCosts
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.memory.lifetimes import ActivationProfile, planning_loads, simulate
-from fxsplit.options import MODES, OPTIMIZERS
+from fxsplit.options import MODES, OPTIMIZERS, Budgets
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.planning.plan import Plan
+from fxsplit.planning.rules import budget_overruns
 from fxsplit.units import format_size
 
 __all__ = ["COMPONENTS", "MODES", "OPTIMIZERS", "MemoryModel", "MemorySpec", "fit_budgets"]
@@ -309,29 +310,33 @@ def _advice(component: str) -> str:
 
 
 @gc_paused()
-def fit_budgets(model: MemoryModel, budgets: Mapping[str, int], solve: Callable[[Sequence[int]], Plan]) -> Plan:
-    """Plan so that each device's simulated total fits its budget; record the breakdown in the plan.
+def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[int]], Plan]) -> Plan:
+    """Plan so that each device's simulated total fits its budget less its reserve; record the breakdown.
 
-    ``solve`` partitions under the given per-device budgets (in device
-    order) and makes the plan. The partitioner's per-op loads are close to,
-    but not always above, the exact simulation (copies between devices are
-    only known once ops are placed); when a device comes out over its budget,
-    that budget is lowered by the excess and the model planned again.
+    ``solve`` partitions under per-device caps (bytes, in device order) and
+    makes the plan. The caps start at ``budgets.caps()``. The partitioner's
+    per-op loads are close to, but not always above, the exact simulation
+    (copies between devices are only known once ops are placed); when a
+    device's simulated total comes out over its budget less its reserve
+    (:func:`fxsplit.planning.rules.budget_overruns`), its cap is lowered by
+    the excess and the model planned again.
 
     Raises:
         BudgetError: nothing fits; says which component does not, where, by how much.
     """
-    devices = list(budgets)
-    effective = dict(budgets)
+    usable = budgets.usable
+    caps = budgets.caps()
     usage: dict[str, dict[str, int]] = {}
     for attempt in range(MAX_REPLANS + 1):
         try:
-            plan = solve([effective[d] for d in devices])
+            plan = solve(list(caps))
         except BudgetError as error:
-            raise (model.explain(error, budgets) if attempt == 0 else model.over_budget(usage, budgets)) from None
+            raise (model.explain(error, usable) if attempt == 0 else model.over_budget(usage, usable)) from None
         usage = model.usage(plan)
-        over = {d: usage[d]["total"] - budgets[d] for d in devices if usage[d]["total"] > budgets[d]}
+        plan = dataclasses.replace(plan, memory=usage)
+        simulated = {d: row.get("params", 0) + row.get("buffers", 0) for d, row in usage.items()}
+        over = {o.device: o.excess for o in budget_overruns(plan, simulated, budgets)}
         if not over:
-            return dataclasses.replace(plan, budgets=dict(budgets), memory=usage)
-        effective = {d: max(0, effective[d] - over.get(d, 0)) for d in devices}
-    raise model.over_budget(usage, budgets)
+            return plan
+        caps = [max(0, cap - over.get(d, 0)) for d, cap in zip(budgets.devices, caps, strict=True)]
+    raise model.over_budget(usage, usable)

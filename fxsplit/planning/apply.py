@@ -7,7 +7,9 @@ model works). Both trust nothing the plan says that can be checked: the plan
 must meet the rules of :mod:`fxsplit.planning.rules` (its fingerprint, tensors,
 devices and tied groups agree), describe the model (parameters and buffers,
 graph nodes), fit its budgets less its reserve with the bytes of the model's
-own tensors, and list the cuts its placement implies on the re-traced graph.
+own tensors (plus the rest of the memory the plan counts: the rule of
+:func:`~fxsplit.planning.rules.budget_overruns`), and list the cuts its
+placement implies on the re-traced graph.
 They fail with :class:`PlanMismatchError` saying what differs, or
 :class:`BudgetError` saying which device is short and by how much.
 """
@@ -27,10 +29,11 @@ from fxsplit.cost.build import GraphCosts, build_problem
 from fxsplit.cost.constraints import locator, resolve_leaf_modules
 from fxsplit.devices import require_usable
 from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError, SpecError
+from fxsplit.options import Budgets
 from fxsplit.planning.build import cuts_for, weights_by_node
 from fxsplit.planning.fingerprint import describe, differences
 from fxsplit.planning.plan import Cut, Plan
-from fxsplit.planning.rules import validate_plan
+from fxsplit.planning.rules import budget_overruns, device_needs, validate_plan
 from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.dynamic import dynamic_shapes_for
 from fxsplit.units import format_size
@@ -241,7 +244,12 @@ def _cut_text(cut: Cut) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class PlanCheck:
-    """What :func:`check_plan` verified: per device ``(device, limit, bytes placed)``, and notes."""
+    """What :func:`check_plan` verified: per device ``(device, usable bytes, bytes needed)``, and notes.
+
+    The bytes needed are those of the model's parameters and buffers as
+    placed, plus the rest of the memory the plan counts on the device
+    (:func:`~fxsplit.planning.rules.device_needs`).
+    """
 
     devices: tuple[tuple[str, int, int], ...]
     nodes: int
@@ -261,7 +269,7 @@ class PlanCheck:
 def check_plan(
     model: torch.nn.Module,
     plan: Plan,
-    budgets: Mapping[str, int] | None = None,
+    budgets: Budgets | Mapping[Any, Any] | None = None,
     *,
     example_inputs: Any = None,
     **options: Any,
@@ -269,10 +277,21 @@ def check_plan(
     """Check that ``plan`` fits ``model`` and ``budgets`` (default: the plan's own, less its reserve).
 
     Verifies the plan's own rules, the structure and graph (as :func:`apply`),
-    that every parameter and buffer's bytes, counted once per tensor at the
-    plan's dtype, fit each device, and that the plan's cuts are those its
-    placement implies on the re-traced graph (one copy per value and
-    destination, none to the same device). Moves nothing.
+    that each device's memory fits (every parameter and buffer's bytes,
+    counted once per tensor at the plan's dtype, plus the gradients,
+    optimizer state and activations the plan counts there), and that the
+    plan's cuts are those its placement implies on the re-traced graph (one
+    copy per value and destination, none to the same device). Moves nothing.
+
+    Args:
+        model: the model the plan was made for.
+        plan: the plan.
+        budgets: hold the plan to these instead of its own: a
+            :class:`~fxsplit.options.Budgets` (with its reserves), or device ->
+            bytes or size string as :func:`fxsplit.plan` takes them (nothing
+            reserved). A device they leave out may hold nothing.
+        example_inputs: as for :func:`apply`.
+        **options: as for :func:`apply`.
 
     Raises:
         PlanMismatchError: the plan does not describe the model, or contradicts itself.
@@ -286,7 +305,7 @@ def check_plan(
 def checked_retrace(
     model: torch.nn.Module,
     plan: Plan,
-    budgets: Mapping[str, int] | None = None,
+    budgets: Budgets | Mapping[Any, Any] | None = None,
     *,
     example_inputs: Any = None,
     **options: Any,
@@ -297,13 +316,13 @@ def checked_retrace(
         PlanMismatchError: as :func:`check_plan`.
         BudgetError: as :func:`check_plan`.
     """
+    given = budgets if isinstance(budgets, Budgets) or budgets is None else Budgets.parse(budgets)
     traced, costs = retrace(model, plan, example_inputs=example_inputs, **options)
     check_input_writes(traced.graph_module, plan)  # the most specific refusal first
-    limits = dict(budgets) if budgets is not None else {d: b - plan.reserved.get(d, 0) for d, b in plan.budgets.items()}
     held = {d: 0 for d in plan.devices}
     for weight in [*costs.weights, *costs.unused]:
         held[plan.param_devices[weight.names[0]]] += weight.nbytes
-    _check_budgets(plan, held, limits, own=budgets is None)
+    _check_budgets(plan, held, given)
     notes = [
         f"plan.device_bytes says {format_size(plan.device_bytes.get(d))} on '{d}', the placement puts "
         f"{format_size(n)} there"
@@ -311,34 +330,22 @@ def checked_retrace(
         if plan.device_bytes.get(d) != n
     ]
     notes += _check_cuts(plan, traced, costs)
-    rows = tuple((d, limits.get(d, 0), held[d]) for d in plan.devices)
+    usable = plan.usable if given is None else given.usable
+    needs = device_needs(plan, held)
+    rows = tuple((d, usable.get(d, 0), needs[d]) for d in plan.devices)
     return traced, costs, PlanCheck(rows, len(plan.placement), tuple(notes))
 
 
-def _check_budgets(plan: Plan, held: dict[str, int], limits: dict[str, int], *, own: bool) -> None:
-    """Refuse when a device's tensors (the model's own bytes, as placed) exceed what it may hold."""
-    over = []
-    for device, nbytes in held.items():
-        limit = limits.get(device, 0)
-        if nbytes <= limit:
-            continue
-        reserved = plan.reserved.get(device, 0) if own else 0
-        of = (
-            f" (its budget {format_size(plan.budgets[device])} less {format_size(reserved)} reserved)"
-            if (reserved)
-            else ""
-        )
-        over.append(
-            f"'{device}' holds {format_size(nbytes)} ({nbytes} bytes) of parameters and buffers but may hold "
-            f"{format_size(limit)}{of}: over by {format_size(nbytes - limit)} ({nbytes - limit} bytes)"
-        )
+def _check_budgets(plan: Plan, held: dict[str, int], budgets: Budgets | None) -> None:
+    """Refuse when a device's memory, with the model's own tensors as placed, exceeds what it may hold."""
+    over = budget_overruns(plan, held, budgets)
     if over:
         fix = (
             "the plan was edited or made for a smaller model: plan again for this model"
-            if own
+            if budgets is None
             else "plan again with these budgets"
         )
-        raise BudgetError("the plan does not fit the budgets: " + "; ".join(over) + f"; {fix}")
+        raise BudgetError("the plan does not fit the budgets: " + "; ".join(map(str, over)) + f"; {fix}")
 
 
 def _check_cuts(plan: Plan, traced: Traced, costs: GraphCosts) -> list[str]:

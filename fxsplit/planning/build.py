@@ -9,6 +9,7 @@ import torch.fx
 
 from fxsplit.cost.build import GraphCosts, Weight
 from fxsplit.errors import BudgetError
+from fxsplit.options import Budgets
 from fxsplit.partition.solve import Partition
 from fxsplit.planning.plan import Cut, Plan
 from fxsplit.tracing.graphinfo import NONTENSOR, is_guard, value_kind
@@ -61,9 +62,9 @@ def make_plan(
     costs: GraphCosts,
     graph_module: torch.fx.GraphModule,
     solution: Partition,
-    devices: Sequence[str],
-    budgets: dict[str, int],
+    budgets: Budgets,
     *,
+    caps: Sequence[int] | None = None,
     output_device: str | None,
     trace: str,
     objective: str,
@@ -71,17 +72,34 @@ def make_plan(
 ) -> Plan:
     """Name where every node and parameter goes, and list the copies the forward makes.
 
+    The plan's devices are those of ``budgets``, in order, and it records
+    their full budgets and reserves (``Plan.budgets``, ``Plan.reserved``).
     Tensors no op reads (unused submodules, weights the graph never reads) go
     where room is left after ``solution``, largest first. When they do not
-    fit the gaps and ``repartition`` (partition under other budgets) is
+    fit the gaps and ``repartition`` (partition under other caps) is
     given, they are packed first and the ops partitioned again into what is
     left.
+
+    Args:
+        costs: the cost model ``solution`` partitioned.
+        graph_module: the traced graph.
+        solution: the partition of ``costs.problem``.
+        budgets: the devices' budgets.
+        caps: bytes each device may hold, in device order, as ``solution``
+            was made under (default: ``budgets.caps()``, budget less reserve;
+            lower where :func:`fxsplit.memory.fit_budgets` plans again).
+        output_device: where the outputs go (None: the last device that runs ops).
+        trace: how the graph was traced.
+        objective: what the partitioner optimised.
+        repartition: partitions the ops again under other caps, in device order.
     """
-    unread_home = _pack_unread(costs, devices, budgets, solution)
+    devices = budgets.devices
+    room = dict(zip(devices, budgets.caps() if caps is None else caps, strict=True))
+    unread_home = _pack_unread(costs, devices, room, solution)
     if unread_home is None and repartition is not None:
-        solution, unread_home = _set_aside_unread(costs, devices, budgets, repartition)
+        solution, unread_home = _set_aside_unread(costs, devices, room, repartition)
     if unread_home is None:
-        _raise_unread(costs, devices, budgets, list(solution.device_weights))
+        _raise_unread(costs, devices, room, list(solution.device_weights))
     op_device = {op.name: devices[d] for op, d in zip(costs.ops, solution.op_devices, strict=True)}
     used = [devices[d] for d in solution.op_devices]
     out_device = output_device or (used[-1] if used else devices[0])
@@ -117,8 +135,8 @@ def make_plan(
             modules[op_device[op.name]].setdefault(label)
     cuts = _cuts(costs, graph_module, placement, weight_home)
     return Plan(
-        devices=tuple(devices),
-        budgets=dict(budgets),
+        devices=devices,
+        budgets=dict(budgets.limits),
         placement=placement,
         param_devices=dict(sorted(param_devices.items())),
         device_bytes=device_bytes,
@@ -127,6 +145,7 @@ def make_plan(
         trace=trace,
         objective=objective,
         modules={d: tuple(m) for d, m in modules.items()},
+        reserved=dict(budgets.reserved),
     )
 
 
@@ -146,7 +165,7 @@ def _read_homes(costs: GraphCosts, devices: Sequence[str], solution: Partition) 
 
 
 def _pack_unread(
-    costs: GraphCosts, devices: Sequence[str], budgets: dict[str, int], solution: Partition
+    costs: GraphCosts, devices: Sequence[str], caps: dict[str, int], solution: Partition
 ) -> dict[str, str] | None:
     """Canonical name -> device for the tensors no op reads, in the room ``solution`` leaves, or None.
 
@@ -154,7 +173,7 @@ def _pack_unread(
     other tensors when some are read and it fits there, else to the device
     with the least room that holds it (big gaps stay for big tensors).
     """
-    room = {d: budgets[d] - int(load) for d, load in zip(devices, solution.device_weights, strict=True)}
+    room = {d: caps[d] - int(load) for d, load in zip(devices, solution.device_weights, strict=True)}
     module_home: dict[str, str] = {}
     for name, device in _read_homes(costs, devices, solution).items():
         module_home.setdefault(name.rpartition(".")[0], device)
@@ -174,19 +193,19 @@ def _pack_unread(
 def _set_aside_unread(
     costs: GraphCosts,
     devices: Sequence[str],
-    budgets: dict[str, int],
+    caps: dict[str, int],
     repartition: Callable[[Sequence[int]], Partition],
 ) -> tuple[Partition, dict[str, str] | None]:
     """Pack the unread tensors first (largest first, onto the device with the most room), then the ops."""
-    room = dict(budgets)
+    room = dict(caps)
     homes: dict[str, str] = {}
     for weight in sorted(unread_weights(costs), key=lambda w: -w.nbytes):
         home = max(devices, key=lambda d: room[d])
         if room[home] < weight.nbytes:
-            _raise_unread(costs, devices, budgets, [0] * len(devices))
+            _raise_unread(costs, devices, caps, [0] * len(devices))
         homes[weight.names[0]] = home
         room[home] -= weight.nbytes
-    unread = sum(budgets[d] - room[d] for d in devices)
+    unread = sum(caps[d] - room[d] for d in devices)
     try:
         solution = repartition([room[d] for d in devices])
     except BudgetError as error:
@@ -203,8 +222,8 @@ def _largest_unread(costs: GraphCosts) -> str:
     return listed + (f" and {len(weights) - 3} more" if len(weights) > 3 else "")
 
 
-def _raise_unread(costs: GraphCosts, devices: Sequence[str], budgets: dict[str, int], loads: list[int]) -> NoReturn:
-    room = {d: budgets[d] - load for d, load in zip(devices, loads, strict=True)}
+def _raise_unread(costs: GraphCosts, devices: Sequence[str], caps: dict[str, int], loads: list[int]) -> NoReturn:
+    room = {d: caps[d] - load for d, load in zip(devices, loads, strict=True)}
     weights = sorted(unread_weights(costs), key=lambda w: -w.nbytes)
     largest = weights[0]
     total = sum(w.nbytes for w in weights)

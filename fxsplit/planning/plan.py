@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fxsplit.options import usable_bytes
 from fxsplit.planning.ranges import summarize_modules
 from fxsplit.units import format_size
 
@@ -45,7 +46,9 @@ class Plan:
 
     Attributes:
         devices: the devices, in stage order (the budgets' order).
-        budgets: bytes each device may hold.
+        budgets: each device's full budget in bytes, as given (sizes and
+            ``"auto"`` resolved), before ``reserved`` is held back; what
+            planning filled is :attr:`usable`.
         placement: graph node name -> device, for every node of the traced
             graph (inputs: the device of their first use; the output node:
             ``output_device``).
@@ -66,7 +69,8 @@ class Plan:
             layers); each group lives on one device, copied where the plan's
             ``"parameter"`` cuts say.
         reserved: device -> bytes held back from its budget (``reserve``);
-            planning used ``budgets[d] - reserved[d]``.
+            planning used ``budgets[d] - reserved[d]`` (:attr:`usable`). A
+            device not named holds nothing back.
         dtype: the floating dtype planned for (``"bfloat16"``), or None for
             the model's own dtypes.
         leaf_modules: module paths or class names traced as leaves, so that
@@ -105,6 +109,11 @@ class Plan:
     memory: dict[str, dict[str, int]] = field(default_factory=dict)
     dynamic_shapes: str | None = None
     activations_not_counted: str | None = None
+
+    @property
+    def usable(self) -> dict[str, int]:
+        """Device -> bytes planning let it hold: its budget less its reserve (never negative)."""
+        return {d: usable_bytes(b, self.reserved.get(d, 0)) for d, b in self.budgets.items()}
 
     @property
     def transfer_bytes(self) -> int:

@@ -11,12 +11,19 @@ the rules a plan made by fxsplit always meets. Each broken rule is a
 * it uses only its own devices: nodes on a budgeted device or the output
   device, tensors, bytes, modules, memory rows and reserves on budgeted ones;
 * the names of a tied group (one tensor) share one device;
-* each device's bytes fit its budget, and each cut goes from one device to
-  another, once per value and destination, with a known kind.
+* each cut goes from one device to another, once per value and destination,
+  with a known kind.
 
 :func:`plan_problems` lists them (no torch needed); :mod:`fxsplit.planning.yamlio`
 reports them for plan files, :mod:`fxsplit.planning.apply` before a plan is
 applied, and :func:`fxsplit.check.verify_plan` as invariants.
+
+The budget rule is :func:`budget_overruns`, the one place it is written: what
+a device needs (its parameters and buffers plus the rest of its memory row:
+gradients, optimizer state, activations) must fit its budget less its reserve.
+:func:`fxsplit.memory.fit_budgets` plans until it holds, ``verify_plan`` checks
+it on the plan's own numbers, and ``apply`` / ``check_plan`` with the model's own
+tensors (a file whose numbers were edited is no proof).
 
 >>> from fxsplit.planning.plan import Plan
 >>> plan = Plan(devices=("cpu:0",), budgets={"cpu:0": 64}, placement={}, param_devices={"w": "cpu:1"},
@@ -30,14 +37,17 @@ applied, and :func:`fxsplit.check.verify_plan` as invariants.
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 from fxsplit.errors import PlanMismatchError
+from fxsplit.options import Budgets, usable_bytes
 from fxsplit.planning.fingerprint import fingerprint_of
 from fxsplit.planning.plan import CUT_KINDS, Plan
+from fxsplit.units import format_size
 from fxsplit.yamlfile import Problem, YamlPath, YamlProblems, line_of, short_repr
 
-__all__ = ["PlanProblems", "plan_problems", "validate_plan"]
+__all__ = ["Overrun", "PlanProblems", "budget_overruns", "device_needs", "plan_problems", "validate_plan"]
 
 _REMAKE = "make the plan again with fxsplit.plan (or `fxsplit plan`)"
 
@@ -97,7 +107,7 @@ def _record_problems(plan: Plan, problem: _Report) -> None:
 
 
 def _device_problems(plan: Plan, problem: _Report) -> None:
-    """Everything is placed on the plan's own devices, and each device's bytes fit its budget."""
+    """Everything is placed on the plan's own devices."""
     budgeted = set(plan.devices)
     listing = ", ".join(plan.devices)
     for name, device in plan.placement.items():
@@ -116,6 +126,10 @@ def _device_problems(plan: Plan, problem: _Report) -> None:
     for device in plan.devices:
         if device not in plan.budgets:
             problem(("devices", device), f"{short_repr(device)} has no budget")
+    for what, sizes in (("budget", plan.budgets), ("used", plan.device_bytes), ("reserved", plan.reserved)):
+        for device, nbytes in sizes.items():
+            if nbytes < 0:
+                problem(("devices", device, what), f"{what} of {short_repr(device)} is negative ({nbytes} bytes)")
     for what, keys in (
         ("budgets", plan.budgets),
         ("device_bytes", plan.device_bytes),
@@ -129,12 +143,6 @@ def _device_problems(plan: Plan, problem: _Report) -> None:
                     ("devices", device) if what in ("budgets", "device_bytes", "reserved") else (what, device),
                     f"{what} names {short_repr(device)}, which is not one of the devices ({listing})",
                 )
-    for device, used in plan.device_bytes.items():
-        budget = plan.budgets.get(device)
-        if budget is not None and used > budget:
-            problem(
-                ("devices", device, "used"), f"{short_repr(device)} holds {used} bytes, over its budget of {budget}"
-            )
 
 
 def _tied_problems(plan: Plan, problem: _Report) -> None:
@@ -173,3 +181,108 @@ def _cut_problems(plan: Plan, problem: _Report) -> None:
             problem(("cuts", index), f"cut of {name} has unknown kind {short_repr(cut.kind)}")
         if cut.nbytes is not None and cut.nbytes < 0:
             problem(("cuts", index), f"cut of {name} has negative size {cut.nbytes}")
+
+
+_REST = {"grads": "gradients", "optimizer": "optimizer state", "activations_peak": "activations peak"}
+
+
+def device_needs(plan: Plan, weights: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Bytes each device of ``plan`` needs: parameters and buffers plus the rest of its memory row.
+
+    The rest is ``memory[d]["total"]`` less its ``params`` and ``buffers``
+    (0 without a memory row), so for a plan as fxsplit made it this is the
+    memory total, or ``device_bytes`` when the plan has no breakdown.
+
+    Args:
+        plan: the plan.
+        weights: device -> bytes of parameters and buffers placed there, as
+            counted from the model (default: the plan's ``device_bytes``).
+    """
+    held = plan.device_bytes if weights is None else weights
+    return {d: held.get(d, 0) + _rest(plan, d) for d in plan.devices}
+
+
+def _rest(plan: Plan, device: str) -> int:
+    row = plan.memory.get(device, {})
+    return max(0, row.get("total", 0) - row.get("params", 0) - row.get("buffers", 0))
+
+
+@dataclass(frozen=True)
+class Overrun:
+    """A device that needs more than it may hold (its budget less its reserve).
+
+    Attributes:
+        device: the device.
+        weights: bytes of parameters and buffers placed there.
+        rest: bytes of the rest of its memory (gradients, optimizer state,
+            activations), 0 without a memory breakdown.
+        rest_is: what ``rest`` holds, in words (``"activations peak"``).
+        usable: bytes it may hold.
+        budget: its full budget.
+        reserved: bytes held back from the budget.
+    """
+
+    device: str
+    weights: int
+    rest: int
+    rest_is: str
+    usable: int
+    budget: int
+    reserved: int
+
+    @property
+    def needs(self) -> int:
+        """Bytes the device needs in all."""
+        return self.weights + self.rest
+
+    @property
+    def excess(self) -> int:
+        """Bytes over what it may hold."""
+        return self.needs - self.usable
+
+    def __str__(self) -> str:
+        held = f"{format_size(self.weights)} ({self.weights} bytes) of parameters and buffers"
+        if self.rest:
+            held += f" and {format_size(self.rest)} of {self.rest_is}, "
+            held += f"{format_size(self.needs)} ({self.needs} bytes) in all,"
+        limit = format_size(self.usable)
+        if self.reserved:
+            limit += f" (its budget {format_size(self.budget)} less {format_size(self.reserved)} reserved)"
+        return (
+            f"{short_repr(self.device)} holds {held} but may hold {limit}: "
+            f"over by {format_size(self.excess)} ({self.excess} bytes)"
+        )
+
+
+def budget_overruns(
+    plan: Plan, weights: Mapping[str, int] | None = None, budgets: Budgets | None = None
+) -> list[Overrun]:
+    """The devices of ``plan`` that need more (:func:`device_needs`) than their budget less their reserve.
+
+    Args:
+        plan: the plan.
+        weights: bytes of parameters and buffers per device, from the model
+            (default: the plan's ``device_bytes``).
+        budgets: budgets to hold the plan to (default: its own, ``plan.budgets``
+            less ``plan.reserved``; a device without a budget there is another
+            rule's problem and skipped). A device ``budgets`` leaves out may
+            hold nothing.
+    """
+    limits = plan.budgets if budgets is None else budgets.limits
+    reserves = plan.reserved if budgets is None else budgets.reserved
+    found = []
+    for device, needs in device_needs(plan, weights).items():
+        if budgets is None and device not in limits:
+            continue
+        budget, reserved = limits.get(device, 0), reserves.get(device, 0)
+        usable = usable_bytes(budget, reserved)
+        if needs > usable:
+            rest = _rest(plan, device)
+            found.append(Overrun(device, needs - rest, rest, _rest_is(plan, device), usable, budget, reserved))
+    return found
+
+
+def _rest_is(plan: Plan, device: str) -> str:
+    row = plan.memory.get(device, {})
+    named = [words for key, words in _REST.items() if row.get(key)]
+    return " and ".join([", ".join(named[:-1]), named[-1]] if len(named) > 1 else named) or "other memory"
