@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fxsplit import runtime
+from fxsplit.attrpath import attr_at
 from fxsplit.codegen.emitter import COPY_META, DEVICE_META
 from fxsplit.errors import FxsplitError
 from fxsplit.planning.plan import Plan
@@ -186,10 +187,7 @@ def _copy_problems(
 
 
 def _is_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    obj: Any = gm
-    for part in str(node.target).split("."):
-        obj = getattr(obj, part, None)
-    return isinstance(obj, torch.Tensor)
+    return isinstance(attr_at(gm, str(node.target), None), torch.Tensor)
 
 
 _MOVES = frozenset({"to", "_to_copy", "cuda", "cpu"})
@@ -298,7 +296,7 @@ class DeviceChecker(TorchDispatchMode):
         self._tags: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         for module in modules:
             for name, device in plan.param_devices.items() if plan else ():
-                tensor = _resolve(module, name)
+                tensor = attr_at(module, name, None)
                 if isinstance(tensor, torch.Tensor):
                     self._tags[tensor] = device
         self.ops_checked = 0
@@ -340,12 +338,3 @@ class DeviceChecker(TorchDispatchMode):
                 if isinstance(tensor, torch.Tensor) and not (name in _WRITES_ACROSS and tensor in self._tags):
                     self._tags[tensor] = result
         return out
-
-
-def _resolve(root: Any, path: str) -> Any:
-    obj = root
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj

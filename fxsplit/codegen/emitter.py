@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from fxsplit import runtime
+from fxsplit.attrpath import attr_at
 from fxsplit.codegen.fastattr import mirror_registries
 from fxsplit.codegen.nested import pin_device_arguments, pin_subgraph_devices
 from fxsplit.cost.build import Weight
@@ -149,7 +150,7 @@ def _describe(tensor: torch.Tensor) -> str:
 
 def _weight_tensor(graph_module: torch.fx.GraphModule, weight: Weight) -> torch.Tensor | None:
     for path in (*weight.names, *_node_targets(graph_module, weight)):
-        tensor = _lookup(graph_module, path)
+        tensor = attr_at(graph_module, path, None)
         if isinstance(tensor, torch.Tensor):
             return tensor
     return None
@@ -157,15 +158,6 @@ def _weight_tensor(graph_module: torch.fx.GraphModule, weight: Weight) -> torch.
 
 def _node_targets(graph_module: torch.fx.GraphModule, weight: Weight) -> list[str]:
     return [str(n.target) for n in graph_module.graph.nodes if n.name in weight.nodes and n.op == "get_attr"]
-
-
-def _lookup(root: Any, path: str) -> Any:
-    obj = root
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
 
 
 class _Emitter:
@@ -304,7 +296,7 @@ class _Emitter:
     def _weight_node(self, read: Read) -> torch.fx.Node:
         assert read.weight is not None
         for path in read.weight.names:
-            if isinstance(_lookup(self.source, path), torch.Tensor):
+            if isinstance(attr_at(self.source, path, None), torch.Tensor):
                 return self._home_attr(path, read.key)
         for path in _node_targets(self.source, read.weight):
             return self._home_attr(path, read.key)
@@ -325,9 +317,7 @@ def _annotation(text: str) -> Any:
     """
     head, _, rest = text.partition(".")
     if head == "torch":
-        found: Any = torch
-        for part in rest.split(".") if rest else ():
-            found = getattr(found, part, None)
+        found = attr_at(torch, rest, None) if rest else torch
     else:
         found = None if rest else getattr(builtins, head, None)
     return found if isinstance(found, type) else None

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.fx
 
+from fxsplit.attrpath import attr_at
 from fxsplit.errors import SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.partition.problem import PartitionProblem, Value
@@ -144,7 +145,7 @@ def build_problem(
 
     for node in graph.nodes:
         if node.op == "get_attr":
-            attr = _resolve(graph_module, str(node.target))
+            attr = attr_at(graph_module, str(node.target))
             if isinstance(attr, torch.Tensor):
                 users = {index[u] for u in node.users if u in index}
                 add_weight(attr, str(node.target), not isinstance(attr, torch.nn.Parameter), node.name, users)
@@ -167,7 +168,7 @@ def build_problem(
             root = alias_root(target)
             if root.op == "get_attr":
                 # Written at home; readers up to the last write share its device, later ones may copy it.
-                key = id(_resolve(graph_module, str(root.target)))
+                key = id(attr_at(graph_module, str(root.target)))
                 last_write[key] = max(last_write.get(key, 0), index[node])
             else:
                 # Readers before the write must share the writer's device: a copy taken
@@ -232,13 +233,6 @@ def build_problem(
         op_labels=labels,
     )
     return GraphCosts(problem, ops, weights, weight_values, unused, value_nbytes)
-
-
-def _resolve(graph_module: torch.fx.GraphModule, target: str) -> Any:
-    obj: Any = graph_module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -24,6 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from fxsplit.attrpath import attr_at
 from fxsplit.cost.build import GraphCosts, Weight
 from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory
 
@@ -237,7 +238,7 @@ def _fake_weights(graph_module: torch.fx.GraphModule, mode: Any, training: bool)
     ]
     for node in graph_module.graph.nodes:
         if node.op == "get_attr":
-            attr = _resolve(graph_module, str(node.target))
+            attr = attr_at(graph_module, str(node.target), None)
             if isinstance(attr, torch.Tensor):
                 named.append((str(node.target), attr))
     by_id: dict[int, torch.Tensor] = {}
@@ -285,13 +286,6 @@ def _fused_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         scale=bound.get("scale"),
     )
     return out[0]
-
-
-def _resolve(root: Any, target: str) -> Any:
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def _weight_reads(costs: GraphCosts) -> dict[str, list[Weight]]:

@@ -42,6 +42,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx
 
+from fxsplit.attrpath import attr_at
 from fxsplit.codegen.emitter import emit
 from fxsplit.cost.build import model_tensors
 from fxsplit.errors import SpecError
@@ -148,9 +149,7 @@ class PipelineStages:
                     dist.broadcast(tensor, src=self._global_rank(holders[0], group), group=handle)
 
     def _tensor(self, index: int, name: str) -> torch.Tensor:
-        obj: Any = self.modules[index]
-        for part in self._paths[index][name].split("."):
-            obj = getattr(obj, part)
+        obj = attr_at(self.modules[index], self._paths[index][name])
         assert isinstance(obj, torch.Tensor)
         return obj
 

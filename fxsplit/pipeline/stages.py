@@ -35,6 +35,7 @@ import torch.fx
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
+from fxsplit.attrpath import attr_at
 from fxsplit.codegen.emitter import COPY_META, DEVICE_META
 from fxsplit.errors import FxsplitError
 from fxsplit.planning.plan import Plan
@@ -163,10 +164,7 @@ class _Cutter:
                 self.stage[node.name] = 0
 
     def _is_weight(self, node: torch.fx.Node) -> bool:
-        obj: Any = self.gm
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part, None)
-        return isinstance(obj, torch.Tensor)
+        return isinstance(attr_at(self.gm, str(node.target), None), torch.Tensor)
 
     def _is_free(self, node: torch.fx.Node) -> bool:
         """Duplicated into every stage that reads it (attributes that are not homed weights)."""
