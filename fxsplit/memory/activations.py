@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 from fxsplit.attrpath import attr_at
 from fxsplit.cost.build import GraphCosts, Weight
 from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory
+from fxsplit.planning.build import weights_by_node
 
 __all__ = ["profile_activations"]
 
@@ -288,14 +289,6 @@ def _fused_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return out[0]
 
 
-def _weight_reads(costs: GraphCosts) -> dict[str, list[Weight]]:
-    found: dict[str, list[Weight]] = {}
-    for weight in costs.weights:
-        for node in weight.nodes:
-            found.setdefault(node, []).append(weight)
-    return found
-
-
 def _reads(node: torch.fx.Node, by_node: dict[str, list[Weight]]) -> Iterator[str]:
     for arg in node.all_input_nodes:
         if arg.op == "get_attr":
@@ -314,7 +307,7 @@ def _profile(
     fakes: dict[str, torch.Tensor],
     training: bool,
 ) -> ActivationProfile:
-    by_node = _weight_reads(costs)
+    by_node = weights_by_node(costs)
     values: dict[str, ValueMemory] = dict(recorder.results)
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     weight_names: set[str] = set()
