@@ -41,7 +41,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from fxsplit import runtime
 from fxsplit.attrpath import attr_at
-from fxsplit.codegen.emitter import COPY_META, DEVICE_META
+from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
 from fxsplit.errors import FxsplitError
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import plan_problems
@@ -136,7 +136,7 @@ def verify_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
             made.clear()
         if COPY_META in node.meta:
             problems += _copy_problems(node, where, copies, made)
-            where[node] = node.meta[COPY_META][2]
+            where[node] = node.meta[COPY_META].destination
         elif node.op == "placeholder":
             where[node] = None
         elif node.op == "get_attr":
@@ -169,7 +169,8 @@ def _copy_problems(
     copies: dict[tuple[str, str], str],
     made: set[tuple[str, str]],
 ) -> list[str]:
-    key, source, destination = node.meta[COPY_META]
+    record: CopyRecord = node.meta[COPY_META]
+    key, source, destination = record.producer, record.source, record.destination
     problems: list[str] = []
     if (key, destination) in made:
         problems.append(f"'{key}' is copied to '{destination}' twice (again by '{node.name}')")

@@ -209,6 +209,7 @@ def test_an_input_read_on_two_devices_is_copied_from_its_first_device() -> None:
     )
     copies = [n.meta[COPY_META] for n in gm.graph.nodes if COPY_META in n.meta]
     assert copies == [("x", None, "cpu:0"), ("a", "cpu:0", "cpu:1"), ("x", "cpu:0", "cpu:1")]
+    assert [(c.producer, c.source, c.destination) for c in copies] == copies  # CopyRecords, read by field name
     assert [(c.producer, c.kind) for c in gm.meta["fxsplit_plan"].cuts] == [("a", "activation"), ("x", "input")]
     verify_split(gm)
 

@@ -19,6 +19,7 @@ import torch.fx
 from fxsplit import runtime
 from fxsplit.attrpath import attr_at
 from fxsplit.codegen.fastattr import mirror_registries
+from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
 from fxsplit.codegen.nested import pin_device_arguments, pin_subgraph_devices
 from fxsplit.cost.build import Weight
 from fxsplit.errors import DeviceError, FxsplitError, InputMismatchError
@@ -39,10 +40,6 @@ __all__ = [
     "emit",
     "move_weights",
 ]
-
-COPY_META = "fxsplit_copy"
-DEVICE_META = "fxsplit_device"
-"""``node.meta`` key: the device an emitted op, copy or weight read runs on (placeholders have none)."""
 
 
 class MovedWeights:
@@ -274,7 +271,7 @@ class _Emitter:
             copy = self.graph.call_method("to", (source, device))
         else:
             copy = self.graph.call_function(runtime.move, (source, device))
-        copy.meta[COPY_META] = (read.key, None if is_input and home == device else home, device)
+        copy.meta[COPY_META] = CopyRecord(read.key, None if is_input and home == device else home, device)
         copy.meta[DEVICE_META] = device
         if read.node is not None and "val" in read.node.meta:
             copy.meta["val"] = read.node.meta["val"]
