@@ -126,13 +126,15 @@ def test_distributed_stages_find_replicated_weights_by_path_or_say_which_is_miss
 
 
 def test_codegen_finds_a_weight_by_any_of_its_names() -> None:
-    from fxsplit.codegen.emitter import _weight_tensor
+    from fxsplit.codegen.weights import weight_path, weight_tensor
     from fxsplit.cost.build import Weight
 
     net = Net()
     gm = torch.fx.symbolic_trace(net)
-    assert _weight_tensor(gm, Weight(("head.weight", "layers.0.weight"), 0, False, ())) is net.layers[0].weight
-    assert _weight_tensor(gm, Weight(("head.weight", "layers.1.bias"), 0, False, ())) is None
+    tied = Weight(("head.weight", "layers.0.weight"), 0, False, ())
+    assert weight_tensor(gm, tied) is net.layers[0].weight and weight_path(gm, tied) == "layers.0.weight"
+    gone = Weight(("head.weight", "layers.1.bias"), 0, False, ())
+    assert weight_tensor(gm, gone) is None and weight_path(gm, gone) is None
 
 
 def test_codegen_resolves_torch_and_builtin_annotations_only() -> None:
