@@ -26,7 +26,14 @@ from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
 from fxsplit.codegen.nested import pin_device_arguments, pin_subgraph_devices
 from fxsplit.codegen.splitmodule import ExportedSplit, GradModeSafeSplit, split_module
 from fxsplit.codegen.splitmodule import InputGuard as InputGuard  # splits saved before it moved name it here
-from fxsplit.codegen.weights import MovedWeights, check_input_writes, move_weights, weight_path, weight_tensor
+from fxsplit.codegen.weights import (
+    MovedWeights,
+    check_input_writes,
+    move_weights,
+    weight_path,
+    weight_tensor,
+    weights_read,
+)
 from fxsplit.cost.build import Weight
 from fxsplit.planning.build import Read, reads_of
 from fxsplit.planning.plan import Plan
@@ -205,10 +212,15 @@ def _annotation(text: str) -> Any:
     return found if isinstance(found, type) else None
 
 
-def emit(graph_module: torch.fx.GraphModule, plan: Plan, by_node: dict[str, list[Weight]]) -> torch.fx.GraphModule:
-    """Build the split ``GraphModule``; it shares (not copies) the traced module's weights."""
+def emit(graph_module: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
+    """Build the split ``GraphModule`` from the traced graph and its plan; it shares (not copies) the graph's weights.
+
+    The plan names every parameter and buffer, the graph says which node
+    reads which (:func:`~fxsplit.codegen.weights.weights_read`): nothing
+    else is needed, so a plan saved and loaded again generates the same code.
+    """
     check_input_writes(graph_module, plan)
-    graph = _Emitter(graph_module, plan, by_node).run()
+    graph = _Emitter(graph_module, plan, weights_read(graph_module, plan)).run()
     graph.lint()
     split = split_module(graph_module, graph, plan)
     pin_subgraph_devices(split, {n.name: n.meta[DEVICE_META] for n in split.graph.nodes if DEVICE_META in n.meta})

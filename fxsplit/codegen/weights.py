@@ -1,8 +1,11 @@
-"""The traced module's weights in the split: where each tensor is, and moving them onto their planned devices.
+"""The traced module's weights in the split: which node reads which, where each tensor is, moving them.
 
-:func:`move_weights` moves parameters and buffers in place, as ``Module.to``
-does, after :func:`check_input_writes` has found the plan emittable, and
-hands back what it moved so that a later failure can put it all back.
+:func:`weights_read` finds the weights each node reads from the graph and the
+plan alone, so that a plan is all :func:`~fxsplit.codegen.emitter.emit` needs
+besides the graph. :func:`move_weights` moves parameters and buffers in
+place, as ``Module.to`` does, after :func:`check_input_writes` has found the
+plan emittable, and hands back what it moved so that a later failure can put
+it all back.
 """
 
 from __future__ import annotations
@@ -11,13 +14,13 @@ import torch
 import torch.fx
 
 from fxsplit.attrpath import attr_at
-from fxsplit.cost.build import Weight
+from fxsplit.cost.build import Weight, tensor_reads
 from fxsplit.errors import DeviceError, FxsplitError
 from fxsplit.planning.plan import Plan
-from fxsplit.tracing.graphinfo import input_writers
+from fxsplit.tracing.graphinfo import element_size, input_writers
 from fxsplit.units import format_size
 
-__all__ = ["MovedWeights", "check_input_writes", "move_weights", "weight_path", "weight_tensor"]
+__all__ = ["MovedWeights", "check_input_writes", "move_weights", "weight_path", "weight_tensor", "weights_read"]
 
 
 class MovedWeights:
@@ -121,6 +124,31 @@ def _describe(tensor: torch.Tensor) -> str:
     shape = ", ".join(str(size) for size in tensor.shape)
     dtype = str(tensor.dtype).removeprefix("torch.")
     return f"{dtype}[{shape}] on {tensor.device}, {format_size(tensor.numel() * tensor.element_size())}"
+
+
+def weights_read(graph_module: torch.fx.GraphModule, plan: Plan) -> dict[str, list[Weight]]:
+    """Graph node name -> the weights it reads, from the graph and the plan alone.
+
+    The same as :func:`fxsplit.planning.build.weights_by_node` of the costs
+    the plan was made from: each tensor is one weight, however many nodes and
+    paths read it, named as the model names it. A graph path is a name of the
+    model; a tensor with several names (tied) takes the plan's ``tied`` group
+    that holds the path, canonical name first, and a tensor read by several
+    paths that no group names is named by the first path the graph reads it by.
+    """
+    groups = {name: group for group in plan.tied for name in group}
+    dtype = getattr(torch, plan.dtype) if plan.dtype else None
+    found: dict[int, tuple[tuple[str, ...], torch.Tensor, list[str]]] = {}
+    for node, path, tensor in tensor_reads(graph_module):
+        names = found[id(tensor)][0] if id(tensor) in found else groups.get(path, (path,))
+        found.setdefault(id(tensor), (names, tensor, []))[2].append(node.name)
+    by_node: dict[str, list[Weight]] = {}
+    for names, tensor, nodes in found.values():
+        is_buffer = not isinstance(tensor, torch.nn.Parameter)
+        weight = Weight(names, tensor.numel() * element_size(tensor.dtype, dtype), is_buffer, tuple(nodes))
+        for node_name in nodes:
+            by_node.setdefault(node_name, []).append(weight)
+    return by_node
 
 
 def weight_tensor(graph_module: torch.fx.GraphModule, weight: Weight) -> torch.Tensor | None:
