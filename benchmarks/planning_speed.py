@@ -39,7 +39,7 @@ from fxsplit.codegen.emitter import emit, move_weights
 from fxsplit.cost.build import build_problem
 from fxsplit.options import Budgets
 from fxsplit.partition.solve import partition
-from fxsplit.planning.build import make_plan, weights_by_node
+from fxsplit.planning.build import make_plan
 from fxsplit.tracing.capture import trace
 
 __all__ = ["run_planning"]
@@ -83,9 +83,8 @@ def _fxsplit_stages(case: Case, budgets: dict[str, int]) -> tuple[dict[str, floa
     t_plan, (costs, plan) = time_call(plan_step)
 
     def codegen() -> torch.nn.Module:
-        by_node = weights_by_node(costs)
         move_weights(traced.graph_module, plan, costs.weights + costs.unused)
-        return emit(traced.graph_module, plan, by_node)
+        return emit(traced.graph_module, plan)
 
     t_codegen, split = time_call(codegen)
     return {"trace": t_trace, "plan": t_plan, "codegen": t_codegen}, split

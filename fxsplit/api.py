@@ -31,7 +31,7 @@ from fxsplit.options import OBJECTIVES, TRACE_MODES, Budgets, Options, PipelineC
 from fxsplit.partition.solve import Partition, partition
 from fxsplit.pipeline.gpipe import Pipeline, pipelined
 from fxsplit.pipeline.microbatch import first_microbatch
-from fxsplit.planning.build import make_plan, weights_by_node
+from fxsplit.planning.build import make_plan
 from fxsplit.planning.fingerprint import describe
 from fxsplit.planning.plan import Plan
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
@@ -388,12 +388,11 @@ def fxsplit(
     with loading.onto(planned.plan, planned.traced.graph_module) as loaded:  # unloaded if what follows fails
         if checkpoint is None:
             refuse_meta(model)
-        by_node = weights_by_node(planned.costs)
         moved = move_weights(
             planned.traced.graph_module, planned.plan, loaded.not_loaded(planned.costs.weights + planned.costs.unused)
         )
         try:
-            split = remember_non_persistent(emit(planned.traced.graph_module, planned.plan, by_node), model)
+            split = remember_non_persistent(emit(planned.traced.graph_module, planned.plan), model)
             if planned.options is not None and planned.options.check:
                 verify_split(split)
             if planned.options is not None and isinstance(planned.options.pipeline, PipelineConfig):

@@ -41,7 +41,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fxsplit import runtime
-from fxsplit.codegen.emitter import COPY_META, DEVICE_META
+from fxsplit.attrpath import attr_at
+from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
 from fxsplit.errors import FxsplitError
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import budget_overruns, plan_problems
@@ -141,7 +142,7 @@ def verify_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
             made.clear()
         if COPY_META in node.meta:
             problems += _copy_problems(node, where, copies, made)
-            where[node] = node.meta[COPY_META][2]
+            where[node] = node.meta[COPY_META].destination
         elif node.op == "placeholder":
             where[node] = None
         elif node.op == "get_attr":
@@ -174,7 +175,8 @@ def _copy_problems(
     copies: dict[tuple[str, str], str],
     made: set[tuple[str, str]],
 ) -> list[str]:
-    key, source, destination = node.meta[COPY_META]
+    record: CopyRecord = node.meta[COPY_META]
+    key, source, destination = record.producer, record.source, record.destination
     problems: list[str] = []
     if (key, destination) in made:
         problems.append(f"'{key}' is copied to '{destination}' twice (again by '{node.name}')")
@@ -192,10 +194,7 @@ def _copy_problems(
 
 
 def _is_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    obj: Any = gm
-    for part in str(node.target).split("."):
-        obj = getattr(obj, part, None)
-    return isinstance(obj, torch.Tensor)
+    return isinstance(attr_at(gm, str(node.target), None), torch.Tensor)
 
 
 _MOVES = frozenset({"to", "_to_copy", "cuda", "cpu"})
@@ -304,7 +303,7 @@ class DeviceChecker(TorchDispatchMode):
         self._tags: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         for module in modules:
             for name, device in plan.param_devices.items() if plan else ():
-                tensor = _resolve(module, name)
+                tensor = attr_at(module, name, None)
                 if isinstance(tensor, torch.Tensor):
                     self._tags[tensor] = device
         self.ops_checked = 0
@@ -346,12 +345,3 @@ class DeviceChecker(TorchDispatchMode):
                 if isinstance(tensor, torch.Tensor) and not (name in _WRITES_ACROSS and tensor in self._tags):
                     self._tags[tensor] = result
         return out
-
-
-def _resolve(root: Any, path: str) -> Any:
-    obj = root
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj

@@ -213,10 +213,9 @@ def _run(args: argparse.Namespace, out: TextIO, progress: _Progress) -> int:
     elif args.command == "code":
         from fxsplit.codegen.emitter import emit
         from fxsplit.codegen.readable import show_code
-        from fxsplit.planning.build import weights_by_node
 
-        traced, costs, plan = _planned(args, loaded, progress)
-        split = emit(traced, plan, weights_by_node(costs))
+        traced, _, plan = _planned(args, loaded, progress)
+        split = emit(traced, plan)
         print(split.code.strip() if args.raw else show_code(split), file=out)
     elif args.command == "show":
         from fxsplit.viz import auto_depth, render

@@ -11,7 +11,7 @@ import torch.nn as nn
 import fxsplit
 from fxsplit.api import trace_and_plan
 from fxsplit.check import DeviceChecker, InvariantError, verify_plan, verify_split
-from fxsplit.codegen.emitter import COPY_META, DEVICE_META
+from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
 from fxsplit.planning.plan import Cut
 
 # Room for the 384 bytes of parameters over two devices, not one: these checks are about placement and
@@ -137,7 +137,7 @@ def test_the_check_option_checks_the_memory_total(monkeypatch: pytest.MonkeyPatc
 
 
 def _erase_copy(gm: torch.fx.GraphModule, key: str) -> None:
-    node = next(n for n in gm.graph.nodes if COPY_META in n.meta and n.meta[COPY_META][0] == key)
+    node = next(n for n in gm.graph.nodes if COPY_META in n.meta and n.meta[COPY_META].producer == key)
     node.replace_all_uses_with(node.args[0])
     gm.graph.erase_node(node)
     gm.recompile()
@@ -160,28 +160,28 @@ def test_a_missing_copy_is_caught_statically_and_at_run_time() -> None:
 
 def test_a_copy_made_twice_or_to_its_own_device_is_caught() -> None:
     _, gm = split()
-    copy = next(n for n in gm.graph.nodes if COPY_META in n.meta and n.meta[COPY_META][1] is not None)
-    key, source, destination = copy.meta[COPY_META]
+    copy = next(n for n in gm.graph.nodes if COPY_META in n.meta and n.meta[COPY_META].source is not None)
+    record = copy.meta[COPY_META]
+    key, destination = record.producer, record.destination
     with gm.graph.inserting_after(copy):
         again = gm.graph.call_method("to", (copy.args[0], destination))
-    again.meta[COPY_META] = (key, source, destination)
+    again.meta[COPY_META] = record
     copy.replace_all_uses_with(again)
     gm.graph.erase_node(copy)
     with gm.graph.inserting_before(again):
         first = gm.graph.call_method("to", (again.args[0], destination))
-    first.meta[COPY_META] = (key, source, destination)
+    first.meta[COPY_META] = record
     with pytest.raises(InvariantError, match=f"'{key}' is copied to '{destination}' twice"):
         verify_split(gm)
-    first.meta[COPY_META] = (key, destination, destination)
+    first.meta[COPY_META] = record._replace(source=destination)
     with pytest.raises(InvariantError, match="where it already lives"):
         verify_split(gm)
 
 
 def test_a_copy_that_lies_about_its_source_is_caught() -> None:
     _, gm = split()
-    copy = next(n for n in gm.graph.nodes if COPY_META in n.meta and n.meta[COPY_META][1] is not None)
-    key, _, destination = copy.meta[COPY_META]
-    copy.meta[COPY_META] = (key, "cpu:2", destination)
+    copy = next(n for n in gm.graph.nodes if COPY_META in n.meta and n.meta[COPY_META].source is not None)
+    copy.meta[COPY_META] = CopyRecord(copy.meta[COPY_META].producer, "cpu:2", copy.meta[COPY_META].destination)
     with pytest.raises(InvariantError, match="from 'cpu:2' but the value is on 'cpu:0'"):
         verify_split(gm)
 

@@ -11,13 +11,18 @@ import sys
 import textwrap
 from typing import Optional
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import fxsplit
+from fxsplit.api import trace_and_plan
 from fxsplit.check import DeviceChecker, verify_split
 from fxsplit.codegen.emitter import COPY_META, ExportedSplit
+from fxsplit.codegen.weights import weights_read
+from fxsplit.cost.build import Weight
+from fxsplit.planning.build import weights_by_node
 
 # One Linear(4, 4) (80 bytes) per device. These tests are about the code and the copies, so they plan
 # with mode="weights": the budgets count parameters only, not activations.
@@ -209,6 +214,7 @@ def test_an_input_read_on_two_devices_is_copied_from_its_first_device() -> None:
     )
     copies = [n.meta[COPY_META] for n in gm.graph.nodes if COPY_META in n.meta]
     assert copies == [("x", None, "cpu:0"), ("a", "cpu:0", "cpu:1"), ("x", "cpu:0", "cpu:1")]
+    assert [(c.producer, c.source, c.destination) for c in copies] == copies  # CopyRecords, read by field name
     assert [(c.producer, c.kind) for c in gm.meta["fxsplit_plan"].cuts] == [("a", "activation"), ("x", "input")]
     verify_split(gm)
 
@@ -261,3 +267,38 @@ def test_export_split_is_an_exported_split_and_lints() -> None:
     fx_gm = fxsplit.fxsplit(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx")
     assert isinstance(fx_gm, torch.fx.GraphModule) and not isinstance(fx_gm, ExportedSplit)
     assert fx_gm.meta["fxsplit_plan"].param_devices == gm.meta["fxsplit_plan"].param_devices
+
+
+class SharedTable(nn.Module):
+    """One tensor under three names; its canonical (first) name is a module the graph never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.mid = nn.Linear(4, 4)
+        self.embed = nn.Embedding(10, 4)
+        self.embed.weight = self.shared.weight
+        self.head.weight = self.shared.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.embed(ids))))
+
+
+def _named(by_node: dict[str, list[Weight]]) -> dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]]:
+    return {node: [(w.names, w.nodes) for w in weights] for node, weights in by_node.items()}
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_the_graph_and_the_plan_alone_say_which_weights_each_node_reads(trace: str) -> None:
+    ids = torch.randint(0, 10, (8, 6))  # activations larger than the table: the table is copied to the head
+    budgets = {"cpu:0": 200, "cpu:1": 200}
+    planned = trace_and_plan(SharedTable(), budgets, (ids,), {"trace": trace, "mode": "weights"})
+    read = weights_read(planned.traced.graph_module, planned.plan)
+    assert _named(read) == _named(weights_by_node(planned.costs))  # what the costs the plan was made from say
+    assert {w.names for ws in read.values() for w in ws} >= {("shared.weight", "head.weight", "embed.weight")}
+    model = SharedTable()
+    gm = fxsplit.fxsplit(model, budgets, example_inputs=(ids,), trace=trace, mode="weights", check=True)
+    torch.testing.assert_close(gm(ids), model(ids))
+    cuts = [(c.producer, c.kind) for c in gm.meta["fxsplit_plan"].cuts]
+    assert ("shared.weight", "parameter") in cuts  # check=True: the code's copy has the key the plan's cut has

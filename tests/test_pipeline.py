@@ -18,7 +18,6 @@ from fxsplit.api import trace_and_plan
 from fxsplit.codegen.emitter import emit, move_weights
 from fxsplit.pipeline.gpipe import clock_cycles, pipelined
 from fxsplit.pipeline.microbatch import gather, scatter
-from fxsplit.planning.build import weights_by_node
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_models import MLP, LongSkip, Residual, Tied, TwoHeads, WithBatchNorm, budgets  # noqa: E402
@@ -183,7 +182,7 @@ def test_plan_that_sends_a_value_back_cannot_be_staged() -> None:
         output_device="cpu:0",
     )
     move_weights(planned.traced.graph_module, plan, planned.costs.weights)
-    split = emit(planned.traced.graph_module, plan, weights_by_node(planned.costs))
+    split = emit(planned.traced.graph_module, plan)
     torch.testing.assert_close(split(*x), model(*x))  # the plain split still runs
     with pytest.raises(fxsplit.FxsplitError) as error:
         pipelined(split, fxsplit.PipelineConfig(chunks=2))

@@ -120,6 +120,34 @@ def test_plan_files_reject_what_they_cannot_read() -> None:
         Plan.from_yaml(broken)
 
 
+def _fields(data: object, where: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    """The YAML path of every mapping value and list item under ``data``."""
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    return [path for key, value in items for path in [(*where, key), *_fields(value, (*where, key))]]
+
+
+def test_every_wrong_field_in_a_plan_file_is_an_fxsplit_error_and_a_value_error() -> None:
+    data = yaml.safe_load(_small_plan().to_yaml())
+    for path in _fields(data):
+        for odd in (None, -1, "x", [], {}, {1: 2}, ["cpu:0"]):
+            edited = copy.deepcopy(data)
+            parent = edited
+            for key in path[:-1]:
+                parent = parent[key]
+            parent[path[-1]] = odd
+            try:
+                Plan.from_yaml(yaml.safe_dump(edited))
+            except fxsplit.FxsplitError as error:
+                assert isinstance(error, ValueError), (path, odd, type(error))
+
+
+def test_writing_a_plan_whose_devices_disagree_is_a_spec_error() -> None:
+    plan = dataclasses.replace(_small_plan(), budgets={"cpu:0": 4096})
+    with pytest.raises(fxsplit.SpecError, match=r"plan.budgets must have one entry per device") as caught:
+        plan.to_yaml()
+    assert isinstance(caught.value, ValueError)
+
+
 def _small_plan() -> Plan:
     tensors = {"a.weight": "float32[16, 16]", "b.weight": "float32[16, 16]"}
     return Plan(

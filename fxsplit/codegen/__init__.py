@@ -1,6 +1,9 @@
 """Stage 6, codegen: traced graph + plan -> a ``GraphModule`` with its weights on their devices.
 
-* :mod:`~fxsplit.codegen.emitter`: :func:`emit` and :func:`move_weights`; copies tagged with ``COPY_META``.
+* :mod:`~fxsplit.codegen.emitter`: :func:`emit`, the graph of the split.
+* :mod:`~fxsplit.codegen.weights`: :func:`move_weights`, the weights onto their planned devices.
+* :mod:`~fxsplit.codegen.splitmodule`: the class a split is built as (export and grad-mode splits).
+* :mod:`~fxsplit.codegen.meta`: what the emitted nodes carry in ``node.meta`` (device; :class:`CopyRecord`).
 * :mod:`~fxsplit.codegen.nested`: hard-coded devices in ops and their subgraphs pointed at the op's device.
 * :mod:`~fxsplit.codegen.fastattr`: attribute lookups at dictionary speed for the modules built.
 * :mod:`~fxsplit.codegen.readable`: a readable view of the generated code.
@@ -9,6 +12,8 @@ The helpers the generated code calls at run time are in :mod:`fxsplit.runtime` (
 of the generated code's names).
 """
 
-from fxsplit.codegen.emitter import COPY_META, DEVICE_META, emit, move_weights
+from fxsplit.codegen.emitter import emit
+from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
+from fxsplit.codegen.weights import move_weights
 
-__all__ = ["COPY_META", "DEVICE_META", "emit", "move_weights"]
+__all__ = ["COPY_META", "DEVICE_META", "CopyRecord", "emit", "move_weights"]

@@ -5,28 +5,39 @@ its home is copied with ``.to(device)`` once per destination device, right
 before its first reader there. Ops that create tensors on a hard-coded device
 (``device=...`` arguments, ``.to("cpu")``, ``.cuda()``) are rewritten to the
 device of their stage. No hooks: the generated ``forward`` is all there is.
+
+Moving the weights themselves onto their devices is :mod:`~fxsplit.codegen.weights`;
+the class of the module built (export and grad-mode splits),
+:mod:`~fxsplit.codegen.splitmodule`.
 """
 
 from __future__ import annotations
 
 import builtins
-import re
 from typing import Any, Callable
 
 import torch
 import torch.fx
 
 from fxsplit import runtime
+from fxsplit.attrpath import attr_at
 from fxsplit.codegen.fastattr import mirror_registries
+from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
 from fxsplit.codegen.nested import pin_device_arguments, pin_subgraph_devices
+from fxsplit.codegen.splitmodule import ExportedSplit, GradModeSafeSplit, split_module
+from fxsplit.codegen.splitmodule import InputGuard as InputGuard  # splits saved before it moved name it here
+from fxsplit.codegen.weights import (
+    MovedWeights,
+    check_input_writes,
+    move_weights,
+    weight_path,
+    weight_tensor,
+    weights_read,
+)
 from fxsplit.cost.build import Weight
-from fxsplit.errors import DeviceError, FxsplitError, InputMismatchError
 from fxsplit.planning.build import Read, reads_of
 from fxsplit.planning.plan import Plan
-from fxsplit.tracing.dynamic import TRACED_INPUTS, describe_inputs
-from fxsplit.tracing.gradmode import is_grad_mode_node
 from fxsplit.tracing.graphinfo import TENSOR, input_writers, value_kind
-from fxsplit.units import format_size
 
 __all__ = [
     "COPY_META",
@@ -38,134 +49,6 @@ __all__ = [
     "emit",
     "move_weights",
 ]
-
-COPY_META = "fxsplit_copy"
-DEVICE_META = "fxsplit_device"
-"""``node.meta`` key: the device an emitted op, copy or weight read runs on (placeholders have none)."""
-
-
-class MovedWeights:
-    """What :func:`move_weights` moved, and from where: :meth:`undo` puts every tensor back.
-
-    The same tensor objects are kept; only their ``.data`` (and their
-    gradient's) is swapped, as ``Module.to`` does.
-    """
-
-    def __init__(self) -> None:
-        self._before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
-
-    def __len__(self) -> int:
-        return len(self._before)
-
-    def move(self, tensor: torch.Tensor, device: torch.device) -> None:
-        """Move ``tensor`` (and its gradient) to ``device``; both copies are made before either is swapped in."""
-        grad = tensor.grad
-        data = tensor.data.to(device)
-        grad_data = grad.data.to(device) if grad is not None else None
-        self._before.append((tensor, tensor.data, grad, grad.data if grad is not None else None))
-        try:
-            with torch.no_grad():
-                tensor.data = data
-                if grad is not None and grad_data is not None:
-                    grad.data = grad_data
-        except BaseException:
-            self._put_back(*self._before.pop())
-            raise
-
-    def undo(self) -> None:
-        """Put every moved tensor and gradient back on the device it came from, newest first."""
-        while self._before:
-            self._put_back(*self._before.pop())
-
-    @staticmethod
-    def _put_back(
-        tensor: torch.Tensor, data: torch.Tensor, grad: torch.Tensor | None, grad_data: torch.Tensor | None
-    ) -> None:
-        with torch.no_grad():
-            tensor.data = data
-            if grad is not None and grad_data is not None:
-                grad.data = grad_data
-
-
-def check_input_writes(graph_module: torch.fx.GraphModule, plan: Plan) -> None:
-    """Refuse a plan that updates an input in place away from the input's copy (the caller would miss it).
-
-    The generated code writes an input's in-place updates back to the
-    caller's tensor from the input's copy on its home device (where it is
-    first read); an update made on another device would not reach it.
-
-    Raises:
-        FxsplitError: names the input, the writing node and both devices.
-    """
-    writers = input_writers(graph_module.graph, dict(graph_module.named_modules()))
-    for placeholder, nodes in writers.items():
-        home = plan.placement.get(placeholder)
-        elsewhere = [w for w in nodes if plan.placement.get(w) != home]
-        if home is not None and elsewhere:
-            raise FxsplitError(
-                f"input '{placeholder}' is updated in place by '{elsewhere[0]}' on "
-                f"{plan.placement.get(elsewhere[0])}, but its copy lives on {home}, where it is first read, so the "
-                f"update could not reach the caller's tensor; pin the ops that read and write '{placeholder}' to one "
-                "device (pins=...), or do not update the input in place"
-            )
-
-
-def move_weights(graph_module: torch.fx.GraphModule, plan: Plan, weights: list[Weight]) -> MovedWeights:
-    """Move every weight of the traced module to its planned device, in place (like ``Module.to``).
-
-    Checks first that the plan can be emitted (:func:`check_input_writes`), so a refusal moves nothing.
-    Returns what was moved, so that a caller failing later can put it back.
-
-    Raises:
-        DeviceError: a move failed (out of memory, a device error); every
-            tensor moved before it has been put back, so nothing has changed.
-    """
-    check_input_writes(graph_module, plan)
-    moved = MovedWeights()
-    for weight in weights:
-        tensor = _weight_tensor(graph_module, weight)
-        if tensor is None or tensor.device.type == "meta":
-            continue
-        device = torch.device(plan.param_devices[weight.names[0]])
-        try:
-            moved.move(tensor, device)
-        except Exception as error:  # noqa: BLE001 - a device may fail in any way; the model must come back whole
-            count = len(moved)
-            moved.undo()
-            first = (str(error).strip().splitlines() or [""])[0]
-            raise DeviceError(
-                f"moving '{weight.names[0]}' ({_describe(tensor)}) to '{device}' failed: {type(error).__name__}: "
-                f"{first}. The {count} tensor(s) moved before it were put back: the model is as it was. Free memory "
-                f"on '{device}', lower its budget, or leave it out"
-            ) from error
-    return moved
-
-
-def _describe(tensor: torch.Tensor) -> str:
-    shape = ", ".join(str(size) for size in tensor.shape)
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    return f"{dtype}[{shape}] on {tensor.device}, {format_size(tensor.numel() * tensor.element_size())}"
-
-
-def _weight_tensor(graph_module: torch.fx.GraphModule, weight: Weight) -> torch.Tensor | None:
-    for path in (*weight.names, *_node_targets(graph_module, weight)):
-        tensor = _lookup(graph_module, path)
-        if isinstance(tensor, torch.Tensor):
-            return tensor
-    return None
-
-
-def _node_targets(graph_module: torch.fx.GraphModule, weight: Weight) -> list[str]:
-    return [str(n.target) for n in graph_module.graph.nodes if n.name in weight.nodes and n.op == "get_attr"]
-
-
-def _lookup(root: Any, path: str) -> Any:
-    obj = root
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
 
 
 class _Emitter:
@@ -245,7 +128,7 @@ class _Emitter:
     ) -> torch.fx.Node:
         """A call_module whose weights live elsewhere: call it with copies of them."""
         module = self.modules[str(node.target)]
-        copies = {id(_weight_tensor(self.source, weight)): copy for weight, copy in foreign.values()}
+        copies = {id(weight_tensor(self.source, weight)): copy for weight, copy in foreign.values()}
         local: dict[str, torch.fx.Node] = {}
         tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
         for name, tensor in tensors:
@@ -282,7 +165,7 @@ class _Emitter:
             copy = self.graph.call_method("to", (source, device))
         else:
             copy = self.graph.call_function(runtime.move, (source, device))
-        copy.meta[COPY_META] = (read.key, None if is_input and home == device else home, device)
+        copy.meta[COPY_META] = CopyRecord(read.key, None if is_input and home == device else home, device)
         copy.meta[DEVICE_META] = device
         if read.node is not None and "val" in read.node.meta:
             copy.meta["val"] = read.node.meta["val"]
@@ -303,12 +186,10 @@ class _Emitter:
 
     def _weight_node(self, read: Read) -> torch.fx.Node:
         assert read.weight is not None
-        for path in read.weight.names:
-            if isinstance(_lookup(self.source, path), torch.Tensor):
-                return self._home_attr(path, read.key)
-        for path in _node_targets(self.source, read.weight):
-            return self._home_attr(path, read.key)
-        raise AssertionError(f"no attribute path reaches weight {read.key!r}")  # pragma: no cover
+        path = weight_path(self.source, read.weight)
+        if path is None:  # pragma: no cover
+            raise AssertionError(f"no attribute path reaches weight {read.key!r}")
+        return self._home_attr(path, read.key)
 
     def _home_attr(self, path: str, key: str) -> torch.fx.Node:
         attr = self.graph.get_attr(path)
@@ -325,152 +206,23 @@ def _annotation(text: str) -> Any:
     """
     head, _, rest = text.partition(".")
     if head == "torch":
-        found: Any = torch
-        for part in rest.split(".") if rest else ():
-            found = getattr(found, part, None)
+        found = attr_at(torch, rest, None) if rest else torch
     else:
         found = None if rest else getattr(builtins, head, None)
     return found if isinstance(found, type) else None
 
 
-class ExportedSplit(torch.fx.GraphModule):
-    """A split of a ``torch.export`` graph, whose train/eval behaviour was fixed when it was traced.
+def emit(graph_module: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
+    """Build the split ``GraphModule`` from the traced graph and its plan; it shares (not copies) the graph's weights.
 
-    ``torch.export`` bakes the mode into the graph (dropout on or off, batch
-    norm using batch or running statistics). Switching the mode of a graph
-    that has such ops would silently change nothing, so it raises instead.
+    The plan names every parameter and buffer, the graph says which node
+    reads which (:func:`~fxsplit.codegen.weights.weights_read`): nothing
+    else is needed, so a plan saved and loaded again generates the same code.
     """
-
-    traced_training: bool = False
-    mode_ops: tuple[str, ...] = ()
-
-    def train(self, mode: bool = True) -> ExportedSplit:
-        if mode != self.traced_training and self.mode_ops:
-            traced = "training" if self.traced_training else "eval"
-            wanted = "train()" if mode else "eval()"
-            raise FxsplitError(
-                f"this split was traced by torch.export in {traced} mode, which fixed the behaviour of "
-                f"{', '.join(self.mode_ops[:3])} in the graph, so {wanted} cannot change it; call "
-                f"model.{wanted} before fxsplit(...) and split again (or use trace='fx')"
-            )
-        self.training = mode
-        return self
-
-
-class InputGuard(torch.nn.Module):
-    """torch.export's input check, failing with what the split was traced with and how to accept more.
-
-    Wraps the ``_guards_fn`` that export puts first in the graph: same check,
-    but an :class:`~fxsplit.errors.InputMismatchError` that names the inputs'
-    traced sizes and the ``dynamic_shapes`` option instead of a bare
-    ``AssertionError: Guard failed``. A failed check on a non-tensor input
-    (``use_cache == False``) says to split again with that value in
-    ``example_kwargs``: no ``dynamic_shapes`` can vary a value export fixed.
-    """
-
-    def __init__(
-        self, check: torch.nn.Module, traced_with: str, dynamic: str | None, input_names: tuple[str, ...] = ()
-    ) -> None:
-        super().__init__()
-        self.check = check
-        self.traced_with = traced_with
-        self.dynamic = dynamic
-        self.input_names = input_names
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self.check(*args, **kwargs)
-        except AssertionError as error:
-            fixed = self._non_tensor(str(error), args)
-            if fixed is not None:
-                name, value = fixed
-                fix = (
-                    f"Call it with {name} as traced; {name} is not a tensor, so torch.export fixed its value in "
-                    f"the graph and no dynamic_shapes can vary it: to call it with {name}={value!r}, split again "
-                    f"with example_kwargs={{{name!r}: {value!r}}} (one split per value), or use trace='fx'"
-                )
-            else:
-                fix = (
-                    "Call it with inputs like those (same sizes where they are fixed, same non-tensor values), or "
-                    f"split again with {_WIDER.get(self.dynamic, 'a wider dynamic_shapes spec')}, or use trace='fx'"
-                )
-            raise InputMismatchError(
-                f"the inputs do not match what torch.export traced this split with ({error}); traced with "
-                f"{self.traced_with}. {fix}"
-            ) from None
-
-    def _non_tensor(self, failed: str, args: tuple[Any, ...]) -> tuple[str, Any] | None:
-        """``(name, value)`` of the non-tensor input a failed guard tests, if it tests one."""
-        subject = re.search(r"Guard failed: (\w+)", failed)
-        if subject is None or subject[1] not in self.input_names[: len(args)]:
-            return None
-        value = args[self.input_names.index(subject[1])]
-        return None if isinstance(value, torch.Tensor) else (subject[1], value)
-
-
-def _guard_inputs(graph: torch.fx.Graph) -> tuple[str, ...]:
-    """Names of the values the graph passes to ``_guards_fn``, in order."""
-    for node in graph.nodes:
-        if node.op == "call_module" and node.target == "_guards_fn":
-            return tuple(arg.name if isinstance(arg, torch.fx.Node) else "" for arg in node.args)
-    return ()
-
-
-_WIDER = {
-    None: "dynamic_shapes='batch' (any batch size) or 'all' (every size the model allows)",
-    "batch": "dynamic_shapes='all' (every size the model allows) or a torch.export spec",
-}
-"""What to split with for more input sizes, by the ``dynamic_shapes`` the split was made with."""
-
-
-class GradModeSafeSplit(torch.fx.GraphModule):
-    """An fx split whose code sets the grad mode (a recorded ``no_grad`` region): the caller's mode comes back.
-
-    The generated code restores the mode at the end of each region, as the
-    ``with`` block did; if an op inside the region raises, the code stops
-    before that restore, so the call itself puts the caller's mode back, as
-    leaving the ``with`` block by an exception would have. (``torch.save``
-    of a whole split reloads it as a plain ``GraphModule``, without this.)
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.set_grad_enabled(torch.is_grad_enabled()):
-            return super().__call__(*args, **kwargs)
-
-
-_MODE_OPS = ("dropout", "batch_norm", "instance_norm")
-
-
-def _mode_dependent_ops(graph: torch.fx.Graph) -> tuple[str, ...]:
-    found = []
-    for node in graph.nodes:
-        name = node.target._schema.name if isinstance(node.target, torch._ops.OpOverload) else ""
-        if "dropout" in name and len(node.args) > 1 and node.args[1] == 0:
-            continue  # p=0: the same in both modes
-        if any(op in name for op in _MODE_OPS):
-            found.append(node.name)
-    return tuple(found)
-
-
-def emit(graph_module: torch.fx.GraphModule, plan: Plan, by_node: dict[str, list[Weight]]) -> torch.fx.GraphModule:
-    """Build the split ``GraphModule``; it shares (not copies) the traced module's weights."""
     check_input_writes(graph_module, plan)
-    graph = _Emitter(graph_module, plan, by_node).run()
+    graph = _Emitter(graph_module, plan, weights_read(graph_module, plan)).run()
     graph.lint()
-    if plan.trace == "export":
-        exported = ExportedSplit(graph_module, graph, type(graph_module).__name__)
-        exported.traced_training = bool(graph_module.training)
-        exported.mode_ops = _mode_dependent_ops(graph)
-        exported.training = exported.traced_training
-        guard = getattr(exported, "_guards_fn", None)
-        if isinstance(guard, torch.nn.Module) and not isinstance(guard, InputGuard):
-            traced_with = graph_module.meta.get(TRACED_INPUTS) or describe_inputs(graph_module.graph)
-            exported._guards_fn = InputGuard(guard, traced_with, plan.dynamic_shapes, _guard_inputs(graph))
-        split: torch.fx.GraphModule = exported
-    elif any(is_grad_mode_node(node) for node in graph.nodes):
-        split = GradModeSafeSplit(graph_module, graph, type(graph_module).__name__)
-    else:
-        split = torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
+    split = split_module(graph_module, graph, plan)
     pin_subgraph_devices(split, {n.name: n.meta[DEVICE_META] for n in split.graph.nodes if DEVICE_META in n.meta})
     split.recompile()
     mirror_registries(split)  # weights by path at dict speed (see fxsplit.codegen.fastattr)

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from fxsplit.attrpath import attr_at
+
 __all__ = ["pin_device_arguments", "pin_subgraph_devices"]
 
 
@@ -59,9 +61,7 @@ def _pin_graph(subgraph: torch.fx.GraphModule | None, device: str) -> None:
 
 def _subgraph(root: torch.nn.Module, path: str) -> torch.fx.GraphModule | None:
     """The ``GraphModule`` at ``path`` under ``root``, or None when there is none."""
-    obj: object = root
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
+    obj = attr_at(root, path, None)
     return obj if isinstance(obj, torch.fx.GraphModule) else None
 
 

@@ -18,7 +18,7 @@ import re
 
 import torch.fx
 
-from fxsplit.codegen.emitter import DEVICE_META
+from fxsplit.codegen.meta import DEVICE_META
 
 __all__ = ["show_code"]
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 import torch.fx
 
+from fxsplit.attrpath import attr_at
 from fxsplit.errors import SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.partition.problem import PartitionProblem, Value
@@ -29,7 +30,7 @@ from fxsplit.tracing.graphinfo import (
     value_kind,
 )
 
-__all__ = ["GraphCosts", "Weight", "build_problem", "model_tensors", "named_tensors", "path_matches"]
+__all__ = ["GraphCosts", "Weight", "build_problem", "model_tensors", "named_tensors", "path_matches", "tensor_reads"]
 
 UNKNOWN_VALUE_BYTES = 1
 
@@ -142,22 +143,9 @@ def build_problem(
         weight_users.setdefault(key, set()).update(users)
         weight_nodes.setdefault(key, []).append(node)
 
-    for node in graph.nodes:
-        if node.op == "get_attr":
-            attr = _resolve(graph_module, str(node.target))
-            if isinstance(attr, torch.Tensor):
-                users = {index[u] for u in node.users if u in index}
-                add_weight(attr, str(node.target), not isinstance(attr, torch.nn.Parameter), node.name, users)
-        elif node.op == "call_module":
-            module = modules[str(node.target)]
-            for name, tensor in _module_tensors(module):
-                add_weight(
-                    tensor,
-                    f"{node.target}.{name}",
-                    not isinstance(tensor, torch.nn.Parameter),
-                    node.name,
-                    {index[node]},
-                )
+    for node, path, tensor in tensor_reads(graph_module, modules):
+        users = {index[u] for u in node.users if u in index} if node.op == "get_attr" else {index[node]}
+        add_weight(tensor, path, not isinstance(tensor, torch.nn.Parameter), node.name, users)
 
     mutated_weights: set[int] = set()
     last_write: dict[int, int] = {}
@@ -167,7 +155,7 @@ def build_problem(
             root = alias_root(target)
             if root.op == "get_attr":
                 # Written at home; readers up to the last write share its device, later ones may copy it.
-                key = id(_resolve(graph_module, str(root.target)))
+                key = id(attr_at(graph_module, str(root.target)))
                 last_write[key] = max(last_write.get(key, 0), index[node])
             else:
                 # Readers before the write must share the writer's device: a copy taken
@@ -234,11 +222,30 @@ def build_problem(
     return GraphCosts(problem, ops, weights, weight_values, unused, value_nbytes)
 
 
-def _resolve(graph_module: torch.fx.GraphModule, target: str) -> Any:
-    obj: Any = graph_module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+def tensor_reads(
+    graph_module: torch.fx.GraphModule, modules: Mapping[str, torch.nn.Module] | None = None
+) -> Iterator[tuple[torch.fx.Node, str, torch.Tensor]]:
+    """``(node, path, tensor)`` for each tensor a node reads from the module, in graph order.
+
+    A ``get_attr`` node reads its target when that is a tensor; a
+    ``call_module`` node reads each parameter and buffer of its module
+    (:func:`named_tensors` order, so a tensor the module holds under two names
+    twice), at ``"<module path>.<name>"``. This is what a :class:`Weight`'s
+    ``nodes`` are made of; paths are the graph module's.
+
+    Args:
+        graph_module: the traced graph and the module it reads from.
+        modules: ``dict(graph_module.named_modules())``, when the caller has it.
+    """
+    modules = modules if modules is not None else dict(graph_module.named_modules())
+    for node in graph_module.graph.nodes:
+        if node.op == "get_attr":
+            attr = attr_at(graph_module, str(node.target))
+            if isinstance(attr, torch.Tensor):
+                yield node, str(node.target), attr
+        elif node.op == "call_module":
+            for name, tensor in _module_tensors(modules[str(node.target)]):
+                yield node, f"{node.target}.{name}", tensor
 
 
 def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

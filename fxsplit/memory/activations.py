@@ -24,8 +24,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from fxsplit.attrpath import attr_at
 from fxsplit.cost.build import GraphCosts, Weight
 from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory
+from fxsplit.planning.build import weights_by_node
 
 __all__ = ["profile_activations"]
 
@@ -237,7 +239,7 @@ def _fake_weights(graph_module: torch.fx.GraphModule, mode: Any, training: bool)
     ]
     for node in graph_module.graph.nodes:
         if node.op == "get_attr":
-            attr = _resolve(graph_module, str(node.target))
+            attr = attr_at(graph_module, str(node.target), None)
             if isinstance(attr, torch.Tensor):
                 named.append((str(node.target), attr))
     by_id: dict[int, torch.Tensor] = {}
@@ -287,21 +289,6 @@ def _fused_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return out[0]
 
 
-def _resolve(root: Any, target: str) -> Any:
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
-
-
-def _weight_reads(costs: GraphCosts) -> dict[str, list[Weight]]:
-    found: dict[str, list[Weight]] = {}
-    for weight in costs.weights:
-        for node in weight.nodes:
-            found.setdefault(node, []).append(weight)
-    return found
-
-
 def _reads(node: torch.fx.Node, by_node: dict[str, list[Weight]]) -> Iterator[str]:
     for arg in node.all_input_nodes:
         if arg.op == "get_attr":
@@ -320,7 +307,7 @@ def _profile(
     fakes: dict[str, torch.Tensor],
     training: bool,
 ) -> ActivationProfile:
-    by_node = _weight_reads(costs)
+    by_node = weights_by_node(costs)
     values: dict[str, ValueMemory] = dict(recorder.results)
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     weight_names: set[str] = set()

@@ -41,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fxsplit.codegen.emitter import COPY_META, DEVICE_META
+from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
 
 __all__ = ["ActivationMeter", "measure_forward", "measure_training"]
 
@@ -180,8 +180,8 @@ class ActivationMeter(TorchDispatchMode):
     def _after_node(self, node: torch.fx.Node, value: Any) -> None:
         """Remember which device the autograd nodes created by ``node`` belong to."""
         device = node.meta.get(DEVICE_META)
-        copy = node.meta.get(COPY_META)
-        source = copy[1] if copy is not None else None
+        copy: CopyRecord | None = node.meta.get(COPY_META)
+        source = copy.source if copy is not None else None
         if source is not None:
             device = source  # a copy's backward sends the gradient back to the source
         if device is None:
@@ -226,8 +226,8 @@ class _Runner(torch.fx.Interpreter):
                 self.user_to_last_uses.setdefault(node, []).append(node)
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        copy = n.meta.get(COPY_META)
-        self.meter._current = copy[2] if copy is not None else n.meta.get(DEVICE_META)
+        copy: CopyRecord | None = n.meta.get(COPY_META)
+        self.meter._current = copy.destination if copy is not None else n.meta.get(DEVICE_META)
         value = super().run_node(n)
         if n.op not in ("placeholder", "output"):
             self.meter._after_node(n, value)

@@ -42,13 +42,13 @@ from typing import Any, Mapping
 import torch
 import torch.fx
 
+from fxsplit.attrpath import attr_at
 from fxsplit.codegen.emitter import emit
 from fxsplit.cost.build import model_tensors
 from fxsplit.errors import SpecError
 from fxsplit.pipeline.gpipe import PipelineConfig
 from fxsplit.pipeline.microbatch import first_microbatch
 from fxsplit.pipeline.stages import StageSpec, split_stages
-from fxsplit.planning.build import weights_by_node
 from fxsplit.planning.plan import Plan
 from fxsplit.units import format_size
 
@@ -148,9 +148,7 @@ class PipelineStages:
                     dist.broadcast(tensor, src=self._global_rank(holders[0], group), group=handle)
 
     def _tensor(self, index: int, name: str) -> torch.Tensor:
-        obj: Any = self.modules[index]
-        for part in self._paths[index][name].split("."):
-            obj = getattr(obj, part)
+        obj = attr_at(self.modules[index], self._paths[index][name])
         assert isinstance(obj, torch.Tensor)
         return obj
 
@@ -198,15 +196,15 @@ def pipeline_stages(
     if "pipeline" in options:
         raise SpecError("pipeline_stages takes chunks=..., not pipeline=...")
     if isinstance(plan_or_budgets, Plan):
-        graph_module, plan, by_node = _apply(model, plan_or_budgets, example_inputs, chunks, options)
+        graph_module, plan = _apply(model, plan_or_budgets, example_inputs, chunks, options)
     else:
         from fxsplit.api import trace_and_plan
 
         planned = trace_and_plan(
             model, plan_or_budgets, example_inputs, {**options, "pipeline": PipelineConfig(chunks)}
         )
-        graph_module, plan, by_node = planned.traced.graph_module, planned.plan, weights_by_node(planned.costs)
-    split = emit(graph_module, plan, by_node)
+        graph_module, plan = planned.traced.graph_module, planned.plan
+    split = emit(graph_module, plan)
     stages = split_stages(split, plan, relay=True)
     tied, paths = _replicas(model, stages.modules)
     return PipelineStages(plan, stages.specs, stages.modules, tied, chunks, paths)
@@ -214,7 +212,7 @@ def pipeline_stages(
 
 def _apply(
     model: torch.nn.Module, plan: Plan, example_inputs: Any, chunks: int, options: Mapping[str, Any]
-) -> tuple[torch.fx.GraphModule, Plan, dict[str, Any]]:
+) -> tuple[torch.fx.GraphModule, Plan]:
     """Trace ``model`` as ``plan`` was traced, through apply's one checked re-trace path.
 
     The plan's rules, fingerprint, ``leaf_modules``, ``dtype`` and ``dynamic_shapes``, its budgets
@@ -227,7 +225,7 @@ def _apply(
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     args, kwargs = first_microbatch(example_inputs, options.get("example_kwargs"), chunks)
-    traced, costs, _ = checked_retrace(
+    traced, _, _ = checked_retrace(
         model,
         plan,
         example_inputs=args,
@@ -236,7 +234,7 @@ def _apply(
         leaf_modules=options.get("leaf_modules", ()),
         dynamic_shapes=options.get("dynamic_shapes"),
     )
-    return traced.graph_module, plan, weights_by_node(costs)
+    return traced.graph_module, plan
 
 
 def _replicas(

@@ -35,7 +35,8 @@ import torch.fx
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
-from fxsplit.codegen.emitter import COPY_META, DEVICE_META
+from fxsplit.attrpath import attr_at
+from fxsplit.codegen.meta import COPY_META, DEVICE_META
 from fxsplit.errors import FxsplitError
 from fxsplit.planning.plan import Plan
 from fxsplit.tracing.gradmode import open_regions
@@ -163,10 +164,7 @@ class _Cutter:
                 self.stage[node.name] = 0
 
     def _is_weight(self, node: torch.fx.Node) -> bool:
-        obj: Any = self.gm
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part, None)
-        return isinstance(obj, torch.Tensor)
+        return isinstance(attr_at(self.gm, str(node.target), None), torch.Tensor)
 
     def _is_free(self, node: torch.fx.Node) -> bool:
         """Duplicated into every stage that reads it (attributes that are not homed weights)."""
@@ -210,7 +208,7 @@ class _Cutter:
             release=release,
             _binder=self._binder(),
             _template=torch.fx.node.map_arg(self.output.args[0], lambda n: _Ref(n.name)),  # type: ignore[arg-type,return-value]
-            _moves={name: (self._source(n).name, n.meta[COPY_META][2]) for name, n in self.moves.items()},
+            _moves={name: (self._source(n).name, n.meta[COPY_META].destination) for name, n in self.moves.items()},
             _out_spec=self._out_spec(),
         )
 
@@ -239,7 +237,7 @@ class _Cutter:
             return
         readers = [u for u in reader.users if COPY_META not in u.meta] if COPY_META in reader.meta else [reader]
         who = readers[0] if readers else reader
-        name = reader.meta[COPY_META][0] if COPY_META in reader.meta else value.name
+        name = reader.meta[COPY_META].producer if COPY_META in reader.meta else value.name
         path = module_path(who) or who.name
         here, there = self.devices[made], self.devices[used]
         raise FxsplitError(

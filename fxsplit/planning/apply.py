@@ -30,7 +30,7 @@ from fxsplit.cost.constraints import locator, resolve_leaf_modules
 from fxsplit.devices import require_usable
 from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError, SpecError
 from fxsplit.options import Budgets
-from fxsplit.planning.build import cuts_for, weights_by_node
+from fxsplit.planning.build import cuts_for
 from fxsplit.planning.fingerprint import describe, differences
 from fxsplit.planning.plan import Cut, Plan
 from fxsplit.planning.rules import budget_overruns, device_needs, validate_plan
@@ -210,7 +210,7 @@ def apply(
             refuse_meta(model)
         moved = move_weights(traced.graph_module, plan, loaded.not_loaded(costs.weights + costs.unused))
         try:
-            return remember_non_persistent(emit(traced.graph_module, plan, weights_by_node(costs)), model)
+            return remember_non_persistent(emit(traced.graph_module, plan), model)
         except BaseException:
             moved.undo()  # a failed call leaves the model as it was
             raise

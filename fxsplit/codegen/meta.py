@@ -1,0 +1,38 @@
+"""What codegen writes into ``node.meta`` of the split graph, for the stages that read it back.
+
+Memory measurement, pipeline stages and the invariant checks read which
+device each node runs on (``DEVICE_META``) and what each copy moves
+(``COPY_META``, a :class:`CopyRecord`), by field name.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["COPY_META", "DEVICE_META", "CopyRecord"]
+
+COPY_META = "fxsplit_copy"
+"""``node.meta`` key: the :class:`CopyRecord` of a copy the generated code makes (``.to(device)``)."""
+
+DEVICE_META = "fxsplit_device"
+"""``node.meta`` key: the device an emitted op, copy or weight read runs on (placeholders have none)."""
+
+
+class CopyRecord(NamedTuple):
+    """One copy of a value from one device to another, as emitted (a plan's :class:`~fxsplit.planning.plan.Cut`).
+
+    A tuple, so it compares equal to ``(producer, source, destination)``.
+
+    Attributes:
+        producer: the value copied, named as the plan's cuts name it: the
+            graph node that makes it (a placeholder for a model input) or, for
+            a parameter or buffer, its canonical qualified name.
+        source: the device it is copied from; None for a model input brought
+            from wherever the caller's tensor is to the device of its first
+            reader.
+        destination: the device it is copied to.
+    """
+
+    producer: str
+    source: str | None
+    destination: str

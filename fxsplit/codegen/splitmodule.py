@@ -1,0 +1,159 @@
+"""The class a split is built as: what a plain ``GraphModule`` would get wrong for some traced graphs.
+
+* :class:`ExportedSplit`: a ``torch.export`` graph fixed its train/eval mode
+  when traced; switching it raises instead of changing nothing, and its
+  input check (:class:`InputGuard`) says how to split for other inputs.
+* :class:`GradModeSafeSplit`: code that sets the grad mode puts the caller's
+  mode back even when an op inside the region raises.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.fx
+
+from fxsplit.errors import FxsplitError, InputMismatchError
+from fxsplit.planning.plan import Plan
+from fxsplit.tracing.dynamic import TRACED_INPUTS, describe_inputs
+from fxsplit.tracing.gradmode import is_grad_mode_node
+
+__all__ = ["ExportedSplit", "GradModeSafeSplit", "InputGuard", "split_module"]
+
+
+class ExportedSplit(torch.fx.GraphModule):
+    """A split of a ``torch.export`` graph, whose train/eval behaviour was fixed when it was traced.
+
+    ``torch.export`` bakes the mode into the graph (dropout on or off, batch
+    norm using batch or running statistics). Switching the mode of a graph
+    that has such ops would silently change nothing, so it raises instead.
+    """
+
+    traced_training: bool = False
+    mode_ops: tuple[str, ...] = ()
+
+    def train(self, mode: bool = True) -> ExportedSplit:
+        if mode != self.traced_training and self.mode_ops:
+            traced = "training" if self.traced_training else "eval"
+            wanted = "train()" if mode else "eval()"
+            raise FxsplitError(
+                f"this split was traced by torch.export in {traced} mode, which fixed the behaviour of "
+                f"{', '.join(self.mode_ops[:3])} in the graph, so {wanted} cannot change it; call "
+                f"model.{wanted} before fxsplit(...) and split again (or use trace='fx')"
+            )
+        self.training = mode
+        return self
+
+
+class InputGuard(torch.nn.Module):
+    """torch.export's input check, failing with what the split was traced with and how to accept more.
+
+    Wraps the ``_guards_fn`` that export puts first in the graph: same check,
+    but an :class:`~fxsplit.errors.InputMismatchError` that names the inputs'
+    traced sizes and the ``dynamic_shapes`` option instead of a bare
+    ``AssertionError: Guard failed``. A failed check on a non-tensor input
+    (``use_cache == False``) says to split again with that value in
+    ``example_kwargs``: no ``dynamic_shapes`` can vary a value export fixed.
+    """
+
+    def __init__(
+        self, check: torch.nn.Module, traced_with: str, dynamic: str | None, input_names: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__()
+        self.check = check
+        self.traced_with = traced_with
+        self.dynamic = dynamic
+        self.input_names = input_names
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.check(*args, **kwargs)
+        except AssertionError as error:
+            fixed = self._non_tensor(str(error), args)
+            if fixed is not None:
+                name, value = fixed
+                fix = (
+                    f"Call it with {name} as traced; {name} is not a tensor, so torch.export fixed its value in "
+                    f"the graph and no dynamic_shapes can vary it: to call it with {name}={value!r}, split again "
+                    f"with example_kwargs={{{name!r}: {value!r}}} (one split per value), or use trace='fx'"
+                )
+            else:
+                fix = (
+                    "Call it with inputs like those (same sizes where they are fixed, same non-tensor values), or "
+                    f"split again with {_WIDER.get(self.dynamic, 'a wider dynamic_shapes spec')}, or use trace='fx'"
+                )
+            raise InputMismatchError(
+                f"the inputs do not match what torch.export traced this split with ({error}); traced with "
+                f"{self.traced_with}. {fix}"
+            ) from None
+
+    def _non_tensor(self, failed: str, args: tuple[Any, ...]) -> tuple[str, Any] | None:
+        """``(name, value)`` of the non-tensor input a failed guard tests, if it tests one."""
+        subject = re.search(r"Guard failed: (\w+)", failed)
+        if subject is None or subject[1] not in self.input_names[: len(args)]:
+            return None
+        value = args[self.input_names.index(subject[1])]
+        return None if isinstance(value, torch.Tensor) else (subject[1], value)
+
+
+def _guard_inputs(graph: torch.fx.Graph) -> tuple[str, ...]:
+    """Names of the values the graph passes to ``_guards_fn``, in order."""
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target == "_guards_fn":
+            return tuple(arg.name if isinstance(arg, torch.fx.Node) else "" for arg in node.args)
+    return ()
+
+
+_WIDER = {
+    None: "dynamic_shapes='batch' (any batch size) or 'all' (every size the model allows)",
+    "batch": "dynamic_shapes='all' (every size the model allows) or a torch.export spec",
+}
+"""What to split with for more input sizes, by the ``dynamic_shapes`` the split was made with."""
+
+
+class GradModeSafeSplit(torch.fx.GraphModule):
+    """An fx split whose code sets the grad mode (a recorded ``no_grad`` region): the caller's mode comes back.
+
+    The generated code restores the mode at the end of each region, as the
+    ``with`` block did; if an op inside the region raises, the code stops
+    before that restore, so the call itself puts the caller's mode back, as
+    leaving the ``with`` block by an exception would have. (``torch.save``
+    of a whole split reloads it as a plain ``GraphModule``, without this.)
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.set_grad_enabled(torch.is_grad_enabled()):
+            return super().__call__(*args, **kwargs)
+
+
+_MODE_OPS = ("dropout", "batch_norm", "instance_norm")
+
+
+def _mode_dependent_ops(graph: torch.fx.Graph) -> tuple[str, ...]:
+    found = []
+    for node in graph.nodes:
+        name = node.target._schema.name if isinstance(node.target, torch._ops.OpOverload) else ""
+        if "dropout" in name and len(node.args) > 1 and node.args[1] == 0:
+            continue  # p=0: the same in both modes
+        if any(op in name for op in _MODE_OPS):
+            found.append(node.name)
+    return tuple(found)
+
+
+def split_module(graph_module: torch.fx.GraphModule, graph: torch.fx.Graph, plan: Plan) -> torch.fx.GraphModule:
+    """The split's module over ``graph``, sharing ``graph_module``'s weights, of the class its graph needs."""
+    if plan.trace == "export":
+        exported = ExportedSplit(graph_module, graph, type(graph_module).__name__)
+        exported.traced_training = bool(graph_module.training)
+        exported.mode_ops = _mode_dependent_ops(graph)
+        exported.training = exported.traced_training
+        guard = getattr(exported, "_guards_fn", None)
+        if isinstance(guard, torch.nn.Module) and not isinstance(guard, InputGuard):
+            traced_with = graph_module.meta.get(TRACED_INPUTS) or describe_inputs(graph_module.graph)
+            exported._guards_fn = InputGuard(guard, traced_with, plan.dynamic_shapes, _guard_inputs(graph))
+        return exported
+    if any(is_grad_mode_node(node) for node in graph.nodes):
+        return GradModeSafeSplit(graph_module, graph, type(graph_module).__name__)
+    return torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
