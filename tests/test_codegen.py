@@ -11,6 +11,7 @@ import sys
 import textwrap
 from typing import Optional
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -164,6 +165,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # fresh interpreters: ~15 s
 def test_deterministic_across_processes() -> None:
     """Another interpreter with another hash seed makes byte-identical code and plan."""
     here = fxsplit.fxsplit(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx")

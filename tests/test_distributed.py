@@ -230,6 +230,7 @@ def _single_process(name: str) -> tuple[list[float], torch.nn.Module]:
     return losses, model
 
 
+@pytest.mark.slow  # two gloo processes: ~13 s
 def test_two_gloo_ranks_train_like_one_process(tmp_path: Path) -> None:
     env = {
         **os.environ,
