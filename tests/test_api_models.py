@@ -346,6 +346,7 @@ def test_public_names() -> None:
     assert issubclass(fxsplit.SpecError, ValueError) and issubclass(fxsplit.TraceError, fxsplit.FxsplitError)
 
 
+@pytest.mark.slow  # GPT-2 with labels: ~7 s
 def test_hugging_face_causal_lm_with_labels() -> None:
     """A transformers 5.x GPT-2 (tied head) via export: the ModelOutput, its loss and every gradient match."""
     transformers = pytest.importorskip("transformers")

@@ -14,6 +14,7 @@ pytest.importorskip("matplotlib")
 from benchmarks import run  # noqa: E402
 
 
+@pytest.mark.slow  # the quick benchmark suite: ~60 s
 def test_quick_suite_on_one_model_writes_results(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     code = run.main(["--quick", "--models", "mlp48", "--out", str(out), "--llama-layers", "0"])

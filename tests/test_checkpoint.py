@@ -280,6 +280,7 @@ def test_empty_weights_puts_parameters_on_meta_and_restores_register_parameter()
     assert nn.Linear(2, 2).weight.device.type == "cpu"
 
 
+@pytest.mark.slow  # the benchmark in a subprocess: ~10 s
 def test_benchmark_small_checkpoint_meets_the_memory_bar(tmp_path: Path) -> None:
     from benchmarks import checkpoint_load as bench
 

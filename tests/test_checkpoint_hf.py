@@ -16,6 +16,8 @@ import torch
 
 import fxsplit
 
+pytestmark = pytest.mark.slow  # Hugging Face models saved and loaded, ~15 s
+
 transformers = pytest.importorskip("transformers")
 
 IDS = torch.randint(0, 1000, (2, 8), generator=torch.Generator().manual_seed(0))

@@ -48,6 +48,7 @@ def saved_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow  # python -m fxsplit in a fresh interpreter (here or in saved_plan): 3-22 s
 def test_infeasible_exits_1_with_one_line(saved_plan: Path) -> None:
     done = run_module("plan", MODEL, "--budget", "cpu:0=300KiB", "--budget", "cpu:1=300KiB")
     assert done.returncode == 1
@@ -55,6 +56,7 @@ def test_infeasible_exits_1_with_one_line(saved_plan: Path) -> None:
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # python -m fxsplit in a fresh interpreter (here or in saved_plan): 3-22 s
 def test_bad_spec_exits_2_listing_problems_and_debug_shows_the_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("devices:\n  cpu:0: 10 GiBs\n  gpu:1: 1GiB\npinn: {}\n")
@@ -68,6 +70,7 @@ def test_bad_spec_exits_2_listing_problems_and_debug_shows_the_traceback(tmp_pat
     assert "Traceback (most recent call last)" in debug.stderr and "SpecProblems" in debug.stderr
 
 
+@pytest.mark.slow  # python -m fxsplit in a fresh interpreter (here or in saved_plan): 3-22 s
 def test_code_from_a_saved_plan_equals_code_from_the_spec(saved_plan: Path) -> None:
     code, from_plan, err = run("code", MODEL, "--plan", str(saved_plan))
     assert code == 0, err
@@ -79,6 +82,7 @@ def test_code_from_a_saved_plan_equals_code_from_the_spec(saved_plan: Path) -> N
     assert code == 0 and raw.startswith("def forward(self, ids):") and "_guards_fn" in raw
 
 
+@pytest.mark.slow  # python -m fxsplit in a fresh interpreter (here or in saved_plan): 3-22 s
 def test_code_and_show_plan_from_budgets_alone(saved_plan: Path, tmp_path: Path) -> None:
     budgets = ("--budget", "cpu:0=700KiB", "--budget", "cpu:1=700KiB")
     code, out, err = run("code", MODEL, *budgets)
@@ -93,6 +97,7 @@ def test_code_and_show_plan_from_budgets_alone(saved_plan: Path, tmp_path: Path)
     assert code == 2 and "--budget plans anew, --plan uses a saved plan" in err
 
 
+@pytest.mark.slow  # python -m fxsplit in a fresh interpreter (here or in saved_plan): 3-22 s
 def test_check_a_saved_plan(saved_plan: Path) -> None:
     code, out, err = run("check", MODEL, "--plan", str(saved_plan))
     assert code == 0, err

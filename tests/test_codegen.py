@@ -169,6 +169,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # fresh interpreters: ~15 s
 def test_deterministic_across_processes() -> None:
     """Another interpreter with another hash seed makes byte-identical code and plan."""
     here = fxsplit.fxsplit(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx")

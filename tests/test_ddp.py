@@ -15,6 +15,7 @@ import os
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -22,6 +23,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import fxsplit
+
+pytestmark = pytest.mark.slow  # two gloo processes, ~15 s
 
 WORLD, STEPS, BATCH, LR = 2, 3, 8, 0.1
 BUDGETS = {"cpu:0": "24KiB", "cpu:1": "24KiB"}

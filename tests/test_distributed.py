@@ -127,6 +127,66 @@ def test_a_plan_made_with_leaf_modules_stages_like_apply(leaf: Any) -> None:
     torch.testing.assert_close(applied(*x), model(*x))
 
 
+class Block(torch.nn.Module):
+    """A user's block that fx could trace into: as a leaf, the plan names one node for it, 'block'."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(width, width)
+        self.outer = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(torch.tanh(self.inner(x)))
+
+
+class WithBlock(torch.nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(width, width)
+        self.block = Block(width)
+        self.last = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.block(torch.relu(self.first(x)))))
+
+
+def test_a_plan_with_a_leaf_module_class_applies_and_stages_equal_the_model() -> None:
+    """Regression: pipeline_stages re-traced a plan without its leaf_modules, so a plan made with
+    leaf_modules=[SomeBlock] raised PlanMismatchError ('nodes in the plan but not the graph') there,
+    while fxsplit.apply took it."""
+    torch.manual_seed(0)
+    model = WithBlock()
+    x = (torch.randn(4, 16),)
+    expected = model(*x)
+    linear = (16 * 16 + 16) * 4
+    plan = fxsplit.plan(
+        model,
+        {"cpu:0": 3 * linear + 100, "cpu:1": 3 * linear + 100},  # the model is 4 Linears: two stages
+        mode="weights",
+        example_inputs=x,
+        trace="fx",
+        leaf_modules=[Block],
+        contiguous=True,  # stages: values flow to later devices only
+    )
+    assert plan.leaf_modules == (f"{Block.__module__}.Block",)  # the class, by its qualified name
+    assert "block" in plan.placement and not any(name.startswith("block_") for name in plan.placement)
+    assert set(plan.placement.values()) == {"cpu:0", "cpu:1"}  # a real split, so there are stages to chain
+    loaded = fxsplit.Plan.from_yaml(plan.to_yaml())  # a saved plan knows the class by name only
+
+    applied = fxsplit.apply(copy.deepcopy(model), loaded, example_inputs=x)
+    assert any(n.op == "call_module" and n.target == "block" for n in applied.graph.nodes)
+    torch.testing.assert_close(applied(*x), expected)
+
+    stages = fxsplit.pipeline_stages(model, loaded, example_inputs=x)
+    assert len(stages) == 2
+    out = stages[0](*x)
+    for module in stages.modules[1:]:
+        out = module(*out)
+    torch.testing.assert_close(out, expected)
+    held = [{name for name, _ in module.named_modules()} for module in stages.modules]
+    assert sum("block" in names for names in held) == 1  # the block is one module, on one stage
+
+
 class _SizeAcross(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -170,6 +230,7 @@ def _single_process(name: str) -> tuple[list[float], torch.nn.Module]:
     return losses, model
 
 
+@pytest.mark.slow  # two gloo processes: ~13 s
 def test_two_gloo_ranks_train_like_one_process(tmp_path: Path) -> None:
     env = {
         **os.environ,

@@ -81,6 +81,7 @@ def test_block_not_run_here(block: Block) -> None:
     pytest.skip(skip_reason(block) or "")
 
 
+@pytest.mark.slow  # runs every documented command, up to ~5 s a document
 @pytest.mark.parametrize("document", sorted(BLOCKS))
 def test_document(document: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for shared in ("examples", "specs"):

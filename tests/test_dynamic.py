@@ -67,6 +67,7 @@ def assert_same_at_batches(
     assert_same_grads(model, reference)
 
 
+@pytest.mark.slow  # ~10 s
 def test_batch_may_vary_forward_and_backward() -> None:
     model, reference = pair()
     gm = fxsplit.fxsplit(
@@ -209,6 +210,7 @@ def test_spec_files_set_it() -> None:
     torch.testing.assert_close(gm(y).to("cpu"), reference(y))
 
 
+@pytest.mark.slow  # GPT-2: ~11 s
 def test_gpt2_takes_any_batch_with_its_keyword_inputs() -> None:
     config = transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=160, n_positions=32, bos_token_id=0, eos_token_id=0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import re
 
 import pytest
@@ -176,3 +178,69 @@ def test_meta_model_cannot_be_split() -> None:
         model = three_linears()
     with pytest.raises(fxsplit.FxsplitError, match=r"'0.weight' is on the meta device.*use fxsplit.plan\(\)"):
         fxsplit.fxsplit(model, {"cpu:0": 10**6})
+
+
+def _exception_classes() -> dict[str, type[BaseException]]:
+    """Every public exception or warning class defined in a module of fxsplit, by qualified name."""
+    found = {}
+    for info in pkgutil.walk_packages(fxsplit.__path__, "fxsplit."):
+        if info.name.endswith("__main__"):
+            continue  # running it is the command line
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == info.name:
+                if not name.startswith("_"):
+                    found[f"{info.name}.{name}"] = value
+    return found
+
+
+def test_every_error_is_an_fxsplit_error_and_every_warning_an_fxsplit_warning() -> None:
+    classes = _exception_classes()
+    assert {"fxsplit.errors.BudgetError", "fxsplit.check.InvariantError", "fxsplit.factory.ModelLoadError"} <= set(
+        classes
+    )
+    for name, cls in classes.items():
+        if issubclass(cls, Warning):
+            assert issubclass(cls, fxsplit.FxsplitWarning) and not issubclass(cls, fxsplit.FxsplitError), name
+        else:
+            assert issubclass(cls, fxsplit.FxsplitError), f"{name} is not an FxsplitError: {cls.__mro__}"
+
+
+@pytest.mark.parametrize(
+    ("name", "also"),
+    [
+        ("BudgetError", ValueError),
+        ("SpecError", ValueError),
+        ("CheckpointError", ValueError),
+        ("ExampleInputError", ValueError),
+        ("InputMismatchError", ValueError),
+        ("PlanMismatchError", ValueError),
+        ("DeviceError", RuntimeError),
+    ],
+)
+def test_errors_about_values_a_user_can_fix_are_also_builtin_errors(name: str, also: type[Exception]) -> None:
+    cls = getattr(fxsplit, name)
+    assert issubclass(cls, fxsplit.FxsplitError) and issubclass(cls, also)
+    with pytest.raises(also, match="the message"):
+        raise cls("the message")
+
+
+def test_the_error_hierarchy_where_it_branches() -> None:
+    from fxsplit.planning.rules import PlanProblems
+    from fxsplit.spec import SpecProblems
+    from fxsplit.yamlfile import YamlProblems
+
+    assert issubclass(fxsplit.ExampleInputError, fxsplit.TraceError)  # caught by code that catches tracing failures
+    assert not issubclass(fxsplit.TraceError, ValueError)  # a model fx cannot trace is not a bad value
+    assert issubclass(fxsplit.FxsplitWarning, UserWarning) and not issubclass(
+        fxsplit.FxsplitWarning, fxsplit.FxsplitError
+    )
+    assert issubclass(YamlProblems, fxsplit.SpecError) and issubclass(SpecProblems, YamlProblems)
+    assert issubclass(PlanProblems, YamlProblems) and issubclass(PlanProblems, fxsplit.PlanMismatchError)
+    assert set(fxsplit.errors.__all__) <= set(fxsplit.__all__)  # every error is reachable as fxsplit.<Name>
+
+
+def test_a_checkpoint_error_keeps_its_problems() -> None:
+    error = fxsplit.CheckpointError("2 problems", ("missing: a", "unexpected: b"))
+    assert str(error) == "2 problems" and error.problems == ("missing: a", "unexpected: b")
+    assert fxsplit.CheckpointError("none listed").problems == ()

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.slow  # each runs an example script in a fresh interpreter, 7-13 s
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,6 +20,8 @@ import torch
 import fxsplit
 from fxsplit.memory.measure import measure_forward
 
+pytestmark = pytest.mark.slow  # Hugging Face models, 2-10 s each, ~95 s in all
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import pickle
 import random
 
 import pytest
@@ -361,11 +362,22 @@ def test_planning_never_touches_the_model() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_memory_model_spec_is_plain_data() -> None:
+def test_memory_spec_is_plain_data_and_charges_what_its_mode_counts() -> None:
     spec = MemorySpec.coerce("training", "AdamW")
-    assert (spec.mode, spec.optimizer) == ("training", "adamw")
-    assert MemorySpec.coerce().training is False
-    assert isinstance(MemoryModel.__dataclass_fields__["profile"].default, type(None))
+    assert spec == MemorySpec("training", "adamw") and hash(spec) == hash(MemorySpec("training", "adamw"))
+    assert pickle.loads(pickle.dumps(spec)) == spec and copy.deepcopy(spec) == spec
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.mode = "weights"  # type: ignore[misc]
+    assert MemorySpec.coerce() == MemorySpec("inference", None) and not MemorySpec.coerce().training
+    assert MemorySpec.coerce("training") == MemorySpec("training", "adam")  # training defaults to Adam
+    # one trainable parameter of 400 bytes, 100 elements
+    assert spec.optimizer_bytes(400, 100) == 800  # Adam(W): two state tensors like it
+    assert MemorySpec.coerce("training", "sgd_momentum").optimizer_bytes(400, 100) == 400
+    assert MemorySpec.coerce("training", "sgd").optimizer_bytes(400, 100) == 0
+    assert MemorySpec.coerce("training", 6).optimizer_bytes(400, 100) == 600  # an int: bytes per element
+    assert MemorySpec.coerce("inference").optimizer_bytes(400, 100) == 0
+    counts = [MemorySpec.coerce(mode).counts_activations for mode in ("inference", "training", "weights")]
+    assert counts == [True, True, False]
 
 
 # -- budgets="auto" ------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from reference import feasible, true_cost
@@ -143,6 +144,7 @@ print(json.dumps({{"devices": list(result.op_devices), "bytes": result.transfer_
 """
 
 
+@pytest.mark.slow  # two fresh interpreters: ~30 s
 def test_exchanges_are_deterministic_across_hash_seeds() -> None:
     """Two U-Nets in a row on 3 devices (where wrap, moves and cuts all act): the same placement whatever
     the interpreter's hash seed, which orders the sets the flow network is built from."""

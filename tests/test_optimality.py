@@ -18,6 +18,8 @@ from fxsplit.errors import BudgetError
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.solve import partition
 
+pytestmark = pytest.mark.slow  # exhaustive search over small graphs, 6-11 s each
+
 CASES = 300
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -141,9 +146,12 @@ def test_chain_cuts_at_the_cheapest_activation() -> None:
 
 def test_one_device_takes_everything_with_no_transfer() -> None:
     problem = chain([10, 20, 30], [5, 5])
-    assert partition(problem, [60]) == partition(problem, [60])
-    assert partition(problem, [60]).op_devices == (0, 0, 0)
-    assert partition(problem, [60]).transfer_bytes == 0
+    result = partition(problem, [60])  # exactly the weights: fits
+    assert result.op_devices == (0, 0, 0)
+    assert result.transfer_bytes == 0
+    assert result.device_weights == (60,)
+    with pytest.raises(BudgetError, match="budget"):
+        partition(problem, [59])  # one byte short: nowhere else to go
 
 
 def test_everything_fits_first_device_no_cut() -> None:
@@ -278,13 +286,47 @@ def test_no_budgets_is_a_spec_error() -> None:
         partition(chain([1], []), [])
 
 
-def test_deterministic() -> None:
-    rng = random.Random(7)
-    weights = [rng.randint(0, 50) for _ in range(30)]
-    acts = [rng.choice([4, 4, 8]) for _ in range(30)]  # many equal-cost ties
-    first = partition(chain(weights, acts), [300, 300, 300, 300])
-    for _ in range(3):
-        assert partition(chain(list(weights), list(acts)), [300, 300, 300, 300]) == first
+_SOLVE_IN_A_FRESH_INTERPRETER = """
+import json, random, sys
+sys.path[:0] = [{here!r}, {root!r}]
+from strategies import random_linear_dag
+from fxsplit.partition.problem import PartitionProblem, Value
+from fxsplit.partition.solve import partition
+rng = random.Random(7)
+weights = [rng.randint(0, 50) for _ in range(30)]
+acts = [rng.choice([4, 4, 8]) for _ in range(30)]  # many equal-cost ties
+values = [Value(f"w{{i}}", w, i, (i,), weight=w) for i, w in enumerate(weights) if w]
+values += [Value(f"a{{i}}", acts[i], i, (i + 1,)) for i in range(29)]
+chain = PartitionProblem(tuple(f"op{{i}}" for i in range(30)), tuple(values))
+dag = random_linear_dag(random.Random(3), 80)
+dag_budget = int(1.4 * sum(v.weight for v in dag.values) / 3)
+found = [
+    partition(chain, [300] * 4),
+    partition(chain, [300] * 4, objective="balanced"),
+    partition(dag, [dag_budget] * 3),
+    partition(dag, [dag_budget] * 3, contiguous=True),
+]
+print(json.dumps([[list(p.op_devices), p.transfer_bytes, list(p.device_weights)] for p in found]))
+"""
+
+
+def test_deterministic_whatever_the_hash_seed() -> None:
+    """Same problem, same placement, in fresh interpreters with different hash seeds (which order sets of
+    names), on ties where any order of candidates would otherwise show."""
+    here = Path(__file__).resolve().parent
+    found = []
+    for seed in ("0", "1", "2"):
+        done = subprocess.run(
+            [sys.executable, "-c", _SOLVE_IN_A_FRESH_INTERPRETER.format(here=str(here), root=str(here.parent))],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        found.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert found[0] == found[1] == found[2]
+    assert len({tuple(devices) for devices, _, _ in found[0]}) == 4  # four different placements, all repeated
 
 
 def test_weightless_ops_stay_with_the_stage_before() -> None:

@@ -263,6 +263,7 @@ def test_gather_concatenates_and_averages_scalars_by_rows() -> None:
         gather([(torch.ones(1),), [torch.ones(1)]], [1, 1])
 
 
+@pytest.mark.slow  # GPT-2: ~8 s
 def test_hugging_face_model_output_comes_back_whole() -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -71,6 +71,7 @@ def plans(draw: st.DrawFn) -> Plan:
     )
 
 
+@pytest.mark.slow  # 150 hypothesis examples: ~8 s
 @settings(max_examples=150, deadline=None)
 @given(plans())
 def test_yaml_round_trip_is_exact(plan: Plan) -> None:

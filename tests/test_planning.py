@@ -1,12 +1,22 @@
-"""Plans of whole models: where the tensors no op reads go (fxsplit.planning)."""
+"""Plans of whole models (fxsplit.planning.build): where every node, weight and copy goes, unread tensors too."""
 
 from __future__ import annotations
 
 import itertools
+from typing import Sequence
 
+import pytest
 import torch
+import torch.fx
 import torch.nn as nn
 from helpers import split_and_compare
+
+from fxsplit.cost.build import GraphCosts, build_problem
+from fxsplit.errors import BudgetError
+from fxsplit.partition.refine import device_loads
+from fxsplit.partition.solve import Partition, partition
+from fxsplit.planning.build import make_plan, reads_of, unread_weights, weights_by_node
+from fxsplit.tracing.capture import trace
 
 
 class WithSpare(nn.Module):
@@ -45,3 +55,144 @@ def test_tensors_no_op_reads_are_packed_with_the_rest() -> None:
         assert plan.device_bytes[device] <= budget
     assert sum(plan.device_bytes.values()) == sum(sizes)
     assert [c.nbytes for c in plan.cuts if c.kind == "activation"] == [3 * 8 * 4]  # still one cut
+
+
+# -- make_plan, reads_of, unread_weights on one hand-chosen placement (fxsplit.planning.build) ----------------
+
+
+class TiedWithSpare(nn.Module):
+    """Embedding and head share a weight; 'spare' is never called; forward also returns a size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.spare = nn.Linear(3, 3)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        h = self.embed(ids)
+        return self.head(torch.tanh(self.body(h))), h.shape[0]
+
+
+DEVICES = ["cpu:0", "cpu:1"]
+ROOMY = {"cpu:0": 10**6, "cpu:1": 10**6}
+
+
+def costs_and_graph(trace_mode: str = "fx") -> tuple[GraphCosts, torch.fx.GraphModule]:
+    model = TiedWithSpare()
+    traced = trace(model, example_inputs=(torch.randint(0, 10, (2, 3)),), mode=trace_mode)
+    return build_problem(traced.graph_module, model, device_index={}), traced.graph_module
+
+
+def placed(costs: GraphCosts, op_devices: list[int]) -> Partition:
+    return Partition(tuple(op_devices), 0, tuple(device_loads(costs.problem, op_devices, 2)))
+
+
+def test_make_plan_places_every_node_and_names_each_copy_once() -> None:
+    costs, graph_module = costs_and_graph()
+    assert [op.name for op in costs.ops] == ["embed", "body", "tanh", "head", "getattr_1", "getitem"]
+    plan = make_plan(
+        costs,
+        graph_module,
+        placed(costs, [0, 0, 0, 1, 0, 0]),
+        DEVICES,
+        ROOMY,
+        output_device=None,
+        trace="fx",
+        objective="min_transfer",
+    )
+    assert set(plan.placement) == {node.name for node in graph_module.graph.nodes}
+    assert plan.placement["ids"] == "cpu:0"  # an input goes where its first reader runs
+    assert plan.output_device == plan.placement["output"] == "cpu:0"  # by default, the last op's device
+    assert plan.param_devices["embed.weight"] == plan.param_devices["head.weight"] == "cpu:0"  # tied: one home
+    assert plan.param_devices["spare.weight"] in DEVICES  # read by nothing, placed all the same
+    assert plan.device_bytes == {"cpu:0": 10 * 4 * 4 + 16 * 4 + 4 * 4 + 12 * 4, "cpu:1": 0}
+    assert [(c.producer, c.source, c.destination, c.nbytes, c.kind) for c in plan.cuts] == [
+        ("tanh", "cpu:0", "cpu:1", 2 * 3 * 4 * 4, "activation"),
+        ("embed.weight", "cpu:0", "cpu:1", 10 * 4 * 4, "parameter"),  # the head reads the tied weight there
+        ("head", "cpu:1", "cpu:0", 2 * 3 * 10 * 4, "output"),  # back to the output device
+    ]
+    assert plan.modules == {"cpu:0": ("embed", "body"), "cpu:1": ("head",)}
+
+
+def test_make_plan_copies_outputs_to_the_output_device() -> None:
+    costs, graph_module = costs_and_graph("export")
+    plan = make_plan(
+        costs,
+        graph_module,
+        placed(costs, [0, 0, 1, 1]),
+        DEVICES,
+        ROOMY,
+        output_device="cpu:0",
+        trace="export",
+        objective="min_transfer",
+    )
+    assert plan.placement["_guards_fn"] == plan.placement["ids"] == "cpu:0"  # export's input check: with the inputs
+    assert plan.placement["output"] == "cpu:0"
+    assert [(c.producer, c.kind) for c in plan.cuts] == [
+        ("linear", "activation"),
+        ("embed.weight", "parameter"),
+        ("linear_1", "output"),
+    ]
+
+
+def test_reads_of_lists_tensors_and_the_weights_a_module_call_reads() -> None:
+    costs, graph_module = costs_and_graph()
+    nodes = {node.name: node for node in graph_module.graph.nodes}
+    by_node = weights_by_node(costs)
+    assert [(r.key, r.kind, r.node is None) for r in reads_of(nodes["head"], by_node)] == [
+        ("tanh", "activation", False),
+        ("embed.weight", "parameter", True),  # through the module: no graph node to name
+    ]
+    assert [(r.key, r.kind) for r in reads_of(nodes["embed"], by_node)] == [
+        ("ids", "input"),
+        ("embed.weight", "parameter"),
+    ]
+    assert [(r.key, r.kind) for r in reads_of(nodes["output"], by_node)] == [("head", "output")]  # the int is no copy
+    export_costs, export_graph = costs_and_graph("export")
+    guard = next(node for node in export_graph.graph.nodes if node.name == "_guards_fn")
+    assert reads_of(guard, weights_by_node(export_costs)) == []
+
+
+def test_tensors_no_op_reads_that_fit_nowhere_are_named() -> None:
+    costs, graph_module = costs_and_graph()
+    assert [w.names for w in unread_weights(costs)] == [("spare.weight",), ("spare.bias",)]
+    solution = placed(costs, [0, 0, 0, 1, 0, 0])
+    tight = {"cpu:0": solution.device_weights[0] + 10, "cpu:1": solution.device_weights[1] + 10}
+    with pytest.raises(BudgetError) as info:
+        make_plan(costs, graph_module, solution, DEVICES, tight, output_device=None, trace="fx", objective="balanced")
+    assert str(info.value) == (
+        "the tensors no op of the graph reads (48 B: 'spare.weight' 36 B, 'spare.bias' 12 B) do not fit what the "
+        "budgets leave ('cpu:0' 10 B, 'cpu:1' 10 B); raise a budget by 36 B or more, or delete the unused tensors"
+    )
+
+
+def test_tensors_no_op_reads_are_packed_first_when_a_repartition_is_allowed() -> None:
+    costs, graph_module = costs_and_graph()
+    solution = placed(costs, [0, 1, 1, 1, 1, 1])  # the embedding (160 B) on cpu:0, the body (80 B) on cpu:1
+    budgets = {"cpu:0": 190, "cpu:1": 110}  # 30 B left on each: the spare's 36 B weight fits neither gap
+    asked: list[list[int]] = []
+
+    def repartition(room: Sequence[int]) -> Partition:
+        asked.append(list(room))
+        return partition(costs.problem, room)
+
+    with pytest.raises(BudgetError) as info:
+        make_plan(
+            costs,
+            graph_module,
+            solution,
+            DEVICES,
+            budgets,
+            output_device=None,
+            trace="fx",
+            objective="min_transfer",
+            repartition=repartition,
+        )
+    assert asked == [[190 - 48, 110]]  # the spare (48 B) set aside on the device with the most room, then the ops
+    assert str(info.value).startswith(
+        "the ops fit the budgets only if the 48 B of tensors no op reads ('spare.weight' 36 B, 'spare.bias' 12 B) "
+        "are left out; with them packed first: "
+    )

@@ -26,6 +26,8 @@ import fxsplit
 from fxsplit.cost.build import build_problem
 from fxsplit.tracing.capture import trace
 
+pytestmark = pytest.mark.slow  # random models, traced and split: ~20 s
+
 ACTIVATIONS = ("relu", "tanh", "none", "relu_")
 
 

@@ -22,6 +22,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 from helpers import CPUS, assert_same_grads, assert_same_state, default_loss, tensor_bytes
@@ -30,6 +31,8 @@ from hypothesis import strategies as st
 
 import fxsplit
 from fxsplit.check import DeviceChecker, verify_split
+
+pytestmark = pytest.mark.slow  # random models against eager, ~70 s
 
 NIGHTLY = os.environ.get("FXSPLIT_NIGHTLY") == "1"
 REGIONS = (None, "no_grad", "set_grad_enabled", "decorated", "nested")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxsplit.devices import normalize_budgets, normalize_device
-from fxsplit.errors import SpecError
+from fxsplit.devices import normalize_budgets, normalize_device, require_usable, visible_devices
+from fxsplit.errors import DeviceError, SpecError
 from fxsplit.units import format_size, parse_size
 
 
@@ -132,3 +132,41 @@ def test_normalize_budgets_rejects(budgets: object, message: str) -> None:
     with pytest.raises(SpecError) as info:
         normalize_budgets(budgets)  # type: ignore[arg-type]
     assert message in str(info.value)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA as torch would report two visible devices (no other accelerator)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    if hasattr(torch, "xpu"):
+        monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+
+
+def test_visible_devices_are_the_cpu_then_each_gpu(two_gpus: None) -> None:
+    assert visible_devices() == ["cpu", "cuda:0", "cuda:1"]
+
+
+def test_require_usable_accepts_visible_and_logical_devices(two_gpus: None) -> None:
+    require_usable(["cpu", "cpu:5", "cuda", "cuda:0", "cuda:1"])  # raises when one is not
+
+
+def test_require_usable_names_each_device_beyond_those_visible(two_gpus: None) -> None:
+    with pytest.raises(DeviceError) as info:
+        require_usable(["cuda:0", "cuda:2", "cuda:3", "cuda:2"], {"cuda:0": 2**30, "cuda:2": 3 * 2**20})
+    message = str(info.value)
+    assert message.startswith(
+        "cannot run on 'cuda:2', 'cuda:3': only 2 cuda device(s) are visible (cuda:0 to cuda:1). "
+        "Devices visible here: cpu, cuda:0, cuda:1. Nothing was moved."
+    )
+    assert message.endswith("logical CPU devices, which all run on the CPU: {'cpu:0': '1.00GiB', 'cpu:1': '3.00MiB'}")
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_require_usable_without_cuda_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match=r"'cuda:0': torch.cuda.is_available\(\) is False \(") as info:
+        require_usable(["cpu:0", "cuda:0"])
+    assert "{'cpu:0': '20GiB', 'cpu:1': '20GiB'}" in str(info.value)  # no budgets given: an example
+    assert not any(device.startswith("cuda") for device in visible_devices())

@@ -123,6 +123,7 @@ def test_deep_nesting_is_refused_not_a_recursion_error(tmp_path: Path) -> None:
     assert code == 2 and "nested more than 32 levels deep" in err
 
 
+@pytest.mark.slow  # nine 200 kB documents: ~7 s
 def test_long_values_are_cut_short_in_messages() -> None:
     long = "x" * 200_000
     cases = [

@@ -16,4 +16,4 @@ from fxsplit.codegen.emitter import emit
 from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
 from fxsplit.codegen.weights import move_weights
 
-__all__ = ["COPY_META", "DEVICE_META", "CopyRecord", "emit", "move_weights"]
+__all__ = ["COPY_META", "CopyRecord", "DEVICE_META", "emit", "move_weights"]

@@ -1,0 +1,61 @@
+"""Planning steps run with the cyclic garbage collector paused (fxsplit.gcpause)."""
+
+from __future__ import annotations
+
+import gc
+from typing import Iterator
+
+import pytest
+
+from fxsplit.gcpause import gc_paused
+
+
+@pytest.fixture(autouse=True)
+def collector_restored() -> Iterator[None]:
+    """Whatever a test does to the collector, the tests after it find it as it was."""
+    was_enabled = gc.isenabled()
+    yield
+    (gc.enable if was_enabled else gc.disable)()
+
+
+def test_the_collector_is_off_in_the_block_and_back_on_after() -> None:
+    gc.enable()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_the_collector_is_back_on_after_an_error() -> None:
+    gc.enable()
+    with pytest.raises(KeyError), gc_paused():
+        raise KeyError("boom")
+    assert gc.isenabled()
+
+
+def test_a_collector_that_was_off_stays_off() -> None:
+    gc.disable()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+
+
+def test_nested_pauses_restore_only_at_the_outermost() -> None:
+    gc.enable()
+    with gc_paused():
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # the inner block found it off, so left it off
+    assert gc.isenabled()
+
+
+def test_as_a_decorator_each_call_is_paused() -> None:
+    seen = []
+
+    @gc_paused()
+    def step(value: int) -> int:
+        seen.append(gc.isenabled())
+        return value * 2
+
+    gc.enable()
+    assert [step(1), step(2)] == [2, 4]
+    assert seen == [False, False] and gc.isenabled()
