@@ -23,7 +23,7 @@ from fxsplit.cost.constraints import (
     together_groups,
 )
 from fxsplit.devices import require_usable
-from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
+from fxsplit.errors import BudgetError, FxsplitWarning, SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.memory.activations import profile_activations
 from fxsplit.memory.model import MemoryModel, MemorySpec, fit_budgets
@@ -37,9 +37,9 @@ from fxsplit.planning.plan import Plan
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.dynamic import describe as describe_dynamic
-from fxsplit.validate import check_concrete_args, check_option_types, device_option, require_module
+from fxsplit.validate import check_concrete_args, check_option_types, device_option, refuse_meta, require_module
 
-__all__ = ["Planned", "fxsplit", "plan", "refuse_meta", "trace_and_plan"]
+__all__ = ["Planned", "fxsplit", "plan", "trace_and_plan"]
 
 
 _OPTION_NAMES = tuple(Options.__dataclass_fields__)
@@ -286,9 +286,10 @@ def fxsplit(
 ) -> torch.fx.GraphModule | Pipeline:
     """Split ``model`` over devices under per-device memory budgets.
 
-    Traces the model, assigns every op to a device so that each device's
-    parameters and buffers fit its budget while the bytes copied between
-    devices are as few as possible, and returns a ``GraphModule`` whose
+    Traces the model, assigns every op to a device so that what each device
+    holds (as ``mode`` counts it: by default parameters, buffers and the
+    activation peak) fits its budget less its reserve, while the bytes copied
+    between devices are as few as possible, and returns a ``GraphModule`` whose
     ``forward`` runs each op on its device with ``.to(device)`` copies at the
     cut edges. ``gm.meta["fxsplit_plan"]`` is the :class:`Plan`.
 
@@ -314,7 +315,7 @@ def fxsplit(
             ``trace`` (``"auto"`` | ``"fx"`` | ``"export"``), ``leaf_modules``
             (module types or qualified names fx must not trace into),
             ``concrete_args``, ``output_device`` (default: the device of the
-            last stage that runs ops), ``objective`` (``"min_transfer"``, the
+            last op), ``objective`` (``"min_transfer"``, the
             default, or ``"balanced"``), ``pins`` (module path or glob ->
             device), ``mode`` (``"inference"``, the default: parameters,
             buffers and the activation peak of a forward; ``"training"``:
@@ -338,7 +339,7 @@ def fxsplit(
             text; its devices are the budgets when ``budgets`` is None, and
             explicit keyword arguments override its fields). ``check=True``
             verifies the invariants of the plan and of the generated graph
-            (:mod:`fxsplit.check`), raising ``InvariantError`` on a
+            (:mod:`fxsplit.check`), raising :class:`~fxsplit.InvariantError` on a
             violation; for debugging fxsplit.
         checkpoint: load the weights from this checkpoint (safetensors or
             ``torch.save`` file, index ``.json``, or ``save_pretrained``
@@ -401,14 +402,3 @@ def fxsplit(
         except BaseException:
             moved.undo()  # a failed call leaves the model as it was
             raise
-
-
-def refuse_meta(model: torch.nn.Module) -> None:
-    """Raise if a parameter or buffer of ``model`` is on ``meta`` (the split could not run without a checkpoint)."""
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.device.type == "meta":
-            raise FxsplitError(
-                f"'{name}' is on the meta device, so the split model could not run; pass checkpoint='path' to "
-                "load the weights onto their planned devices (checkpoint=False: split now, fxsplit.load_checkpoint "
-                "later), or use fxsplit.plan() to plan a meta model"
-            )

@@ -43,17 +43,13 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from fxsplit import runtime
 from fxsplit.attrpath import attr_at
 from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
-from fxsplit.errors import FxsplitError
+from fxsplit.errors import InvariantError
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import budget_overruns, plan_problems
 from fxsplit.tracing.graphinfo import NONTENSOR, value_kind
 from fxsplit.yamlfile import format_path
 
 __all__ = ["DeviceChecker", "InvariantError", "verify_plan", "verify_split"]
-
-
-class InvariantError(FxsplitError, AssertionError):
-    """A plan or a split module breaks an invariant; the message lists every violation."""
 
 
 def _raise(what: str, problems: list[str]) -> None:

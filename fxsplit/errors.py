@@ -17,6 +17,7 @@ __all__ = [
     "FxsplitError",
     "FxsplitWarning",
     "InputMismatchError",
+    "InvariantError",
     "PlanMismatchError",
     "SpecError",
     "TraceError",
@@ -96,3 +97,10 @@ class InputMismatchError(FxsplitError, ValueError):
 
 class PlanMismatchError(FxsplitError, ValueError):
     """A saved plan does not describe the model it is applied to."""
+
+
+class InvariantError(FxsplitError, AssertionError):
+    """A plan or a split module breaks one of fxsplit's invariants (``check=True``, :mod:`fxsplit.check`).
+
+    The message lists every violation. It is a bug in fxsplit, or a plan edited by hand, never bad input.
+    """

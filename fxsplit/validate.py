@@ -20,9 +20,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from fxsplit.devices import normalize_device
-from fxsplit.errors import SpecError
+from fxsplit.errors import FxsplitError, SpecError
 
-__all__ = ["check_concrete_args", "check_option_types", "device_option", "require_module"]
+__all__ = ["check_concrete_args", "check_option_types", "device_option", "refuse_meta", "require_module"]
 
 
 def require_module(model: Any) -> None:
@@ -131,3 +131,14 @@ def check_concrete_args(model: torch.nn.Module, concrete_args: Mapping[str, Any]
             f"concrete_args names {named}, which {'is' if len(unknown) == 1 else 'are'} not an argument "
             f"of {type(model).__name__}.forward (its arguments: {arguments}); fix the name or drop it"
         )
+
+
+def refuse_meta(model: torch.nn.Module) -> None:
+    """Raise if a parameter or buffer of ``model`` is on ``meta`` (the split could not run without a checkpoint)."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.device.type == "meta":
+            raise FxsplitError(
+                f"'{name}' is on the meta device, so the split model could not run; pass checkpoint='path' to "
+                "load the weights onto their planned devices (checkpoint=False: split now, fxsplit.load_checkpoint "
+                "later), or use fxsplit.plan() to plan a meta model"
+            )

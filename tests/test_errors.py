@@ -196,7 +196,7 @@ def _exception_classes() -> dict[str, type[BaseException]]:
 
 def test_every_error_is_an_fxsplit_error_and_every_warning_an_fxsplit_warning() -> None:
     classes = _exception_classes()
-    assert {"fxsplit.errors.BudgetError", "fxsplit.check.InvariantError", "fxsplit.factory.ModelLoadError"} <= set(
+    assert {"fxsplit.errors.BudgetError", "fxsplit.errors.InvariantError", "fxsplit.factory.ModelLoadError"} <= set(
         classes
     )
     for name, cls in classes.items():

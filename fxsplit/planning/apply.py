@@ -22,7 +22,6 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.fx
 
-from fxsplit.api import refuse_meta
 from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.codegen.emitter import check_input_writes, emit, move_weights
 from fxsplit.cost.build import GraphCosts, build_problem
@@ -37,7 +36,7 @@ from fxsplit.planning.rules import budget_overruns, device_needs, validate_plan
 from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.dynamic import dynamic_shapes_for
 from fxsplit.units import format_size
-from fxsplit.validate import check_concrete_args, check_option_types, require_module
+from fxsplit.validate import check_concrete_args, check_option_types, refuse_meta, require_module
 
 __all__ = ["PlanCheck", "apply", "check_plan", "checked_retrace", "retrace"]
 
