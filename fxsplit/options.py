@@ -219,7 +219,7 @@ class Options:
         concrete_args: arguments of ``forward`` fixed while tracing with fx
             (``torch.fx.symbolic_trace``'s ``concrete_args``).
         output_device: where the outputs are returned (None: the device of
-            the last stage that runs ops).
+            the last op).
         objective: what the partitioner optimises, one of :data:`OBJECTIVES`:
             ``"min_transfer"`` (fewest bytes copied) or ``"balanced"``.
         pins: module path or glob -> the device its ops and tensors must go to.
