@@ -61,3 +61,10 @@ def test_without_bytes_the_bar_follows_the_items_and_closes_once() -> None:
     bar.close()
     bar.close()
     assert out.getvalue().endswith("2/2 tensors, 0 B of 0 B, 0 B/s\n") and out.getvalue().count("\n") == 1
+
+
+def test_a_bar_that_drew_nothing_closes_without_a_newline() -> None:
+    stream = io.StringIO()
+    bar = Progress("loading", items=3, nbytes=30, enabled=True, stream=stream, now=lambda: 0.0)
+    bar.close()
+    assert stream.getvalue() == ""

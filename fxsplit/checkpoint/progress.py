@@ -68,10 +68,10 @@ class Progress:
 
     def close(self) -> None:
         """End the line (when anything was drawn)."""
-        if self.enabled:
+        if self.enabled and self._drawn != float("-inf"):
             self.stream.write("\n")
             self.stream.flush()
-            self.enabled = False
+        self.enabled = False
 
     def _draw(self, moment: float) -> None:
         self._drawn = moment
