@@ -55,6 +55,7 @@ import numpy as np
 
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.options import OBJECTIVES
+from fxsplit.partition.context import Context
 from fxsplit.partition.exact import exact_placement
 from fxsplit.partition.mincut import exchange
 from fxsplit.partition.problem import PartitionProblem
@@ -130,7 +131,7 @@ def partition(
     negative = [f"{name}: {budget}" for name, budget in zip(names, budgets, strict=True) if budget < 0]
     if negative:
         raise SpecError(f"budgets must not be negative ({', '.join(negative)}); is a reserve larger than a budget?")
-    ctx = _Context(problem, list(budgets))
+    ctx = Context(problem, list(budgets))
     _check_pin_order(problem, names)
     if problem.num_ops == 0:
         return _result(problem, ctx, [0, 0] + [0] * (len(budgets) - 1))
@@ -180,7 +181,7 @@ def _exchanged(problem: PartitionProblem, op_devices: list[int], budgets: Sequen
 
 
 def _ordered_candidates(
-    ctx: _Context, cands: np.ndarray, budgets: Sequence[int], matrices: _Matrices
+    ctx: Context, cands: np.ndarray, budgets: Sequence[int], matrices: _Matrices
 ) -> list[list[int]]:
     """Contiguous and wrapped placements, improved, for each order of the devices :func:`_device_orders` gives.
 
@@ -200,7 +201,7 @@ def _ordered_candidates(
     return found
 
 
-def _device_orders(ctx: _Context, budgets: Sequence[int]) -> list[tuple[int, ...]]:
+def _device_orders(ctx: Context, budgets: Sequence[int]) -> list[tuple[int, ...]]:
     """Orders of the devices to try: the given one first; then, with unequal budgets and no pins, every
     distinct order for up to 4 devices on graphs of up to ``EXACT_LIMIT`` ops, else budgets descending and
     ascending. Orders that permute equal budgets only are the same problem and are skipped."""
@@ -223,7 +224,7 @@ def _device_orders(ctx: _Context, budgets: Sequence[int]) -> list[tuple[int, ...
 
 
 def _wrapped_candidates(
-    ctx: _Context,
+    ctx: Context,
     cands: np.ndarray,
     budgets: Sequence[int],
     matrices: _Matrices | None = None,
@@ -247,7 +248,7 @@ def _wrapped_candidates(
     return [improve(ctx.problem, p, budgets) for p in found] if improved else found
 
 
-def _folded(problem: PartitionProblem, ctx: _Context, names: Sequence[str], contiguous: bool) -> Partition:
+def _folded(problem: PartitionProblem, ctx: Context, names: Sequence[str], contiguous: bool) -> Partition:
     """No contiguous placement fits: wrap or pack out of order (unless forbidden), then lower the copies."""
     if contiguous:
         _raise_infeasible(problem, ctx, names, contiguous)
@@ -269,76 +270,6 @@ def _folded(problem: PartitionProblem, ctx: _Context, names: Sequence[str], cont
     return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(loads))
 
 
-class _Context:
-    """Arrays derived once from the problem, shared by the programmes."""
-
-    def __init__(self, problem: PartitionProblem, budgets: list[int]) -> None:
-        self.problem = problem
-        self.budgets = budgets
-        n = problem.num_ops
-        self.n = n
-        self.prefix_weight = np.concatenate([[0], np.cumsum(problem.op_weights(), dtype=np.int64)])
-        self.transient = problem.transients()
-        self.has_transient = any(self.transient)
-        self._sparse = _SparseMax(self.transient) if self.has_transient else None
-        self.forbidden = problem.forbidden_cuts()
-        self.crossing = self._crossing()
-        reaching = [v for v in problem.values if v.nbytes and v.consumers]
-        # start, last reader and bytes of every copied value, for the wrapped programme
-        self.reach = (
-            np.array([v.start for v in reaching], dtype=np.int64),
-            np.array([v.last for v in reaching], dtype=np.int64),
-            np.array([v.nbytes for v in reaching], dtype=np.float64),
-        )
-        # last_bad[k][t]: 1 + index of the last op before t pinned to a device other than k.
-        self.last_bad: list[list[int]] = []
-        for k in range(len(budgets)):
-            row = [0] * (n + 1)
-            last = 0
-            for t in range(1, n + 1):
-                pin = problem.pinned.get(t - 1)
-                if pin is not None and pin != k:
-                    last = t
-                row[t] = last
-            self.last_bad.append(row)
-
-    def _crossing(self) -> list[int]:
-        diff = [0] * (self.n + 2)
-        for value in self.problem.values:
-            if value.consumers and value.nbytes and value.last > value.start:
-                diff[value.start + 1] += value.nbytes
-                diff[value.last + 1] -= value.nbytes
-        crossing, running = [], 0
-        for t in range(self.n + 1):
-            running += diff[t]
-            crossing.append(running)
-        return crossing
-
-    def weight(self, start: int, stop: int) -> int:
-        """Bytes a device needs to run ops ``[start, stop)``: resident plus peak transient."""
-        resident = int(self.prefix_weight[stop] - self.prefix_weight[start])
-        if self._sparse is None or stop <= start:
-            return resident
-        return resident + self._sparse.max(start, stop)
-
-
-class _SparseMax:
-    """Range maximum in O(1) after O(n log n) set-up."""
-
-    def __init__(self, values: list[int]) -> None:
-        self.levels = [np.asarray(values, dtype=np.int64)]
-        width = 1
-        while 2 * width <= len(values):
-            previous = self.levels[-1]
-            self.levels.append(np.maximum(previous[:-width], previous[width:]))
-            width *= 2
-
-    def max(self, start: int, stop: int) -> int:
-        level = (stop - start).bit_length() - 1
-        row = self.levels[level]
-        return int(max(row[start], row[stop - (1 << level)]))
-
-
 def _check_pin_order(problem: PartitionProblem, names: Sequence[str]) -> None:
     previous: tuple[int, int] | None = None
     for op in sorted(problem.pinned):
@@ -357,7 +288,7 @@ def _check_pin_order(problem: PartitionProblem, names: Sequence[str]) -> None:
         previous = (op, device)
 
 
-def _relay_boundaries(ctx: _Context, budgets: Sequence[int]) -> list[int] | None:
+def _relay_boundaries(ctx: Context, budgets: Sequence[int]) -> list[int] | None:
     """Cheapest contiguous placement when a value pays once per boundary it crosses."""
     n, crossing, forbidden = ctx.n, ctx.crossing, ctx.forbidden
     prefix = ctx.prefix_weight.tolist()
@@ -413,7 +344,7 @@ def _walk_back(choices: list[list[int]], n: int) -> list[int]:
     return boundaries
 
 
-def _candidates(ctx: _Context, relay: list[int] | None) -> np.ndarray:
+def _candidates(ctx: Context, relay: list[int] | None) -> np.ndarray:
     """Positions where the exact programme may put a device boundary (at most ``EXACT_LIMIT + 1`` of them)."""
     n = ctx.n
     if n <= EXACT_LIMIT:
@@ -436,7 +367,7 @@ def _candidates(ctx: _Context, relay: list[int] | None) -> np.ndarray:
     return np.array(sorted(chosen))
 
 
-def _cut_cost_matrix(ctx: _Context, cands: np.ndarray) -> np.ndarray:
+def _cut_cost_matrix(ctx: Context, cands: np.ndarray) -> np.ndarray:
     """``C[i, j]``: bytes copied into a device that runs ops ``[cands[i], cands[j])``."""
     m = len(cands)
     increments = np.zeros((m, m + 1))
@@ -464,7 +395,7 @@ def _cut_cost_matrix(ctx: _Context, cands: np.ndarray) -> np.ndarray:
     return np.cumsum(increments, axis=1)[:, :m]
 
 
-def _segment_masks(ctx: _Context, cands: np.ndarray, budgets: Sequence[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+def _segment_masks(ctx: Context, cands: np.ndarray, budgets: Sequence[int]) -> tuple[np.ndarray, list[np.ndarray]]:
     weights = ctx.prefix_weight[cands]
     seg_weight = (weights[None, :] - weights[:, None]).astype(np.float64)
     m = len(cands)
@@ -505,15 +436,13 @@ class _Matrices:
     steps: list[np.ndarray]
 
     @classmethod
-    def of(cls, ctx: _Context, cands: np.ndarray, budgets: Sequence[int], cost: np.ndarray | None = None) -> _Matrices:
+    def of(cls, ctx: Context, cands: np.ndarray, budgets: Sequence[int], cost: np.ndarray | None = None) -> _Matrices:
         seg_weight, masks = _segment_masks(ctx, cands, budgets)
         cost = _cut_cost_matrix(ctx, cands) if cost is None else cost
         return cls(cost, seg_weight, masks, step_matrices(cost, seg_weight, masks, budgets))
 
 
-def _exact_boundaries(
-    ctx: _Context, cands: np.ndarray, budgets: Sequence[int], matrices: _Matrices
-) -> list[int] | None:
+def _exact_boundaries(ctx: Context, cands: np.ndarray, budgets: Sequence[int], matrices: _Matrices) -> list[int] | None:
     """Cheapest placement (true copy cost, then balance) with boundaries in ``cands``."""
     m = len(cands)
     previous = np.full(m, _INF)
@@ -533,7 +462,7 @@ def _exact_boundaries(
     return [int(cands[i]) for i in positions]
 
 
-def _min_max_fraction(ctx: _Context, cands: np.ndarray) -> float | None:
+def _min_max_fraction(ctx: Context, cands: np.ndarray) -> float | None:
     """Smallest achievable largest (device bytes / budget) over candidate placements."""
     seg_weight, masks = _segment_masks(ctx, cands, ctx.budgets)
     m = len(cands)
@@ -555,14 +484,14 @@ def _devices_of(n: int, boundaries: list[int]) -> list[int]:
     return op_devices
 
 
-def _result(problem: PartitionProblem, ctx: _Context, boundaries: list[int]) -> Partition:
+def _result(problem: PartitionProblem, ctx: Context, boundaries: list[int]) -> Partition:
     op_devices = _devices_of(problem.num_ops, boundaries)
     device_weights = [ctx.weight(boundaries[k], boundaries[k + 1]) for k in range(len(boundaries) - 1)]
     return Partition(tuple(op_devices), transfer_bytes(problem, op_devices), tuple(device_weights))
 
 
 def _raise_infeasible(
-    problem: PartitionProblem, ctx: _Context, names: Sequence[str], contiguous: bool = True
+    problem: PartitionProblem, ctx: Context, names: Sequence[str], contiguous: bool = True
 ) -> NoReturn:
     total, capacity = ctx.weight(0, ctx.n), sum(ctx.budgets)
     budget_list = ", ".join(f"'{d}' {format_size(b)}" for d, b in zip(names, ctx.budgets, strict=True))
@@ -614,7 +543,7 @@ def _heaviest(problem: PartitionProblem, lo: int, hi: int, needed: int) -> str:
     return f" for its parameters and buffers ({listed}{more})"
 
 
-def _min_scale(ctx: _Context) -> tuple[float, list[int] | None]:
+def _min_scale(ctx: Context) -> tuple[float, list[int] | None]:
     """The smallest factor on every budget (to about 0.01%) at which a contiguous placement fits, and it."""
     low, high = 1.0, 2.0
     found = _relay_boundaries(ctx, [int(b * high) for b in ctx.budgets])
@@ -631,7 +560,7 @@ def _min_scale(ctx: _Context) -> tuple[float, list[int] | None]:
     return high, found
 
 
-def _nearly_fitting(ctx: _Context) -> list[int] | None:
+def _nearly_fitting(ctx: Context) -> list[int] | None:
     """Op devices of the contiguous placement that needs the least extra budget."""
     _, boundaries = _min_scale(ctx)
     if boundaries is None:
@@ -640,7 +569,7 @@ def _nearly_fitting(ctx: _Context) -> list[int] | None:
 
 
 def _raise_fragmented(
-    problem: PartitionProblem, ctx: _Context, names: Sequence[str], total: int, capacity: int, contiguous: bool
+    problem: PartitionProblem, ctx: Context, names: Sequence[str], total: int, capacity: int, contiguous: bool
 ) -> NoReturn:
     high, _ = _min_scale(ctx)
     shortfalls = ", ".join(
@@ -662,7 +591,7 @@ def _raise_fragmented(
     )
 
 
-def _indivisible_blocks(ctx: _Context) -> list[tuple[int, int, int]]:
+def _indivisible_blocks(ctx: Context) -> list[tuple[int, int, int]]:
     """Maximal runs of ops with no allowed cut between them, with their resident bytes."""
     blocks, start = [], 0
     for t in range(1, ctx.n + 1):
