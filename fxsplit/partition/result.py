@@ -16,7 +16,6 @@ from typing import Sequence
 import numpy as np
 
 from fxsplit.partition.problem import PartitionProblem
-from fxsplit.partition.refine import device_loads
 
 __all__ = ["Partition", "placement_problems", "transfer_bytes"]
 
@@ -50,16 +49,22 @@ def transfer_bytes(problem: PartitionProblem, op_devices: Sequence[int]) -> int:
 
 
 def placement_problems(problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequence[int]) -> list[str]:
-    """Every rule ``op_devices`` breaks: one device index per op, within ``budgets``, pins and
-    together-constraints held (ops that no cut may separate share a device). Empty when it is valid."""
+    """Every rule ``op_devices`` breaks: one device index per op, within ``budgets`` (resident bytes plus the
+    largest transient, as :func:`~fxsplit.partition.refine.device_loads` counts), pins and together-constraints
+    held (ops that no cut may separate share a device). Empty when it is valid."""
     if len(op_devices) != problem.num_ops:
         return [f"it places {len(op_devices)} ops, but the problem has {problem.num_ops}"]
-    bad = sorted({d for d in op_devices if not (isinstance(d, (int, np.integer)) and 0 <= d < len(budgets))}, key=str)
-    if bad:
-        return [f"device indices must be 0 to {len(budgets) - 1} (got {', '.join(map(repr, bad[:5]))})"]
+    devices = np.asarray(op_devices)
+    if problem.num_ops and (devices.dtype.kind not in "iu" or devices.min() < 0 or devices.max() >= len(budgets)):
+        bad = sorted({repr(d) for d in op_devices if not (_is_int(d) and 0 <= d < len(budgets))})
+        return [f"device indices must be ints from 0 to {len(budgets) - 1} (got {', '.join(bad[:5])})"]
+    loads = np.zeros(len(budgets), dtype=np.int64)
+    peaks = np.zeros(len(budgets), dtype=np.int64)
+    np.add.at(loads, devices, np.asarray(problem.op_weights(), dtype=np.int64))
+    np.maximum.at(peaks, devices, np.asarray(problem.transients(), dtype=np.int64))
     problems = [
         f"device {k} needs {load} bytes, more than its budget of {budget}"
-        for k, (load, budget) in enumerate(zip(device_loads(problem, op_devices, len(budgets)), budgets, strict=True))
+        for k, (load, budget) in enumerate(zip((loads + peaks).tolist(), budgets, strict=True))
         if load > budget
     ]
     problems += [
@@ -67,11 +72,14 @@ def placement_problems(problem: PartitionProblem, op_devices: Sequence[int], bud
         for op, device in sorted(problem.pinned.items())
         if op_devices[op] != device
     ]
-    forbidden = problem.forbidden_cuts()
-    problems += [
-        f"ops {problem.label(t - 1)} and {problem.label(t)} must share a device (a together-group or a value "
-        f"changed in place) but run on {op_devices[t - 1]} and {op_devices[t]}"
-        for t in range(1, problem.num_ops)
-        if forbidden[t] and op_devices[t - 1] != op_devices[t]
-    ]
+    for lo, hi in problem.no_cut_spans():
+        if len(set(devices[lo : hi + 1].tolist())) > 1:
+            problems.append(
+                f"ops {problem.label(lo)} to {problem.label(hi)} must share a device (a together-group or a value "
+                f"changed in place) but run on {sorted(set(devices[lo : hi + 1].tolist()))}"
+            )
     return problems
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

@@ -66,7 +66,7 @@ from fxsplit.partition.contiguous import (
     min_scale,
     relay_boundaries,
 )
-from fxsplit.partition.exact import exact_placement
+from fxsplit.partition.exact import EXACT_OPS, exact_placement
 from fxsplit.partition.mincut import exchange
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.refine import frozen_ops, improve, pack, repair
@@ -222,7 +222,7 @@ def exact_search(search: Search, best: tuple[int, ...] | None) -> list[int] | No
     Only for graphs of up to :data:`~fxsplit.partition.exact.EXACT_OPS` ops
     (:func:`~fxsplit.partition.exact.exact_placement`) and a ``best`` that copies bytes; else None.
     """
-    if best is None:
+    if best is None or search.problem.num_ops > EXACT_OPS:
         return None
     cost = transfer_bytes(search.problem, best)
     return exact_placement(search.problem, search.budgets, best, cost) if cost else None
