@@ -16,10 +16,15 @@ nothing in order fits, ops are packed out of order instead; then pairs of
 devices exchange groups of ops along minimum cuts (:mod:`fxsplit.partition.mincut`)
 and small graphs are searched exactly (:mod:`fxsplit.partition.exact`). With
 ``contiguous=True`` only the contiguous programme runs: devices, in the order
-given, take consecutive runs of ops, as a pipeline of stages needs. The
-objective is the bytes copied between devices; ties go to the more even load
-(``"balanced"`` puts the load first); ties keep the budgets' own order. When
-nothing fits, the error says why (:mod:`fxsplit.partition.infeasible`).
+given, take consecutive runs of ops, as a pipeline of stages needs.
+
+The objective is the bytes copied between devices per forward. The contiguous
+programmes break ties by the more even load; ``objective="balanced"`` first
+lowers every budget to the smallest largest budget fraction a contiguous
+placement reaches (:class:`~fxsplit.partition.strategies.Search`), so the load
+comes first. Between strategies, ties keep the earlier answer (so the budgets'
+own order and contiguous placements win them). When nothing fits, the error
+says why (:mod:`fxsplit.partition.infeasible`).
 
 >>> from fxsplit.partition.problem import PartitionProblem, Value
 >>> chain = PartitionProblem(
