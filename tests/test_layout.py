@@ -35,6 +35,7 @@ def loaded_after(code: str) -> dict[str, bool]:
         "import fxsplit; fxsplit.FxsplitError, fxsplit.Plan, fxsplit.format_size, fxsplit.SpecError",
         "from fxsplit.planning import Plan",
         "import fxsplit.options",
+        "import fxsplit.spec",
     ],
 )
 def test_importing_loads_no_torch(code: str) -> None:

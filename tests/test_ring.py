@@ -13,9 +13,11 @@ from reference import feasible, placements, true_cost
 from strategies import draw_dag_values
 
 from fxsplit.errors import BudgetError
+from fxsplit.partition.context import Context
+from fxsplit.partition.contiguous import candidates, cut_cost_matrix, segment_masks
 from fxsplit.partition.problem import PartitionProblem, Value
 from fxsplit.partition.ring import has_long_reach, wrap_points, wrapped_placement
-from fxsplit.partition.solve import _candidates, _Context, _cut_cost_matrix, _segment_masks, partition
+from fxsplit.partition.solve import partition
 
 
 def wrapped_placements(n: int, k: int, b: int) -> list[tuple[int, ...]]:
@@ -36,10 +38,10 @@ def all_placements(n: int, k: int) -> list[tuple[int, ...]]:
 
 
 def wrapped_at(problem: PartitionProblem, budgets: Sequence[int], b: int) -> list[int] | None:
-    ctx = _Context(problem, list(budgets))
+    ctx = Context(problem, list(budgets))
     cands = np.arange(problem.num_ops + 1)
-    cost = _cut_cost_matrix(ctx, cands)
-    seg_weight, masks = _segment_masks(ctx, cands, budgets)
+    cost = cut_cost_matrix(ctx, cands)
+    seg_weight, masks = segment_masks(ctx, cands, budgets)
     return wrapped_placement(ctx, cands, cost, seg_weight, masks, budgets, b)
 
 
@@ -124,15 +126,15 @@ def test_no_wrap_over_a_pin_to_another_device() -> None:
     result = partition(pinned, budgets)
     assert result.op_devices[-1] == 1
     assert feasible(pinned, result.op_devices, budgets)
-    ctx = _Context(pinned, budgets)
-    assert wrap_points(ctx, _candidates(ctx, None), budgets[0]) == []
+    ctx = Context(pinned, budgets)
+    assert wrap_points(ctx, candidates(ctx, None), budgets[0]) == []
 
 
 def test_chains_have_no_long_reach_so_the_wrap_is_not_tried() -> None:
     values = [Value(f"a{i}", 8, i, (i + 1,)) for i in range(9)]
     chain = PartitionProblem(tuple(f"op{i}" for i in range(10)), tuple(values))
-    assert not has_long_reach(_Context(chain, [1, 1]))
-    assert has_long_reach(_Context(u_net(), [1, 1]))
+    assert not has_long_reach(Context(chain, [1, 1]))
+    assert has_long_reach(Context(u_net(), [1, 1]))
 
 
 def test_seeded_u_nets_default_never_worse_than_brute_force_over_wrapped_and_contiguous() -> None:

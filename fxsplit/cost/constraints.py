@@ -21,9 +21,10 @@ from fxsplit.errors import BudgetError, SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.solve import partition
-from fxsplit.spec import Spec, format_path
+from fxsplit.spec import Spec
 from fxsplit.tracing.graphinfo import module_path
 from fxsplit.units import format_size
+from fxsplit.yamlfile import format_path
 
 __all__ = [
     "Locate",

@@ -10,11 +10,11 @@ placement found, or when the weights still to place cannot fit the room left.
 
 Devices that are alike (same budget, no pins) and still empty are one
 choice, so equivalent placements are not searched twice; devices are tried
-cheapest first. The search starts from the heuristic's placement and only
-replaces it with a strictly cheaper one, so ties keep the heuristic's
-answer. At most :data:`NODE_LIMIT` branches are opened (deterministic: the
-answer does not depend on the machine's speed); past that the best found so
-far is returned.
+cheapest first. Given the heuristic's placement, the search only replaces it
+with a strictly cheaper one, so ties keep the heuristic's answer; without one
+it finds the cheapest placement that fits, if any. At most :data:`NODE_LIMIT`
+branches are opened (deterministic: the answer does not depend on the
+machine's speed); past that the best found so far is returned.
 
 >>> from fxsplit.partition.problem import PartitionProblem, Value
 >>> chain = PartitionProblem(("a", "b", "c"), (Value("w", 0, 0, (0,), weight=60), Value("x", 0, 2, (2,), weight=60),

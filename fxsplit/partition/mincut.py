@@ -20,9 +20,9 @@ so a cut pays the bytes once when the net has pins on both sides:
   ``b`` terminal (cut when a reader is on ``a``) and with the ``a`` terminal.
 
 Ops far from the frontier (see :data:`WINDOWS`), pinned ops and ops tied by constraints (the
-partitioner's frozen set) keep their side (joined to their terminal). The cut ignores budgets; a result that does
-not fit is dropped, and regions of growing size around the frontier are
-tried so that small, fitting exchanges are found too.
+partitioner's frozen set) keep their side (joined to their terminal). The cut ignores budgets: when it
+overfills a device, ops it moved are sent back (the cheapest first) until both fit, else the cut is dropped;
+regions of growing size around the frontier are tried so that small, fitting exchanges are found too.
 """
 
 from __future__ import annotations

@@ -1,19 +1,26 @@
-"""Improve a placement by moving single ops between devices (pure; no torch).
+"""Improve a placement by moving ops between devices, or make one that fits by packing (pure; no torch).
 
-The dynamic programmes in :mod:`fxsplit.partition.solve` only consider *contiguous*
-placements: devices take consecutive runs of ops, in order. Some models are
-cheaper to run with an op placed out of order. The classic case is a tied
-output head: GPT-2's ``lm_head`` reads the token embedding, which lives on the
-first device; moving that one op back to the first device copies the final
-hidden state there (kilobytes) instead of copying the whole embedding to the
-last device on every forward (megabytes).
+The dynamic programmes (:mod:`fxsplit.partition.contiguous`,
+:mod:`fxsplit.partition.ring`) only consider placements where devices take
+consecutive runs of ops (in order, or wrapped around to the first device).
+Some models are cheaper to run with an op placed out of order. The classic
+case is a tied output head: GPT-2's ``lm_head`` reads the token embedding,
+which lives on the first device; moving that one op back to the first device
+copies the final hidden state there (kilobytes) instead of copying the whole
+embedding to the last device on every forward (megabytes).
 
 :func:`improve` walks the ops that read a value from another device and moves
 one whenever that strictly lowers the bytes copied per forward and every
-budget still holds. Ops under a constraint (pinned, in a together-group, or
-between a write and the reads it must precede) stay where they are. A value's
-home stays "the device of its producer, or of its first reader" so the plan
-code that names homes keeps working.
+budget still holds; then it moves all readers of a copied value on one device
+to the value's home together when that copies less, and single ops again.
+Ops under a constraint (pinned, in a together-group, or between a write and
+the reads it must precede) stay where they are. A value's home stays "the
+device of its producer, or of its first reader" so the plan code that names
+homes keeps working.
+
+When nothing in order fits, :func:`repair` brings a nearly fitting placement
+within budgets and :func:`pack` packs first fit; :func:`device_loads` and
+:func:`frozen_ops` are what every step here checks.
 
 >>> from fxsplit.partition.problem import PartitionProblem, Value
 >>> tied = PartitionProblem(
@@ -157,9 +164,11 @@ def device_loads(problem: PartitionProblem, op_devices: Sequence[int], num_devic
 def improve(
     problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequence[int], *, max_moves: int | None = None
 ) -> list[int]:
-    """Move single ops to other devices while that strictly lowers the bytes copied per forward.
+    """Move ops to other devices while that strictly lowers the bytes copied per forward.
 
-    Every move keeps every budget. Deterministic: ops are visited in index
+    Single ops first (at most ``max_moves``, default four per op), then, up to twice, the
+    readers of a copied value on one device all to its home, each round followed by
+    single moves again. Every move keeps every budget; constrained ops stay put. Deterministic: ops are visited in index
     order from a work list, devices in order, and ties keep the op in place.
     """
     if problem.num_ops == 0 or len(budgets) < 2:

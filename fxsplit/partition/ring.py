@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from fxsplit.partition.solve import _Context
+    from fxsplit.partition.context import Context
 
 __all__ = [
     "LONG_REACH",
@@ -47,14 +47,14 @@ LONG_REACH = 1 / 3
 _INF = float("inf")
 
 
-def has_long_reach(ctx: _Context) -> bool:
+def has_long_reach(ctx: Context) -> bool:
     """Whether some copied value is made early and read late: only then can a wrap help."""
     n = ctx.n
     early, late = n * LONG_REACH, n * (1 - LONG_REACH)
     return any(v.nbytes and v.consumers and v.start < early and v.last >= late for v in ctx.problem.values)
 
 
-def wrap_points(ctx: _Context, cands: np.ndarray, budget: int) -> list[int]:
+def wrap_points(ctx: Context, cands: np.ndarray, budget: int) -> list[int]:
     """Indices into ``cands`` of the wrap points to try, at most :data:`WRAP_TRIES`.
 
     A suffix fits device 0 only if its weights do; among those positions, the
@@ -104,7 +104,7 @@ def step_matrices(
 
 
 def wrapped_placement(
-    ctx: _Context,
+    ctx: Context,
     cands: np.ndarray,
     cost: np.ndarray,
     seg_weight: np.ndarray,
@@ -124,7 +124,7 @@ def wrapped_placement(
 
 
 def cheapest_wraps(
-    ctx: _Context,
+    ctx: Context,
     cands: np.ndarray,
     cost: np.ndarray,
     seg_weight: np.ndarray,
@@ -174,7 +174,7 @@ class _Start:
 
 
 def _start(
-    ctx: _Context, cands: np.ndarray, cost: np.ndarray, seg_weight: np.ndarray, budgets: Sequence[int], wrap: int
+    ctx: Context, cands: np.ndarray, cost: np.ndarray, seg_weight: np.ndarray, budgets: Sequence[int], wrap: int
 ) -> _Start:
     n, b = ctx.n, int(cands[wrap])
     m = wrap + 1  # candidate positions 0..b
@@ -195,7 +195,7 @@ def _start(
 
 
 def _wrapped(
-    ctx: _Context, cands: np.ndarray, cost: np.ndarray, steps: list[np.ndarray], start: _Start, budgets: Sequence[int]
+    ctx: Context, cands: np.ndarray, cost: np.ndarray, steps: list[np.ndarray], start: _Start, budgets: Sequence[int]
 ) -> tuple[int, list[int]] | None:
     """``(bytes copied, op devices)`` of the cheapest placement wrapped at ``start.wrap``, or None."""
     m = start.wrap + 1
@@ -224,7 +224,7 @@ def _wrapped(
     return int(copied + start.suffix_cost[stop]), op_devices
 
 
-def _made_from(ctx: _Context, positions: np.ndarray, b: int) -> np.ndarray:
+def _made_from(ctx: Context, positions: np.ndarray, b: int) -> np.ndarray:
     """``out[j]``: bytes of values made in ``[positions[j], b)`` and read at or after ``b``."""
     if not len(positions):
         return np.zeros(0)

@@ -1,0 +1,200 @@
+"""Validating a loaded spec's fields one by one, collecting every problem with its YAML path.
+
+:class:`FieldChecker` records problems; :func:`read_devices`, :func:`read_pins`
+and :func:`read_together` read the fields with structure of their own, and
+:func:`spec_device` a device name (with a suggestion for names torch does not know).
+"""
+
+from __future__ import annotations
+
+import difflib
+from functools import partial
+from typing import Any, Callable
+
+from fxsplit.errors import SpecError
+from fxsplit.spec.reserve import Headroom, parse_headroom
+from fxsplit.spec.schema import DEVICE_KEYS
+from fxsplit.units import format_size, parse_size
+from fxsplit.yamlfile import Problem, YamlPath, line_of
+from fxsplit.yamlfile import short_repr as _short
+
+__all__ = ["FieldChecker", "describe", "module_key", "read_devices", "read_pins", "read_together", "spec_device"]
+
+
+class FieldChecker:
+    """Validates loaded YAML field by field, collecting every problem."""
+
+    def __init__(self, lines: dict[YamlPath, int], problems: list[Problem]) -> None:
+        self.lines = lines
+        self.problems = problems
+
+    def problem(self, path: YamlPath, message: str) -> None:
+        self.problems.append(Problem(path, line_of(path, self.lines), message))
+
+    def attempt(self, path: YamlPath, parse: Callable[[], Any]) -> Any:
+        """``parse()``, or None after recording its SpecError at ``path``."""
+        try:
+            return parse()
+        except SpecError as error:
+            self.problem(path, str(error))
+            return None
+
+    def unknown_keys(self, mapping: dict[Any, Any], valid: tuple[str, ...], path: YamlPath) -> None:
+        for key in mapping:
+            if key not in valid:
+                close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(valid)}"
+                self.problem((*path, key), f"unknown key; {hint}")
+
+    def choice(self, value: Any, choices: Any, path: YamlPath) -> str | None:
+        if value in choices:
+            return str(value)
+        close = difflib.get_close_matches(str(value), list(choices), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        self.problem(path, f"must be one of {', '.join(choices)} (got {_short(value)}){hint}")
+        return None
+
+    def string_list(self, value: Any, path: YamlPath, what: str) -> tuple[str, ...]:
+        """A list of non-empty strings (``what`` names one item, for messages)."""
+        if not isinstance(value, list):
+            example = f" (write [{value}])" if isinstance(value, str) else ""
+            self.problem(path, f"must be a list, each item a {what} (got {describe(value)}){example}")
+            return ()
+        good = []
+        for i, item in enumerate(value):
+            if isinstance(item, str) and item:
+                good.append(item)
+            else:
+                self.problem((*path, i), f"must be a {what}, as a string (got {describe(item)})")
+        return tuple(good)
+
+
+def describe(value: Any) -> str:
+    """``"nothing"`` or ``"int 3"``: a value's kind and short repr, for messages."""
+    return "nothing" if value is None else f"{type(value).__name__} {_short(value)}"
+
+
+_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu", "hpu", "mtia")
+
+
+def spec_device(value: Any) -> str:
+    """:func:`~fxsplit.devices.normalize_device`, with a short message and a suggestion for names torch does not know.
+
+    >>> spec_device("gpu:1")
+    Traceback (most recent call last):
+    ...
+    fxsplit.errors.SpecError: unknown device 'gpu:1'; did you mean 'cuda:1'? (devices look like cuda:0, cpu, cpu:1)
+    """
+    from fxsplit.devices import normalize_device  # loads torch: importing the spec does not
+
+    try:
+        return normalize_device(value)
+    except SpecError as error:
+        if not isinstance(value, str) or "is not a device" not in str(error):
+            raise
+    kind, colon, index = value.strip().partition(":")
+    kind = kind.lower()
+    close = ["cuda"] if kind in ("gpu", "nvidia") else difflib.get_close_matches(kind, _DEVICE_TYPES, n=1)
+    hint = f"did you mean '{close[0]}{colon}{index}'? " if close else ""
+    raise SpecError(f"unknown device {_short(value)}; {hint}(devices look like cuda:0, cpu, cpu:1)") from None
+
+
+def module_key(key: Any) -> str | None:
+    """Module paths in YAML keys: ``0`` (an int) is the module named ``"0"``."""
+    if isinstance(key, str) and key:
+        return key
+    if isinstance(key, int) and not isinstance(key, bool):
+        return str(key)
+    return None
+
+
+def read_devices(check: FieldChecker, value: Any, present: bool) -> tuple[dict[str, int], dict[str, Headroom]]:
+    """``devices``: budgets in bytes and the reserves named under each device, in the order written."""
+    budgets: dict[str, int] = {}
+    reserve: dict[str, Headroom] = {}
+    if not present:
+        return budgets, reserve
+    if not isinstance(value, dict) or not value:
+        check.problem(
+            ("devices",),
+            f"must map each device to its budget, like {{cuda:0: 20GiB, cuda:1: 20GiB}} (got {describe(value)})",
+        )
+        return budgets, reserve
+    for key, entry in value.items():
+        path: YamlPath = ("devices", key)
+        name = check.attempt(path, partial(spec_device, key))
+        if name is None:
+            continue
+        if name in budgets:
+            check.problem(path, f"names device '{name}' a second time")
+            continue
+        budget: Any = entry
+        if isinstance(entry, dict):
+            check.unknown_keys(entry, DEVICE_KEYS, path)
+            if "budget" not in entry:
+                check.problem(path, "needs a budget, like {budget: 20GiB, reserve: 10%}")
+                continue
+            budget = entry["budget"]
+            if "reserve" in entry:
+                room = check.attempt((*path, "reserve"), partial(parse_headroom, entry["reserve"]))
+                if room is not None:
+                    reserve[name] = room
+            path = (*path, "budget")
+        size = check.attempt(path, partial(parse_size, budget, what="budget"))
+        if size is not None:
+            budgets[name] = size
+            if name in reserve and reserve[name].of(size) >= size and size:
+                check.problem(
+                    (*path[:2], "reserve"),
+                    f"reserve {reserve[name]} leaves nothing of the budget "
+                    f"{format_size(size)}; reserve less or raise the budget",
+                )
+    return budgets, reserve
+
+
+def read_pins(check: FieldChecker, value: Any, devices: dict[str, int]) -> dict[str, str]:
+    """``pin``: module path or glob -> device, which must be among ``devices`` when those are given."""
+    pins: dict[str, str] = {}
+    if not isinstance(value, dict):
+        check.problem(
+            ("pin",), f"must map module paths or globs to devices, like {{lm_head: cuda:1}} (got {describe(value)})"
+        )
+        return pins
+    for key, device in value.items():
+        path: YamlPath = ("pin", key)
+        pattern = module_key(key)
+        if pattern is None:
+            check.problem(
+                path,
+                f"a pin's key must be a module path or glob; quote paths that look like numbers (got {_short(key)})",
+            )
+            continue
+        name = check.attempt(path, partial(spec_device, device))
+        if name is None:
+            continue
+        if devices and name not in devices:
+            check.problem(
+                path,
+                f"pins to '{name}', which is not under devices ({', '.join(devices)}); "
+                "add it there or pin to one of those",
+            )
+            continue
+        pins[pattern] = name
+    return pins
+
+
+def read_together(check: FieldChecker, value: Any) -> tuple[tuple[str, ...], ...]:
+    """``together``: groups of module paths or globs whose ops must share a device."""
+    if not isinstance(value, list):
+        check.problem(
+            ("together",), f"must be a list of groups, like [[encoder.embed, decoder.embed]] (got {describe(value)})"
+        )
+        return ()
+    groups = []
+    for i, group in enumerate(value):
+        items = check.string_list(group, ("together", i), "module path or glob")
+        if isinstance(group, list) and not group:
+            check.problem(("together", i), "an empty group; list the modules that must share a device")
+        if items:
+            groups.append(items)
+    return tuple(groups)
