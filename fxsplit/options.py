@@ -175,11 +175,11 @@ class Budgets:
 
         Raises:
             SpecError: as :func:`fxsplit.devices.normalize_budgets` and
-                :func:`fxsplit.spec.reserve_bytes` (a bad device or size, a
+                :func:`fxsplit.reserve.reserve_bytes` (a bad device or size, a
                 device named twice, a reserve that leaves nothing).
         """
         from fxsplit.devices import normalize_budgets
-        from fxsplit.spec import reserve_bytes
+        from fxsplit.reserve import reserve_bytes
 
         if isinstance(budgets, str) and budgets == "auto":
             from fxsplit.memory.autobudget import auto_budgets

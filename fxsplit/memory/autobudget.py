@@ -62,6 +62,6 @@ def auto_budgets(
 
 
 def _reserve_bytes(reserve: int | str | float, total: int) -> int:
-    from fxsplit.spec import parse_headroom  # the same forms as the reserve option; spec loads lazily
+    from fxsplit.reserve import parse_headroom  # the same forms as the reserve option
 
     return parse_headroom(reserve, share_of="the device's memory").of(total)

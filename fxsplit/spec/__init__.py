@@ -13,7 +13,7 @@ YAML alias, is refused at once: see :mod:`fxsplit.yamlfile`)::
 * :mod:`~fxsplit.spec.fields`: validating the fields, every problem at once;
 * :mod:`~fxsplit.spec.schema`: :class:`Spec`, what a validated spec holds, and :class:`SpecProblems`;
 * :mod:`~fxsplit.spec.merge`: :func:`merge_spec`, a spec under the arguments of a call;
-* :mod:`~fxsplit.spec.reserve`: :class:`Headroom` and :func:`reserve_bytes`, memory kept free;
+* :class:`Headroom` and :func:`reserve_bytes` (from :mod:`fxsplit.reserve`), memory kept free;
 * :mod:`~fxsplit.spec.dtype`: :func:`planning_dtype`, the dtype a plan is made for.
 
 Importing them loads no torch (device names are checked with torch when a spec is read).
@@ -36,11 +36,11 @@ fxsplit.spec.schema.SpecProblems: <spec>: 1 problem:
   <spec>:2: objectiv: unknown key; did you mean 'objective'?
 """
 
+from fxsplit.reserve import Headroom, parse_headroom, reserve_bytes
 from fxsplit.spec.dtype import DTYPES, planning_dtype
 from fxsplit.spec.fields import spec_device
 from fxsplit.spec.load import load_spec
 from fxsplit.spec.merge import merge_spec
-from fxsplit.spec.reserve import Headroom, parse_headroom, reserve_bytes
 from fxsplit.spec.schema import DEVICE_KEYS, SPEC_KEYS, Spec, SpecProblems
 from fxsplit.yamlfile import Problem
 

@@ -12,7 +12,7 @@ from functools import partial
 from typing import Any, Callable
 
 from fxsplit.errors import SpecError
-from fxsplit.spec.reserve import Headroom, parse_headroom
+from fxsplit.reserve import Headroom, parse_headroom
 from fxsplit.spec.schema import DEVICE_KEYS
 from fxsplit.units import format_size, parse_size
 from fxsplit.yamlfile import Problem, YamlPath, line_of

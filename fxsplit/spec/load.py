@@ -9,9 +9,9 @@ from typing import Any, Mapping
 
 from fxsplit.errors import SpecError
 from fxsplit.options import DYNAMIC_SHAPES, MODES, OBJECTIVES, OPTIMIZERS, TRACE_MODES, PipelineConfig
+from fxsplit.reserve import parse_headroom
 from fxsplit.spec.dtype import DTYPES
 from fxsplit.spec.fields import FieldChecker, read_devices, read_pins, read_together, spec_device
-from fxsplit.spec.reserve import parse_headroom
 from fxsplit.spec.schema import SPEC_KEYS, Spec, SpecProblems
 from fxsplit.yamlfile import MAX_SPEC_BYTES, Problem, YamlPath, YamlProblems, format_path, load_yaml, read_limited
 from fxsplit.yamlfile import short_repr as _short

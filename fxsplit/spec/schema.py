@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxsplit.options import PipelineConfig
-from fxsplit.spec.reserve import Headroom
+from fxsplit.reserve import Headroom
 from fxsplit.yamlfile import YamlPath, YamlProblems, format_path
 
 __all__ = ["DEVICE_KEYS", "SPEC_KEYS", "Spec", "SpecProblems"]
