@@ -13,6 +13,7 @@ from helpers import split_and_compare
 
 from fxsplit.cost.build import GraphCosts, build_problem
 from fxsplit.errors import BudgetError
+from fxsplit.options import Budgets
 from fxsplit.partition.refine import device_loads
 from fxsplit.partition.solve import Partition, partition
 from fxsplit.planning.build import make_plan, reads_of, unread_weights, weights_by_node
@@ -97,8 +98,7 @@ def test_make_plan_places_every_node_and_names_each_copy_once() -> None:
         costs,
         graph_module,
         placed(costs, [0, 0, 0, 1, 0, 0]),
-        DEVICES,
-        ROOMY,
+        Budgets(ROOMY),
         output_device=None,
         trace="fx",
         objective="min_transfer",
@@ -123,8 +123,7 @@ def test_make_plan_copies_outputs_to_the_output_device() -> None:
         costs,
         graph_module,
         placed(costs, [0, 0, 1, 1]),
-        DEVICES,
-        ROOMY,
+        Budgets(ROOMY),
         output_device="cpu:0",
         trace="export",
         objective="min_transfer",
@@ -162,7 +161,7 @@ def test_tensors_no_op_reads_that_fit_nowhere_are_named() -> None:
     solution = placed(costs, [0, 0, 0, 1, 0, 0])
     tight = {"cpu:0": solution.device_weights[0] + 10, "cpu:1": solution.device_weights[1] + 10}
     with pytest.raises(BudgetError) as info:
-        make_plan(costs, graph_module, solution, DEVICES, tight, output_device=None, trace="fx", objective="balanced")
+        make_plan(costs, graph_module, solution, Budgets(tight), output_device=None, trace="fx", objective="balanced")
     assert str(info.value) == (
         "the tensors no op of the graph reads (48 B: 'spare.weight' 36 B, 'spare.bias' 12 B) do not fit what the "
         "budgets leave ('cpu:0' 10 B, 'cpu:1' 10 B); raise a budget by 36 B or more, or delete the unused tensors"
@@ -184,8 +183,7 @@ def test_tensors_no_op_reads_are_packed_first_when_a_repartition_is_allowed() ->
             costs,
             graph_module,
             solution,
-            DEVICES,
-            budgets,
+            Budgets(budgets),
             output_device=None,
             trace="fx",
             objective="min_transfer",

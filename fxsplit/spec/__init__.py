@@ -47,9 +47,9 @@ from fxsplit.yamlfile import Problem
 __all__ = [
     "DEVICE_KEYS",
     "DTYPES",
-    "SPEC_KEYS",
     "Headroom",
     "Problem",
+    "SPEC_KEYS",
     "Spec",
     "SpecProblems",
     "load_spec",
