@@ -140,7 +140,9 @@ def trace_and_plan(
         try:
             return partition(problem, caps, objective=options.objective, device_names=devices, contiguous=contiguous)
         except BudgetError as error:
-            better = explain_infeasible_pins(error, problem, list(caps), devices, pins, len(together), locate)
+            better = explain_infeasible_pins(
+                error, problem, list(caps), devices, pins, len(together), locate, contiguous=contiguous
+            )
             if better is None:
                 raise
             raise better from error

@@ -193,3 +193,23 @@ def test_a_pinned_span_larger_than_its_device_and_a_group_are_named() -> None:
     grouped = chain([50] * 4, together=((0, 3),))  # a user's group around the whole model
     error = explain_infeasible_pins(ERROR, grouped, [100, 100], ["cpu:0", "cpu:1"], {}, 1, EXPLICIT)
     assert error is not None and "it fits without together[0]" in str(error)
+
+
+def test_pins_are_not_blamed_when_the_model_fits_only_out_of_order_and_stage_order_was_asked() -> None:
+    # 576, 576, 480, 400 bytes over two 1060-byte devices: {576, 480} + {576, 400} fits, but no two runs in
+    # order do. With contiguous=True and a pin, the pin is not what stops it: the error must not say so.
+    model = nn.Sequential(
+        nn.Linear(12, 12, bias=False),
+        nn.Linear(12, 12, bias=False),
+        nn.Linear(12, 10, bias=False),
+        nn.Linear(10, 10, bias=False),
+    )
+    budgets = {"cpu:0": 1060, "cpu:1": 1060}
+    options = {"mode": "weights", "trace": "fx"}
+    assert len(set(fxsplit.plan(model, budgets, **options).placement.values())) == 2  # fits out of order
+    with pytest.raises(fxsplit.BudgetError) as in_order:
+        fxsplit.plan(model, budgets, contiguous=True, **options)
+    with pytest.raises(fxsplit.BudgetError) as pinned:
+        fxsplit.plan(model, budgets, contiguous=True, pins={"0": "cpu:0"}, **options)
+    assert "not with its pins" not in str(pinned.value)
+    assert str(pinned.value).split(";")[0] == str(in_order.value).split(";")[0]

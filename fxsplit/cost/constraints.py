@@ -262,12 +262,16 @@ def explain_infeasible_pins(
     pins: Mapping[str, str],
     extra_groups: int,
     locate: Locate,
+    *,
+    contiguous: bool = False,
 ) -> BudgetError | None:
     """A BudgetError naming the pins and groups, when the budgets fit without them; else None.
 
     ``extra_groups`` is how many of ``problem.together`` came from the user
     (they come last); the others are in-place writes, which always stay.
     Names the single pins or groups whose removal alone makes it fit.
+    ``contiguous``: whether the placement must keep stage order, as the
+    partition that failed did (a model may fit out of order but not in it).
     """
     if not problem.pinned and not extra_groups:
         return None
@@ -283,9 +287,9 @@ def explain_infeasible_pins(
     for i in range(extra_groups):
         groups = problem.together[: len(keep) + i] + problem.together[len(keep) + i + 1 :]
         constraints.append((locate("together", i), dataclasses.replace(problem, together=groups)))
-    if not _fits(dataclasses.replace(problem, pinned={}, together=keep), budgets, devices):
+    if not _fits(dataclasses.replace(problem, pinned={}, together=keep), budgets, devices, contiguous):
         return None
-    culprits = [name for name, relaxed in constraints[:16] if _fits(relaxed, budgets, devices)]
+    culprits = [name for name, relaxed in constraints[:16] if _fits(relaxed, budgets, devices, contiguous)]
     detail = _forced_spans(problem, budgets, devices)
     if culprits:
         what = (
@@ -301,9 +305,9 @@ def explain_infeasible_pins(
     )
 
 
-def _fits(problem: PartitionProblem, budgets: Sequence[int], devices: Sequence[str]) -> bool:
+def _fits(problem: PartitionProblem, budgets: Sequence[int], devices: Sequence[str], contiguous: bool) -> bool:
     try:
-        partition(problem, budgets, device_names=list(devices))
+        partition(problem, budgets, device_names=list(devices), contiguous=contiguous)
     except (BudgetError, SpecError):
         return False
     return True
