@@ -138,11 +138,36 @@ def test_an_annotation_fx_cannot_name_is_dropped() -> None:
 def test_plan_table() -> None:
     plan = fxsplit.plan(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx")
     assert str(plan).splitlines()[:4] == [
-        "device  budget  used  %      modules  in    out",
-        "cpu:0   80 B    80 B  100.0  a        0 B   64 B",
-        "cpu:1   80 B    80 B  100.0  b        32 B  32 B",
-        "cpu:2   80 B    80 B  100.0  c        64 B  0 B",
+        "device  budget  weights  % budget  modules  in    out",
+        "cpu:0   80 B    80 B     100.0     a        0 B   64 B",
+        "cpu:1   80 B    80 B     100.0     b        32 B  32 B",
+        "cpu:2   80 B    80 B     100.0     c        64 B  0 B",
     ]
+
+
+def test_plan_says_why_devices_are_empty_and_which_option_spreads_the_model() -> None:
+    roomy = {"cpu:0": "1KiB", "cpu:1": "1KiB", "cpu:2": "1KiB"}
+    plan = fxsplit.plan(Small(), roomy, mode="weights", example_inputs=inputs(), trace="fx")
+    assert set(plan.placement.values()) == {"cpu:0"}
+    assert (
+        "empty: cpu:1, cpu:2: the model fits on the other device(s), and leaving them empty copies the fewest "
+        "bytes; objective='balanced' spreads the model over every device"
+    ) in str(plan).splitlines()
+    spread = fxsplit.plan(Small(), roomy, mode="weights", example_inputs=inputs(), trace="fx", objective="balanced")
+    assert len(set(spread.placement.values())) == 3 and "empty:" not in str(spread)
+    assert "empty:" not in str(fxsplit.plan(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="fx"))
+
+
+def test_memory_percentages_are_of_what_planning_could_use() -> None:
+    budgets = {"cpu:0": "1KiB", "cpu:1": "1KiB"}
+    plan = fxsplit.plan(Small(), budgets, example_inputs=inputs(), trace="fx", reserve="50%")
+    header, *rows = str(plan).split("memory", 1)[1].splitlines()
+    assert header.split("  ")[-1] == "% usable"
+    for row in rows:
+        device, *_, percent = row.split()
+        assert plan.memory[device]["total"] == 0 or float(percent) == pytest.approx(
+            100 * plan.memory[device]["total"] / 512, abs=0.05
+        )
 
 
 def test_same_input_same_code_and_plan() -> None:

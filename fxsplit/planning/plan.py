@@ -206,7 +206,16 @@ class Plan:
 
     def __str__(self) -> str:
         reserving = any(self.reserved.values())
-        header = ("device", "budget", *(("reserve",) if reserving else ()), "used", "%", "modules", "in", "out")
+        header = (
+            "device",
+            "budget",
+            *(("reserve",) if reserving else ()),
+            "weights",
+            "% budget",
+            "modules",
+            "in",
+            "out",
+        )
         rows = [header]
         for device in self.devices:
             budget, used = self.budgets[device], self.device_bytes.get(device, 0)
@@ -233,6 +242,7 @@ class Plan:
             f"outputs on {self.output_device}" + (f"; planned as {self.dtype}" if self.dtype else "")
         )
         lines.extend(self.tied_summary())
+        lines.extend(self._empty_devices_note())
         if self.memory:
             lines.extend(self._memory_table())
         if self.activations_not_counted:
@@ -256,6 +266,18 @@ class Plan:
             lines.append(f"tied: {' = '.join(group)}: {how}")
         return lines
 
+    def _empty_devices_note(self) -> list[str]:
+        """One line when devices were left empty because that copies fewer bytes, naming the option that spreads."""
+        busy = set(self.placement.values()) | set(self.param_devices.values())
+        empty = [d for d in self.devices if d not in busy]
+        if not empty or self.objective != "min_transfer":
+            return []
+        return [
+            f"empty: {', '.join(empty)}: the model fits on the other device(s), and leaving "
+            f"{'it' if len(empty) == 1 else 'them'} empty copies the fewest bytes; objective='balanced' "
+            "spreads the model over every device"
+        ]
+
     def _memory_table(self) -> list[str]:
         """One row per device: each component of memory, the total and its share of the budget."""
         keys = [
@@ -270,11 +292,13 @@ class Plan:
             "optimizer": "optimizer",
             "activations_peak": "activations",
         }
-        rows = [("memory", *(titles[k] for k in keys), "total", "%")]
+        reserving = any(self.reserved.values())
+        rows = [("memory", *(titles[k] for k in keys), "total", "% usable" if reserving else "% budget")]
+        usable = self.usable
         for device in self.devices:
             row = self.memory.get(device, {})
-            budget, total = self.budgets.get(device, 0), row.get("total", 0)
-            percent = f"{100 * total / budget:.1f}" if budget else "-"
+            room, total = usable.get(device, 0), row.get("total", 0)
+            percent = f"{100 * total / room:.1f}" if room else "-"
             cells = (format_size(row[k]) if k in row else "-" for k in keys)
             rows.append((device, *cells, format_size(total), percent))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

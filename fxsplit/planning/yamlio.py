@@ -127,7 +127,7 @@ def plan_to_yaml(plan: Plan) -> str:
     ]
     for device in plan.devices:
         budget, used = plan.budgets[device], plan.device_bytes[device]
-        share = f", {100 * used / budget:.1f}% of the budget" if budget else ""
+        share = f", {100 * used / budget:.1f}% of the budget" if budget else ""  # parameters and buffers
         lines.append(f"  {k(device)}:")
         lines.append(f"    budget: {k(budget)}  # {format_size(budget)}")
         if device in plan.reserved:
