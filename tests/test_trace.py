@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +127,33 @@ def test_bad_mode_and_bad_model() -> None:
         trace(lambda x: x)  # type: ignore[arg-type]
     with pytest.raises(TraceError, match="trace mode 'export' needs example_inputs"):
         trace(nn.Linear(2, 2), mode="export")
+
+
+@pytest.mark.parametrize("route", ["auto", "fx"])
+def test_a_model_on_meta_traces_with_real_example_inputs(route: str, tmp_path: Path) -> None:
+    # The big-model recipe: weights on meta, example inputs as the user has them (real). Export cannot mix
+    # the two and fake shape propagation neither, so both trace with the inputs' meta twins: no fallback,
+    # sizes and activations counted, and the split, once loaded, computes what the model does.
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+
+    reference = build()
+    torch.save(reference.state_dict(), tmp_path / "model.pt")
+    with fxsplit.empty_weights():
+        model = build()
+    x = torch.randn(2, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxsplit.FxsplitWarning)
+        gm = fxsplit.fxsplit(
+            model,
+            {"cpu:0": "2KiB", "cpu:1": "2KiB"},
+            example_inputs=(x,),
+            trace=route,
+            checkpoint=tmp_path / "model.pt",
+        )
+    plan = gm.meta["fxsplit_plan"]
+    assert plan.trace == ("export" if route == "auto" else "fx")
+    assert plan.activations_not_counted is None and all(row["activations_peak"] > 0 for row in plan.memory.values())
+    assert x.device.type == "cpu"  # the caller's inputs were not moved
+    torch.testing.assert_close(gm(x), reference(x))

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch.fx.graph import CodeGen, _PyTreeCodeGen
 
 from fxsplit.errors import FxsplitWarning, TraceError
@@ -105,14 +106,16 @@ def trace(
         raise TraceError("trace mode 'export' needs example_inputs (a tuple of the forward's positional inputs)")
     leaves = list(leaf_modules)
     if mode == "export" or (mode == "auto" and has_examples):
-        export_error = None
-        try:
-            with quiet_fake_tensor_log():
-                return _export(model, tuple(example_inputs or ()), dict(example_kwargs or {}), dynamic_shapes)
-        except TraceError:
-            raise  # ours, already specific (dynamic_shapes not kept)
-        except Exception as error:  # noqa: BLE001 - torch raises many kinds
-            export_error = error
+        export_error: Exception | None = None
+        for args, kwargs in _example_variants(model, tuple(example_inputs or ()), dict(example_kwargs or {})):
+            try:
+                with quiet_fake_tensor_log():
+                    return _export(model, args, kwargs, dynamic_shapes)
+            except TraceError:
+                raise  # ours, already specific (dynamic_shapes not kept)
+            except Exception as error:  # noqa: BLE001 - torch raises many kinds
+                export_error = export_error or error
+        assert export_error is not None  # every variant raised
         check_example_inputs(model, tuple(example_inputs or ()), example_kwargs or {})
         if mode == "export":
             raise TraceError(_export_message(export_error)) from export_error
@@ -124,6 +127,24 @@ def trace(
         warnings.warn(FxsplitWarning(_fallback_message(export_error, traced)), stacklevel=4)
         return Traced(traced.graph_module, traced.method, traced.has_shapes, (note,), traced.shapes_missing)
     return _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
+
+
+def _example_variants(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The example inputs as given; then, for a model with weights on ``meta`` (built to be loaded from a
+    checkpoint) and real inputs, the same inputs on ``meta``: export cannot mix meta weights with real
+    inputs, and only the inputs' sizes and dtypes matter to the graph."""
+    yield args, kwargs
+    on_meta = any(t.is_meta for t in _tensors_of(model))
+    leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+    if on_meta and any(not t.is_meta for t in leaves):
+        yield pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+
+
+def _tensors_of(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
 
 
 def _fallback_message(export_error: BaseException, traced: Traced) -> str:
@@ -224,8 +245,13 @@ def _symbolic(
     graph_module = torch.fx.GraphModule(tracer.root, graph, name)
     if example_inputs is None and not example_kwargs:
         return Traced(graph_module, "fx", False, shapes_missing="no example_inputs, so the graph has no sizes")
+    failures = []  # the first says what went wrong with the inputs as given
+    for args, kwargs in _example_variants(model, tuple(example_inputs or ()), dict(example_kwargs or {})):
+        failures.append(_propagate_shapes(graph_module, args, kwargs))
+        if failures[-1] is None:
+            break
+    failure = failures[0] if failures[-1] is not None else None
     args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
-    failure = _propagate_shapes(graph_module, args, kwargs)
     if failure is None:
         return Traced(graph_module, "fx", True)
     if not checked:
