@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -9,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from typing import Optional
 
 import pytest
@@ -328,3 +330,13 @@ def test_the_graph_and_the_plan_alone_say_which_weights_each_node_reads(trace: s
     torch.testing.assert_close(gm(ids), model(ids))
     cuts = [(c.producer, c.kind) for c in gm.meta["fxsplit_plan"].cuts]
     assert ("shared.weight", "parameter") in cuts  # check=True: the code's copy has the key the plan's cut has
+
+
+def test_deep_copy_of_an_export_split_is_quiet_and_equal() -> None:
+    gm = fxsplit.fxsplit(Small(), BUDGETS, mode="weights", example_inputs=inputs(), trace="export")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's pytree spec warned (FutureWarning, LeafSpec) when copied
+        copied = copy.deepcopy(gm)
+    assert type(copied).__mro__[1] is type(gm).__mro__[1]  # still an ExportedSplit (its train() guard kept)
+    x, y = inputs()
+    torch.testing.assert_close(copied(x, y), gm(x, y))

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -45,6 +46,12 @@ class ExportedSplit(torch.fx.GraphModule):
             )
         self.training = mode
         return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ExportedSplit:
+        """A deep copy, without the FutureWarning torch's pytree spec prints when copied (``LeafSpec``)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
+            return super().__deepcopy__(memo)  # type: ignore[return-value]
 
 
 class InputGuard(torch.nn.Module):
