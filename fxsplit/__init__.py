@@ -17,6 +17,8 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING, Any
 
+from fxsplit import errors as _errors
+
 __all__ = [
     "BudgetError",
     "CheckpointError",
@@ -51,19 +53,7 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-_ERRORS = (
-    "BudgetError",
-    "CheckpointError",
-    "DeviceError",
-    "ExampleInputError",
-    "FxsplitError",
-    "FxsplitWarning",
-    "InputMismatchError",
-    "InvariantError",
-    "PlanMismatchError",
-    "SpecError",
-    "TraceError",
-)
+_ERRORS = _errors.__all__  # errors.py is plain Python: importing it loads no torch
 
 # public name -> the module that defines it
 _MODULE_OF: dict[str, str] = {

@@ -68,6 +68,7 @@ def test_reading_a_saved_plan_loads_no_torch(tmp_path: Path) -> None:
 
 def test_every_public_name_resolves_to_its_object() -> None:
     assert set(dir(fxsplit)) >= set(fxsplit.__all__)
+    assert set(fxsplit.errors.__all__) <= set(fxsplit.__all__)  # every error and warning is public
     for name in fxsplit.__all__:
         value = getattr(fxsplit, name)
         assert getattr(value, "__name__", name) == name, (name, value)
