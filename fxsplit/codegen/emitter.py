@@ -26,6 +26,7 @@ from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
 from fxsplit.codegen.nested import pin_device_arguments, pin_subgraph_devices
 from fxsplit.codegen.splitmodule import ExportedSplit, GradModeSafeSplit, split_module
 from fxsplit.codegen.splitmodule import InputGuard as InputGuard  # splits saved before it moved name it here
+from fxsplit.codegen.tiednames import keep_tied_names
 from fxsplit.codegen.weights import (
     MovedWeights,
     check_input_writes,
@@ -227,4 +228,5 @@ def emit(graph_module: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule
     split.recompile()
     mirror_registries(split)  # weights by path at dict speed (see fxsplit.codegen.fastattr)
     split.meta["fxsplit_plan"] = plan
+    keep_tied_names(split, plan)
     return split
