@@ -182,3 +182,13 @@ def test_accelerate_map_of_a_transformers_model() -> None:
     assert plan.transfer_bytes >= own.transfer_bytes
     gm = fxsplit.apply(model, plan, example_inputs=(ids,))
     torch.testing.assert_close(gm(ids).logits, reference(ids).logits)
+
+
+def test_plan_saves_and_checks_like_any_plan() -> None:
+    torch.manual_seed(0)
+    model, inputs = Tied(), (torch.randint(0, 40, (2, 5)),)
+    device_map = {"emb": "cpu:0", "body": "cpu:1", "head": "cpu:0"}
+    plan = fxsplit.from_device_map(model, device_map, example_inputs=inputs, trace="export")
+    assert fxsplit.Plan.from_yaml(plan.to_yaml()) == plan
+    assert fxsplit.check_plan(model, plan, example_inputs=inputs).notes == ()
+    assert plan == fxsplit.from_device_map(model, device_map, example_inputs=inputs, trace="export")
