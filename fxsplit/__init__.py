@@ -42,6 +42,7 @@ __all__ = [
     "check_plan",
     "empty_weights",
     "format_size",
+    "from_device_map",
     "fxsplit",
     "load_checkpoint",
     "load_spec",
@@ -69,6 +70,7 @@ _MODULE_OF: dict[str, str] = {
     "check_plan": "fxsplit.planning.apply",
     "empty_weights": "fxsplit.checkpoint.empty",
     "format_size": "fxsplit.units",
+    "from_device_map": "fxsplit.frommap",
     "fxsplit": "fxsplit.api",
     "load_checkpoint": "fxsplit.checkpoint.load",
     "load_spec": "fxsplit.spec",
@@ -112,6 +114,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
         SpecError,
         TraceError,
     )
+    from fxsplit.frommap import from_device_map
     from fxsplit.memory.autobudget import auto_budgets
     from fxsplit.options import PipelineConfig
     from fxsplit.pipeline.distributed import PipelineStages, pipeline_stages

@@ -72,6 +72,7 @@ class Planned:
     costs: GraphCosts
     plan: Plan
     options: Options | None = None
+    memory: MemoryModel | None = None
 
 
 def trace_and_plan(
@@ -167,7 +168,7 @@ def trace_and_plan(
         made = dataclasses.replace(made, activations_not_counted=uncounted)
     if options.check:
         verify_plan(made, traced.graph_module, model)
-    return Planned(traced, costs, made, options)
+    return Planned(traced, costs, made, options, memory)
 
 
 @gc_paused()

@@ -1,0 +1,218 @@
+"""Accelerate-style device maps: where each weight lives, and where the ops that read them run.
+
+A device map (``{"model.embed": 0, "model.layers.3": "cuda:1", "lm_head": "cpu"}``)
+places parameters and buffers by module (or tensor) name; ``""`` names the
+whole model. It says nothing about ops: a module may run no op of the traced
+graph (a tied embedding read through another name), or one op may read
+weights on two devices. Here the weights stay exactly where the map puts them
+and each op that reads weights runs where most of its weight bytes live; the
+other ops go where they need the fewest copies (:func:`place_ops`).
+
+>>> import torch
+>>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+>>> read_device_map(model, {"0": "cpu:0", "1.weight": "cpu:1", "1.bias": 1}, {1: "cpu:0"})
+{'0.weight': 'cpu:0', '0.bias': 'cpu:0', '1.weight': 'cpu:1', '1.bias': 'cpu:0'}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx
+
+from fxsplit.cost.build import GraphCosts, named_tensors
+from fxsplit.devices import normalize_device
+from fxsplit.errors import SpecError
+from fxsplit.partition.mincut import exchange
+from fxsplit.partition.problem import PartitionProblem
+from fxsplit.partition.refine import device_loads, frozen_ops, improve
+from fxsplit.partition.result import Partition, transfer_bytes
+from fxsplit.planning.build import cuts_for, reads_of, weights_by_node
+from fxsplit.planning.plan import Plan
+
+__all__ = ["OFFLOAD", "map_devices", "pin_readers", "place_ops", "read_device_map", "with_weight_homes"]
+
+OFFLOAD = ("disk", "meta")
+"""Map values that offload weights instead of placing them on a device (not supported yet, issue 10)."""
+
+_UNLIMITED = 1 << 62
+
+
+def map_devices(device_map: Mapping[Any, Any], devices: Mapping[Any, Any] | None = None) -> dict[str, str]:
+    """Key -> canonical device of every entry of ``device_map``, values read through ``devices`` first.
+
+    Raises:
+        SpecError: the map is not a mapping, or values offload (``"disk"``)
+            or name no device; every such entry listed.
+    """
+    if not isinstance(device_map, Mapping):
+        raise SpecError(f"device_map must be a mapping of module names to devices (got {type(device_map).__name__})")
+    translate = dict(devices or {})
+    found: dict[str, str] = {}
+    problems: list[str] = []
+    for key, value in device_map.items():
+        value = translate.get(value, value)
+        if (
+            isinstance(value, str)
+            and value.strip() in OFFLOAD
+            or isinstance(value, torch.device)
+            and value.type == "meta"
+        ):
+            problems.append(
+                f"{str(key)!r}: {value!r} offloads, which fxsplit does not support yet (issue 10); "
+                "map it to a device such as 'cpu'"
+            )
+            continue
+        try:
+            found[str(key)] = normalize_device(value)
+        except SpecError as error:
+            problems.append(f"{str(key)!r}: {error}")
+    _raise("device_map has values that place nothing on a device", problems)
+    return found
+
+
+def read_device_map(
+    model: torch.nn.Module, device_map: Mapping[Any, Any], devices: Mapping[Any, Any] | None = None
+) -> dict[str, str]:
+    """Qualified name of every parameter and buffer of ``model`` (tied names too) -> its device.
+
+    Each tensor goes where the longest key naming it or a module holding it
+    says (``""``: the whole model). Values are ints (``cuda:N``), strings or
+    ``torch.device``; ``devices`` translates values first (``{0: "cpu:0"}``).
+
+    Raises:
+        SpecError: listing every tensor no key covers, every key that names
+            nothing in the model (with the closest names), every offloading
+            or unknown value, and every tied tensor whose names the map puts
+            on different devices.
+    """
+    keyed = map_devices(device_map, devices)
+    tensors = named_tensors(model)
+    known = {name for name, _ in model.named_modules(remove_duplicate=False)} | {name for name, _, _ in tensors}
+    problems = [_unknown_key(key, known) for key in keyed if key not in known]
+    homes: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+    uncovered: list[str] = []
+    for name, tensor, _ in tensors:
+        key = _longest_key(name, keyed)
+        if key is None:
+            uncovered.append(name)
+            continue
+        homes[name] = keyed[key]
+        other = first_name.setdefault(id(tensor), name)
+        if homes[other] != homes[name]:
+            problems.append(
+                f"{other!r} and {name!r} are one tensor (tied) but the map puts them on {homes[other]!r} and "
+                f"{homes[name]!r}; map both names to one device"
+            )
+    if uncovered:
+        listed = ", ".join(map(repr, uncovered[:8])) + (f" and {len(uncovered) - 8} more" if len(uncovered) > 8 else "")
+        problems.append(
+            f"no key covers {len(uncovered)} tensor(s): {listed}; add a key for each, for a module holding them, "
+            "or '' for the whole model"
+        )
+    _raise("device_map does not place the model's tensors", problems)
+    return homes
+
+
+def _longest_key(name: str, keyed: Mapping[str, str]) -> str | None:
+    parts = name.split(".")
+    for end in range(len(parts), -1, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in keyed:
+            return prefix
+    return None
+
+
+def _unknown_key(key: str, known: set[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=3)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else "; keys are module or tensor names"
+    return f"key {key!r} names no module, parameter or buffer of the model{hint}"
+
+
+def _raise(what: str, problems: list[str]) -> None:
+    if problems:
+        raise SpecError(f"{what}:\n  " + "\n  ".join(problems))
+
+
+def pin_readers(costs: GraphCosts, homes: Mapping[str, str], devices: Sequence[str]) -> dict[int, int]:
+    """Op index -> device index for every op that reads weights: where most of its weight bytes live.
+
+    Ties go to the earlier device. Weights the map does not name (constants
+    only the traced graph has) do not pin.
+    """
+    index = {d: i for i, d in enumerate(devices)}
+    by_node = weights_by_node(costs)
+    pins: dict[int, int] = {}
+    for op_index, op in enumerate(costs.ops):
+        held = [0] * len(devices)
+        read = False
+        for found in reads_of(op, by_node):
+            if found.weight is not None and found.weight.names[0] in homes:
+                held[index[homes[found.weight.names[0]]]] += found.weight.nbytes
+                read = True
+        if read:
+            pins[op_index] = max(range(len(devices)), key=lambda d: (held[d], -d))
+    return pins
+
+
+def place_ops(problem: PartitionProblem, pins: Mapping[int, int], num_devices: int) -> Partition:
+    """Place every op: pinned ones where ``pins`` says, the others to copy the fewest bytes (no budgets).
+
+    Free ops start on the device of the nearest pinned op before them (after
+    them at the start of the graph); pairwise min-cuts, then single moves,
+    take every move that copies less. Ops that must share a device with a
+    pinned one (state written in place) follow it.
+
+    >>> from fxsplit.partition.problem import Value
+    >>> chain = PartitionProblem(("a", "b", "c"), (Value("a", 10, 0, (1,)), Value("b", 1, 1, (2,))))
+    >>> place_ops(chain, {0: 0, 2: 1}, 2).op_devices
+    (0, 0, 1)
+    """
+    pinned = dataclasses.replace(problem, pinned=dict(pins))
+    start = [0] * problem.num_ops
+    nearest = pins[min(pins)] if pins else 0
+    for op in range(problem.num_ops):
+        nearest = pins.get(op, nearest)
+        start[op] = nearest
+    for lo, hi in problem.no_cut_spans():
+        held = [pins[op] for op in range(lo, hi + 1) if op in pins]
+        for op in range(lo, hi + 1):
+            start[op] = pins.get(op, held[0] if held else start[lo])
+    unlimited = [_UNLIMITED] * num_devices
+    placed = start
+    if num_devices > 1 and problem.num_ops:
+        placed = exchange(pinned, start, unlimited, frozen_ops(pinned))
+        placed = improve(pinned, placed, unlimited)
+    loads = device_loads(problem, placed, num_devices)
+    return Partition(tuple(placed), transfer_bytes(problem, placed), tuple(loads))
+
+
+def with_weight_homes(
+    plan: Plan, costs: GraphCosts, graph_module: torch.fx.GraphModule, homes: Mapping[str, str]
+) -> Plan:
+    """``plan`` with every tensor ``homes`` names on that device, and the reads and copies that implies.
+
+    Tensors ``homes`` does not name keep their place in ``plan``.
+    """
+    weights = [*costs.weights, *costs.unused]
+    weight_home = {w.names[0]: homes.get(w.names[0], plan.param_devices[w.names[0]]) for w in weights}
+    by_node = weights_by_node(costs)
+    placement = dict(plan.placement)
+    for node in graph_module.graph.nodes:
+        if node.op == "get_attr" and node.name in by_node:
+            placement[node.name] = weight_home[by_node[node.name][0].names[0]]
+    device_bytes = dict.fromkeys(plan.devices, 0)
+    for weight in weights:
+        device_bytes[weight_home[weight.names[0]]] += weight.nbytes
+    param_devices = {name: weight_home[w.names[0]] for w in weights for name in w.names}
+    return dataclasses.replace(
+        plan,
+        placement=placement,
+        param_devices=dict(sorted(param_devices.items())),
+        device_bytes=device_bytes,
+        cuts=tuple(cuts_for(costs, graph_module, placement, weight_home)),
+    )
