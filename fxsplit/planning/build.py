@@ -133,7 +133,7 @@ def make_plan(
     for op, label in zip(costs.ops, costs.problem.op_labels, strict=True):
         if label:
             modules[op_device[op.name]].setdefault(label)
-    cuts = _cuts(costs, graph_module, placement, weight_home)
+    cuts = cuts_for(costs, graph_module, placement, weight_home)
     return Plan(
         devices=devices,
         budgets=dict(budgets.limits),
@@ -240,16 +240,7 @@ def cuts_for(
     placement: dict[str, str],
     weight_home: dict[str, str],
 ) -> list[Cut]:
-    """The copies a placement implies, in forward order (for checking a saved plan)."""
-    return _cuts(costs, graph_module, placement, weight_home)
-
-
-def _cuts(
-    costs: GraphCosts,
-    graph_module: torch.fx.GraphModule,
-    placement: dict[str, str],
-    weight_home: dict[str, str],
-) -> list[Cut]:
+    """The copies a placement implies, in forward order (for a new plan, and for checking a saved one)."""
     by_node = weights_by_node(costs)
     sent: set[tuple[str, str]] = set()
     cuts: list[Cut] = []

@@ -94,17 +94,7 @@ class Spec:
             found["together"] = self.together
         if self.leaf_modules:
             found["leaf_modules"] = self.leaf_modules
-        for name in (
-            "trace",
-            "output_device",
-            "objective",
-            "dtype",
-            "pipeline",
-            "contiguous",
-            "mode",
-            "optimizer",
-            "dynamic_shapes",
-        ):
+        for name in SPEC_KEYS[SPEC_KEYS.index("trace") :]:  # the options, named as the call's keywords
             if getattr(self, name) is not None:
                 found[name] = getattr(self, name)
         return found
