@@ -36,7 +36,7 @@ from fxsplit.planning.plan import Plan
 __all__ = ["OFFLOAD", "map_devices", "pin_readers", "place_ops", "read_device_map", "with_weight_homes"]
 
 OFFLOAD = ("disk", "meta")
-"""Map values that offload weights instead of placing them on a device (not supported yet, issue 10)."""
+"""Map values that offload weights instead of placing them on a device (not supported yet)."""
 
 _UNLIMITED = 1 << 62
 
@@ -62,8 +62,8 @@ def map_devices(device_map: Mapping[Any, Any], devices: Mapping[Any, Any] | None
             and value.type == "meta"
         ):
             problems.append(
-                f"{str(key)!r}: {value!r} offloads, which fxsplit does not support yet (issue 10); "
-                "map it to a device such as 'cpu'"
+                f"{str(key)!r}: {value!r} offloads, which fxsplit does not support yet; "
+                "map it to a device such as 'cpu' (weights there are kept in host memory)"
             )
             continue
         try:
