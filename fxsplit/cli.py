@@ -17,6 +17,7 @@ are printed as one message; ``--debug`` adds the traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -261,6 +262,9 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         return _fail(args, err, error, EXIT_INFEASIBLE, "does not fit")
     except FxsplitError as error:
         return _fail(args, err, error, EXIT_BAD_INPUT, "error")
+    except BrokenPipeError:  # the reader stopped early (fxsplit code ... | head): not an error
+        _quiet_closed_stdout(out)
+        return 0
     except OSError as error:
         return _fail(args, err, error, EXIT_BAD_INPUT, "error")
     except KeyboardInterrupt:
@@ -268,6 +272,13 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         return 130
     except Exception as error:  # noqa: BLE001 - a bug: say so, one line unless --debug
         return _fail(args, err, error, EXIT_INTERNAL, f"internal error ({type(error).__name__}; please report it)")
+
+
+def _quiet_closed_stdout(out: TextIO) -> None:
+    """Point a closed standard output at devnull, so Python's exit flush does not report the broken pipe."""
+    if out is sys.stdout:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def _fail(args: argparse.Namespace, err: TextIO, error: BaseException, code: int, what: str) -> int:

@@ -214,3 +214,14 @@ def test_memory_mode_and_dynamic_shapes_flags_override_the_spec(tmp_path: Path) 
     assert code == 1 and "optimizer state" in err and "does not fit" in err
     code, _, err = run("plan", MODEL, "--spec", SPEC, "--optimizer", "adamw")
     assert code == 2 and "only counts with mode='training'" in err
+
+
+def test_a_reader_that_stops_early_is_not_an_error() -> None:
+    # `fxsplit code ... | head -1`: the pipe closes while fxsplit still writes: exit 0, nothing on stderr
+    class ClosedPipe(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    err = io.StringIO()
+    assert main(["code", MODEL, "--spec", SPEC], out=ClosedPipe(), err=err) == 0
+    assert err.getvalue() == ""

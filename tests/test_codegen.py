@@ -340,3 +340,10 @@ def test_deep_copy_of_an_export_split_is_quiet_and_equal() -> None:
     assert type(copied).__mro__[1] is type(gm).__mro__[1]  # still an ExportedSplit (its train() guard kept)
     x, y = inputs()
     torch.testing.assert_close(copied(x, y), gm(x, y))
+
+
+def test_a_plan_without_sizes_says_its_transfer_is_unknown_not_zero() -> None:
+    plan = fxsplit.plan(Small(), BUDGETS, mode="weights", trace="fx")  # no example inputs: no sizes
+    assert any(cut.nbytes is None for cut in plan.cuts)
+    line = next(line for line in str(plan).splitlines() if line.startswith("cuts:"))
+    assert "transfer per forward: unknown (" in line and "0 B" not in line

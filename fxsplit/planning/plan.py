@@ -238,7 +238,7 @@ class Plan:
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
         lines.append(
-            f"cuts: {len(self.cuts)}, transfer per forward: {format_size(self.transfer_bytes)}; "
+            f"cuts: {len(self.cuts)}, transfer per forward: {self._transfer_text()}; "
             f"outputs on {self.output_device}" + (f"; planned as {self.dtype}" if self.dtype else "")
         )
         lines.extend(self.tied_summary())
@@ -251,6 +251,13 @@ class Plan:
                 "leave room in the budgets or pass example_inputs"
             )
         return "\n".join(lines)
+
+    def _transfer_text(self) -> str:
+        unknown = sum(1 for cut in self.cuts if cut.nbytes is None and cut.kind != "output")
+        sized = format_size(self.transfer_bytes)
+        if not unknown:
+            return sized
+        return f"{sized} + {unknown} cut(s) of unknown size" if self.transfer_bytes else f"unknown ({unknown} cut(s))"
 
     def tied_summary(self) -> list[str]:
         """One line per group of tied names: where the tensor lives and where it is copied."""
