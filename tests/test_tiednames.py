@@ -6,23 +6,11 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
+from helpers import Tied
 
 import fxsplit
 
-BUDGETS = {"cpu:0": "3KiB", "cpu:1": "3KiB"}
-
-
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.body = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 32, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.body(self.embed(ids))))
+BUDGETS = {"cpu:0": "4KiB", "cpu:1": "4KiB"}
 
 
 def _ids() -> torch.Tensor:
@@ -32,28 +20,28 @@ def _ids() -> torch.Tensor:
 @pytest.mark.parametrize("trace", ["export", "fx"])
 def test_state_dict_loads_strictly_both_ways(trace: str) -> None:
     torch.manual_seed(0)
-    model = Tied()
+    model = Tied(vocab=32)
     gm = fxsplit.fxsplit(model, BUDGETS, example_inputs=(_ids(),), mode="weights", trace=trace)
     saved = gm.state_dict()
-    assert set(saved) == set(Tied().state_dict())  # embed.weight and head.weight, as the model names them
-    assert saved["embed.weight"].data_ptr() == saved["head.weight"].data_ptr()  # one tensor
-    fresh = Tied()
+    assert set(saved) == set(Tied(vocab=32).state_dict())  # emb.weight and head.weight, as the model names them
+    assert saved["emb.weight"].data_ptr() == saved["head.weight"].data_ptr()  # one tensor
+    fresh = Tied(vocab=32)
     fresh.load_state_dict(saved, strict=True)
     torch.testing.assert_close(fresh(_ids()), gm(_ids()))
 
     torch.manual_seed(1)
-    other = Tied()
+    other = Tied(vocab=32)
     gm.load_state_dict(other.state_dict(), strict=True)  # the model's own state dict, both names in it
     torch.testing.assert_close(gm(_ids()), other(_ids()))
     assert set(copy.deepcopy(gm).state_dict()) == set(saved)
 
 
 def test_a_state_dict_with_only_the_other_name_loads_into_the_held_tensor() -> None:
-    gm = fxsplit.fxsplit(Tied(), BUDGETS, example_inputs=(_ids(),), mode="weights", trace="export")
+    gm = fxsplit.fxsplit(Tied(vocab=32), BUDGETS, example_inputs=(_ids(),), mode="weights", trace="export")
     held = {name for name, _ in gm.named_parameters()}
-    other = Tied()
+    other = Tied(vocab=32)
     state = other.state_dict()
-    alias = next(name for name in ("embed.weight", "head.weight") if name not in held)
-    del state[next(iter({"embed.weight", "head.weight"} - {alias}))]  # keep only the name the split lacks
+    alias = next(name for name in ("emb.weight", "head.weight") if name not in held)
+    del state[next(iter({"emb.weight", "head.weight"} - {alias}))]  # keep only the name the split lacks
     gm.load_state_dict(state, strict=True)
     torch.testing.assert_close(gm(_ids()), other(_ids()))
