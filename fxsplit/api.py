@@ -26,13 +26,14 @@ from fxsplit.devices import require_usable
 from fxsplit.errors import BudgetError, FxsplitWarning, SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.memory.activations import profile_activations
-from fxsplit.memory.model import MemoryModel, MemorySpec, fit_budgets
-from fxsplit.options import OBJECTIVES, TRACE_MODES, Budgets, Options, PipelineConfig
+from fxsplit.memory.model import MemoryModel, MemorySpec
+from fxsplit.options import OBJECTIVES, TRACE_MODES, Budgets, Offload, Options, PipelineConfig
 from fxsplit.partition.solve import Partition, partition
 from fxsplit.pipeline.gpipe import Pipeline, pipelined
 from fxsplit.pipeline.microbatch import first_microbatch
 from fxsplit.planning.build import make_plan
 from fxsplit.planning.fingerprint import describe
+from fxsplit.planning.offload import fit_or_offload
 from fxsplit.planning.plan import Plan
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.tracing.capture import Traced, trace
@@ -60,6 +61,8 @@ def _options(raw: Mapping[str, Any]) -> Options:
     if options.objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)} (got {options.objective!r})")
     MemorySpec.coerce(options.mode, options.optimizer)
+    if options.offload is not None:
+        options = dataclasses.replace(options, offload=Offload.coerce(options.offload))
     describe_dynamic(options.dynamic_shapes)
     return options
 
@@ -161,7 +164,7 @@ def trace_and_plan(
             repartition=split,
         )
 
-    made = fit_budgets(memory, device_budgets, solve)
+    made = fit_or_offload(memory, device_budgets, solve, Offload.coerce(options.offload), traced.graph_module)
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
     made = _record(made, model, dtype, leaves, dynamic)
     if uncounted is not None:

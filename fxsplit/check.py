@@ -44,6 +44,7 @@ from fxsplit import runtime
 from fxsplit.attrpath import attr_at
 from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
 from fxsplit.errors import InvariantError
+from fxsplit.options import STORAGE_TIERS
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import budget_overruns, plan_problems
 from fxsplit.tracing.graphinfo import NONTENSOR, value_kind
@@ -101,6 +102,8 @@ def _param_problems(plan: Plan, model: torch.nn.Module) -> list[str]:
         device = plan.param_devices.get(name)
         if device is None:
             problems.append(f"'{name}' of the model has no device in param_devices")
+        elif name in plan.streamed:
+            seen.add(id(tensor))  # stored off the devices: no device holds it
         elif id(tensor) not in seen:
             seen.add(id(tensor))
             held[device] += tensor.numel() * tensor.element_size()
@@ -142,7 +145,9 @@ def verify_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
         elif node.op == "placeholder":
             where[node] = None
         elif node.op == "get_attr":
-            where[node] = plan.param_devices.get(str(node.target)) if _is_tensor(gm, node) else None
+            target = str(node.target)
+            home = plan.streamed.get(target) or plan.param_devices.get(target)
+            where[node] = home if _is_tensor(gm, node) else None
         elif node.op == "output":
             found = {d for n in node.all_input_nodes if (d := where.get(n)) and value_kind(n) != NONTENSOR}
             problems += [
@@ -174,7 +179,7 @@ def _copy_problems(
     record: CopyRecord = node.meta[COPY_META]
     key, source, destination = record.producer, record.source, record.destination
     problems: list[str] = []
-    if (key, destination) in made:
+    if (key, destination) in made and source not in STORAGE_TIERS:  # a streamed weight is copied once per reader
         problems.append(f"'{key}' is copied to '{destination}' twice (again by '{node.name}')")
     if source == destination:
         problems.append(f"'{node.name}' copies '{key}' to '{destination}', where it already lives")

@@ -24,9 +24,11 @@ __all__ = [
     "DYNAMIC_SHAPES",
     "MODES",
     "OBJECTIVES",
+    "STORAGE_TIERS",
     "OPTIMIZERS",
     "TRACE_MODES",
     "Budgets",
+    "Offload",
     "Options",
     "PipelineConfig",
     "usable_bytes",
@@ -39,6 +41,7 @@ OPTIMIZERS = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}  # optimizer: 
 DYNAMIC_SHAPES = ("batch", "all")  # dynamic_shapes shorthands: which input sizes an export split keeps variable
 CHECKPOINT_MODES = ("never", "except_last", "always")
 BATCH_STATS_MODES = ("warn", "error", "allow")
+STORAGE_TIERS = ("host", "disk")  # where offloaded weights are stored, in the order they are filled
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,80 @@ class Budgets:
 
 
 @dataclass(frozen=True)
+class Offload:
+    """Where weights the devices cannot hold may be stored, to be streamed in by the generated code.
+
+    The partitioner first plans as without offload; only when the budgets
+    cannot hold the model does it keep as much as fits on each device
+    (resident) and store the rest in host memory, then on disk, each weight
+    copied to its device right before the op that reads it (prefetched while
+    the op before runs) and freed after it. See docs/OFFLOAD.md.
+
+    Attributes:
+        host: bytes of host memory for stored weights (pinned when CUDA is
+            present); None: none.
+        disk: bytes of disk space for stored weights; None: none.
+        dir: the directory that holds the weights stored on disk (one
+            safetensors file, memory-mapped); needed with ``disk``.
+        prefetch: how many ops ahead a streamed weight is copied (0: right
+            before its op). Each device is charged ``prefetch + 1`` times its
+            largest streamed op's weights for the copies in flight.
+
+    >>> Offload.coerce({"host": "1GiB", "disk": "4GiB", "dir": "offload/"}).tiers()
+    {'host': 1073741824, 'disk': 4294967296}
+    """
+
+    host: int | None = None
+    disk: int | None = None
+    dir: str | None = None
+    prefetch: int = 1
+
+    def __post_init__(self) -> None:
+        for tier in STORAGE_TIERS:
+            nbytes = getattr(self, tier)
+            if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+                raise SpecError(f"offload {tier} must be an int >= 0 bytes (got {nbytes!r})")
+        if self.host is None and self.disk is None:
+            raise SpecError("offload must give a 'host' or 'disk' budget, like {'host': '16GiB'}")
+        if self.disk is not None and not self.dir:
+            raise SpecError("offload 'disk' needs 'dir', the directory the stored weights are written to")
+        if self.dir is not None and not isinstance(self.dir, str):
+            object.__setattr__(self, "dir", str(self.dir))
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or not 0 <= self.prefetch <= 8:
+            raise SpecError(f"offload prefetch must be an int from 0 to 8 (got {self.prefetch!r})")
+
+    @classmethod
+    def coerce(cls, value: Any) -> Offload | None:
+        """An Offload from an Offload, None, or a mapping as users write it (sizes as strings, ``dir`` a path)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise SpecError(
+                f"offload must be a mapping like {{'host': '16GiB', 'disk': '100GiB', 'dir': 'offload/'}} "
+                f"(got {type(value).__name__})"
+            )
+        unknown = sorted(str(k) for k in value if k not in cls.__dataclass_fields__)
+        if unknown:
+            raise SpecError(
+                f"unknown offload option(s) {', '.join(map(repr, unknown))}; options are "
+                f"{', '.join(cls.__dataclass_fields__)}"
+            )
+        from fxsplit.units import parse_size
+
+        sizes = {t: parse_size(value[t], what=f"offload {t}") for t in STORAGE_TIERS if value.get(t) is not None}
+        dir_ = value.get("dir")
+        return cls(**sizes, dir=None if dir_ is None else str(dir_), prefetch=value.get("prefetch", 1))
+
+    def tiers(self) -> dict[str, int]:
+        """Storage tier -> bytes, for the tiers given, in the order they are filled."""
+        return {t: n for t in STORAGE_TIERS if (n := getattr(self, t)) is not None}
+
+    def to_dict(self) -> dict[str, Any]:
+        """As plain data (bytes as ints), for plans and specs."""
+        return {"host": self.host, "disk": self.disk, "dir": self.dir, "prefetch": self.prefetch}
+
+
+@dataclass(frozen=True)
 class Options:
     """Every option :func:`fxsplit.fxsplit` and :func:`fxsplit.plan` take besides the model, inputs and budgets.
 
@@ -243,6 +320,10 @@ class Options:
             ``"adam"`` in training).
         dynamic_shapes: input sizes a torch.export split keeps variable: one
             of :data:`DYNAMIC_SHAPES` or a torch.export ``dynamic_shapes`` spec.
+        offload: where weights the devices cannot hold are stored and
+            streamed from: an :class:`Offload` or a mapping (``{"host":
+            "16GiB", "disk": "100GiB", "dir": "offload/"}``); None: the
+            budgets must hold the whole model. Inference only.
     """
 
     example_kwargs: Mapping[str, Any] | None = None
@@ -262,3 +343,4 @@ class Options:
     mode: str = "inference"
     optimizer: str | int | None = None
     dynamic_shapes: Any = None
+    offload: Offload | Mapping[str, Any] | None = None

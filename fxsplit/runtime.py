@@ -6,7 +6,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["call_with_weights", "move", "write_back"]
+__all__ = ["Prefetched", "arrive", "call_with_weights", "move", "prefetch", "write_back"]
 
 
 def move(value: Any, device: str) -> Any:
@@ -59,3 +59,54 @@ def call_with_weights(
     (``torch.fx.Interpreter`` does), and ``functional_call`` may change them.
     """
     return torch.func.functional_call(module, dict(weights), tuple(args), dict(kwargs))
+
+
+class Prefetched:
+    """A weight's copy on its way to a CUDA device on a side stream; :func:`arrive` waits for it."""
+
+    __slots__ = ("event", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, event: torch.cuda.Event) -> None:
+        self.tensor = tensor
+        self.event = event
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def prefetch(weight: torch.Tensor, device: str) -> torch.Tensor | Prefetched:
+    """Start copying an offloaded ``weight`` to ``device``, ahead of the op that reads it.
+
+    The generated code calls this some ops before the weight's reader and
+    :func:`arrive` right before it. On a CUDA device the copy runs on a side
+    stream (from pinned host memory it overlaps the ops in between); anywhere
+    else it is a plain ``.to(device)``, which for a weight already in that
+    memory (a CPU device reading host or memory-mapped storage) copies nothing.
+    """
+    target = torch.device(device)
+    if target.type != "cuda" or weight.device == target:
+        return weight.to(target)
+    stream = _side_stream(target)
+    stream.wait_stream(torch.cuda.current_stream(target))  # the copy may reuse memory freed by earlier ops
+    with torch.cuda.stream(stream):
+        copy = weight.to(target, non_blocking=weight.is_pinned())
+        event = torch.cuda.Event()
+        event.record(stream)
+    return Prefetched(copy, event)
+
+
+def arrive(fetched: torch.Tensor | Prefetched) -> torch.Tensor:
+    """The prefetched weight, once its copy is done (the current stream waits for it; nothing on CPU)."""
+    if not isinstance(fetched, Prefetched):
+        return fetched
+    current = torch.cuda.current_stream(fetched.tensor.device)
+    current.wait_event(fetched.event)
+    fetched.tensor.record_stream(current)  # freed for the side stream only after the op that reads it
+    return fetched.tensor

@@ -124,13 +124,13 @@ def test_the_reserve_is_held_back_from_what_a_device_may_hold() -> None:
 
 
 def test_the_check_option_checks_the_memory_total(monkeypatch: pytest.MonkeyPatch) -> None:
-    fit_budgets = fxsplit.api.fit_budgets
+    fit_or_offload = fxsplit.api.fit_or_offload
 
     def activations_over(*args: object) -> fxsplit.Plan:
-        made = fit_budgets(*args)  # type: ignore[arg-type]
+        made = fit_or_offload(*args)  # type: ignore[arg-type]
         return _with_activations(made, made.devices[-1], made.usable[made.devices[-1]] + 1)
 
-    monkeypatch.setattr(fxsplit.api, "fit_budgets", activations_over)
+    monkeypatch.setattr(fxsplit.api, "fit_or_offload", activations_over)
     _inference_plan()  # unchecked: goes unnoticed
     with pytest.raises(InvariantError, match=r"in all, but may hold 550 B \(its budget 600 B less 50 B reserved\)"):
         _inference_plan(check=True, reserve=50)

@@ -28,6 +28,7 @@ from fxsplit.checkpoint.empty import tensor_like
 from fxsplit.checkpoint.formats import TableOfContents, read_table
 from fxsplit.checkpoint.match import Match, Slot, match
 from fxsplit.checkpoint.progress import Progress
+from fxsplit.checkpoint.write import store_on_disk
 from fxsplit.cost.build import Weight, model_tensors
 from fxsplit.errors import CheckpointError
 from fxsplit.planning.plan import Plan
@@ -190,25 +191,68 @@ def _with_tied(slots: list[Slot], tied: tuple[tuple[str, ...], ...]) -> list[Slo
 def _load(
     found: list[Match], table: TableOfContents, plan: Plan, holders: list[torch.nn.Module], progress: bool | None
 ) -> Callable[[], None]:
-    """Read every matched tensor onto its device, then commit; return what undoes the commit."""
+    """Read every matched tensor onto its device (or into its offload storage), then commit; return the undo."""
     homes = [_home(m.slot, plan) for m in found]
     bar = Progress("loading checkpoint", items=len(found), nbytes=sum(m.entry.nbytes for m in found), enabled=progress)
     try:
-        loaded = [_read(m, table, device, _dtype(m.slot, plan), bar) for m, device in zip(found, homes, strict=True)]
+        loaded: dict[int, torch.Tensor] = {}
+        for index, (item, home) in enumerate(zip(found, homes, strict=True)):
+            if home != "disk":
+                device = torch.device("cpu" if home == "host" else home)
+                tensor = _read(item, table, device, _dtype(item.slot, plan), bar)
+                loaded[index] = tensor.pin_memory() if home == "host" and torch.cuda.is_available() else tensor
+        to_disk = [i for i, home in enumerate(homes) if home == "disk"]
+        if to_disk:
+            loaded.update(_onto_disk([found[i] for i in to_disk], to_disk, table, plan, bar))
     finally:
         bar.close()
-    return _commit(found, loaded, holders)
+    return _commit(found, [loaded[i] for i in range(len(found))], holders)
 
 
-def _home(slot: Slot, plan: Plan) -> torch.device:
+def _home(slot: Slot, plan: Plan) -> str:
+    """Where ``slot`` goes: its planned device, or ``"host"``/``"disk"`` for a weight stored off the devices."""
+    for name in slot.names:
+        if name in plan.streamed:
+            return plan.streamed[name]
     for name in slot.names:
         if name in plan.param_devices:
-            return torch.device(plan.param_devices[name])
+            return plan.param_devices[name]
     if slot.tensor.device.type != "meta":
-        return slot.tensor.device
+        return str(slot.tensor.device)
     raise CheckpointError(
         f"the plan does not place '{slot.names[0]}'; was it made for this model? (fxsplit.check_plan says what differs)"
     )
+
+
+def _onto_disk(
+    found: list[Match], indices: list[int], table: TableOfContents, plan: Plan, bar: Progress
+) -> dict[int, torch.Tensor]:
+    """Tensors the plan stores on disk, as views of a file: the checkpoint's own where it is safetensors.
+
+    A safetensors tensor already in the planned dtype is used where it lies
+    (a view of the checkpoint's mapped file: no copy, no new file; the
+    checkpoint must then stay in place while the split is used). The others
+    are converted one at a time into a new file in the plan's offload dir.
+    """
+    views: dict[int, torch.Tensor] = {}
+    rewrite: dict[str, tuple[int, Match]] = {}
+    for index, item in zip(indices, found, strict=True):
+        dtype = _dtype(item.slot, plan)
+        if item.entry.file.suffix == ".safetensors" and item.entry.dtype == dtype:
+            views[index] = table.read(item.entry.name)
+            bar.advance(item.entry.nbytes)
+        else:
+            rewrite[item.entry.name] = (index, item)
+    if rewrite:
+        layout = {name: (item.entry.shape, _dtype(item.slot, plan)) for name, (_, item) in rewrite.items()}
+
+        def read(name: str) -> torch.Tensor:
+            bar.advance(rewrite[name][1].entry.nbytes)
+            return table.read(name)
+
+        written = store_on_disk(plan.offload.get("dir") or ".", plan.fingerprint or "model", layout, read)
+        views.update({index: written[name] for name, (index, _) in rewrite.items()})
+    return views
 
 
 def _dtype(slot: Slot, plan: Plan) -> torch.dtype:

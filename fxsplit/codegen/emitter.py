@@ -14,6 +14,7 @@ the class of the module built (export and grad-mode splits),
 from __future__ import annotations
 
 import builtins
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -67,6 +68,9 @@ class _Emitter:
         for placeholder, writers in self.writers.items():
             self.last_writes.setdefault(writers[-1], []).append(placeholder)
         self.grad_region = 0  # bumped at each grad-mode change: copies made under another mode are not reused
+        # per device, the emitted ops that read weights, with their grad region: where prefetches go
+        self.weight_ops: dict[str, list[tuple[torch.fx.Node, int]]] = {}
+        self.prefetch = int(plan.offload.get("prefetch", 1)) if plan.streamed else 0
 
     def run(self) -> torch.fx.Graph:
         for node in self.source.graph.nodes:
@@ -78,8 +82,14 @@ class _Emitter:
             device = self.plan.placement[node.name]
             replaced: dict[str, torch.fx.Node] = {}
             foreign: dict[str, tuple[Weight, torch.fx.Node]] = {}
-            for read in reads_of(node, self.by_node):
-                fetched = self._fetch(read, device)
+            streamed: dict[str, torch.fx.Node] = {}  # one copy per op and streamed weight
+            reads = reads_of(node, self.by_node)
+            for read in reads:
+                fetched: torch.fx.Node | None
+                if read.weight is not None and read.key in self.plan.streamed:
+                    fetched = streamed[read.key] = streamed.get(read.key) or self._stream(read, device)
+                else:
+                    fetched = self._fetch(read, device)
                 if fetched is None:
                     continue
                 if read.node is not None:
@@ -89,6 +99,8 @@ class _Emitter:
             new = self._copy_node(node, replaced, foreign, device)
             if node.op != "output":
                 new.meta[DEVICE_META] = device
+            if any(read.weight is not None for read in reads):
+                self.weight_ops.setdefault(device, []).append((new, self.grad_region))
             self.env[node.name] = new
             for placeholder in self.last_writes.get(node.name, ()):
                 self._write_back(placeholder)
@@ -175,6 +187,27 @@ class _Emitter:
         keep = is_input and home == device and read.key in self.writers
         self.copies[(read.key, device)] = (copy, None if keep else self.grad_region)
         return copy
+
+    def _stream(self, read: Read, device: str) -> torch.fx.Node:
+        """An offloaded weight for one op: prefetched ``prefetch`` weight-reading ops earlier, waited for here."""
+        assert read.weight is not None
+        path = weight_path(self.source, read.weight)
+        if path is None:  # pragma: no cover
+            raise AssertionError(f"no attribute path reaches weight {read.key!r}")
+        earlier = [n for n, region in self.weight_ops.get(device, []) if region == self.grad_region]
+        before = earlier[-self.prefetch] if self.prefetch and len(earlier) >= self.prefetch else None
+        if before is None and earlier and self.prefetch:
+            before = earlier[0]
+        base = path.replace(".", "_")
+        with self.graph.inserting_before(before) if before is not None else contextlib.nullcontext():
+            stored = self.graph.create_node("get_attr", path, name=f"stored_{base}")
+            started = self.graph.create_node(
+                "call_function", runtime.prefetch, (stored, device), name=f"prefetch_{base}"
+            )
+        started.meta[COPY_META] = CopyRecord(read.key, self.plan.streamed[read.key], device)
+        arrived = self.graph.create_node("call_function", runtime.arrive, (started,), name=f"{base}_on_{device}")
+        arrived.meta[DEVICE_META] = device
+        return arrived
 
     def _write_back(self, placeholder: str) -> None:
         """Copy the home copy of an input written in place back into the caller's tensor (as eager would)."""

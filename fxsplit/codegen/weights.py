@@ -10,6 +10,8 @@ it all back.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 import torch.fx
 
@@ -20,7 +22,15 @@ from fxsplit.planning.plan import Plan
 from fxsplit.tracing.graphinfo import element_size, input_writers
 from fxsplit.units import format_size
 
-__all__ = ["MovedWeights", "check_input_writes", "move_weights", "weight_path", "weight_tensor", "weights_read"]
+__all__ = [
+    "MovedWeights",
+    "check_input_writes",
+    "move_weights",
+    "stored_in",
+    "weight_path",
+    "weight_tensor",
+    "weights_read",
+]
 
 
 class MovedWeights:
@@ -36,11 +46,18 @@ class MovedWeights:
     def __len__(self) -> int:
         return len(self._before)
 
-    def move(self, tensor: torch.Tensor, device: torch.device) -> None:
-        """Move ``tensor`` (and its gradient) to ``device``; both copies are made before either is swapped in."""
-        grad = tensor.grad
+    def move(self, tensor: torch.Tensor, device: torch.device, *, pin: bool = False) -> None:
+        """Move ``tensor`` (and its gradient) to ``device``; both copies are made before either is swapped in.
+
+        ``pin``: page-lock the host copy (for weights streamed to CUDA devices).
+        """
         data = tensor.data.to(device)
-        grad_data = grad.data.to(device) if grad is not None else None
+        self.assign(tensor, data.pin_memory() if pin and not data.is_pinned() else data, device)
+
+    def assign(self, tensor: torch.Tensor, data: torch.Tensor, device: torch.device | None = None) -> None:
+        """Give ``tensor`` new ``data`` (its gradient moves to ``device``, or to ``data``'s device)."""
+        grad = tensor.grad
+        grad_data = grad.data.to(device or data.device) if grad is not None else None
         self._before.append((tensor, tensor.data, grad, grad.data if grad is not None else None))
         try:
             with torch.no_grad():
@@ -101,23 +118,52 @@ def move_weights(graph_module: torch.fx.GraphModule, plan: Plan, weights: list[W
     """
     check_input_writes(graph_module, plan)
     moved = MovedWeights()
+    to_disk: dict[str, torch.Tensor] = {}
     for weight in weights:
         tensor = weight_tensor(graph_module, weight)
         if tensor is None or tensor.device.type == "meta":
             continue
-        device = torch.device(plan.param_devices[weight.names[0]])
+        tier = stored_in(plan, weight.names)
+        if tier == "disk":
+            to_disk[weight.names[0]] = tensor
+            continue
+        device = torch.device("cpu" if tier == "host" else plan.param_devices[weight.names[0]])
         try:
-            moved.move(tensor, device)
+            moved.move(tensor, device, pin=tier == "host" and torch.cuda.is_available())
         except Exception as error:  # noqa: BLE001 - a device may fail in any way; the model must come back whole
-            count = len(moved)
-            moved.undo()
-            first = (str(error).strip().splitlines() or [""])[0]
-            raise DeviceError(
-                f"moving '{weight.names[0]}' ({_describe(tensor)}) to '{device}' failed: {type(error).__name__}: "
-                f"{first}. The {count} tensor(s) moved before it were put back: the model is as it was. Free memory "
-                f"on '{device}', lower its budget, or leave it out"
-            ) from error
+            _failed(moved, f"moving '{weight.names[0]}' ({_describe(tensor)}) to '{device}'", error, str(device))
+    if to_disk:
+        _store_on_disk(moved, plan, to_disk)
     return moved
+
+
+def stored_in(plan: Plan, names: tuple[str, ...]) -> str | None:
+    """Where the weight named ``names`` is stored off the devices (``"host"``, ``"disk"``), or None: resident."""
+    return next((plan.streamed[n] for n in names if n in plan.streamed), None)
+
+
+def _store_on_disk(moved: MovedWeights, plan: Plan, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` to a new safetensors file in the plan's offload dir and make them views of it."""
+    from fxsplit.checkpoint.write import store_on_disk
+
+    directory = plan.offload.get("dir") or "."
+    try:
+        layout = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+        views = store_on_disk(directory, plan.fingerprint or "model", layout, tensors.__getitem__)
+        for name, tensor in tensors.items():
+            moved.assign(tensor, views[name])
+    except Exception as error:  # noqa: BLE001 - a full disk, a bad directory: the model must come back whole
+        _failed(moved, f"writing {len(tensors)} offloaded weight(s) to '{directory}'", error, "the disk")
+
+
+def _failed(moved: MovedWeights, what: str, error: Exception, where: str) -> NoReturn:
+    count = len(moved)
+    moved.undo()
+    first = (str(error).strip().splitlines() or [""])[0]
+    raise DeviceError(
+        f"{what} failed: {type(error).__name__}: {first}. The {count} tensor(s) moved before it were put back: "
+        f"the model is as it was. Free memory on {where}, lower its budget, or leave it out"
+    ) from error
 
 
 def _describe(tensor: torch.Tensor) -> str:

@@ -320,7 +320,8 @@ def checked_retrace(
     check_input_writes(traced.graph_module, plan)  # the most specific refusal first
     held = {d: 0 for d in plan.devices}
     for weight in [*costs.weights, *costs.unused]:
-        held[plan.param_devices[weight.names[0]]] += weight.nbytes
+        if weight.names[0] not in plan.streamed:  # stored off the devices
+            held[plan.param_devices[weight.names[0]]] += weight.nbytes
     _check_budgets(plan, held, given)
     notes = [
         f"plan.device_bytes says {format_size(plan.device_bytes.get(d))} on '{d}', the placement puts "
@@ -350,7 +351,8 @@ def _check_budgets(plan: Plan, held: dict[str, int], budgets: Budgets | None) ->
 def _check_cuts(plan: Plan, traced: Traced, costs: GraphCosts) -> list[str]:
     """Refuse when the plan's cuts are not those its placement implies; notes on sizes that differ."""
     weight_home = {w.names[0]: plan.param_devices[w.names[0]] for w in costs.weights}
-    expected = cuts_for(costs, traced.graph_module, plan.placement, weight_home)
+    streamed = {w.names[0]: plan.streamed[w.names[0]] for w in costs.weights if w.names[0] in plan.streamed}
+    expected = cuts_for(costs, traced.graph_module, plan.placement, weight_home, streamed)
     if [_route(c) for c in expected] != [_route(c) for c in plan.cuts]:
         routes = {_route(c) for c in expected}
         stale = [f"plan lists {_cut_text(c)}" for c in plan.cuts if _route(c) not in routes]

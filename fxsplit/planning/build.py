@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NoReturn, Sequence
+from typing import Callable, Mapping, NoReturn, Sequence
 
 import torch.fx
 
@@ -239,8 +239,13 @@ def cuts_for(
     graph_module: torch.fx.GraphModule,
     placement: dict[str, str],
     weight_home: dict[str, str],
+    streamed: Mapping[str, str] | None = None,
 ) -> list[Cut]:
-    """The copies a placement implies, in forward order (for a new plan, and for checking a saved one)."""
+    """The copies a placement implies, in forward order (for a new plan, and for checking a saved one).
+
+    ``streamed``: canonical weight name -> its storage tier, for weights
+    offloaded off the devices: one ``"stream"`` cut per op that reads one.
+    """
     by_node = weights_by_node(costs)
     sent: set[tuple[str, str]] = set()
     cuts: list[Cut] = []
@@ -248,8 +253,14 @@ def cuts_for(
         if node.op in ("placeholder", "get_attr"):
             continue
         destination = placement[node.name]
+        streams: set[str] = set()
         for read in reads_of(node, by_node):
             nbytes: int | None
+            if read.weight is not None and streamed and read.key in streamed:
+                if read.key not in streams:
+                    streams.add(read.key)
+                    cuts.append(Cut(read.key, streamed[read.key], destination, read.weight.nbytes, "stream"))
+                continue
             if read.weight is not None:
                 source, nbytes = weight_home[read.key], read.weight.nbytes
             else:

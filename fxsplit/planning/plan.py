@@ -15,7 +15,7 @@ from fxsplit.units import format_size
 
 __all__ = ["CUT_KINDS", "Cut", "Plan"]
 
-CUT_KINDS = ("activation", "input", "parameter", "output")
+CUT_KINDS = ("activation", "input", "parameter", "output", "stream")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,10 @@ class Cut:
         nbytes: bytes copied per forward, or None when shapes are unknown.
         kind: ``"activation"``, ``"input"`` (a model input needed on a second
             device), ``"parameter"`` (a weight used on a device other than its
-            home) or ``"output"`` (a result moved to ``output_device``).
+            home), ``"output"`` (a result moved to ``output_device``) or
+            ``"stream"`` (an offloaded weight copied from its storage,
+            ``"host"`` or ``"disk"``, to the device of one op that reads it;
+            one such cut per reading op).
     """
 
     producer: str
@@ -84,6 +87,14 @@ class Plan:
             ``"batch"``, ``"all"``, ``"custom"`` (a torch.export spec, to be
             passed again when applying), or None (the example's sizes only;
             always None for fx graphs, which take any size).
+        streamed: qualified name (tied names included) -> where the weight is
+            stored, ``"host"`` or ``"disk"``, for every weight that is not kept
+            on a device but copied to it right before each op that reads it
+            (the ``"stream"`` cuts); its ``param_devices`` entry is the device
+            of those ops. Empty when everything is resident.
+        offload: the offload option the plan was made with (``host`` and
+            ``disk`` budgets in bytes, ``dir``, ``prefetch``), or empty.
+        stored_bytes: storage tier -> bytes of the weights stored there.
         activations_not_counted: why the plan does not count activations
             (and, without sizes, cut bytes) although its memory mode does,
             e.g. ``"no example_inputs, so the graph has no sizes"``; None
@@ -109,6 +120,9 @@ class Plan:
     memory: dict[str, dict[str, int]] = field(default_factory=dict)
     dynamic_shapes: str | None = None
     activations_not_counted: str | None = None
+    streamed: dict[str, str] = field(default_factory=dict)
+    offload: dict[str, Any] = field(default_factory=dict)
+    stored_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def usable(self) -> dict[str, int]:
@@ -117,8 +131,17 @@ class Plan:
 
     @property
     def transfer_bytes(self) -> int:
-        """Bytes copied between devices per forward, outputs excluded (unknown sizes count 0)."""
-        return sum(c.nbytes or 0 for c in self.cuts if c.kind != "output")
+        """Bytes copied between devices per forward, outputs and streamed weights excluded (unknown sizes count 0)."""
+        return sum(c.nbytes or 0 for c in self.cuts if c.kind not in ("output", "stream"))
+
+    @property
+    def stream_bytes(self) -> int:
+        """Bytes of offloaded weights copied from storage to the devices per forward."""
+        return sum(c.nbytes or 0 for c in self.cuts if c.kind == "stream")
+
+    def streamed_into(self, device: str) -> int:
+        """Bytes of offloaded weights streamed into ``device`` per forward."""
+        return sum(c.nbytes or 0 for c in self.cuts if c.kind == "stream" and c.destination == device)
 
     def cuts_into(self, device: str) -> tuple[Cut, ...]:
         """The copies whose destination is ``device``."""
@@ -155,6 +178,9 @@ class Plan:
             "memory": {d: dict(row) for d, row in self.memory.items()},
             "dynamic_shapes": self.dynamic_shapes,
             "activations_not_counted": self.activations_not_counted,
+            "streamed": dict(self.streamed),
+            "offload": dict(self.offload),
+            "stored_bytes": dict(self.stored_bytes),
         }
 
     @classmethod
@@ -180,6 +206,9 @@ class Plan:
             memory={d: dict(row) for d, row in data.get("memory", {}).items()},
             dynamic_shapes=data.get("dynamic_shapes"),
             activations_not_counted=data.get("activations_not_counted"),
+            streamed=dict(data.get("streamed", {})),
+            offload=dict(data.get("offload", {})),
+            stored_bytes=dict(data.get("stored_bytes", {})),
         )
 
     def to_yaml(self) -> str:
@@ -211,6 +240,7 @@ class Plan:
             "budget",
             *(("reserve",) if reserving else ()),
             "weights",
+            *(("streamed",) if self.streamed else ()),
             "% budget",
             "modules",
             "in",
@@ -220,8 +250,9 @@ class Plan:
         for device in self.devices:
             budget, used = self.budgets[device], self.device_bytes.get(device, 0)
             percent = f"{100 * used / budget:.1f}" if budget else "-"
-            incoming = sum(c.nbytes or 0 for c in self.cuts if c.destination == device)
+            incoming = sum(c.nbytes or 0 for c in self.cuts if c.destination == device and c.kind != "stream")
             outgoing = sum(c.nbytes or 0 for c in self.cuts if c.source == device)
+            streamed = (format_size(self.streamed_into(device)),) if self.streamed else ()
             reserve = (format_size(self.reserved.get(device, 0)),) if reserving else ()
             rows.append(
                 (
@@ -229,6 +260,7 @@ class Plan:
                     format_size(budget),
                     *reserve,
                     format_size(used),
+                    *streamed,
                     percent,
                     _module_summary(self.modules.get(device, ())),
                     format_size(incoming),
@@ -237,10 +269,12 @@ class Plan:
             )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+        copies = [c for c in self.cuts if c.kind != "stream"]
         lines.append(
-            f"cuts: {len(self.cuts)}, transfer per forward: {self._transfer_text()}; "
+            f"cuts: {len(copies)}, transfer per forward: {self._transfer_text()}; "
             f"outputs on {self.output_device}" + (f"; planned as {self.dtype}" if self.dtype else "")
         )
+        lines.extend(self._offload_lines())
         lines.extend(self.tied_summary())
         lines.extend(self._empty_devices_note())
         if self.memory:
@@ -252,8 +286,25 @@ class Plan:
             )
         return "\n".join(lines)
 
+    def _offload_lines(self) -> list[str]:
+        """What is stored off the devices and streamed in, when anything is."""
+        if not self.streamed:
+            return []
+        stored = ", ".join(
+            f"{tier} {format_size(nbytes)}"
+            + (f" of {format_size(self.offload[tier])}" if self.offload.get(tier) is not None else "")
+            for tier, nbytes in self.stored_bytes.items()
+            if nbytes
+        )
+        where = f" (dir {self.offload['dir']})" if self.stored_bytes.get("disk") and self.offload.get("dir") else ""
+        return [
+            f"offloaded: {len(self.streamed)} parameter(s) stored in {stored}{where}; streamed per forward: "
+            f"{format_size(self.stream_bytes)} in {sum(1 for c in self.cuts if c.kind == 'stream')} copies, "
+            f"prefetch {self.offload.get('prefetch', 1)}"
+        ]
+
     def _transfer_text(self) -> str:
-        unknown = sum(1 for cut in self.cuts if cut.nbytes is None and cut.kind != "output")
+        unknown = sum(1 for cut in self.cuts if cut.nbytes is None and cut.kind not in ("output", "stream"))
         sized = format_size(self.transfer_bytes)
         if not unknown:
             return sized
@@ -289,7 +340,7 @@ class Plan:
         """One row per device: each component of memory, the total and its share of the budget."""
         keys = [
             k
-            for k in ("params", "buffers", "grads", "optimizer", "activations_peak")
+            for k in ("params", "buffers", "grads", "optimizer", "activations_peak", "streaming")
             if any(k in row and (row[k] or k in ("params", "activations_peak")) for row in self.memory.values())
         ]
         titles = {
@@ -298,6 +349,7 @@ class Plan:
             "grads": "grads",
             "optimizer": "optimizer",
             "activations_peak": "activations",
+            "streaming": "streaming",
         }
         reserving = any(self.reserved.values())
         rows = [("memory", *(titles[k] for k in keys), "total", "% usable" if reserving else "% budget")]

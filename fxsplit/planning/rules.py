@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from fxsplit.errors import PlanMismatchError
-from fxsplit.options import Budgets, usable_bytes
+from fxsplit.options import STORAGE_TIERS, Budgets, usable_bytes
 from fxsplit.planning.fingerprint import fingerprint_of
-from fxsplit.planning.plan import CUT_KINDS, Plan
+from fxsplit.planning.plan import CUT_KINDS, Cut, Plan
 from fxsplit.units import format_size
 from fxsplit.yamlfile import Problem, YamlPath, YamlProblems, line_of, short_repr
 
@@ -76,6 +76,7 @@ def plan_problems(plan: Plan) -> list[Problem]:
     _device_problems(plan, problem)
     _tied_problems(plan, problem)
     _cut_problems(plan, problem)
+    _streamed_problems(plan, problem)
     return found
 
 
@@ -161,12 +162,38 @@ def _tied_problems(plan: Plan, problem: _Report) -> None:
             )
 
 
+def _stream_problems(plan: Plan, index: int, cut: Cut, problem: _Report) -> None:
+    """A stream cut copies a weight the plan stores off the devices, from where it is stored, to a device."""
+    name = short_repr(cut.producer)
+    stored = plan.streamed.get(cut.producer)
+    if stored is None:
+        problem(("cuts", index), f"streams {name}, which streamed does not list (it is resident)")
+    elif cut.source != stored:
+        problem(("cuts", index), f"streams {name} from {short_repr(cut.source)} but streamed stores it in {stored!r}")
+    if cut.destination not in plan.devices:
+        problem(("cuts", index), f"streams {name} to {short_repr(cut.destination)}, which has no budget")
+
+
+def _streamed_problems(plan: Plan, problem: _Report) -> None:
+    """Streamed weights are tensors of the plan, stored in a known tier."""
+    for name, tier in plan.streamed.items():
+        if tier not in STORAGE_TIERS:
+            problem(("streamed", name), f"stores {short_repr(name)} in {short_repr(tier)}, not one of {STORAGE_TIERS}")
+        if name not in plan.param_devices:
+            problem(("streamed", name), f"{short_repr(name)} has no device in param_devices")
+    if plan.streamed and plan.stored_bytes.get("disk") and not plan.offload.get("dir"):
+        problem(("offload", "dir"), "weights are stored on disk but the plan names no offload dir")
+
+
 def _cut_problems(plan: Plan, problem: _Report) -> None:
     """Each cut goes between two known devices, once per value and destination, with a known kind and size."""
     known = set(plan.devices) | {plan.output_device}
     seen: set[tuple[str, str]] = set()
     for index, cut in enumerate(plan.cuts):
         name = short_repr(cut.producer)
+        if cut.kind == "stream":
+            _stream_problems(plan, index, cut, problem)
+            continue
         if cut.source == cut.destination:
             problem(("cuts", index), f"cut of {name} goes from {short_repr(cut.source)} to itself")
         if (cut.producer, cut.destination) in seen:

@@ -132,10 +132,13 @@ def plan_to_yaml(plan: Plan) -> str:
         lines.append(f"    budget: {k(budget)}  # {format_size(budget)}")
         if device in plan.reserved:
             lines.append(f"    reserved: {k(plan.reserved[device])}  # {format_size(plan.reserved[device])} kept free")
-        lines.append(f"    used: {k(used)}  # {format_size(used)}{share}")
+        streamed = f"; {format_size(plan.streamed_into(device))} streamed in per forward" if plan.streamed else ""
+        lines.append(f"    used: {k(used)}  # {format_size(used)}{share}{streamed}")
         summary = summarize_modules(plan.modules.get(device, ()))
         lines.append(f"    modules: {_flow_list(summary)}  # summary, for reading")
     transfer = f"{len(plan.cuts)}, {format_size(plan.transfer_bytes)} per forward"
+    if plan.streamed:
+        transfer += f" between devices, {format_size(plan.stream_bytes)} streamed from offload storage"
     lines.append(f"cuts:  # {transfer}" if plan.cuts else "cuts: []")
     for cut in plan.cuts:
         entry: dict[str, Any] = {
@@ -152,6 +155,10 @@ def plan_to_yaml(plan: Plan) -> str:
         entry = {"names": list(group), "device": plan.param_devices.get(group[0]), "copied_to": copies}
         note = "copied each forward" if copies else "kept together"
         lines.append(f"- {_flow_map(entry)}  # {note}")
+    if plan.offload:
+        stored = ", ".join(f"{t} {format_size(n)}" for t, n in plan.stored_bytes.items())
+        lines.append(f"offload: {_flow_map(dict(plan.offload))}  # stored: {stored or 'nothing'}")
+        lines.append(f"stored_bytes: {_flow_map(dict(plan.stored_bytes))}")
     lines.append("# ---- full placement (exact; the summary above is derived from it) ----")
     lines.append("modules:" if plan.modules else "modules: {}")
     for device, paths in plan.modules.items():
@@ -160,6 +167,8 @@ def plan_to_yaml(plan: Plan) -> str:
     lines.extend(_block_map("placement", {n: k(d) for n, d in plan.placement.items()}))
     lines.extend(_block_map("param_devices", {n: k(d) for n, d in plan.param_devices.items()}))
     lines.extend(_block_map("tensors", {n: k(t) for n, t in plan.tensors.items()}))
+    if plan.streamed:
+        lines.extend(_block_map("streamed", {n: k(t) for n, t in plan.streamed.items()}))
     lines.append("memory:" if plan.memory else "memory: {}")
     for device, row in plan.memory.items():
         lines.append(f"  {k(device)}: {{{', '.join(f'{k(part)}: {int(size)}' for part, size in row.items())}}}")
@@ -279,6 +288,11 @@ class _Reader:
             "activations_not_counted": self.optional(
                 data, "activations_not_counted", lambda v: v is None or _is_str(v), "a reason (text) or null"
             ),
+            "streamed": dict(self.optional(data, "streamed", lambda v: _is_map(v, _is_str), "name -> tier") or {}),
+            "offload": dict(self.optional(data, "offload", _is_offload, "{host, disk, dir, prefetch}") or {}),
+            "stored_bytes": dict(
+                self.optional(data, "stored_bytes", lambda v: _is_map(v, _is_int), "tier -> bytes") or {}
+            ),
         }
         if self.problems:
             return None
@@ -319,6 +333,15 @@ class _Reader:
             get(entry, "kind", _is_str, "a cut kind", where),
         )
         return Cut(*values)
+
+
+def _is_offload(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and set(value) <= {"host", "disk", "dir", "prefetch"}
+        and all(value.get(t) is None or _is_int(value[t]) for t in ("host", "disk", "prefetch"))
+        and (value.get("dir") is None or _is_str(value["dir"]))
+    )
 
 
 def _is_int(value: Any) -> bool:

@@ -1,0 +1,133 @@
+"""Which weights of one device to stream: keep the most bytes resident, stream the rest (pure; no torch).
+
+A device that cannot hold all the weights its ops read keeps some resident
+and has the others copied in from storage right before the op that reads
+them. While op ``k`` runs, the weights of the next ``prefetch`` streamed ops
+are already being copied, so the device needs room for ``prefetch + 1``
+streamed groups (a group: the streamed weights one op reads) besides what
+stays resident. Bytes streamed per forward are the streamed weights' bytes
+times the number of ops that read them; the choice minimises that.
+
+For each candidate size ``L`` of the largest streamed group (0, every
+weight's size, every op's whole group), weights larger than ``L`` must stay,
+ops whose streamed weights exceed ``L`` keep their largest ones, and the
+room left after ``(prefetch + 1) * L`` is filled largest first with the
+weights read most. The best candidate wins (fewest bytes streamed, then
+the smallest buffers).
+
+>>> reads = [["a"], ["b"], ["c"], ["d"]]  # four ops, each reading one weight
+>>> choice = choose_streamed({"a": 40, "b": 40, "c": 10, "d": 10}, reads, capacity=95, prefetch=0)
+>>> sorted(choice.streamed), choice.resident_bytes, choice.buffer_bytes, choice.streamed_per_forward
+(['c', 'd'], 80, 10, 20)
+>>> choose_streamed({"a": 60}, [["a"]], capacity=50, prefetch=0) is None  # one op's weights never fit
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+__all__ = ["StreamChoice", "choose_streamed"]
+
+MAX_CANDIDATES = 256
+"""Candidate group sizes tried at most (evenly spaced among the distinct sizes)."""
+
+
+@dataclass(frozen=True)
+class StreamChoice:
+    """What one device streams.
+
+    Attributes:
+        streamed: the weights stored off the device and copied in per use.
+        resident_bytes: bytes of the weights that stay.
+        buffer_bytes: room for the copies in flight: ``(prefetch + 1)`` times
+            the largest streamed group.
+        streamed_per_forward: bytes copied in per forward (a weight read by
+            two ops is copied twice).
+    """
+
+    streamed: frozenset[str]
+    resident_bytes: int
+    buffer_bytes: int
+    streamed_per_forward: int
+
+
+def choose_streamed(
+    weights: Mapping[str, int], op_reads: Sequence[Sequence[str]], capacity: int, prefetch: int
+) -> StreamChoice | None:
+    """The weights to stream so that residents plus buffers fit ``capacity``, streaming the fewest bytes.
+
+    Args:
+        weights: the device's streamable weights -> bytes.
+        op_reads: for each op the device runs, the streamable weights it reads
+            (a weight no op reads costs nothing to store elsewhere).
+        capacity: bytes left for these weights and the streaming buffers.
+        prefetch: streamed groups copied ahead of the one in use.
+
+    Returns:
+        The choice, or None when no choice fits (some op's weights alone,
+        times ``prefetch + 1``, exceed what is left).
+    """
+    total = sum(weights.values())
+    if total <= capacity:
+        return StreamChoice(frozenset(), total, 0, 0)
+    reads = dict.fromkeys(weights, 0)
+    groups = [tuple(dict.fromkeys(w for w in op if w in weights)) for op in op_reads]
+    for group in groups:
+        for name in group:
+            reads[name] += 1
+    best: StreamChoice | None = None
+    for limit in _candidates(weights, groups):
+        found = _choose_for(limit, weights, reads, groups, capacity, prefetch)
+        if found is not None and (best is None or _key(found) < _key(best)):
+            best = found
+    return best
+
+
+def _key(choice: StreamChoice) -> tuple[int, int, int]:
+    return choice.streamed_per_forward, choice.buffer_bytes, len(choice.streamed)
+
+
+def _candidates(weights: Mapping[str, int], groups: Sequence[Sequence[str]]) -> list[int]:
+    sizes = {0, *weights.values(), *(sum(weights[w] for w in g) for g in groups)}
+    ordered = sorted(sizes)
+    if len(ordered) <= MAX_CANDIDATES:
+        return ordered
+    step = len(ordered) / MAX_CANDIDATES
+    return sorted({ordered[int(i * step)] for i in range(MAX_CANDIDATES)} | {ordered[-1]})
+
+
+def _choose_for(
+    limit: int,
+    weights: Mapping[str, int],
+    reads: Mapping[str, int],
+    groups: Sequence[Sequence[str]],
+    capacity: int,
+    prefetch: int,
+) -> StreamChoice | None:
+    """The best choice whose streamed groups are at most ``limit`` bytes, or None."""
+    room = capacity - (prefetch + 1) * limit
+    if room < 0:
+        return None
+    resident = {w for w, n in weights.items() if n > limit and reads[w]}
+    for group in groups:  # an op whose streamed weights exceed the limit keeps its largest ones
+        streamed = sorted((w for w in group if w not in resident), key=lambda w: (-weights[w], w))
+        excess = sum(weights[w] for w in streamed) - limit
+        for name in streamed:
+            if excess <= 0:
+                break
+            resident.add(name)
+            excess -= weights[name]
+    used = sum(weights[w] for w in resident)
+    if used > room:
+        return None
+    # fill what is left: the weights read most first, then the largest (first fit decreasing)
+    for name in sorted(weights, key=lambda w: (-reads[w], -weights[w], w)):
+        if name not in resident and used + weights[name] <= room:
+            resident.add(name)
+            used += weights[name]
+    streamed_set = frozenset(w for w in weights if w not in resident)
+    largest = max((sum(weights[w] for w in g if w in streamed_set) for g in groups), default=0)
+    per_forward = sum(weights[w] * reads[w] for w in streamed_set)
+    return StreamChoice(streamed_set, used, (prefetch + 1) * largest, per_forward)

@@ -1,0 +1,251 @@
+"""Plans for models the devices cannot hold: keep what fits resident, store the rest, stream it in.
+
+Used only when planning within the budgets failed and an
+:class:`~fxsplit.options.Offload` says where weights may be stored. The ops
+are partitioned as if the devices were larger, in proportion to their
+budgets, so that every device runs its share; then each device keeps as many
+of its weights resident as fit beside its buffers, activations and streaming
+buffers (:func:`~fxsplit.partition.streaming.choose_streamed`), and the rest
+is stored in host memory, then on disk, within their budgets. The plan
+records where each streamed weight is stored (:attr:`Plan.streamed`) and one
+``"stream"`` cut per op that reads one; the memory rows gain a
+``streaming`` column (the copies in flight).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch.fx
+
+from fxsplit.cost.build import GraphCosts, Weight
+from fxsplit.errors import BudgetError
+from fxsplit.memory.model import MemoryModel, fit_budgets
+from fxsplit.options import Budgets, Offload
+from fxsplit.partition.streaming import StreamChoice, choose_streamed
+from fxsplit.planning.build import cuts_for, reads_of, weights_by_node
+from fxsplit.planning.plan import Plan
+from fxsplit.units import format_size
+
+__all__ = ["fit_or_offload", "plan_offloaded", "training_refusal"]
+
+MAX_TRIES = 6
+"""Partitions tried under growing virtual budgets before giving up."""
+
+
+def fit_or_offload(
+    memory: MemoryModel,
+    budgets: Budgets,
+    solve: Callable[[Sequence[int]], Plan],
+    offload: Offload | None,
+    graph_module: torch.fx.GraphModule,
+) -> Plan:
+    """The plan within the budgets (:func:`~fxsplit.memory.model.fit_budgets`); when nothing fits and
+    ``offload`` is given, one that streams weights (:func:`plan_offloaded`).
+
+    Raises:
+        BudgetError: nothing fits, even streaming; or it does not fit and the plan is for training.
+    """
+    try:
+        return fit_budgets(memory, budgets, solve)
+    except BudgetError as error:
+        if offload is None:
+            raise
+        if memory.spec.training:
+            raise training_refusal(error) from None
+        return plan_offloaded(memory, budgets, offload, solve, graph_module, error)
+
+
+def training_refusal(error: BudgetError) -> BudgetError:
+    """The error when the model does not fit and the plan is for training: streaming is for inference."""
+    return BudgetError(
+        f"{error}; offload cannot help here: weights stored off the devices are streamed in for inference only, "
+        "and training with offloaded weights (mode='training') is not supported; plan with mode='inference' "
+        "(or 'weights'), raise the budgets or add devices"
+    )
+
+
+def plan_offloaded(
+    memory: MemoryModel,
+    budgets: Budgets,
+    offload: Offload,
+    solve: Callable[[Sequence[int]], Plan],
+    graph_module: torch.fx.GraphModule,
+    error: BudgetError,
+) -> Plan:
+    """A plan that streams what the devices cannot hold from ``offload``'s storage.
+
+    Args:
+        memory: what the devices are charged.
+        budgets: the devices' budgets.
+        offload: where weights may be stored.
+        solve: partitions the ops under per-device caps and makes the plan.
+        graph_module: the traced graph (which op reads which weight).
+        error: why the plan without offload failed (said again if this fails too).
+
+    Raises:
+        BudgetError: even streaming does not fit: a device cannot hold the
+            weights of one of its ops with the streaming buffers, or the
+            storage budgets cannot hold what is streamed.
+    """
+    caps = budgets.caps()
+    totals = memory.totals()
+    needed = sum(totals.values())
+    factor = max(1.0, needed / max(1, sum(caps))) * 1.02
+    problems: list[str] = []
+    for _ in range(MAX_TRIES):
+        virtual = [int(cap * factor) + 1 for cap in caps]
+        try:
+            spread = solve(virtual)
+        except BudgetError:
+            factor *= 1.25
+            continue
+        made = _stream(spread, memory, budgets, offload, graph_module, problems)
+        if made is not None:
+            return made
+        break
+    detail = "; ".join(dict.fromkeys(problems)) or "no partition of the ops fits even with larger devices"
+    raise BudgetError(f"{error}; streaming weights from {_storage_words(offload)} does not help either: {detail}")
+
+
+def _storage_words(offload: Offload) -> str:
+    return " and ".join(f"{tier} ({format_size(n)})" for tier, n in offload.tiers().items())
+
+
+def _stream(
+    spread: Plan,
+    memory: MemoryModel,
+    budgets: Budgets,
+    offload: Offload,
+    graph_module: torch.fx.GraphModule,
+    problems: list[str],
+) -> Plan | None:
+    """``spread`` with each device's overflow streamed, or None (with the reasons in ``problems``)."""
+    costs = memory.costs
+    usage = memory.usage(spread)
+    readers = _readers(costs, graph_module, spread)
+    usable = budgets.usable
+    choices: dict[str, StreamChoice] = {}
+    weights_by_name = {w.names[0]: w for w in [*costs.weights, *costs.unused]}
+    for device in spread.devices:
+        movable = {
+            name: w.nbytes
+            for name, w in weights_by_name.items()
+            if spread.param_devices[name] == device and _streamable(w, readers.get(name, {}), device)
+        }
+        row = usage.get(device, {})
+        fixed = row.get("total", 0) - sum(movable.values())
+        op_reads = [[w for w in reads if w in movable] for reads in _op_reads(readers, spread, device)]
+        choice = choose_streamed(movable, op_reads, usable[device] - fixed, offload.prefetch)
+        if choice is None:
+            problems.append(_no_fit(device, usable[device], fixed, movable, op_reads, offload.prefetch))
+            return None
+        choices[device] = choice
+    tiers = _store(
+        {name: weights_by_name[name].nbytes for c in choices.values() for name in c.streamed}, offload, problems
+    )
+    if tiers is None:
+        return None
+    return _record(spread, memory, graph_module, usage, choices, tiers, weights_by_name, offload)
+
+
+def _readers(costs: GraphCosts, graph_module: torch.fx.GraphModule, plan: Plan) -> dict[str, dict[str, str]]:
+    """Canonical weight name -> {reading op node name: its device}, in graph order."""
+    by_node = weights_by_node(costs)
+    found: dict[str, dict[str, str]] = {}
+    for node in graph_module.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        for read in reads_of(node, by_node):
+            if read.weight is not None:
+                found.setdefault(read.key, {})[node.name] = plan.placement[node.name]
+    return found
+
+
+def _streamable(weight: Weight, readers: dict[str, str], device: str) -> bool:
+    """Parameters (not buffers, which may be state) read only on their own device, or not read at all."""
+    return not weight.is_buffer and all(d == device for d in readers.values())
+
+
+def _op_reads(readers: dict[str, dict[str, str]], plan: Plan, device: str) -> list[list[str]]:
+    """For each op on ``device`` that reads weights, the canonical names it reads."""
+    ops: dict[str, list[str]] = {}
+    for name, by_op in readers.items():
+        for op, where in by_op.items():
+            if where == device:
+                ops.setdefault(op, []).append(name)
+    return list(ops.values())
+
+
+def _no_fit(
+    device: str, usable: int, fixed: int, movable: dict[str, int], op_reads: list[list[str]], prefetch: int
+) -> str:
+    largest = max((sum(movable[w] for w in reads) for reads in op_reads), default=0)
+    need = fixed + largest * (prefetch + 1)
+    return (
+        f"'{device}' holds {format_size(fixed)} that cannot be streamed (buffers, activations, weights read on "
+        f"other devices) and one of its ops reads {format_size(largest)} of weights at once, which with "
+        f"prefetch {prefetch} needs {format_size(need)} of its {format_size(usable)}; raise its budget by "
+        f"{format_size(max(0, need - usable))} or more, or lower prefetch"
+    )
+
+
+def _store(sizes: dict[str, int], offload: Offload, problems: list[str]) -> dict[str, str] | None:
+    """Streamed weight -> storage tier: host first, largest first, then disk; None if they do not fit."""
+    left = offload.tiers()
+    where: dict[str, str] = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        tier = next((t for t, room in left.items() if sizes[name] <= room), None)
+        if tier is None:
+            total = sum(sizes.values())
+            problems.append(
+                f"the weights to stream ({format_size(total)}) do not fit the offload storage "
+                f"({_storage_words(offload)}); raise the host or disk budget by "
+                f"{format_size(total - sum(offload.tiers().values()))} or more"
+                if total > sum(offload.tiers().values())
+                else f"the weights to stream ({format_size(total)}) do not pack into the offload storage "
+                f"({_storage_words(offload)}): '{name}' ({format_size(sizes[name])}) fits in none of what is left"
+            )
+            return None
+        where[name] = tier
+        left[tier] -= sizes[name]
+    return where
+
+
+def _record(
+    spread: Plan,
+    memory: MemoryModel,
+    graph_module: torch.fx.GraphModule,
+    usage: dict[str, dict[str, int]],
+    choices: dict[str, StreamChoice],
+    tiers: dict[str, str],
+    weights: dict[str, Weight],
+    offload: Offload,
+) -> Plan:
+    """``spread`` with the streamed weights stored off the devices, their copies as cuts, the memory rows updated."""
+    streamed = {name: tiers[w.names[0]] for w in weights.values() if w.names[0] in tiers for name in w.names}
+    rows = {}
+    device_bytes = dict(spread.device_bytes)
+    for device, row in usage.items():
+        choice = choices.get(device)
+        gone = sum(weights[n].nbytes for n in choice.streamed) if choice is not None else 0
+        updated = {**row, "params": row.get("params", 0) - gone, "streaming": choice.buffer_bytes if choice else 0}
+        updated["total"] = row.get("total", 0) - gone + updated["streaming"]
+        rows[device] = updated
+        if device in device_bytes:
+            device_bytes[device] -= gone
+    homes = {name: spread.param_devices[name] for name in weights}
+    cuts = cuts_for(memory.costs, graph_module, spread.placement, homes, tiers)
+    stored = dict.fromkeys(offload.tiers(), 0)
+    for name, tier in tiers.items():
+        stored[tier] += weights[name].nbytes
+    return dataclasses.replace(
+        spread,
+        device_bytes=device_bytes,
+        memory=rows,
+        cuts=tuple(cuts),
+        streamed=dict(sorted(streamed.items())),
+        offload=offload.to_dict(),
+        stored_bytes=stored,
+    )
