@@ -17,6 +17,7 @@ They fail with :class:`PlanMismatchError` saying what differs, or
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -147,6 +148,7 @@ def apply(
     example_inputs: Any = None,
     checkpoint: Any = None,
     progress: bool | None = None,
+    offload_dir: Any = None,
     **options: Any,
 ) -> torch.fx.GraphModule:
     """Split ``model`` as ``plan`` says, without solving again: same plan, same generated code.
@@ -168,6 +170,9 @@ def apply(
             devices, as for :func:`fxsplit.fxsplit` (``False``: a meta model
             gives a split with meta weights, for :func:`fxsplit.load_checkpoint`).
         progress: progress bar while loading (None: on a terminal only).
+        offload_dir: where to write the weights the plan stores on disk
+            (default: the plan's ``offload["dir"]``), for a plan made on
+            another machine; the split's plan records it.
 
     Before anything moves, the plan is checked as :func:`check_plan` checks
     it against its own budgets less its reserve.
@@ -201,6 +206,8 @@ def apply(
     """
     _known_options(options, "apply")
     _require_plan(plan, "apply")
+    if offload_dir is not None:
+        plan = dataclasses.replace(plan, offload={**plan.offload, "dir": os.fspath(offload_dir)})
     require_usable([*plan.devices, plan.output_device], plan.budgets)
     loading = prepare(model, checkpoint, progress)
     traced, costs, _ = checked_retrace(model, plan, example_inputs=example_inputs, **options)
