@@ -100,6 +100,8 @@ def plan_offloaded(
     """
     problems: list[str] = []
     for prefetch in range(offload.prefetch, -1, -1):
+        if prefetch < offload.prefetch:
+            problems = problems[:1]  # why the asked prefetch failed, for the warning; then only the last level's
         tried = dataclasses.replace(offload, prefetch=prefetch)
         found = _spreads(memory, budgets, tried, solve, graph_module, problems)
         if found is not None:
@@ -112,7 +114,8 @@ def plan_offloaded(
                     stacklevel=5,
                 )
             return found
-    detail = "; ".join(dict.fromkeys(problems)) or "no partition of the ops fits even with larger devices"
+    last = list(dict.fromkeys(problems[1:] if offload.prefetch else problems))[:2]
+    detail = "; ".join(last) or "no partition of the ops fits even with larger devices"
     raise BudgetError(f"{error}; streaming weights from {_storage_words(offload)} does not help either: {detail}")
 
 
