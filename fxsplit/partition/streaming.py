@@ -14,8 +14,9 @@ them; the choice minimises that.
 For each candidate size ``L`` of the largest window (0, every weight's
 size, every group, every window with all its weights streamed), weights
 larger than ``L`` stay, windows whose streamed weights exceed ``L`` keep
-their largest ones, and the room left after ``L`` is filled with the weights
-read most, largest first. The best candidate wins (fewest bytes streamed,
+resident the weights of their last op first (the next windows share them),
+and the room left after ``L`` is filled with the weights read most, largest
+first. The best candidate wins (fewest bytes streamed,
 then the smallest buffers).
 
 >>> reads = [["a"], ["b"], ["c"], ["d"]]  # four ops, each reading one weight
@@ -94,17 +95,22 @@ def _key(choice: StreamChoice) -> tuple[int, int, int]:
     return choice.streamed_per_forward, choice.buffer_bytes, len(choice.streamed)
 
 
-def _windows(groups: Sequence[Sequence[str]], prefetch: int) -> list[tuple[str, ...]]:
-    """The weights of every run of ``prefetch + 1`` consecutive ops (fewer at the start).
+def _windows(groups: Sequence[Sequence[str]], prefetch: int) -> list[tuple[tuple[int, str], ...]]:
+    """``(op, weight)`` for the weights of every run of ``prefetch + 1`` consecutive ops (fewer at the start).
 
     A weight two ops of a run read is there twice: each op gets its own copy.
     """
-    return [tuple(w for g in groups[max(0, i - prefetch) : i + 1] for w in g) for i in range(len(groups))]
+    return [tuple((op, w) for op in range(max(0, i - prefetch), i + 1) for w in groups[op]) for i in range(len(groups))]
 
 
 def _candidates(weights: Mapping[str, int], groups: Sequence[Sequence[str]], prefetch: int) -> list[int]:
     windows = _windows(groups, prefetch)
-    sizes = {0, *weights.values(), *(sum(weights[w] for w in g) for g in [*groups, *windows])}
+    sizes = {
+        0,
+        *weights.values(),
+        *(sum(weights[w] for w in g) for g in groups),
+        *(sum(weights[w] for _, w in window) for window in windows),
+    }
     ordered = sorted(sizes)
     if len(ordered) <= MAX_CANDIDATES:
         return ordered
@@ -126,10 +132,11 @@ def _choose_for(
         return None
     windows = _windows(groups, prefetch)
     resident = {w for w, n in weights.items() if n > limit and reads[w]}
-    for window in windows:  # a window whose streamed weights exceed the limit keeps its largest ones
-        copies = Counter(w for w in window if w not in resident)
+    for window in windows:  # a window whose streamed weights exceed the limit keeps some resident:
+        copies = Counter(w for _, w in window if w not in resident)
         excess = sum(weights[w] * n for w, n in copies.items()) - limit
-        for name in sorted(copies, key=lambda w: (-weights[w], w)):
+        latest = {w: op for op, w in window}  # the last op's first (the next windows hold them too)
+        for name in sorted(copies, key=lambda w: (-latest[w], -weights[w], w)):
             if excess <= 0:
                 break
             resident.add(name)
@@ -143,6 +150,6 @@ def _choose_for(
             resident.add(name)
             used += weights[name]
     streamed_set = frozenset(w for w in weights if w not in resident)
-    buffers = max((sum(weights[w] for w in window if w in streamed_set) for window in windows), default=0)
+    buffers = max((sum(weights[w] for _, w in window if w in streamed_set) for window in windows), default=0)
     per_forward = sum(weights[w] * reads[w] for w in streamed_set)
     return StreamChoice(streamed_set, used, buffers, per_forward)

@@ -98,24 +98,22 @@ def plan_offloaded(
             weights of one of its ops with the streaming buffers, or the
             storage budgets cannot hold what is streamed.
     """
-    problems: list[str] = []
+    asked: list[tuple[int, str]] = []  # (bytes short, why) of each plan that failed, with the asked prefetch
+    problems = asked
     for prefetch in range(offload.prefetch, -1, -1):
-        if prefetch < offload.prefetch:
-            problems = problems[:1]  # why the asked prefetch failed, for the warning; then only the last level's
-        tried = dataclasses.replace(offload, prefetch=prefetch)
-        found = _spreads(memory, budgets, tried, solve, graph_module, problems)
+        problems = asked if prefetch == offload.prefetch else []
+        found = _spreads(
+            memory, budgets, dataclasses.replace(offload, prefetch=prefetch), solve, graph_module, problems
+        )
         if found is not None:
             if prefetch < offload.prefetch:
+                why = min(asked)[1] if asked else "no partition fits"
                 warnings.warn(
-                    FxsplitWarning(
-                        f"offload: prefetch lowered from {offload.prefetch} to {prefetch}: with it, "
-                        f"{problems[0] if problems else 'no plan fits'}"
-                    ),
+                    FxsplitWarning(f"offload: prefetch lowered from {offload.prefetch} to {prefetch}: with it, {why}"),
                     stacklevel=5,
                 )
             return found
-    last = list(dict.fromkeys(problems[1:] if offload.prefetch else problems))[:2]
-    detail = "; ".join(last) or "no partition of the ops fits even with larger devices"
+    detail = min(problems)[1] if problems else "no partition of the ops fits even with larger devices"
     raise BudgetError(f"{error}; streaming weights from {_storage_words(offload)} does not help either: {detail}")
 
 
@@ -125,7 +123,7 @@ def _spreads(
     offload: Offload,
     solve: Callable[[Sequence[int]], Plan],
     graph_module: torch.fx.GraphModule,
-    problems: list[str],
+    problems: list[tuple[int, str]],
 ) -> Plan | None:
     """The best plan that streams, over partitions with more or less headroom, or None."""
     caps = budgets.caps()
@@ -146,7 +144,7 @@ def _spreads(
 
 
 def _storage_words(offload: Offload) -> str:
-    return " and ".join(f"{tier} ({format_size(n)})" for tier, n in offload.tiers().items())
+    return " and ".join(f"{tier} {format_size(n)}" for tier, n in offload.tiers().items())
 
 
 def _stream(
@@ -155,9 +153,9 @@ def _stream(
     budgets: Budgets,
     offload: Offload,
     graph_module: torch.fx.GraphModule,
-    problems: list[str],
+    problems: list[tuple[int, str]],
 ) -> Plan | None:
-    """``spread`` with each device's overflow streamed, or None (with the reasons in ``problems``)."""
+    """``spread`` with each device's overflow streamed, or None (with ``(bytes short, why)`` in ``problems``)."""
     costs = memory.costs
     usage = memory.usage(spread)
     readers = _readers(costs, graph_module, spread)
@@ -217,12 +215,12 @@ def _op_reads(readers: dict[str, dict[str, str]], order: dict[str, int], device:
 
 def _no_fit(
     device: str, usable: int, fixed: int, movable: dict[str, int], op_reads: list[list[str]], prefetch: int
-) -> str:
+) -> tuple[int, str]:
     windows = [op_reads[max(0, i - prefetch) : i + 1] for i in range(len(op_reads))]
     largest = max((sum(movable[w] for reads in run for w in reads) for run in windows), default=0)
     need = fixed + largest
     ops = "one of its ops reads" if prefetch == 0 else f"{prefetch + 1} of its ops in a row read"
-    return (
+    return need - usable, (
         f"'{device}' holds {format_size(fixed)} that cannot be streamed (buffers, activations, weights read on "
         f"other devices) and {ops} {format_size(largest)} of weights, which streamed with prefetch {prefetch} "
         f"needs {format_size(need)} of its {format_size(usable)}; raise its budget by "
@@ -230,7 +228,7 @@ def _no_fit(
     )
 
 
-def _store(sizes: dict[str, int], offload: Offload, problems: list[str]) -> dict[str, str] | None:
+def _store(sizes: dict[str, int], offload: Offload, problems: list[tuple[int, str]]) -> dict[str, str] | None:
     """Streamed weight -> storage tier: host first, largest first, then disk; None if they do not fit."""
     left = offload.tiers()
     where: dict[str, str] = {}
@@ -238,13 +236,18 @@ def _store(sizes: dict[str, int], offload: Offload, problems: list[str]) -> dict
         tier = next((t for t, room in left.items() if sizes[name] <= room), None)
         if tier is None:
             total = sum(sizes.values())
+            room = sum(offload.tiers().values())
+            short = total - room if total > room else sizes[name]
             problems.append(
-                f"the weights to stream ({format_size(total)}) do not fit the offload storage "
-                f"({_storage_words(offload)}); raise the host or disk budget by "
-                f"{format_size(total - sum(offload.tiers().values()))} or more"
-                if total > sum(offload.tiers().values())
-                else f"the weights to stream ({format_size(total)}) do not pack into the offload storage "
-                f"({_storage_words(offload)}): '{name}' ({format_size(sizes[name])}) fits in none of what is left"
+                (
+                    short,
+                    f"the weights to stream ({format_size(total)}) do not fit the offload storage "
+                    f"({_storage_words(offload)}); raise the host or disk budget by "
+                    f"{format_size(total - sum(offload.tiers().values()))} or more"
+                    if total > sum(offload.tiers().values())
+                    else f"the weights to stream ({format_size(total)}) do not pack into the offload storage "
+                    f"({_storage_words(offload)}): '{name}' ({format_size(sizes[name])}) fits in none of what is left",
+                )
             )
             return None
         where[name] = tier
