@@ -1,7 +1,8 @@
-"""Offload in specs: the ``offload:`` key, its checks, a relative ``dir``, and plans that stream."""
+"""Offload in specs and on the command line: the ``offload:`` key, its checks, and the ``--offload-*`` flags."""
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import fxsplit
+from fxsplit.cli import main
 from fxsplit.options import Offload
 from fxsplit.spec import OFFLOAD_KEYS, SpecProblems, load_spec
 
@@ -23,6 +25,14 @@ def model() -> torch.nn.Sequential:
 
 
 X = (torch.randn(4, 256),)
+FACTORY = """\
+import torch
+
+def factory():
+    torch.manual_seed(0)
+    layers = [m for _ in range(8) for m in (torch.nn.Linear(256, 256), torch.nn.ReLU())]
+    return torch.nn.Sequential(*layers), (torch.randn(4, 256),)
+"""
 
 
 # (spec text, [(line, path, message fragment), ...]): every expected problem, and nothing else.
@@ -130,3 +140,73 @@ def test_a_split_from_a_spec_file_stores_weights_beside_the_spec(
     torch.testing.assert_close(split(*X), expected)
     # the file is written there, mapped and unlinked at once (fxsplit.checkpoint.write): the folder remains
     assert (tmp_path / "configs" / "offload").is_dir() and not list((tmp_path / "elsewhere").iterdir())
+
+
+# ---- the command line ----
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(args), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture()
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder holding ``chain.py:factory`` and ``big.yaml`` (with offload), the working directory."""
+    (tmp_path / "chain.py").write_text(FACTORY)
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "big.yaml").write_text(DEVICES + "offload: {host: 1MiB, disk: 4MiB, dir: offload}\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_cli_plans_a_spec_with_offload(workdir: Path) -> None:
+    code, out, err = run("plan", "chain.py:factory", "--spec", "specs/big.yaml", "-o", "plan.yaml")
+    assert code == 0, err
+    assert out.splitlines()[0].split()[:4] == ["device", "budget", "weights", "streamed"]
+    assert (
+        "offloaded: 8 parameter(s) stored in host 1.00 MiB of 1.00 MiB, disk 1.00 MiB of 4.00 MiB "
+        f"(dir {os.path.join('specs', 'offload')}); streamed per forward: 2.00 MiB in 8 copies, prefetch 1" in out
+    )
+    saved = fxsplit.Plan.from_yaml((workdir / "plan.yaml").read_text())
+    assert saved.streamed and saved.offload["dir"] == os.path.join("specs", "offload")
+    code, _, err = run("plan", "chain.py:factory", "--budget", "cpu:0=700KiB", "--budget", "cpu:1=700KiB")
+    assert code == 1 and "does not fit" in err  # without offload it does not fit
+
+
+def test_cli_flags_override_the_spec_offload_field_by_field(workdir: Path) -> None:
+    spec = ("chain.py:factory", "--spec", "specs/big.yaml", "-o", "plan.yaml")
+    code, out, err = run("plan", *spec, "--offload-host", "0", "--prefetch", "0", "--offload-dir", "mine")
+    assert code == 0, err
+    plan = fxsplit.Plan.from_yaml((workdir / "plan.yaml").read_text())
+    assert plan.offload == {"host": 0, "disk": 4 * MiB, "dir": "mine", "prefetch": 0}  # disk from the spec
+    assert set(plan.streamed.values()) == {"disk"} and "(dir mine)" in out
+    budgets = ("--budget", "cpu:0=700KiB", "--budget", "cpu:1=700KiB")
+    code, out, err = run("plan", "chain.py:factory", *budgets, "--offload-host", "3MiB", "-o", "plan.yaml")
+    assert code == 0, err
+    plan = fxsplit.Plan.from_yaml((workdir / "plan.yaml").read_text())
+    assert plan.offload == {"host": 3 * MiB, "disk": None, "dir": None, "prefetch": 1}
+    assert "offloaded: 8 parameter(s) stored in host 2.00 MiB of 3.00 MiB;" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (("--prefetch", "2"), "--offload-dir and --prefetch need --offload-host or --offload-disk"),
+        (("--offload-disk", "4MiB"), "--offload-disk needs --offload-dir DIR"),
+        (("--offload-host", "1 MiBs"), "--offload-host '1 MiBs' has unknown unit 'MiBs'"),
+        (("--offload-host", "1MiB", "--prefetch", "9"), "--prefetch must be from 0 to 8 ops ahead (got 9)"),
+    ],
+)
+def test_cli_offload_flag_errors_exit_2(workdir: Path, flags: tuple[str, ...], fragment: str) -> None:
+    code, _, err = run("plan", "chain.py:factory", "--budget", "cpu:0=700KiB", *flags)
+    assert code == 2 and err.startswith("fxsplit: error: ") and fragment in err, err
+
+
+def test_cli_checks_flags_against_the_spec_offload(workdir: Path) -> None:
+    code, _, err = run("plan", "chain.py:factory", "--spec", "specs/big.yaml", "--prefetch", "9")
+    assert code == 2 and "--prefetch must be from 0 to 8" in err
+    with pytest.raises(SystemExit) as caught:
+        run("plan", "chain.py:factory", "--spec", "specs/big.yaml", "--prefetch", "two")
+    assert caught.value.code == 2
