@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence, TextIO
 
 from fxsplit.errors import BudgetError, FxsplitError, SpecError
-from fxsplit.options import DYNAMIC_SHAPES, MODES, OBJECTIVES, TRACE_MODES
+from fxsplit.options import DYNAMIC_SHAPES, MAX_PREFETCH, MODES, OBJECTIVES, TRACE_MODES
 
 __all__ = ["main"]
 
@@ -92,6 +92,17 @@ def _parser() -> argparse.ArgumentParser:
     overrides.add_argument(
         "--dynamic-shapes", choices=DYNAMIC_SHAPES, help="input sizes a torch.export split keeps variable"
     )
+    offload = overrides.add_argument_group(
+        "offload",
+        "where weights the devices cannot hold are stored and streamed from (each overrides that field "
+        "of the spec's offload)",
+    )
+    offload.add_argument("--offload-host", metavar="SIZE", help="host memory for them (pinned with CUDA), e.g. 16GiB")
+    offload.add_argument("--offload-disk", metavar="SIZE", help="disk space for them, in --offload-dir, e.g. 100GiB")
+    offload.add_argument("--offload-dir", metavar="DIR", help="the directory of the disk's safetensors file")
+    offload.add_argument(
+        "--prefetch", type=int, metavar="N", help=f"copy a streamed weight N ops ahead (0 to {MAX_PREFETCH}; default 1)"
+    )
 
     parser = argparse.ArgumentParser(
         prog="fxsplit",
@@ -153,9 +164,46 @@ def _options(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
-    if getattr(args, "spec", None):
-        options["spec"] = args.spec
+    spec = getattr(args, "spec", None)
+    if spec:
+        options["spec"] = spec
+    offload = {flag: getattr(args, name, None) for flag, name in _OFFLOAD_FLAGS.items()}
+    if any(value is not None for value in offload.values()):
+        from fxsplit.spec import load_spec
+
+        loaded_spec = load_spec(spec) if spec else None  # loaded once, for its offload
+        if loaded_spec is not None:
+            options["spec"] = loaded_spec
+        options["offload"] = _offload(offload, loaded_spec.offload if loaded_spec else None)
     return options
+
+
+_OFFLOAD_FLAGS = {  # flag -> its argparse name
+    "--offload-host": "offload_host",
+    "--offload-disk": "offload_disk",
+    "--offload-dir": "offload_dir",
+    "--prefetch": "prefetch",
+}
+
+
+def _offload(flags: dict[str, Any], spec: Any) -> Any:
+    """The spec's offload (an :class:`~fxsplit.options.Offload` or None) with the fields the flags give replaced."""
+    from fxsplit.options import Offload
+    from fxsplit.units import parse_size
+
+    fields: dict[str, Any] = {k: v for k, v in (spec.to_dict() if spec else {}).items() if v is not None}
+    for flag, value in flags.items():
+        if value is None:
+            continue
+        field = flag.removeprefix("--offload-").removeprefix("--")
+        fields[field] = parse_size(value, what=flag) if field in ("host", "disk") else value
+    if "host" not in fields and "disk" not in fields:
+        raise SpecError("--offload-dir and --prefetch need --offload-host or --offload-disk, or a spec with offload:")
+    if "disk" in fields and "dir" not in fields:
+        raise SpecError("--offload-disk needs --offload-dir DIR, the directory the stored weights are written to")
+    if not 0 <= fields.get("prefetch", 1) <= MAX_PREFETCH:
+        raise SpecError(f"--prefetch must be from 0 to {MAX_PREFETCH} ops ahead (got {fields['prefetch']})")
+    return Offload(**fields)
 
 
 def _read_plan(path: str) -> Any:
