@@ -19,54 +19,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
-import time
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence, TextIO
+from typing import Any, Sequence, TextIO
 
 from fxsplit.errors import BudgetError, FxsplitError, SpecError
 from fxsplit.options import DYNAMIC_SHAPES, MAX_PREFETCH, MODES, OBJECTIVES, TRACE_MODES
+from fxsplit.stages import StageTimer
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
-
-
-class _Progress:
-    """Elapsed time on one stderr line while a stage runs, on a terminal only."""
-
-    def __init__(self, stream: TextIO | None = None, interval: float = 0.1) -> None:
-        self.stream = stream or sys.stderr
-        self.interval = interval
-        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
-
-    @contextmanager
-    def stage(self, label: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        start = time.monotonic()
-        done = threading.Event()
-
-        def tick() -> None:
-            frames = "|/-\\"
-            count = 0
-            while not done.wait(self.interval):
-                count += 1
-                self.stream.write(f"\r{frames[count % 4]} {label} ... {time.monotonic() - start:.1f}s")
-                self.stream.flush()
-
-        thread = threading.Thread(target=tick, daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
-            self.stream.write(f"\r{label}: {time.monotonic() - start:.1f}s\033[K\n")
-            self.stream.flush()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -213,7 +176,7 @@ def _read_plan(path: str) -> Any:
     return plan_from_yaml(read_limited(path, "plan", MAX_PLAN_BYTES), path)
 
 
-def _planned(args: argparse.Namespace, loaded: Any, progress: _Progress) -> tuple[Any, Any, Any]:
+def _planned(args: argparse.Namespace, loaded: Any, progress: StageTimer) -> tuple[Any, Any, Any]:
     """``(traced graph module, costs, plan)`` from --spec (solving) or --plan (re-tracing, checked as by
     ``fxsplit check``); moves no weights."""
     from fxsplit.api import trace_and_plan
@@ -241,7 +204,7 @@ def _planned(args: argparse.Namespace, loaded: Any, progress: _Progress) -> tupl
     return planned.traced.graph_module, planned.costs, planned.plan
 
 
-def _run(args: argparse.Namespace, out: TextIO, progress: _Progress) -> int:
+def _run(args: argparse.Namespace, out: TextIO, progress: StageTimer) -> int:
     from fxsplit.factory import load_model
 
     with progress.stage("loading the model"):
@@ -303,7 +266,7 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
     """Run the command line; returns the exit code (see the module docstring)."""
     out, err = out or sys.stdout, err or sys.stderr
     args = _parser().parse_args(argv)
-    progress = _Progress(err)
+    progress = StageTimer(err)
     try:
         return _run(args, out, progress)
     except BudgetError as error:
