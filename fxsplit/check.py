@@ -47,7 +47,7 @@ from fxsplit.errors import InvariantError
 from fxsplit.options import STORAGE_TIERS
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import budget_overruns, plan_problems
-from fxsplit.tracing.graphinfo import NONTENSOR, value_kind
+from fxsplit.tracing.graphinfo import NONTENSOR, alias_root, mutated_inputs, value_kind
 from fxsplit.yamlfile import format_path
 
 __all__ = ["DeviceChecker", "InvariantError", "verify_plan", "verify_split"]
@@ -81,6 +81,7 @@ def verify_plan(
     problems = [f"{format_path(p.path)}: {p.message}" for p in plan_problems(plan)]
     problems += [str(overrun) for overrun in budget_overruns(plan)]
     if graph_module is not None:
+        problems += _repeated_cuts(plan, graph_module)
         names = [n.name for n in graph_module.graph.nodes]
         problems += [f"node '{n}' is not placed" for n in names if n not in plan.placement]
         problems += [
@@ -89,6 +90,28 @@ def verify_plan(
     if model is not None:
         problems += _param_problems(plan, model)
     _raise("the plan", problems)
+
+
+def _repeated_cuts(plan: Plan, graph_module: torch.fx.GraphModule) -> list[str]:
+    """A value cut twice to one device, though no op writes the tensor behind it (only then is it copied again)."""
+    nodes = {n.name: n for n in graph_module.graph.nodes}
+    modules = dict(graph_module.named_modules())
+    roots = [alias_root(t) for n in graph_module.graph.nodes for t in mutated_inputs(n, modules)]
+    written = {r.name for r in roots} | {str(r.target) for r in roots if r.op == "get_attr"}
+    seen: set[tuple[str, str]] = set()
+    problems = []
+    for index, cut in enumerate(plan.cuts):
+        if cut.kind == "stream":
+            continue
+        node = nodes.get(cut.producer)
+        rewritten = alias_root(node).name in written if node is not None else cut.producer in written
+        if (cut.producer, cut.destination) in seen and not rewritten:
+            problems.append(
+                f"cuts[{index}]: '{cut.producer}' is cut to '{cut.destination}' more than once, though nothing "
+                "writes it in place"
+            )
+        seen.add((cut.producer, cut.destination))
+    return problems
 
 
 def _param_problems(plan: Plan, model: torch.nn.Module) -> list[str]:
@@ -136,9 +159,12 @@ def verify_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
     where: dict[torch.fx.Node, str | None] = {}
     copies: dict[tuple[str, str], str] = {}
     made: set[tuple[str, str]] = set()  # copies since the last grad-mode change (after one, copies are made again)
+    modules = dict(gm.named_modules())
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             made.clear()
+        if mutated_inputs(node, modules):
+            made.clear()  # after an in-place write, copies of what it wrote are made again
         if COPY_META in node.meta:
             problems += _copy_problems(node, where, copies, made)
             where[node] = node.meta[COPY_META].destination

@@ -44,7 +44,10 @@ def plans(draw: st.DrawFn) -> Plan:
     )
     cuts = draw(
         st.lists(
-            st.builds(Cut, names, known, known, st.none() | sizes, st.sampled_from(CUT_KINDS)),
+            # stream cuts name a weight the plan stores off the devices: test_offload round-trips those
+            st.builds(
+                Cut, names, known, known, st.none() | sizes, st.sampled_from([k for k in CUT_KINDS if k != "stream"])
+            ),
             max_size=5,
             unique_by=lambda c: (c.producer, c.destination),
         )

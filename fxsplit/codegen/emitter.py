@@ -37,7 +37,7 @@ from fxsplit.codegen.weights import (
     weights_read,
 )
 from fxsplit.cost.build import Weight
-from fxsplit.planning.build import Read, reads_of
+from fxsplit.planning.build import Read, WriteVersions, reads_of
 from fxsplit.planning.plan import Plan
 from fxsplit.tracing.graphinfo import TENSOR, input_writers, value_kind
 
@@ -61,7 +61,8 @@ class _Emitter:
         self.graph = torch.fx.Graph()
         self.graph.set_codegen(graph_module.graph._codegen)
         self.env: dict[str, torch.fx.Node] = {}
-        self.copies: dict[tuple[str, str], tuple[torch.fx.Node, int | None]] = {}
+        self.copies: dict[tuple[str, str], tuple[torch.fx.Node, int | None, int | None]] = {}
+        self.versions = WriteVersions(graph_module, by_node)  # a copy taken before a write is not reused after it
         self.modules = dict(graph_module.named_modules())
         self.writers = input_writers(graph_module.graph, self.modules)
         self.last_writes: dict[str, list[str]] = {}
@@ -102,6 +103,7 @@ class _Emitter:
             if any(read.weight is not None for read in reads):
                 self.weight_ops.setdefault(device, []).append((new, self.grad_region))
             self.env[node.name] = new
+            self.versions.written(node)
             for placeholder in self.last_writes.get(node.name, ()):
                 self._write_back(placeholder)
             if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
@@ -164,8 +166,9 @@ class _Emitter:
         is_input = read.node is not None and read.node.op == "placeholder"
         if home == device and not is_input:
             return None
-        cached, region = self.copies.get((read.key, device), (None, None))
-        if cached is not None and region in (None, self.grad_region):
+        version = self.versions.of(read)
+        cached, region, made_at = self.copies.get((read.key, device), (None, None, None))
+        if cached is not None and region in (None, self.grad_region) and made_at in (None, version):
             return cached
         if is_input and home != device:
             source = self._fetch(read, home)
@@ -184,8 +187,8 @@ class _Emitter:
             copy.meta["val"] = read.node.meta["val"]
         # A copy made under no_grad carries no gradient: made again after the mode changes.
         # An input written in place keeps one copy at home, the one the writes reach.
-        keep = is_input and home == device and read.key in self.writers
-        self.copies[(read.key, device)] = (copy, None if keep else self.grad_region)
+        keep = is_input and home == device and read.key in self.writers  # the copy the writes go to
+        self.copies[(read.key, device)] = (copy, None if keep else self.grad_region, None if keep else version)
         return copy
 
     def _stream(self, read: Read, device: str) -> torch.fx.Node:
@@ -213,7 +216,7 @@ class _Emitter:
     def _write_back(self, placeholder: str) -> None:
         """Copy the home copy of an input written in place back into the caller's tensor (as eager would)."""
         home = self.plan.placement[placeholder]
-        moved, _ = self.copies.get((placeholder, home), (None, None))
+        moved, _, _ = self.copies.get((placeholder, home), (None, None, None))
         if moved is None:
             return
         write = self.graph.call_function(runtime.write_back, (self.env[placeholder], moved))

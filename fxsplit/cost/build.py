@@ -30,7 +30,16 @@ from fxsplit.tracing.graphinfo import (
     value_kind,
 )
 
-__all__ = ["GraphCosts", "Weight", "build_problem", "model_tensors", "named_tensors", "path_matches", "tensor_reads"]
+__all__ = [
+    "GraphCosts",
+    "Weight",
+    "build_problem",
+    "model_tensors",
+    "named_tensors",
+    "path_matches",
+    "tensor_reads",
+    "written_tensors",
+]
 
 UNKNOWN_VALUE_BYTES = 1
 
@@ -148,21 +157,7 @@ def build_problem(
         add_weight(tensor, path, not isinstance(tensor, torch.nn.Parameter), node.name, users)
 
     mutated_weights: set[int] = set()
-    last_write: dict[int, int] = {}
-    write_spans: list[tuple[int, ...]] = []
-    for node in ops:
-        for target in mutated_inputs(node, modules):
-            root = alias_root(target)
-            if root.op == "get_attr":
-                # Written at home; readers up to the last write share its device, later ones may copy it.
-                key = id(attr_at(graph_module, str(root.target)))
-                last_write[key] = max(last_write.get(key, 0), index[node])
-            else:
-                # Readers before the write must share the writer's device: a copy taken
-                # earlier would miss the write. Copies taken later carry it.
-                readers = [index[u] for u in root.users if u in index]
-                first = index[root] if root in index else min(readers, default=index[node])
-                write_spans.append((min(first, index[node]), index[node]))
+    writes = written_tensors(graph_module, ops, modules)
     for node in ops:
         if node.op == "call_module":
             for _, tensor in _module_tensors(modules[str(node.target)]):
@@ -201,8 +196,8 @@ def build_problem(
                     movable=key not in mutated_weights,
                 )
             )
-            if key in last_write and last_write[key] > readers[0]:
-                write_spans.append((readers[0], last_write[key]))
+            if ("weight", key) in writes:  # a written buffer lives where its first reader runs
+                writes[("weight", key)].add(readers[0])
         else:
             weight_values.append(-1)
     unused = [
@@ -216,10 +211,47 @@ def build_problem(
         op_names=tuple(n.name for n in ops),
         values=tuple(values),
         pinned=_resolve_pins(pins or {}, ops, labels, device_index),
-        together=tuple(write_spans) + _resolve_together(together, ops, labels),
+        together=_resolve_together(together, ops, labels),
+        colocated=tuple(tuple(sorted(group)) for group in writes.values() if len(group) > 1),
         op_labels=labels,
     )
     return GraphCosts(problem, ops, weights, weight_values, unused, value_nbytes)
+
+
+def written_tensors(
+    graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], modules: dict[str, torch.nn.Module]
+) -> dict[tuple[str, object], set[int]]:
+    """Each tensor some op writes in place -> the ops that must run where it lives (op indices).
+
+    A tensor is its storage: the alias root of what an op writes (a view's
+    base, followed back). Its group holds every op that writes it or makes a
+    view of it, and the op that makes it (an activation) or first reads it (a
+    model input: its copy lives where that op runs; a weight: the caller adds
+    its first reader). Readers elsewhere get copies, made again after each
+    write (:class:`~fxsplit.planning.build.WriteVersions`). Keys:
+    ``("weight", id(tensor))``, ``("node", name)``.
+    """
+    index = {node: i for i, node in enumerate(ops)}
+    groups: dict[tuple[str, object], set[int]] = {}
+    roots: dict[torch.fx.Node, tuple[str, object]] = {}
+    for node in ops:
+        for target in mutated_inputs(node, modules):
+            root = alias_root(target)
+            weight = attr_at(graph_module, str(root.target)) if root.op == "get_attr" else None
+            key: tuple[str, object] = ("weight", id(weight)) if weight is not None else ("node", root.name)
+            group = groups.setdefault(key, set())
+            group.add(index[node])
+            roots[root] = key
+            if root in index:
+                group.add(index[root])
+            elif root.op == "placeholder":
+                group.add(min((index[u] for u in root.users if u in index), default=index[node]))
+    if roots:
+        for node in ops:  # views of a written tensor go with it: a copy of one would not see the writes
+            root = alias_root(node)
+            if root is not node and root in roots:
+                groups[roots[root]].add(index[node])
+    return groups
 
 
 def tensor_reads(

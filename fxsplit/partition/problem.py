@@ -15,6 +15,7 @@ charged to the budget of its home device. A value that is not ``movable``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping, Sequence
@@ -61,13 +62,18 @@ class PartitionProblem:
         op_names: one name per op, in execution order.
         values: every value that ops read.
         pinned: op index -> device index it must run on.
-        together: groups of op indices that must share one device.
+        together: groups of op indices that must share one device, and every
+            op between them too (no cut may fall inside a group's span).
         op_labels: optional human-readable label per op (module path), for errors.
         op_extra: optional resident bytes charged to the device that runs each
             op, on top of the weights (e.g. activations saved for backward).
         op_transient: optional bytes that must be free on the device while
             each op runs (e.g. live activations); a device's load adds the
             largest of these over the ops it runs.
+        colocated: groups of op indices that must share one device while
+            the ops between them may run anywhere: the ops that write one
+            tensor in place (and make views of it) and the op that makes it,
+            or reads it first, which decides where it lives.
 
     A device running ops ``[i, j)`` needs the weights whose home is one of
     those ops, plus ``sum(op_extra[i:j])``, plus ``max(op_transient[i:j])``.
@@ -80,6 +86,7 @@ class PartitionProblem:
     op_labels: tuple[str, ...] = ()
     op_extra: tuple[int, ...] = ()
     op_transient: tuple[int, ...] = ()
+    colocated: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_ops(self) -> int:
@@ -130,6 +137,13 @@ class PartitionProblem:
     def transients(self) -> list[int]:
         """``op_transient`` with one entry per op (zeros when not given)."""
         return list(self.op_transient) if self.op_transient else [0] * self.num_ops
+
+    def glued(self) -> PartitionProblem:
+        """The same problem with every colocated group held as a span (no cut inside it): stricter, and
+        what contiguous placements need."""
+        if not self.colocated:
+            return self
+        return dataclasses.replace(self, together=self.together + self.colocated, colocated=())
 
     def no_cut_spans(self) -> list[tuple[int, int]]:
         """Spans ``(a, b)`` of ops that must share a device, from constraints."""

@@ -41,7 +41,7 @@ import numpy as np
 
 from fxsplit.partition.problem import PartitionProblem
 
-__all__ = ["device_loads", "frozen_ops", "improve", "pack", "repair"]
+__all__ = ["State", "device_loads", "frozen_ops", "improve", "pack", "repair"]
 
 
 class _Counts:
@@ -62,7 +62,7 @@ class _Counts:
         return counts
 
 
-class _State:
+class State:
     """Consumer counts per value and device, and device loads, kept up to date as ops move."""
 
     def __init__(self, problem: PartitionProblem, op_devices: list[int], budgets: Sequence[int]) -> None:
@@ -148,6 +148,8 @@ def frozen_ops(problem: PartitionProblem) -> set[int]:
     frozen = set(problem.pinned)
     for lo, hi in problem.no_cut_spans():
         frozen.update(range(lo, hi + 1))
+    for group in problem.colocated:
+        frozen.update(group)
     return frozen
 
 
@@ -173,7 +175,7 @@ def improve(
     """
     if problem.num_ops == 0 or len(budgets) < 2:
         return list(op_devices)
-    state = _State(problem, list(op_devices), budgets)
+    state = State(problem, list(op_devices), budgets)
     frozen = frozen_ops(problem)
     limit = max_moves if max_moves is not None else 4 * problem.num_ops
     moves = _single_moves(state, frozen, limit)
@@ -184,7 +186,7 @@ def improve(
     return state.devices
 
 
-def _group_moves(state: _State, frozen: set[int]) -> bool:
+def _group_moves(state: State, frozen: set[int]) -> bool:
     """Move all readers of a copied value on one device to the value's home when that copies less."""
     improved = False
     # Only values copied now, or touched by a move made here, can have readers away from home.
@@ -217,7 +219,7 @@ def _group_moves(state: _State, frozen: set[int]) -> bool:
     return improved
 
 
-def _single_moves(state: _State, frozen: set[int], limit: int) -> int:
+def _single_moves(state: State, frozen: set[int], limit: int) -> int:
     budgets = state.budgets
     pending = sorted(set(_away(state)[1].tolist()) - frozen)
     queue: deque[int] = deque(pending)
@@ -243,7 +245,7 @@ def _single_moves(state: _State, frozen: set[int], limit: int) -> int:
     return moves
 
 
-def _away(state: _State) -> tuple[np.ndarray, np.ndarray]:
+def _away(state: State) -> tuple[np.ndarray, np.ndarray]:
     """The values read away from their home, and the ops that read them there (each once, sorted)."""
     values, readers, starts, _ = state.problem.read_edges
     devices = np.asarray(state.devices, dtype=np.int64)
@@ -319,7 +321,7 @@ def repair(
     budgets by a little: it stays close to it, where packing from scratch
     would scatter the model.
     """
-    state = _State(problem, list(op_devices), budgets)
+    state = State(problem, list(op_devices), budgets)
     frozen = frozen_ops(problem)
     devices = range(len(budgets))
     for _ in range(max_steps):

@@ -78,6 +78,13 @@ def placement_problems(problem: PartitionProblem, op_devices: Sequence[int], bud
                 f"ops {problem.label(lo)} to {problem.label(hi)} must share a device (a together-group or a value "
                 f"changed in place) but run on {sorted(set(devices[lo : hi + 1].tolist()))}"
             )
+    for group in problem.colocated:
+        shared = sorted({int(devices[op]) for op in group})
+        if len(shared) > 1:
+            problems.append(
+                f"ops {', '.join(problem.label(op) for op in sorted(group)[:4])} write one tensor in place, so they "
+                f"must share a device, but run on {shared}"
+            )
     return problems
 
 

@@ -42,6 +42,7 @@ from typing import Sequence
 
 from fxsplit.errors import SpecError
 from fxsplit.options import OBJECTIVES
+from fxsplit.partition.colocate import colocate
 from fxsplit.partition.contiguous import EXACT_LIMIT
 from fxsplit.partition.infeasible import ANY_ORDER, IN_ORDER, raise_infeasible
 from fxsplit.partition.problem import PartitionProblem
@@ -97,17 +98,30 @@ def partition(
     _check_pin_order(problem, names)
     if problem.num_ops == 0:
         return Partition((), 0, (0,) * len(budgets))
+    if contiguous:
+        problem = problem.glued()  # a colocated group in a contiguous placement: no cut inside its span
     search = Search(problem, budgets, objective)
     best: tuple[int, ...] | None = None
     cost = 0
     for strategy in chosen:
         found = strategy(search, best)
+        if found is not None and problem.colocated:
+            found = colocate(problem, found, search.budgets)
         if found is None:
             continue
         placed = _checked(search, strategy, found, contiguous)
         placed_cost = transfer_bytes(problem, placed)
         if best is None or placed_cost < cost:
             best, cost = placed, placed_cost
+    if best is None and problem.colocated:  # no group could join its ops anywhere: hold each as a span
+        return partition(
+            problem.glued(),
+            budgets,
+            objective=objective,
+            device_names=device_names,
+            contiguous=contiguous,
+            strategies=strategies,
+        )
     if best is None:
         raise_infeasible(search.context, names, _how(chosen, contiguous))
     return Partition(best, cost, tuple(device_loads(problem, best, len(budgets))))

@@ -12,10 +12,10 @@ from fxsplit.errors import BudgetError
 from fxsplit.options import Budgets
 from fxsplit.partition.solve import Partition
 from fxsplit.planning.plan import Cut, Plan
-from fxsplit.tracing.graphinfo import NONTENSOR, is_guard, value_kind
+from fxsplit.tracing.graphinfo import NONTENSOR, alias_root, is_guard, mutated_inputs, value_kind
 from fxsplit.units import format_size
 
-__all__ = ["Read", "cuts_for", "make_plan", "reads_of", "unread_weights", "weights_by_node"]
+__all__ = ["Read", "WriteVersions", "cuts_for", "make_plan", "reads_of", "unread_weights", "weights_by_node"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,42 @@ def reads_of(node: torch.fx.Node, by_node: dict[str, list[Weight]]) -> list[Read
     if node.op == "call_module":
         found.extend(Read(w.names[0], None, w, "parameter") for w in by_node.get(node.name, ()))
     return found
+
+
+class WriteVersions:
+    """How often the tensor behind each value has been written in place so far, as the graph runs in order.
+
+    A copy of a value made for another device holds the value as it was
+    when copied; after a write to the tensor it shares storage with (its
+    alias root), a reader there needs a new copy. The emitter and
+    :func:`cuts_for` walk the graph with one of these, calling
+    :meth:`written` after each node, and make a copy again when the version
+    of what they read has changed. Weights are keyed by canonical name,
+    other tensors by their alias root's node name.
+    """
+
+    def __init__(self, graph_module: torch.fx.GraphModule, by_node: dict[str, list[Weight]]) -> None:
+        self.modules = dict(graph_module.named_modules())
+        self.by_node = by_node
+        self.counts: dict[str, int] = {}
+
+    def _key(self, node: torch.fx.Node) -> str:
+        root = alias_root(node)
+        if root.op == "get_attr" and root.name in self.by_node:
+            return self.by_node[root.name][0].names[0]
+        return root.name
+
+    def of(self, read: Read) -> int:
+        """The version of what ``read`` reads: 0 until its tensor is first written."""
+        if not self.counts:
+            return 0
+        return self.counts.get(read.key if read.node is None else self._key(read.node), 0)
+
+    def written(self, node: torch.fx.Node) -> None:
+        """Count the in-place writes ``node`` makes."""
+        for target in mutated_inputs(node, self.modules):
+            key = self._key(target)
+            self.counts[key] = self.counts.get(key, 0) + 1
 
 
 def weights_by_node(costs: GraphCosts) -> dict[str, list[Weight]]:
@@ -247,7 +283,8 @@ def cuts_for(
     offloaded off the devices: one ``"stream"`` cut per op that reads one.
     """
     by_node = weights_by_node(costs)
-    sent: set[tuple[str, str]] = set()
+    versions = WriteVersions(graph_module, by_node)
+    sent: set[tuple[str, str, int]] = set()
     cuts: list[Cut] = []
     for node in graph_module.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
@@ -265,7 +302,9 @@ def cuts_for(
                 source, nbytes = weight_home[read.key], read.weight.nbytes
             else:
                 source, nbytes = placement[read.key], costs.value_nbytes.get(read.key)
-            if source != destination and (read.key, destination) not in sent:
-                sent.add((read.key, destination))
+            version = versions.of(read)
+            if source != destination and (read.key, destination, version) not in sent:
+                sent.add((read.key, destination, version))
                 cuts.append(Cut(read.key, source, destination, nbytes, read.kind))
+        versions.written(node)
     return cuts
