@@ -1,0 +1,442 @@
+"""Offload end to end (issue 10): weights the devices cannot hold, stored in host memory or on disk and streamed.
+
+Each split is checked against an unsplit deep copy (outputs, and gradients
+of inputs, resident and streamed parameters: the stream copies are
+``.to()``, which autograd follows), against its own plan (every device's
+memory within its budget, a ``streaming`` column equal to ``prefetch + 1``
+times its largest streamed group, one stream cut per reading op, stored
+bytes within the storage budgets) and against what really happens when it
+runs: no op reads a stored weight without its copy, at most ``prefetch + 1``
+groups of copies alive per device, none between forwards, and disk-stored
+weights are views of a memory-mapped file that is already unlinked.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import re
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import DirectParameter, SharedModule, default_loss
+
+import fxsplit
+from fxsplit import runtime
+from fxsplit.check import DeviceChecker
+from fxsplit.codegen.meta import COPY_META
+
+WIDTH = 128  # Linear(128, 128): a 64 KiB weight and a 512 B bias
+BUDGETS = {"cpu:0": "256KiB", "cpu:1": "256KiB"}  # 512 KiB for 8 layers of 64.5 KiB and their activations
+X = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(0))
+STORAGE = ("host", "disk", "host+disk")
+
+
+def chain(layers: int = 8, width: int = WIDTH) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())]).eval()
+
+
+def storage(kind: str, directory: Path, prefetch: int = 1) -> dict[str, Any]:
+    """Offload options: host only, disk only, or a host too small for all (so both are used)."""
+    tiers: dict[str, Any] = {
+        "host": {"host": "4MiB"},
+        "disk": {"disk": "4MiB", "dir": str(directory)},
+        "host+disk": {"host": "100KiB", "disk": "4MiB", "dir": str(directory)},
+    }[kind]
+    return {**tiers, "prefetch": prefetch}
+
+
+def plan_of(gm: torch.nn.Module) -> fxsplit.Plan:
+    plan = gm.meta["fxsplit_plan"]
+    assert isinstance(plan, fxsplit.Plan)
+    return plan
+
+
+def offloaded_split(model: nn.Module, tmp_path: Path, **options: Any) -> torch.fx.GraphModule:
+    options = {"example_inputs": (X,), "check": True, **options}
+    options.setdefault("offload", storage("host+disk", tmp_path))
+    return fxsplit.fxsplit(model, options.pop("budgets", BUDGETS), **options)
+
+
+# ---------------------------------------------------------------- checks of a split against its plan
+
+
+def stream_reads(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """Each op that reads a streamed weight -> the prefetch nodes whose copies it reads (through arrive)."""
+    reads: dict[torch.fx.Node, list[torch.fx.Node]] = collections.defaultdict(list)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is runtime.arrive:
+            (started,) = node.all_input_nodes
+            assert started.target is runtime.prefetch, f"{node.name} waits for {started.name}, not a prefetch"
+            assert list(started.users) == [node], f"{started.name} is waited for by {list(started.users)}"
+            assert len(node.users) == 1, f"the copy {node.name} is read by {list(node.users)}, not one op"
+            reads[next(iter(node.users))].append(started)
+    return reads
+
+
+def assert_offload_plan(gm: torch.fx.GraphModule, model: nn.Module) -> fxsplit.Plan:
+    """The plan of an offloaded split agrees with itself, its budgets, its storage and its code."""
+    plan = plan_of(gm)
+    prefetch = plan.offload["prefetch"]
+    nbytes = {n: t.numel() * t.element_size() for n, t in [*model.named_parameters(remove_duplicate=False)]}
+    buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    assert plan.streamed and not set(plan.streamed) & buffers
+    # memory: every device within what it may use, the streaming column (prefetch + 1) x its largest group
+    largest: dict[str, int] = collections.defaultdict(int)
+    for op, started in stream_reads(gm).items():
+        device = started[0].meta[COPY_META].destination
+        assert {s.meta[COPY_META].destination for s in started} == {device}
+        assert len({s.meta[COPY_META].producer for s in started}) == len(started), f"{op} copies a weight twice"
+        largest[device] = max(largest[device], sum(nbytes[s.meta[COPY_META].producer] for s in started))
+    for device, row in plan.memory.items():
+        assert row["total"] <= plan.usable[device], (device, row, plan.usable)
+        assert row["streaming"] == (prefetch + 1) * largest[device], (device, row, dict(largest))
+    # one stream cut per op that reads a streamed weight, and one copy in the code per stream cut
+    stream_cuts = [c for c in plan.cuts if c.kind == "stream"]
+    copies = [n.meta[COPY_META] for n in gm.graph.nodes if n.op == "call_function" and n.target is runtime.prefetch]
+    assert sorted((c.producer, c.source, c.destination) for c in stream_cuts) == sorted(
+        (r.producer, r.source, r.destination) for r in copies
+    )
+    assert all(c.nbytes == nbytes[c.producer] for c in stream_cuts)
+    assert plan.stream_bytes == sum(c.nbytes or 0 for c in stream_cuts)
+    assert plan.transfer_bytes == sum(c.nbytes or 0 for c in plan.cuts if c.kind not in ("stream", "output"))
+    for device in plan.devices:
+        assert plan.streamed_into(device) == sum(c.nbytes or 0 for c in stream_cuts if c.destination == device)
+    # storage: each tensor once, within its tier's budget, host filled first
+    stored: dict[str, int] = collections.defaultdict(int)
+    for tensor_id, tier in {id(model.get_parameter(n)): t for n, t in plan.streamed.items()}.items():
+        param = next(p for p in model.parameters() if id(p) == tensor_id)
+        stored[tier] += param.numel() * param.element_size()
+    assert {t: n for t, n in plan.stored_bytes.items() if n} == dict(stored)
+    for tier, used in stored.items():
+        assert used <= plan.offload[tier]
+    if plan.offload.get("host") is not None:
+        host_left = plan.offload["host"] - stored["host"]
+        assert all(nbytes[n] > host_left for n, t in plan.streamed.items() if t == "disk")
+    return plan
+
+
+def file_mappings(name_part: str) -> list[tuple[int, int, str]]:
+    """(start, end, path) of this process's mappings of files whose path contains ``name_part``."""
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and name_part in fields[5]:
+                start, end = (int(a, 16) for a in fields[0].split("-"))
+                found.append((start, end, fields[5].strip()))
+    return found
+
+
+def mapped_by(tensor: torch.Tensor, mappings: list[tuple[int, int, str]]) -> str | None:
+    pointer = tensor.data_ptr()
+    return next((path for start, end, path in mappings if start <= pointer < end), None)
+
+
+def assert_same_as_unsplit(
+    gm: torch.fx.GraphModule, model: nn.Module, reference: nn.Module, inputs: tuple[torch.Tensor, ...]
+) -> None:
+    """Outputs equal under a DeviceChecker that puts stored weights on a device of their own (so an op
+    reading one without its copy fails); gradients of inputs and of every parameter equal."""
+    plan = plan_of(gm)
+    leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    expected_leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    with DeviceChecker(plan, gm, model) as checker:
+        for name in plan.streamed:
+            checker.tag(model.get_parameter(name), "cpu:7")  # storage: no op may read it where it is
+        out = gm(*leaves)
+    expected = reference(*expected_leaves)
+    assert torch.equal(out, expected)
+    default_loss(out).backward()
+    default_loss(expected).backward()
+    for x, e in zip(leaves, expected_leaves, strict=True):
+        if x.requires_grad:
+            torch.testing.assert_close(x.grad, e.grad)
+    ref = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.grad is not None, f"{name} ({plan.streamed.get(name, 'resident')}) has no gradient"
+        torch.testing.assert_close(param.grad, ref[name].grad, msg=lambda m, n=name: f"grad of {n}: {m}")
+
+
+# ---------------------------------------------------------------- equality with the unsplit model
+
+
+@pytest.mark.parametrize("kind", STORAGE)
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_outputs_and_gradients_equal_the_unsplit_model(tmp_path: Path, trace: str, prefetch: int, kind: str) -> None:
+    model = chain()
+    reference = copy.deepcopy(model)
+    gm = offloaded_split(model, tmp_path, trace=trace, offload=storage(kind, tmp_path, prefetch))
+    plan = assert_offload_plan(gm, model)
+    assert plan.trace == trace and plan.offload["prefetch"] == prefetch
+    assert set(plan.streamed.values()) == {"host", "disk"} if kind == "host+disk" else {kind}
+    assert {d for d, row in plan.memory.items() if row["streaming"]} == {"cpu:0", "cpu:1"}
+    assert_same_as_unsplit(gm, model, reference, (X,))
+    model.zero_grad(), reference.zero_grad()
+    assert_same_as_unsplit(gm, model, reference, (X,))  # again: the stored weights are unchanged by a forward
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_weight_read_by_two_ops_is_streamed_to_each(tmp_path: Path, trace: str) -> None:
+    """SharedModule calls Linear ``a`` first and last, DirectParameter reads ``w`` twice: one stream cut
+    (and one copy) per reading op, as many as the unsplit graph has readers."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    for factory, name, budget in ((SharedModule, "a.weight", 410), (DirectParameter, "w", 395)):
+        model = factory().eval()
+        reference = copy.deepcopy(model)
+        gm = fxsplit.fxsplit(
+            model,
+            {"cpu:0": budget, "cpu:1": budget},
+            example_inputs=(x,),
+            trace=trace,
+            mode="weights",
+            offload={"host": "1MiB", "prefetch": 0},
+            check=True,
+        )
+        plan = assert_offload_plan(gm, model)
+        assert name in plan.streamed, plan
+        assert [c.producer for c in plan.cuts if c.kind == "stream"].count(name) == 2
+        assert_same_as_unsplit(gm, model, reference, (x,))
+
+
+class TiedBig(nn.Module):
+    """A language-model shape whose body outweighs the embedding that the head shares."""
+
+    def __init__(self, vocab: int = 256, dim: int = 128, layers: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.body = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(dim, dim), nn.ReLU())])
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(ids)))
+
+
+IDS = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(2))
+TIED_BUDGETS = {"cpu:0": "150KiB", "cpu:1": "150KiB"}
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_tied_weight_is_stored_once_under_both_names_and_streamed_to_both_readers(trace: str) -> None:
+    torch.manual_seed(0)
+    model = TiedBig().eval()
+    reference = copy.deepcopy(model)
+    gm = fxsplit.fxsplit(
+        model,
+        TIED_BUDGETS,
+        example_inputs=(IDS,),
+        trace=trace,
+        offload={"host": "4MiB", "prefetch": 0},
+        check=True,
+    )
+    plan = plan_of(gm)
+    assert plan.streamed["emb.weight"] == plan.streamed["head.weight"] == "host"
+    assert [c.producer for c in plan.cuts if c.kind == "stream"].count("emb.weight") == 2
+    assert model.head.weight is model.emb.weight
+    assert_same_as_unsplit(gm, model, reference, (IDS,))
+
+
+# ---------------------------------------------------------------- budgets and refusals
+
+
+def test_the_same_budgets_without_offload_are_refused() -> None:
+    with pytest.raises(fxsplit.BudgetError, match="budgets add up to 512.00 KiB") as refused:
+        fxsplit.plan(chain(), BUDGETS, example_inputs=(X,))
+    assert "offload" not in str(refused.value) and "stream" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("offload", "words"),
+    [
+        (
+            {"host": "100KiB"},
+            r"\(384.00 KiB\) do not fit the offload storage \(host \(100.00 KiB\)\); raise the host or disk budget "
+            r"by 284.00 KiB or more",
+        ),
+        (
+            {"host": "64KiB", "disk": "64KiB", "dir": "unused"},
+            r"do not fit the offload storage \(host \(64.00 KiB\) and disk \(64.00 KiB\)\); raise the host or disk "
+            r"budget by 256.00 KiB or more",
+        ),
+        (
+            {"host": "100KiB", "disk": "160KiB", "dir": "unused", "prefetch": 0},  # 260 KiB hold 3 of 4 weights
+            r"\(256.00 KiB\) do not pack into the offload storage .*: '8.weight' \(64.00 KiB\) fits in none of what",
+        ),
+    ],
+)
+def test_too_little_storage_says_by_how_much(offload: dict[str, Any], words: str) -> None:
+    with pytest.raises(fxsplit.BudgetError, match=words) as refused:
+        fxsplit.plan(chain(), BUDGETS, example_inputs=(X,), offload=offload)
+    assert "does not help either" in str(refused.value)
+
+
+def test_training_is_refused_and_the_error_says_offload_is_for_inference() -> None:
+    with pytest.raises(fxsplit.BudgetError, match=r"training with offloaded weights \(mode='training'\) is not"):
+        fxsplit.plan(chain(), BUDGETS, example_inputs=(X,), mode="training", offload={"host": "64MiB"})
+    with pytest.raises(fxsplit.BudgetError, match="plan with mode='inference'"):
+        fxsplit.plan(chain(), BUDGETS, example_inputs=(X,), mode="training", offload={"host": "64MiB"})
+
+
+def test_training_that_fits_is_planned_as_before() -> None:
+    budgets = {"cpu:0": "4MiB", "cpu:1": "4MiB"}
+    with_offload = fxsplit.plan(chain(), budgets, example_inputs=(X,), mode="training", offload={"host": "1MiB"})
+    assert with_offload == fxsplit.plan(chain(), budgets, example_inputs=(X,), mode="training")
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_model_that_fits_streams_nothing_even_with_offload_given(tmp_path: Path, trace: str) -> None:
+    budgets = {"cpu:0": "400KiB", "cpu:1": "400KiB"}
+    plain = fxsplit.plan(chain(), budgets, example_inputs=(X,), trace=trace)
+    offloaded = fxsplit.plan(chain(), budgets, example_inputs=(X,), trace=trace, offload=storage("disk", tmp_path))
+    assert offloaded == plain
+    assert not offloaded.streamed and not offloaded.offload and offloaded.stream_bytes == 0
+    assert "stream" not in {c.kind for c in offloaded.cuts} and "offloaded" not in str(offloaded)
+    gm = fxsplit.fxsplit(chain(), budgets, example_inputs=(X,), trace=trace, offload=storage("disk", tmp_path))
+    assert "prefetch" not in gm.code and not list(tmp_path.iterdir())
+
+
+class BigAndSmall(nn.Module):
+    """One Linear of 1 MiB and eight small ones (155 KiB): on one device of 93% of the weights, the big
+    op's weights fit only when the small ones are not all resident beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Linear(512, 512)
+        self.small = nn.Sequential(*[nn.Linear(512, 32) if i == 0 else nn.Linear(32, 32) for i in range(4)])
+        self.small2 = nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)], nn.Linear(32, 512))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.small2(torch.relu(self.small(self.big(x))))
+
+
+def test_an_op_that_fits_only_when_the_others_are_streamed_is_placed_with_offload_and_refused_without() -> None:
+    torch.manual_seed(0)
+    model = BigAndSmall().eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 512)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = {"cpu:0": int(total * 0.93)}
+    with pytest.raises(fxsplit.BudgetError):
+        fxsplit.plan(model, budget, example_inputs=(x,))
+    gm = fxsplit.fxsplit(model, budget, example_inputs=(x,), offload={"host": "8MiB", "prefetch": 0}, check=True)
+    plan = assert_offload_plan(gm, model)
+    assert "big.weight" not in plan.streamed  # the big op's weight stays; what the others read is streamed
+    assert plan.memory["cpu:0"]["params"] >= 512 * 512 * 4
+    assert_same_as_unsplit(gm, model, reference, (x,))
+
+
+# ---------------------------------------------------------------- the generated code and what it does
+
+
+def lines_of(code: str) -> list[str]:
+    return [line.strip() for line in code.splitlines() if line.strip()]
+
+
+def index_of(lines: list[str], pattern: str) -> int:
+    found = [i for i, line in enumerate(lines) if re.match(pattern, line)]
+    assert len(found) == 1, (pattern, found)
+    return found[0]
+
+
+ALL_STREAMED = {0: "120KiB", 1: "185KiB", 2: "250KiB"}  # per device: room for the copies, not one more weight
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_each_copy_starts_prefetch_weight_ops_ahead_and_is_waited_for_right_before_its_op(
+    tmp_path: Path, prefetch: int
+) -> None:
+    budgets = dict.fromkeys(BUDGETS, ALL_STREAMED[prefetch])
+    gm = offloaded_split(chain(), tmp_path, budgets=budgets, offload=storage("host", tmp_path, prefetch))
+    assert len(plan_of(gm).streamed) == 8
+    lines = lines_of(gm.code)
+    ops: dict[str, list[int]] = collections.defaultdict(list)  # the lines of each device's linear ops
+    for i, line in enumerate(lines):
+        if re.match(r"linear(_\d+)? = torch\.ops\.aten\.linear", line):
+            ops[re.search(r"_weight_on_(cpu_\d)", line).group(1)].append(i)
+    assert sorted(map(len, ops.values())) == [4, 4]
+    for layer in range(8):
+        base = f"{2 * layer}_weight"
+        start = index_of(lines, rf"prefetch_{base} = fxsplit_runtime_prefetch\(stored_{base}, 'cpu:\d'\)")
+        wait = index_of(lines, rf"_{base}_on_cpu_\d = fxsplit_runtime_arrive\(prefetch_{base}\)")
+        device = re.search(rf"_{base}_on_(cpu_\d)", lines[wait]).group(1)
+        op = next(i for i in ops[device] if re.search(rf"\b_{base}_on_{device}\b", lines[i]))
+        position = ops[device].index(op)
+        assert lines[start - 1].startswith(f"stored_{base} = ")
+        assert start < wait < op and not any(wait < i < op for i in ops[device]), "waited for right before its op"
+        ahead = [i for i in ops[device][:position] if i > start]  # this device's ops that run while it copies
+        assert len(ahead) == min(prefetch, position), (base, prefetch, ahead, position)
+
+
+def count_copies(gm: torch.fx.GraphModule, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[int, Any], dict[str, int]]:
+    """Make ``gm``'s prefetches record their copies: (the copies alive now, the most bytes alive per device)."""
+    alive: dict[int, tuple[str, int]] = {}
+    peak: dict[str, int] = collections.defaultdict(int)
+    real = runtime.prefetch
+
+    def counted(weight: torch.Tensor, device: str) -> Any:
+        made = real(weight, device)
+        alive[id(made)] = (device, made.numel() * made.element_size())
+        weakref.finalize(made, alive.pop, id(made))
+        peak[device] = max(peak[device], sum(n for where, n in alive.values() if where == device))
+        return made
+
+    monkeypatch.setitem(gm.forward.__globals__, "fxsplit_runtime_prefetch", counted)
+    return alive, peak
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_no_more_than_prefetch_plus_one_copies_are_alive_and_none_between_forwards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefetch: int
+) -> None:
+    budgets = dict.fromkeys(BUDGETS, ALL_STREAMED[prefetch])
+    gm = offloaded_split(chain(), tmp_path, budgets=budgets, offload=storage("host+disk", tmp_path, prefetch))
+    plan = plan_of(gm)
+    alive, peak = count_copies(gm, monkeypatch)
+    for _ in range(2):
+        with torch.no_grad():
+            gm(X)
+        assert not alive, f"copies alive between forwards: {alive}"
+    for device in plan.devices:
+        assert peak[device] == (prefetch + 1) * WIDTH * WIDTH * 4 == plan.memory[device]["streaming"]
+
+
+def test_disk_weights_are_views_of_an_unlinked_memory_mapped_file(tmp_path: Path) -> None:
+    model = chain()
+    gm = offloaded_split(model, tmp_path, offload=storage("host+disk", tmp_path))
+    plan = plan_of(gm)
+    mapped = file_mappings(f"{tmp_path}/fxsplit-offload-")
+    assert mapped and all(path.endswith("(deleted)") for _, _, path in mapped)
+    assert not list(tmp_path.iterdir())  # nothing left behind
+    for name, param in model.named_parameters():
+        tier = plan.streamed.get(name)
+        assert param.device.type == "cpu" and param.requires_grad and type(param) is nn.Parameter
+        assert (mapped_by(param, mapped) is not None) == (tier == "disk"), (name, tier)
+        assert gm.get_parameter(name) is param
+    assert_same_as_unsplit(gm, model, chain(), (X,))
+
+
+def test_a_failure_writing_the_disk_file_leaves_the_model_as_it_was(tmp_path: Path) -> None:
+    model = chain()
+    before = {n: (p, p.data_ptr()) for n, p in model.named_parameters()}
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(fxsplit.DeviceError, match="writing .* offloaded weight"):
+        offloaded_split(model, tmp_path, offload={"disk": "4MiB", "dir": str(blocker / "sub")})
+    assert {n: (p, p.data_ptr()) for n, p in model.named_parameters()} == before
+
+
+def test_print_and_yaml_show_what_is_streamed(tmp_path: Path) -> None:
+    plan = fxsplit.plan(chain(), BUDGETS, example_inputs=(X,), offload=storage("host+disk", tmp_path))
+    text = str(plan)
+    assert re.search(r"device +budget +weights +streamed", text)
+    assert re.search(r"offloaded: \d+ parameter\(s\) stored in host [\d.]+ KiB of 100.00 KiB, disk", text)
+    assert re.search(r"memory +params +activations +streaming +total", text)
+    assert f"(dir {tmp_path})" in text
+    assert "streamed from offload storage" in plan.to_yaml()
