@@ -205,6 +205,7 @@ class _Emitter:
                 "call_function", runtime.prefetch, (stored, device), name=f"prefetch_{base}"
             )
         started.meta[COPY_META] = CopyRecord(read.key, self.plan.streamed[read.key], device)
+        started.meta[DEVICE_META] = device
         arrived = self.graph.create_node("call_function", runtime.arrive, (started,), name=f"{base}_on_{device}")
         arrived.meta[DEVICE_META] = device
         return arrived
