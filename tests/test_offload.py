@@ -440,3 +440,31 @@ def test_print_and_yaml_show_what_is_streamed(tmp_path: Path) -> None:
     assert re.search(r"memory +params +activations +streaming +total", text)
     assert f"(dir {tmp_path})" in text
     assert "streamed from offload storage" in plan.to_yaml()
+
+
+@pytest.mark.parametrize(("trace", "prefetch"), [("fx", 1), ("export", 0), ("export", 2)])
+def test_a_pipeline_streams_like_the_split(tmp_path: Path, trace: str, prefetch: int) -> None:
+    """Each stage copies its own streamed weights (the prefetches carry their stage's device)."""
+    model = chain()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(3))
+    pipeline = offloaded_split(
+        model,
+        tmp_path,
+        example_inputs=(x,),
+        trace=trace,
+        offload=storage("host+disk", tmp_path, prefetch),
+        pipeline=2,
+    )
+    plan = plan_of(pipeline)
+    assert plan.streamed and {c.destination for c in plan.cuts if c.kind == "stream"} == {"cpu:0", "cpu:1"}
+    for stage, device in zip(pipeline.stages, plan.devices, strict=True):
+        copies = [n for n in stage.graph.nodes if n.op == "call_function" and n.target is runtime.prefetch]
+        assert copies and {n.args[1] for n in copies} == {device}
+    out = pipeline(x)
+    expected = reference(x)
+    torch.testing.assert_close(out, expected)
+    default_loss(out).backward()
+    default_loss(expected).backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, reference.get_parameter(name).grad)
