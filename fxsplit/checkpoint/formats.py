@@ -142,12 +142,10 @@ class _SafetensorsFile:
         return flat.view(entry.shape)
 
     def close(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view is still alive somewhere; the map goes with it
-                pass
-            self._map = None
+        # Drop the map, never mmap.close() it: torch.frombuffer views hold a reference to the map but
+        # no buffer export, so close() would unmap pages that live tensors (weights stored on disk as
+        # views of the checkpoint) still point to. The map is unmapped when its last view is freed.
+        self._map = None
 
 
 class _TorchFile:
