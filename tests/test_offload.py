@@ -18,7 +18,7 @@ import copy
 import re
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -554,3 +554,129 @@ def test_a_plan_edited_to_store_more_than_the_host_budget_is_refused(saved_plan:
     )
     with pytest.raises(fxsplit.FxsplitError):
         fxsplit.check_plan(chain(), edited, example_inputs=(X,))
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(model: nn.Module, path: Path) -> Path:
+    """``model``'s state dict as safetensors (each shared tensor once, as save_pretrained writes) or torch.save."""
+    state = model.state_dict()
+    if path.suffix == ".safetensors":
+        safetensors_torch = pytest.importorskip("safetensors.torch")
+        first: dict[int, str] = {}
+        for name, tensor in state.items():
+            first.setdefault(tensor.data_ptr(), name)
+        safetensors_torch.save_file({n: state[n].contiguous() for n in first.values()}, str(path))
+    else:
+        torch.save(state, path)
+    return path
+
+
+def on_meta(factory: Callable[[], nn.Module], how: str) -> nn.Module:
+    if how == "empty_weights":
+        with fxsplit.empty_weights():
+            return factory().eval()
+    with torch.device("meta"):
+        return factory().eval()
+
+
+@pytest.mark.parametrize("how", ["empty_weights", "meta"])
+@pytest.mark.parametrize("file", ["model.safetensors", "pytorch_model.bin"])
+def test_a_meta_model_loads_a_checkpoint_onto_devices_host_and_disk(tmp_path: Path, file: str, how: str) -> None:
+    """A safetensors checkpoint in the planned dtype is used where it lies (its disk weights are views of
+    the checkpoint's own mapped file); a torch.save one is copied into an unlinked offload file."""
+    reference = chain()
+    checkpoint = save_checkpoint(reference, tmp_path / file)
+    offload_dir = tmp_path / "offload"
+    model = on_meta(chain, how)
+    gm = offloaded_split(
+        model, tmp_path, offload=storage("host+disk", offload_dir), checkpoint=checkpoint, progress=False
+    )
+    plan = assert_offload_plan(gm, model)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    if file.endswith(".safetensors"):
+        mapped, expected = file_mappings(str(checkpoint)), str(checkpoint)
+        assert not offload_dir.exists() or not list(offload_dir.iterdir())
+    else:
+        mapped, expected = file_mappings(f"{offload_dir}/fxsplit-offload-"), "(deleted)"
+        assert not list(offload_dir.iterdir())
+    for name, param in model.named_parameters():
+        where = mapped_by(param, mapped)
+        assert (where is not None) == (plan.streamed.get(name) == "disk"), (name, where)
+        assert where is None or where.endswith(expected)
+    assert_same_as_unsplit(gm, model, reference, (X,))
+    model.zero_grad(), reference.zero_grad()
+    assert_same_as_unsplit(gm, model, reference, (X,))
+
+
+@pytest.mark.parametrize("file", ["model.safetensors", "pytorch_model.bin"])
+def test_a_tied_weight_loads_once_stays_tied_and_is_streamed(tmp_path: Path, file: str) -> None:
+    torch.manual_seed(0)
+    reference = TiedBig().eval()
+    checkpoint = save_checkpoint(reference, tmp_path / file)  # safetensors: 'emb.weight' only
+    model = on_meta(TiedBig, "meta")
+    gm = fxsplit.fxsplit(
+        model,
+        TIED_BUDGETS,
+        example_inputs=(IDS,),
+        offload={"disk": "4MiB", "dir": str(tmp_path / "offload"), "prefetch": 0},
+        checkpoint=checkpoint,
+        progress=False,
+        check=True,
+    )
+    plan = plan_of(gm)
+    assert plan.streamed["emb.weight"] == plan.streamed["head.weight"] == "disk"
+    assert model.head.weight is model.emb.weight
+    assert_same_as_unsplit(gm, model, reference, (IDS,))
+
+
+def test_planning_in_bfloat16_from_a_float32_checkpoint_rewrites_the_disk_weights(tmp_path: Path) -> None:
+    reference = chain()
+    checkpoint = save_checkpoint(reference, tmp_path / "model.safetensors")
+    offload_dir = tmp_path / "offload"
+    model = on_meta(chain, "empty_weights")
+    gm = offloaded_split(
+        model,
+        tmp_path,
+        budgets={"cpu:0": "128KiB", "cpu:1": "128KiB"},  # half the float32 budgets: bfloat16 is as tight
+        offload={"disk": "4MiB", "dir": str(offload_dir)},
+        dtype="bfloat16",
+        checkpoint=checkpoint,
+        progress=False,
+    )
+    plan = assert_offload_plan(gm, model)
+    assert plan.dtype == "bfloat16" and plan.streamed
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    mapped = file_mappings(f"{offload_dir}/fxsplit-offload-")
+    assert mapped and not file_mappings(str(checkpoint)) and not list(offload_dir.iterdir())
+    for name, param in model.named_parameters():
+        assert (mapped_by(param, mapped) is not None) == (name in plan.streamed), name
+    x = X.to(torch.bfloat16)
+    torch.testing.assert_close(gm(x), reference.to(torch.bfloat16)(x))
+
+
+def test_apply_a_saved_offload_plan_with_a_checkpoint(tmp_path: Path) -> None:
+    reference = chain()
+    checkpoint = save_checkpoint(reference, tmp_path / "model.bin")
+    plan = fxsplit.plan(on_meta(chain, "meta"), BUDGETS, example_inputs=(X,), offload=storage("disk", tmp_path))
+    model = on_meta(chain, "meta")
+    gm = fxsplit.apply(model, fxsplit.Plan.from_yaml(plan.to_yaml()), example_inputs=(X,), checkpoint=checkpoint)
+    assert plan_of(gm) == plan
+    mapped = file_mappings(f"{tmp_path}/fxsplit-offload-")
+    assert all(mapped_by(model.get_parameter(n), mapped) for n in plan.streamed)
+    assert_same_as_unsplit(gm, model, reference, (X,))
+
+
+def test_load_checkpoint_into_an_offloaded_split_made_without_weights(tmp_path: Path) -> None:
+    reference = chain()
+    checkpoint = save_checkpoint(reference, tmp_path / "model.safetensors")
+    model = on_meta(chain, "meta")
+    gm = offloaded_split(model, tmp_path, offload=storage("host+disk", tmp_path / "offload"), checkpoint=False)
+    assert {p.device.type for p in gm.parameters()} == {"meta"}
+    fxsplit.load_checkpoint(gm, checkpoint, progress=False)
+    plan = plan_of(gm)
+    mapped = file_mappings(str(checkpoint))
+    for name in plan.streamed:
+        assert (mapped_by(gm.get_parameter(name), mapped) is not None) == (plan.streamed[name] == "disk")
+    torch.testing.assert_close(gm(X), reference(X), rtol=0, atol=0)
