@@ -27,7 +27,9 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn as nn
-from helpers import DirectParameter, SharedModule, default_loss
+from helpers import DirectParameter, SharedModule, assert_same_structure, default_loss
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 import fxsplit
 from fxsplit import runtime
@@ -547,7 +549,6 @@ def test_a_streamed_weight_edited_to_resident_does_not_fit_and_the_error_names_t
         fxsplit.apply(chain(), edited, example_inputs=(X,))
 
 
-@pytest.mark.xfail(strict=True, reason="plan rules do not hold stored bytes to the offload budgets")
 def test_a_plan_edited_to_store_more_than_the_host_budget_is_refused(saved_plan: tuple[fxsplit.Plan, str]) -> None:
     """Moving a disk weight to host (streamed and its cut, consistently) puts 128 KiB in a 100 KiB host:
     check_plan and apply accept it, and stored_bytes keeps the old numbers."""
@@ -556,8 +557,13 @@ def test_a_plan_edited_to_store_more_than_the_host_budget_is_refused(saved_plan:
     edited = fxsplit.Plan.from_yaml(
         text.replace("  2.weight: disk\n", "  2.weight: host\n").replace(CUT, CUT.replace("from: disk", "from: host"))
     )
-    with pytest.raises(fxsplit.FxsplitError):
+    assert edited.streamed["2.weight"] == "host" and edited.stored_bytes == plan.stored_bytes
+    try:
         fxsplit.check_plan(chain(), edited, example_inputs=(X,))
+    except fxsplit.FxsplitError as error:
+        assert "host" in str(error)
+    else:
+        pytest.xfail("known: plan rules do not hold stored bytes to the offload budgets (nor check stored_bytes)")
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -789,3 +795,109 @@ def test_disk_weights_are_never_anonymous_memory(tmp_path: Path, source: str) ->
     assert found["later"] <= found["first"] + 2 * MiB, found
     offload_dir = tmp_path / "offload"
     assert not offload_dir.exists() or not list(offload_dir.iterdir())  # unlinked once mapped
+
+
+# ---------------------------------------------------------------- random models
+
+
+class RandomChain(nn.Module):
+    """Linear layers of similar sizes, each followed by an activation (in place or not) and, where the
+    widths agree, added to its input; returns the last value, a tuple or a dict with a middle one."""
+
+    def __init__(self, widths: list[int], acts: list[str], residual: list[bool], structure: str) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False))
+        self.acts, self.residual, self.structure = acts, residual, structure
+
+    def forward(self, x: torch.Tensor) -> Any:
+        values = [x]
+        for layer, act, residual in zip(self.layers, self.acts, self.residual, strict=True):
+            h = layer(values[-1])
+            if act == "relu_":
+                h.relu_()
+            elif act == "tanh":
+                h = torch.tanh(h)
+            values.append(h + values[-1] if residual and layer.in_features == layer.out_features else h)
+        middle = values[len(values) // 2]
+        if self.structure == "tuple":
+            return values[-1], middle
+        return {"out": values[-1], "middle": middle} if self.structure == "dict" else values[-1]
+
+
+@st.composite
+def random_chains(draw: st.DrawFn) -> RandomChain:
+    n = draw(st.integers(5, 10))
+    widths = draw(st.lists(st.sampled_from([16, 24, 32]), min_size=n + 1, max_size=n + 1))
+    acts = draw(st.lists(st.sampled_from(["relu_", "tanh", "none"]), min_size=n, max_size=n))
+    residual = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    return RandomChain(widths, acts, residual, draw(st.sampled_from(["single", "tuple", "dict"]))).eval()
+
+
+@pytest.mark.slow  # 25 random models traced and split: ~10 s
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(
+    model=random_chains(),
+    trace=st.sampled_from(["fx", "export"]),
+    room=st.floats(0.7, 0.97),
+    share=st.floats(0.3, 0.7),
+    prefetch=st.integers(0, 2),
+    kind=st.sampled_from(STORAGE),
+)
+def test_random_models_stream_correctly_or_are_refused_saying_why(
+    tmp_path_factory: pytest.TempPathFactory,
+    model: RandomChain,
+    trace: str,
+    room: float,
+    share: float,
+    prefetch: int,
+    kind: str,
+) -> None:
+    """Budgets that add up to less than the weights: either a split that streams and equals the unsplit
+    model, within its plan's rules, or a BudgetError that says streaming did not help and why."""
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, model.layers[0].in_features, generator=torch.Generator().manual_seed(4))
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    budgets = {"cpu:0": int(room * share * total), "cpu:1": int(room * (1 - share) * total)}
+    options = storage(kind, tmp_path_factory.mktemp("offload"), prefetch)
+    options = {t: total if t in ("host", "disk") else v for t, v in options.items()}  # storage is not the limit
+    try:
+        gm = fxsplit.fxsplit(
+            model, budgets, example_inputs=(x,), trace=trace, mode="weights", offload=options, check=True
+        )
+    except fxsplit.BudgetError as error:
+        event("refused")
+        assert "streaming weights from" in str(error) and "does not help either" in str(error), str(error)
+        assert re.search(r"raise its budget by [\d.]+ (B|KiB) or more, or lower prefetch", str(error)), str(error)
+        return
+    event(f"streams ({trace})")
+    plan = assert_offload_plan(gm, model)
+    with DeviceChecker(plan, gm, model) as checker:
+        for name in plan.streamed:
+            checker.tag(model.get_parameter(name), "cpu:7")
+        out = gm(x)
+    expected = reference(x)
+    assert_same_structure(out, expected)
+    default_loss(out).backward()
+    default_loss(expected).backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, reference.get_parameter(name).grad)
+
+
+def test_offload_finds_a_plan_where_one_device_could_run_everything_streamed() -> None:
+    """Seven Linear layers (largest 4224 B), prefetch 1: cpu:0 (10814 B) can run every op with all weights
+    streamed (2 x 4224 B of copies), as pinning everything there shows; unpinned, the ops are spread in
+    proportion to the budgets and the refusal asks to raise cpu:1 by 132 B."""
+    widths = [16, 16, 32, 32, 24, 32, 24, 24]
+    model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False)])
+    options: dict[str, Any] = dict(
+        example_inputs=(torch.randn(3, 16),), trace="fx", mode="weights", offload={"host": "1MiB", "prefetch": 1}
+    )
+    budgets = {"cpu:0": 10814, "cpu:1": 4668}
+    assert fxsplit.plan(model, budgets, pins={"*": "cpu:0"}, **options).streamed
+    try:
+        plan = fxsplit.plan(model, budgets, **options)
+    except fxsplit.BudgetError as error:
+        assert "raise its budget by 132 B" in str(error)
+        pytest.xfail("known: plan_offloaded streams on one partition of the ops and gives up when it fails")
+    assert plan.streamed
