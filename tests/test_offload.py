@@ -35,6 +35,7 @@ import fxsplit
 from fxsplit import runtime
 from fxsplit.check import DeviceChecker
 from fxsplit.codegen.meta import COPY_META
+from fxsplit.options import Offload
 
 WIDTH = 128  # Linear(128, 128): a 64 KiB weight and a 512 B bias
 BUDGETS = {"cpu:0": "256KiB", "cpu:1": "256KiB"}  # 512 KiB for 8 layers of 64.5 KiB and their activations
@@ -247,6 +248,43 @@ def test_a_tied_weight_is_stored_once_under_both_names_and_streamed_to_both_read
     assert [c.producer for c in plan.cuts if c.kind == "stream"].count("emb.weight") == 2
     assert model.head.weight is model.emb.weight
     assert_same_as_unsplit(gm, model, reference, (IDS,))
+
+
+# ---------------------------------------------------------------- the option
+
+
+def test_the_option_reads_sizes_and_paths_and_keeps_its_values_in_the_plan(tmp_path: Path) -> None:
+    coerced = Offload.coerce({"host": "1.5KiB", "disk": 2048, "dir": tmp_path, "prefetch": 0})
+    assert coerced == Offload(host=1536, disk=2048, dir=str(tmp_path), prefetch=0)
+    assert Offload.coerce(coerced) is coerced and Offload.coerce(None) is None
+    assert coerced.tiers() == {"host": 1536, "disk": 2048} and Offload(disk=1, dir="d").tiers() == {"disk": 1}
+    plan = fxsplit.plan(chain(), BUDGETS, example_inputs=(X,), offload=Offload(host=2**22, prefetch=2))
+    assert plan.offload == {"host": 2**22, "disk": None, "dir": None, "prefetch": 2}
+    assert set(plan.streamed.values()) == {"host"} and plan.stored_bytes == {
+        "host": sum(chain().get_parameter(n).numel() * 4 for n in plan.streamed)
+    }
+
+
+@pytest.mark.parametrize(
+    ("offload", "words"),
+    [
+        ({"disk": "1GiB"}, "offload 'disk' needs 'dir'"),
+        ({"dir": "somewhere"}, "offload must give a 'host' or 'disk' budget"),
+        ({"host": "1GiB", "prefetch": 9}, r"prefetch must be an int from 0 to 8 \(got 9\)"),
+        ({"host": "1GiB", "prefetch": True}, "prefetch must be an int"),
+        ({"host": "1GiB", "cpu": "2GiB"}, r"unknown offload option\(s\) 'cpu'; options are host, disk, dir, prefetch"),
+        ({"host": "lots"}, "offload host"),
+        ({"host": -1}, "offload host"),
+        ("16GiB", "offload must be a mapping"),
+    ],
+)
+def test_a_bad_option_is_refused_before_tracing(offload: Any, words: str) -> None:
+    class Untraceable(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise AssertionError("traced")
+
+    with pytest.raises(fxsplit.SpecError, match=words):
+        fxsplit.plan(Untraceable(), BUDGETS, example_inputs=(X,), offload=offload)
 
 
 # ---------------------------------------------------------------- budgets and refusals
