@@ -47,7 +47,7 @@ from fxsplit.errors import InvariantError
 from fxsplit.options import STORAGE_TIERS
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import budget_overruns, plan_problems
-from fxsplit.tracing.graphinfo import NONTENSOR, alias_root, mutated_inputs, value_kind
+from fxsplit.tracing.graphinfo import NONTENSOR, alias_root, element_size, mutated_inputs, value_kind
 from fxsplit.yamlfile import format_path
 
 __all__ = ["DeviceChecker", "InvariantError", "verify_plan", "verify_split"]
@@ -118,6 +118,7 @@ def _param_problems(plan: Plan, model: torch.nn.Module) -> list[str]:
     problems: list[str] = []
     held: dict[str, int] = defaultdict(int)
     seen: set[int] = set()
+    planned = getattr(torch, plan.dtype) if plan.dtype else None  # floating tensors count at the plan's dtype
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for name, tensor in named:
         if tensor is None:
@@ -129,7 +130,7 @@ def _param_problems(plan: Plan, model: torch.nn.Module) -> list[str]:
             seen.add(id(tensor))  # stored off the devices: no device holds it
         elif id(tensor) not in seen:
             seen.add(id(tensor))
-            held[device] += tensor.numel() * tensor.element_size()
+            held[device] += tensor.numel() * element_size(tensor.dtype, planned)
     for device, nbytes in held.items():
         if plan.device_bytes.get(device, 0) < nbytes:
             problems.append(

@@ -83,6 +83,21 @@ def test_check_plan_device_bytes_must_cover_the_weights_placed() -> None:
         verify_plan(dataclasses.replace(plan, device_bytes={**plan.device_bytes, "cpu:1": 0}), model=m)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_device_bytes_are_checked_at_the_plans_dtype(dtype: str) -> None:
+    """A float32 model planned in half precision: device_bytes count 2 bytes per element, and so does the check."""
+    m = model()
+    plan = fxsplit.plan(
+        m, {"cpu:0": 150, "cpu:1": 150}, mode="weights", example_inputs=(torch.randn(2, 4),), dtype=dtype
+    )
+    verify_plan(plan, model=m)
+    fxsplit.plan(
+        m, {"cpu:0": 150, "cpu:1": 150}, mode="weights", example_inputs=(torch.randn(2, 4),), dtype=dtype, check=True
+    )
+    with pytest.raises(InvariantError, match="'cpu:1' holds .* bytes of parameters and buffers but device_bytes says"):
+        verify_plan(dataclasses.replace(plan, device_bytes={**plan.device_bytes, "cpu:1": 0}), model=m)
+
+
 def _inference_plan(**options: object) -> fxsplit.Plan:
     """A plan that counts activations: 384 bytes of parameters and about 200 of activations, on two devices."""
     return fxsplit.plan(model(), {"cpu:0": 600, "cpu:1": 600}, example_inputs=(torch.randn(2, 4),), **options)

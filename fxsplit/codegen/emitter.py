@@ -209,6 +209,7 @@ class _Emitter:
             )
         stored.meta[DEVICE_META] = started.meta[DEVICE_META] = device  # the stage that streams it in
         started.meta[COPY_META] = CopyRecord(read.key, self.plan.streamed[read.key], device)
+        started.meta[DEVICE_META] = device
         arrived = self.graph.create_node("call_function", runtime.arrive, (started,), name=f"{base}_on_{device}")
         arrived.meta[DEVICE_META] = device
         return arrived

@@ -211,7 +211,12 @@ def _cut_problems(plan: Plan, problem: _Report) -> None:
             problem(("cuts", index), f"cut of {name} has negative size {cut.nbytes}")
 
 
-_REST = {"grads": "gradients", "optimizer": "optimizer state", "activations_peak": "activations peak"}
+_REST = {
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "activations_peak": "activations peak",
+    "streaming": "streaming buffers",
+}
 
 
 def device_needs(plan: Plan, weights: Mapping[str, int] | None = None) -> dict[str, int]:
