@@ -298,7 +298,9 @@ def _plan_numbers(plan: Any) -> dict[str, Any]:
     }
 
 
-def _plan_only(case: OffloadCase, model: nn.Module, budgets: dict[str, int], offload: dict[str, Any], **options: Any):
+def _plan_only(
+    case: OffloadCase, model: nn.Module, budgets: dict[str, int], offload: dict[str, Any], **options: Any
+) -> dict[str, Any]:
     """An fxsplit plan for the record (no split made): placed or not, and what it streams."""
     import fxsplit
     from fxsplit.errors import BudgetError
