@@ -36,6 +36,7 @@ from fxsplit.planning.fingerprint import describe
 from fxsplit.planning.offload import fit_or_offload
 from fxsplit.planning.plan import Plan
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
+from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.dynamic import describe as describe_dynamic
 from fxsplit.validate import check_concrete_args, check_option_types, device_option, refuse_meta, require_module
@@ -357,8 +358,9 @@ def fxsplit(
             them); real ones keep their objects and get the loaded data.
             ``False``: return a split of a meta model with meta weights, to
             fill later with :func:`fxsplit.load_checkpoint`.
-        progress: progress bar while loading: None (default) on a terminal
-            only, True always, False never.
+        progress: on stderr, the time spent tracing and planning and a
+            progress bar while loading: None (default) on a terminal only,
+            True always, False never.
 
     Returns:
         The split ``torch.fx.GraphModule``. Call it like ``model``. With
@@ -391,7 +393,8 @@ def fxsplit(
             return _2
     """
     loading = prepare(model, checkpoint, progress)  # checks the checkpoint before the (long) trace
-    planned = trace_and_plan(model, budgets, example_inputs, options, runnable=True)
+    with StageTimer(enabled=progress).stage("fxsplit: tracing and planning"):
+        planned = trace_and_plan(model, budgets, example_inputs, options, runnable=True)
     with loading.onto(planned.plan, planned.traced.graph_module) as loaded:  # unloaded if what follows fails
         if checkpoint is None:
             refuse_meta(model)

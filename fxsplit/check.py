@@ -157,7 +157,7 @@ def verify_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
         else:
             where[node] = _op_device(gm, plan, node, where, problems)
         claimed = node.meta.get(DEVICE_META)
-        if claimed is not None and where.get(node) is not None and claimed != where[node]:
+        if claimed is not None and where.get(node) not in (None, *STORAGE_TIERS) and claimed != where[node]:
             problems.append(f"'{node.name}' is marked to run on '{claimed}' but its values are on '{where[node]}'")
     cut_pairs = {(c.producer, c.destination) for c in plan.cuts}
     copy_pairs = {pair for pair, source in copies.items() if source != "?"}

@@ -19,54 +19,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
-import time
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence, TextIO
+from typing import Any, Sequence, TextIO
 
 from fxsplit.errors import BudgetError, FxsplitError, SpecError
-from fxsplit.options import DYNAMIC_SHAPES, MODES, OBJECTIVES, TRACE_MODES
+from fxsplit.options import DYNAMIC_SHAPES, MAX_PREFETCH, MODES, OBJECTIVES, TRACE_MODES
+from fxsplit.stages import StageTimer
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
-
-
-class _Progress:
-    """Elapsed time on one stderr line while a stage runs, on a terminal only."""
-
-    def __init__(self, stream: TextIO | None = None, interval: float = 0.1) -> None:
-        self.stream = stream or sys.stderr
-        self.interval = interval
-        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
-
-    @contextmanager
-    def stage(self, label: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        start = time.monotonic()
-        done = threading.Event()
-
-        def tick() -> None:
-            frames = "|/-\\"
-            count = 0
-            while not done.wait(self.interval):
-                count += 1
-                self.stream.write(f"\r{frames[count % 4]} {label} ... {time.monotonic() - start:.1f}s")
-                self.stream.flush()
-
-        thread = threading.Thread(target=tick, daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
-            self.stream.write(f"\r{label}: {time.monotonic() - start:.1f}s\033[K\n")
-            self.stream.flush()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,6 +54,17 @@ def _parser() -> argparse.ArgumentParser:
     overrides.add_argument("--optimizer", help="optimizer state counted with --mode training (adam, sgd, ...)")
     overrides.add_argument(
         "--dynamic-shapes", choices=DYNAMIC_SHAPES, help="input sizes a torch.export split keeps variable"
+    )
+    offload = overrides.add_argument_group(
+        "offload",
+        "where weights the devices cannot hold are stored and streamed from (each overrides that field "
+        "of the spec's offload)",
+    )
+    offload.add_argument("--offload-host", metavar="SIZE", help="host memory for them (pinned with CUDA), e.g. 16GiB")
+    offload.add_argument("--offload-disk", metavar="SIZE", help="disk space for them, in --offload-dir, e.g. 100GiB")
+    offload.add_argument("--offload-dir", metavar="DIR", help="the directory of the disk's safetensors file")
+    offload.add_argument(
+        "--prefetch", type=int, metavar="N", help=f"copy a streamed weight N ops ahead (0 to {MAX_PREFETCH}; default 1)"
     )
 
     parser = argparse.ArgumentParser(
@@ -153,9 +127,46 @@ def _options(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
-    if getattr(args, "spec", None):
-        options["spec"] = args.spec
+    spec = getattr(args, "spec", None)
+    if spec:
+        options["spec"] = spec
+    offload = {flag: getattr(args, name, None) for flag, name in _OFFLOAD_FLAGS.items()}
+    if any(value is not None for value in offload.values()):
+        from fxsplit.spec import load_spec
+
+        loaded_spec = load_spec(spec) if spec else None  # loaded once, for its offload
+        if loaded_spec is not None:
+            options["spec"] = loaded_spec
+        options["offload"] = _offload(offload, loaded_spec.offload if loaded_spec else None)
     return options
+
+
+_OFFLOAD_FLAGS = {  # flag -> its argparse name
+    "--offload-host": "offload_host",
+    "--offload-disk": "offload_disk",
+    "--offload-dir": "offload_dir",
+    "--prefetch": "prefetch",
+}
+
+
+def _offload(flags: dict[str, Any], spec: Any) -> Any:
+    """The spec's offload (an :class:`~fxsplit.options.Offload` or None) with the fields the flags give replaced."""
+    from fxsplit.options import Offload
+    from fxsplit.units import parse_size
+
+    fields: dict[str, Any] = {k: v for k, v in (spec.to_dict() if spec else {}).items() if v is not None}
+    for flag, value in flags.items():
+        if value is None:
+            continue
+        field = flag.removeprefix("--offload-").removeprefix("--")
+        fields[field] = parse_size(value, what=flag) if field in ("host", "disk") else value
+    if "host" not in fields and "disk" not in fields:
+        raise SpecError("--offload-dir and --prefetch need --offload-host or --offload-disk, or a spec with offload:")
+    if "disk" in fields and "dir" not in fields:
+        raise SpecError("--offload-disk needs --offload-dir DIR, the directory the stored weights are written to")
+    if not 0 <= fields.get("prefetch", 1) <= MAX_PREFETCH:
+        raise SpecError(f"--prefetch must be from 0 to {MAX_PREFETCH} ops ahead (got {fields['prefetch']})")
+    return Offload(**fields)
 
 
 def _read_plan(path: str) -> Any:
@@ -165,7 +176,7 @@ def _read_plan(path: str) -> Any:
     return plan_from_yaml(read_limited(path, "plan", MAX_PLAN_BYTES), path)
 
 
-def _planned(args: argparse.Namespace, loaded: Any, progress: _Progress) -> tuple[Any, Any, Any]:
+def _planned(args: argparse.Namespace, loaded: Any, progress: StageTimer) -> tuple[Any, Any, Any]:
     """``(traced graph module, costs, plan)`` from --spec (solving) or --plan (re-tracing, checked as by
     ``fxsplit check``); moves no weights."""
     from fxsplit.api import trace_and_plan
@@ -193,7 +204,7 @@ def _planned(args: argparse.Namespace, loaded: Any, progress: _Progress) -> tupl
     return planned.traced.graph_module, planned.costs, planned.plan
 
 
-def _run(args: argparse.Namespace, out: TextIO, progress: _Progress) -> int:
+def _run(args: argparse.Namespace, out: TextIO, progress: StageTimer) -> int:
     from fxsplit.factory import load_model
 
     with progress.stage("loading the model"):
@@ -255,7 +266,7 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
     """Run the command line; returns the exit code (see the module docstring)."""
     out, err = out or sys.stdout, err or sys.stderr
     args = _parser().parse_args(argv)
-    progress = _Progress(err)
+    progress = StageTimer(err)
     try:
         return _run(args, out, progress)
     except BudgetError as error:

@@ -22,10 +22,11 @@ __all__ = [
     "BATCH_STATS_MODES",
     "CHECKPOINT_MODES",
     "DYNAMIC_SHAPES",
+    "MAX_PREFETCH",
     "MODES",
     "OBJECTIVES",
-    "STORAGE_TIERS",
     "OPTIMIZERS",
+    "STORAGE_TIERS",
     "TRACE_MODES",
     "Budgets",
     "Offload",
@@ -42,6 +43,7 @@ DYNAMIC_SHAPES = ("batch", "all")  # dynamic_shapes shorthands: which input size
 CHECKPOINT_MODES = ("never", "except_last", "always")
 BATCH_STATS_MODES = ("warn", "error", "allow")
 STORAGE_TIERS = ("host", "disk")  # where offloaded weights are stored, in the order they are filled
+MAX_PREFETCH = 8  # offload prefetch: at most this many ops ahead
 
 
 @dataclass(frozen=True)
@@ -246,8 +248,12 @@ class Offload:
             raise SpecError("offload 'disk' needs 'dir', the directory the stored weights are written to")
         if self.dir is not None and not isinstance(self.dir, str):
             object.__setattr__(self, "dir", str(self.dir))
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or not 0 <= self.prefetch <= 8:
-            raise SpecError(f"offload prefetch must be an int from 0 to 8 (got {self.prefetch!r})")
+        if (
+            isinstance(self.prefetch, bool)
+            or not isinstance(self.prefetch, int)
+            or not 0 <= self.prefetch <= MAX_PREFETCH
+        ):
+            raise SpecError(f"offload prefetch must be an int from 0 to {MAX_PREFETCH} (got {self.prefetch!r})")
 
     @classmethod
     def coerce(cls, value: Any) -> Offload | None:

@@ -87,8 +87,8 @@ def prefetch(weight: torch.Tensor, device: str) -> torch.Tensor | Prefetched:
     The generated code calls this some ops before the weight's reader and
     :func:`arrive` right before it. On a CUDA device the copy runs on a side
     stream (from pinned host memory it overlaps the ops in between); anywhere
-    else it is a plain ``.to(device)``, which for a weight already in that
-    memory (a CPU device reading host or memory-mapped storage) copies nothing.
+    else it is a plain ``.to(device)`` (to a logical CPU device such as
+    ``"cpu:0"`` a copy in host memory, freed after the op, as on a real device).
     """
     target = torch.device(device)
     if target.type != "cuda" or weight.device == target:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import fxsplit
-from fxsplit.cli import _Progress, main
+from fxsplit.cli import main
+from fxsplit.stages import StageTimer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = f"{ROOT / 'examples' / 'models.py'}:factory"
@@ -189,14 +190,14 @@ def test_progress_only_on_a_terminal() -> None:
             return True
 
     screen = Terminal()
-    progress = _Progress(screen, interval=0.01)
+    progress = StageTimer(screen, interval=0.01)
     with progress.stage("tracing"):
         import time
 
         time.sleep(0.05)
     assert "tracing ..." in screen.getvalue() and "\rtracing: 0." in screen.getvalue()
     quiet = io.StringIO()
-    with _Progress(quiet).stage("tracing"):
+    with StageTimer(quiet).stage("tracing"):
         pass
     assert quiet.getvalue() == ""
 

@@ -104,3 +104,11 @@ def test_from_checkpoint() -> None:
     assert "shards + model.safetensors.index.json" in out
     assert [line.split()[0] for line in out.splitlines() if line.startswith("cpu:")] == ["cpu:0:", "cpu:1:"]
     assert "the split loaded from the checkpoint gives the same logits as from_pretrained" in out
+
+
+def test_offload() -> None:
+    out = run_example("offload.py")
+    assert "offloaded:" in out and "streamed per forward" in out
+    assert re.search(r"stored in host [\d.]+ KiB of 600\.00 KiB, disk [\d.]+ KiB of 4\.00 MiB", out), out
+    assert "fxsplit_runtime_prefetch(stored_" in out
+    assert "logits equal to from_pretrained's" in out

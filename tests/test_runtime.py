@@ -86,3 +86,48 @@ def test_call_with_weights_accepts_fx_immutable_containers() -> None:
     out = call_with_weights(module, immutable.immutable_dict({"scale": torch.tensor(3.0)}), args, kwargs)
     assert out.tolist() == [4.0, 4.0]
     assert module.scale.item() == 2.0
+
+
+def test_prefetch_off_cuda_is_a_plain_copy_and_arrive_hands_it_over() -> None:
+    from fxsplit.runtime import arrive, prefetch
+
+    weight = torch.arange(6.0).reshape(2, 3)
+    copied = prefetch(weight, "cpu:0")
+    assert isinstance(copied, torch.Tensor) and torch.equal(copied, weight)
+    assert copied.data_ptr() != weight.data_ptr()  # a logical device gets its own copy, as a real one would
+    assert arrive(copied) is copied
+    assert prefetch(weight, "cpu") is weight  # already there: Tensor.to returns the tensor itself
+    moved = prefetch(weight, "meta")
+    assert isinstance(moved, torch.Tensor) and moved.device.type == "meta" and moved.shape == weight.shape
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: side-stream prefetch")
+
+
+@needs_cuda
+def test_prefetch_to_cuda_runs_on_a_side_stream_and_arrive_waits_for_it() -> None:
+    from fxsplit.runtime import Prefetched, arrive, prefetch
+
+    weight = torch.randn(1024, 1024).pin_memory()
+    started = prefetch(weight, "cuda:0")
+    assert isinstance(started, Prefetched) and started.tensor.device == torch.device("cuda:0")
+    ready = arrive(started)
+    torch.testing.assert_close((ready @ ready).cpu(), weight @ weight)  # used on the compute stream after the wait
+
+
+@needs_cuda
+def test_host_stored_weights_are_pinned_where_cuda_exists() -> None:
+    import fxsplit
+
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
+    reference = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 256)
+    expected = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
+    expected.load_state_dict(dict(zip(model.state_dict(), reference, strict=True)))
+    gm = fxsplit.fxsplit(model, {"cuda:0": "900KiB"}, example_inputs=(x,), offload={"host": "4MiB"})
+    plan = gm.meta["fxsplit_plan"]
+    assert plan.streamed
+    for name in plan.streamed:  # moved in place: the model's parameters are the split's
+        tensor = model.get_parameter(name)
+        assert tensor.device.type == "cpu" and tensor.is_pinned(), name
+    torch.testing.assert_close(gm(x.cuda()).cpu(), expected(x))

@@ -212,9 +212,9 @@ def test_shipped_specs_load_and_plan(path: str) -> None:
 
 def test_readme_documents_every_field() -> None:
     text = (ROOT / "specs" / "README.md").read_text()
-    from fxsplit.spec import DEVICE_KEYS, SPEC_KEYS
+    from fxsplit.spec import DEVICE_KEYS, OFFLOAD_KEYS, SPEC_KEYS
 
-    for key in (*SPEC_KEYS, *DEVICE_KEYS):
+    for key in (*SPEC_KEYS, *DEVICE_KEYS, *OFFLOAD_KEYS):
         assert f"`{key}`" in text, key
 
 

@@ -90,6 +90,7 @@ class _SafetensorsFile:
         self.entries: dict[str, Entry] = {}
         self._ranges: dict[str, tuple[int, int]] = {}
         self._map: mmap.mmap | None = None
+        self.kept = False  # views handed out to outlive the table: close() must not unmap
         self._read_header()
 
     def _read_header(self) -> None:
@@ -142,12 +143,16 @@ class _SafetensorsFile:
         return flat.view(entry.shape)
 
     def close(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view is still alive somewhere; the map goes with it
-                pass
-            self._map = None
+        """Unmap the file, unless views of it were handed out to be kept (:meth:`TableOfContents.keep`).
+
+        torch.frombuffer references the map but holds no buffer export, so
+        closing it under a live view would leave the view pointing at
+        unmapped memory; a kept map is only dropped here, and the OS unmaps it
+        when the last view that references it is freed.
+        """
+        if self._map is not None and not self.kept:
+            self._map.close()
+        self._map = None
 
 
 class _TorchFile:
@@ -214,6 +219,15 @@ class TableOfContents:
             if source.path == entry.file:
                 return source.tensor(name)
         raise KeyError(name)  # pragma: no cover - entries come from files
+
+    def keep(self, name: str) -> torch.Tensor:
+        """The safetensors tensor ``name`` as a view of its mapped file that stays valid after :meth:`close`."""
+        entry = self.entries[name]
+        for source in self.files:
+            if source.path == entry.file and isinstance(source, _SafetensorsFile):
+                source.kept = True
+                return source.tensor(name)
+        raise KeyError(name)
 
     def close(self) -> None:
         for source in self.files:

@@ -239,7 +239,7 @@ def _onto_disk(
     for index, item in zip(indices, found, strict=True):
         dtype = _dtype(item.slot, plan)
         if item.entry.file.suffix == ".safetensors" and item.entry.dtype == dtype:
-            views[index] = table.read(item.entry.name)
+            views[index] = table.keep(item.entry.name)
             bar.advance(item.entry.nbytes)
         else:
             rewrite[item.entry.name] = (index, item)

@@ -204,6 +204,7 @@ class _Emitter:
             started = self.graph.create_node(
                 "call_function", runtime.prefetch, (stored, device), name=f"prefetch_{base}"
             )
+        stored.meta[DEVICE_META] = started.meta[DEVICE_META] = device  # the stage that streams it in
         started.meta[COPY_META] = CopyRecord(read.key, self.plan.streamed[read.key], device)
         arrived = self.graph.create_node("call_function", runtime.arrive, (started,), name=f"{base}_on_{device}")
         arrived.meta[DEVICE_META] = device

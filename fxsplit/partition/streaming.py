@@ -1,19 +1,23 @@
 """Which weights of one device to stream: keep the most bytes resident, stream the rest (pure; no torch).
 
 A device that cannot hold all the weights its ops read keeps some resident
-and has the others copied in from storage right before the op that reads
-them. While op ``k`` runs, the weights of the next ``prefetch`` streamed ops
-are already being copied, so the device needs room for ``prefetch + 1``
-streamed groups (a group: the streamed weights one op reads) besides what
-stays resident. Bytes streamed per forward are the streamed weights' bytes
-times the number of ops that read them; the choice minimises that.
+and has the others copied in from storage before the op that reads them.
+The copy for the ``k``-th weight-reading op of the device starts before op
+``k - prefetch`` and is freed after op ``k``, so while op ``k`` runs the
+streamed groups (a group: the streamed weights one op reads) of ops ``k``
+to ``k + prefetch`` are in memory: the device needs room for the largest
+such window of ``prefetch + 1`` consecutive groups (at most ``prefetch + 1``
+times the largest group) besides what stays resident. Bytes streamed per
+forward are the streamed weights' bytes times the number of ops that read
+them; the choice minimises that.
 
-For each candidate size ``L`` of the largest streamed group (0, every
-weight's size, every op's whole group), weights larger than ``L`` must stay,
-ops whose streamed weights exceed ``L`` keep their largest ones, and the
-room left after ``(prefetch + 1) * L`` is filled largest first with the
-weights read most. The best candidate wins (fewest bytes streamed, then
-the smallest buffers).
+For each candidate size ``L`` of the largest window (0, every weight's
+size, every group, every window with all its weights streamed), weights
+larger than ``L`` stay, windows whose streamed weights exceed ``L`` keep
+resident the weights of their last op first (the next windows share them),
+and the room left after ``L`` is filled with the weights read most, largest
+first. The best candidate wins (fewest bytes streamed,
+then the smallest buffers).
 
 >>> reads = [["a"], ["b"], ["c"], ["d"]]  # four ops, each reading one weight
 >>> choice = choose_streamed({"a": 40, "b": 40, "c": 10, "d": 10}, reads, capacity=95, prefetch=0)
@@ -25,6 +29,7 @@ True
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -41,8 +46,8 @@ class StreamChoice:
     Attributes:
         streamed: the weights stored off the device and copied in per use.
         resident_bytes: bytes of the weights that stay.
-        buffer_bytes: room for the copies in flight: ``(prefetch + 1)`` times
-            the largest streamed group.
+        buffer_bytes: room for the copies in flight: the largest window of
+            ``prefetch + 1`` consecutive streamed groups.
         streamed_per_forward: bytes copied in per forward (a weight read by
             two ops is copied twice).
     """
@@ -60,8 +65,9 @@ def choose_streamed(
 
     Args:
         weights: the device's streamable weights -> bytes.
-        op_reads: for each op the device runs, the streamable weights it reads
-            (a weight no op reads costs nothing to store elsewhere).
+        op_reads: for each op the device runs that reads weights, in the
+            order they run, the streamable weights it reads (possibly none;
+            a weight no op reads costs nothing to store elsewhere).
         capacity: bytes left for these weights and the streaming buffers.
         prefetch: streamed groups copied ahead of the one in use.
 
@@ -78,7 +84,7 @@ def choose_streamed(
         for name in group:
             reads[name] += 1
     best: StreamChoice | None = None
-    for limit in _candidates(weights, groups):
+    for limit in _candidates(weights, groups, prefetch):
         found = _choose_for(limit, weights, reads, groups, capacity, prefetch)
         if found is not None and (best is None or _key(found) < _key(best)):
             best = found
@@ -89,8 +95,22 @@ def _key(choice: StreamChoice) -> tuple[int, int, int]:
     return choice.streamed_per_forward, choice.buffer_bytes, len(choice.streamed)
 
 
-def _candidates(weights: Mapping[str, int], groups: Sequence[Sequence[str]]) -> list[int]:
-    sizes = {0, *weights.values(), *(sum(weights[w] for w in g) for g in groups)}
+def _windows(groups: Sequence[Sequence[str]], prefetch: int) -> list[tuple[tuple[int, str], ...]]:
+    """``(op, weight)`` for the weights of every run of ``prefetch + 1`` consecutive ops (fewer at the start).
+
+    A weight two ops of a run read is there twice: each op gets its own copy.
+    """
+    return [tuple((op, w) for op in range(max(0, i - prefetch), i + 1) for w in groups[op]) for i in range(len(groups))]
+
+
+def _candidates(weights: Mapping[str, int], groups: Sequence[Sequence[str]], prefetch: int) -> list[int]:
+    windows = _windows(groups, prefetch)
+    sizes = {
+        0,
+        *weights.values(),
+        *(sum(weights[w] for w in g) for g in groups),
+        *(sum(weights[w] for _, w in window) for window in windows),
+    }
     ordered = sorted(sizes)
     if len(ordered) <= MAX_CANDIDATES:
         return ordered
@@ -106,19 +126,21 @@ def _choose_for(
     capacity: int,
     prefetch: int,
 ) -> StreamChoice | None:
-    """The best choice whose streamed groups are at most ``limit`` bytes, or None."""
-    room = capacity - (prefetch + 1) * limit
+    """The best choice whose windows of streamed weights are at most ``limit`` bytes, or None."""
+    room = capacity - limit
     if room < 0:
         return None
+    windows = _windows(groups, prefetch)
     resident = {w for w, n in weights.items() if n > limit and reads[w]}
-    for group in groups:  # an op whose streamed weights exceed the limit keeps its largest ones
-        streamed = sorted((w for w in group if w not in resident), key=lambda w: (-weights[w], w))
-        excess = sum(weights[w] for w in streamed) - limit
-        for name in streamed:
+    for window in windows:  # a window whose streamed weights exceed the limit keeps some resident:
+        copies = Counter(w for _, w in window if w not in resident)
+        excess = sum(weights[w] * n for w, n in copies.items()) - limit
+        latest = {w: op for op, w in window}  # the last op's first (the next windows hold them too)
+        for name in sorted(copies, key=lambda w: (-latest[w], -weights[w], w)):
             if excess <= 0:
                 break
             resident.add(name)
-            excess -= weights[name]
+            excess -= weights[name] * copies[name]
     used = sum(weights[w] for w in resident)
     if used > room:
         return None
@@ -128,6 +150,6 @@ def _choose_for(
             resident.add(name)
             used += weights[name]
     streamed_set = frozenset(w for w in weights if w not in resident)
-    largest = max((sum(weights[w] for w in g if w in streamed_set) for g in groups), default=0)
+    buffers = max((sum(weights[w] for _, w in window if w in streamed_set) for window in windows), default=0)
     per_forward = sum(weights[w] * reads[w] for w in streamed_set)
-    return StreamChoice(streamed_set, used, (prefetch + 1) * largest, per_forward)
+    return StreamChoice(streamed_set, used, buffers, per_forward)

@@ -17,6 +17,7 @@ They fail with :class:`PlanMismatchError` saying what differs, or
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -33,6 +34,7 @@ from fxsplit.planning.build import cuts_for
 from fxsplit.planning.fingerprint import describe, differences
 from fxsplit.planning.plan import Cut, Plan
 from fxsplit.planning.rules import budget_overruns, device_needs, validate_plan
+from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.dynamic import dynamic_shapes_for
 from fxsplit.units import format_size
@@ -147,6 +149,7 @@ def apply(
     example_inputs: Any = None,
     checkpoint: Any = None,
     progress: bool | None = None,
+    offload_dir: Any = None,
     **options: Any,
 ) -> torch.fx.GraphModule:
     """Split ``model`` as ``plan`` says, without solving again: same plan, same generated code.
@@ -167,7 +170,11 @@ def apply(
         checkpoint: load the weights from this checkpoint onto the plan's
             devices, as for :func:`fxsplit.fxsplit` (``False``: a meta model
             gives a split with meta weights, for :func:`fxsplit.load_checkpoint`).
-        progress: progress bar while loading (None: on a terminal only).
+        progress: on stderr, the time spent tracing and a progress bar while
+            loading (None: on a terminal only).
+        offload_dir: where to write the weights the plan stores on disk
+            (default: the plan's ``offload["dir"]``), for a plan made on
+            another machine; the split's plan records it.
 
     Before anything moves, the plan is checked as :func:`check_plan` checks
     it against its own budgets less its reserve.
@@ -201,9 +208,12 @@ def apply(
     """
     _known_options(options, "apply")
     _require_plan(plan, "apply")
+    if offload_dir is not None:
+        plan = dataclasses.replace(plan, offload={**plan.offload, "dir": os.fspath(offload_dir)})
     require_usable([*plan.devices, plan.output_device], plan.budgets)
     loading = prepare(model, checkpoint, progress)
-    traced, costs, _ = checked_retrace(model, plan, example_inputs=example_inputs, **options)
+    with StageTimer(enabled=progress).stage("fxsplit: tracing and checking the plan"):
+        traced, costs, _ = checked_retrace(model, plan, example_inputs=example_inputs, **options)
     with loading.onto(plan, traced.graph_module) as loaded:  # unloaded if what follows fails
         if checkpoint is None:
             refuse_meta(model)

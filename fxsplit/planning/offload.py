@@ -3,7 +3,9 @@
 Used only when planning within the budgets failed and an
 :class:`~fxsplit.options.Offload` says where weights may be stored. The ops
 are partitioned as if the devices were larger, in proportion to their
-budgets, so that every device runs its share; then each device keeps as many
+budgets, so that every device runs its share (a few such partitions, with
+more or less headroom, and the one that streams the fewest bytes, then
+copies the fewest between devices, wins); then each device keeps as many
 of its weights resident as fit beside its buffers, activations and streaming
 buffers (:func:`~fxsplit.partition.streaming.choose_streamed`), and the rest
 is stored in host memory, then on disk, within their budgets. The plan
@@ -15,12 +17,13 @@ records where each streamed weight is stored (:attr:`Plan.streamed`) and one
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable, Sequence
 
 import torch.fx
 
 from fxsplit.cost.build import GraphCosts, Weight
-from fxsplit.errors import BudgetError
+from fxsplit.errors import BudgetError, FxsplitWarning
 from fxsplit.memory.model import MemoryModel, fit_budgets
 from fxsplit.options import Budgets, Offload
 from fxsplit.partition.streaming import StreamChoice, choose_streamed
@@ -30,8 +33,11 @@ from fxsplit.units import format_size
 
 __all__ = ["fit_or_offload", "plan_offloaded", "training_refusal"]
 
-MAX_TRIES = 6
-"""Partitions tried under growing virtual budgets before giving up."""
+SPREADS = (1.02, 1.08, 1.17, 1.3, 1.6, 2.2, 4.0)
+"""How much larger than needed the virtual budgets are (times the model over the budgets), in the order tried:
+each partition gives each device another share of the ops; the plan that streams the fewest bytes wins."""
+MAX_FEASIBLE = 3
+"""Plans that stream compared at most (each costs one partition)."""
 
 
 def fit_or_offload(
@@ -84,33 +90,61 @@ def plan_offloaded(
         graph_module: the traced graph (which op reads which weight).
         error: why the plan without offload failed (said again if this fails too).
 
+    When no plan fits with ``offload.prefetch``, a lower prefetch is tried
+    (down to 0, copying each weight right before its op), with a warning.
+
     Raises:
         BudgetError: even streaming does not fit: a device cannot hold the
             weights of one of its ops with the streaming buffers, or the
             storage budgets cannot hold what is streamed.
     """
-    caps = budgets.caps()
-    totals = memory.totals()
-    needed = sum(totals.values())
-    factor = max(1.0, needed / max(1, sum(caps))) * 1.02
-    problems: list[str] = []
-    for _ in range(MAX_TRIES):
-        virtual = [int(cap * factor) + 1 for cap in caps]
-        try:
-            spread = solve(virtual)
-        except BudgetError:
-            factor *= 1.25
-            continue
-        made = _stream(spread, memory, budgets, offload, graph_module, problems)
-        if made is not None:
-            return made
-        break
-    detail = "; ".join(dict.fromkeys(problems)) or "no partition of the ops fits even with larger devices"
+    asked: list[tuple[int, str]] = []  # (bytes short, why) of each plan that failed, with the asked prefetch
+    problems = asked
+    for prefetch in range(offload.prefetch, -1, -1):
+        problems = asked if prefetch == offload.prefetch else []
+        found = _spreads(
+            memory, budgets, dataclasses.replace(offload, prefetch=prefetch), solve, graph_module, problems
+        )
+        if found is not None:
+            if prefetch < offload.prefetch:
+                why = min(asked)[1] if asked else "no partition fits"
+                warnings.warn(
+                    FxsplitWarning(f"offload: prefetch lowered from {offload.prefetch} to {prefetch}: with it, {why}"),
+                    stacklevel=5,
+                )
+            return found
+    detail = min(problems)[1] if problems else "no partition of the ops fits even with larger devices"
     raise BudgetError(f"{error}; streaming weights from {_storage_words(offload)} does not help either: {detail}")
 
 
+def _spreads(
+    memory: MemoryModel,
+    budgets: Budgets,
+    offload: Offload,
+    solve: Callable[[Sequence[int]], Plan],
+    graph_module: torch.fx.GraphModule,
+    problems: list[tuple[int, str]],
+) -> Plan | None:
+    """The best plan that streams, over partitions with more or less headroom, or None."""
+    caps = budgets.caps()
+    base = max(1.0, sum(memory.totals().values()) / max(1, sum(caps)))
+    found: list[Plan] = []
+    for factor in SPREADS:
+        virtual = [int(cap * base * factor) + 1 for cap in caps]
+        try:
+            spread = solve(virtual)
+        except BudgetError:
+            continue
+        made = _stream(spread, memory, budgets, offload, graph_module, problems)
+        if made is not None:
+            found.append(made)
+        if len(found) >= MAX_FEASIBLE:
+            break
+    return min(found, key=lambda plan: (plan.stream_bytes, plan.transfer_bytes)) if found else None
+
+
 def _storage_words(offload: Offload) -> str:
-    return " and ".join(f"{tier} ({format_size(n)})" for tier, n in offload.tiers().items())
+    return " and ".join(f"{tier} {format_size(n)}" for tier, n in offload.tiers().items())
 
 
 def _stream(
@@ -119,12 +153,13 @@ def _stream(
     budgets: Budgets,
     offload: Offload,
     graph_module: torch.fx.GraphModule,
-    problems: list[str],
+    problems: list[tuple[int, str]],
 ) -> Plan | None:
-    """``spread`` with each device's overflow streamed, or None (with the reasons in ``problems``)."""
+    """``spread`` with each device's overflow streamed, or None (with ``(bytes short, why)`` in ``problems``)."""
     costs = memory.costs
     usage = memory.usage(spread)
     readers = _readers(costs, graph_module, spread)
+    order = {node.name: i for i, node in enumerate(graph_module.graph.nodes)}
     usable = budgets.usable
     choices: dict[str, StreamChoice] = {}
     weights_by_name = {w.names[0]: w for w in [*costs.weights, *costs.unused]}
@@ -136,7 +171,7 @@ def _stream(
         }
         row = usage.get(device, {})
         fixed = row.get("total", 0) - sum(movable.values())
-        op_reads = [[w for w in reads if w in movable] for reads in _op_reads(readers, spread, device)]
+        op_reads = [[w for w in reads if w in movable] for reads in _op_reads(readers, order, device)]
         choice = choose_streamed(movable, op_reads, usable[device] - fixed, offload.prefetch)
         if choice is None:
             problems.append(_no_fit(device, usable[device], fixed, movable, op_reads, offload.prefetch))
@@ -168,30 +203,32 @@ def _streamable(weight: Weight, readers: dict[str, str], device: str) -> bool:
     return not weight.is_buffer and all(d == device for d in readers.values())
 
 
-def _op_reads(readers: dict[str, dict[str, str]], plan: Plan, device: str) -> list[list[str]]:
-    """For each op on ``device`` that reads weights, the canonical names it reads."""
+def _op_reads(readers: dict[str, dict[str, str]], order: dict[str, int], device: str) -> list[list[str]]:
+    """For each op on ``device`` that reads weights, in graph order, the canonical names it reads."""
     ops: dict[str, list[str]] = {}
     for name, by_op in readers.items():
         for op, where in by_op.items():
             if where == device:
                 ops.setdefault(op, []).append(name)
-    return list(ops.values())
+    return [ops[op] for op in sorted(ops, key=order.__getitem__)]
 
 
 def _no_fit(
     device: str, usable: int, fixed: int, movable: dict[str, int], op_reads: list[list[str]], prefetch: int
-) -> str:
-    largest = max((sum(movable[w] for w in reads) for reads in op_reads), default=0)
-    need = fixed + largest * (prefetch + 1)
-    return (
+) -> tuple[int, str]:
+    windows = [op_reads[max(0, i - prefetch) : i + 1] for i in range(len(op_reads))]
+    largest = max((sum(movable[w] for reads in run for w in reads) for run in windows), default=0)
+    need = fixed + largest
+    ops = "one of its ops reads" if prefetch == 0 else f"{prefetch + 1} of its ops in a row read"
+    return need - usable, (
         f"'{device}' holds {format_size(fixed)} that cannot be streamed (buffers, activations, weights read on "
-        f"other devices) and one of its ops reads {format_size(largest)} of weights at once, which with "
-        f"prefetch {prefetch} needs {format_size(need)} of its {format_size(usable)}; raise its budget by "
-        f"{format_size(max(0, need - usable))} or more, or lower prefetch"
+        f"other devices) and {ops} {format_size(largest)} of weights, which streamed with prefetch {prefetch} "
+        f"needs {format_size(need)} of its {format_size(usable)}; raise its budget by "
+        f"{format_size(max(0, need - usable))} or more" + (", or lower prefetch" if prefetch else "")
     )
 
 
-def _store(sizes: dict[str, int], offload: Offload, problems: list[str]) -> dict[str, str] | None:
+def _store(sizes: dict[str, int], offload: Offload, problems: list[tuple[int, str]]) -> dict[str, str] | None:
     """Streamed weight -> storage tier: host first, largest first, then disk; None if they do not fit."""
     left = offload.tiers()
     where: dict[str, str] = {}
@@ -199,13 +236,18 @@ def _store(sizes: dict[str, int], offload: Offload, problems: list[str]) -> dict
         tier = next((t for t, room in left.items() if sizes[name] <= room), None)
         if tier is None:
             total = sum(sizes.values())
+            room = sum(offload.tiers().values())
+            short = total - room if total > room else sizes[name]
             problems.append(
-                f"the weights to stream ({format_size(total)}) do not fit the offload storage "
-                f"({_storage_words(offload)}); raise the host or disk budget by "
-                f"{format_size(total - sum(offload.tiers().values()))} or more"
-                if total > sum(offload.tiers().values())
-                else f"the weights to stream ({format_size(total)}) do not pack into the offload storage "
-                f"({_storage_words(offload)}): '{name}' ({format_size(sizes[name])}) fits in none of what is left"
+                (
+                    short,
+                    f"the weights to stream ({format_size(total)}) do not fit the offload storage "
+                    f"({_storage_words(offload)}); raise the host or disk budget by "
+                    f"{format_size(total - sum(offload.tiers().values()))} or more"
+                    if total > sum(offload.tiers().values())
+                    else f"the weights to stream ({format_size(total)}) do not pack into the offload storage "
+                    f"({_storage_words(offload)}): '{name}' ({format_size(sizes[name])}) fits in none of what is left",
+                )
             )
             return None
         where[name] = tier

@@ -330,6 +330,11 @@ class Plan:
         empty = [d for d in self.devices if d not in busy]
         if not empty or self.objective != "min_transfer":
             return []
+        if self.streamed:
+            return [
+                f"empty: {', '.join(empty)}, although weights are streamed: no partition fxsplit tried placed ops "
+                "there; pin some modules to it (pins=...) to use it"
+            ]
         return [
             f"empty: {', '.join(empty)}: the model fits on the other device(s), and leaving "
             f"{'it' if len(empty) == 1 else 'them'} empty copies the fewest bytes; objective='balanced' "

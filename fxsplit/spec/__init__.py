@@ -1,7 +1,8 @@
 """Partition specs: a YAML file that says what a split should be, validated strictly.
 
 A spec names the devices and their budgets, headroom to keep free, pins, groups
-of modules that must share a device, and how to trace and plan. It is loaded
+of modules that must share a device, how to trace and plan, and where weights the
+devices cannot hold may be stored (``offload``). It is loaded
 with a safe YAML loader (a spec can never run code), and *every* problem is
 reported at once, each with its YAML path and line (a file too large, or with a
 YAML alias, is refused at once: see :mod:`fxsplit.yamlfile`)::
@@ -41,13 +42,14 @@ from fxsplit.spec.dtype import DTYPES, planning_dtype
 from fxsplit.spec.fields import spec_device
 from fxsplit.spec.load import load_spec
 from fxsplit.spec.merge import merge_spec
-from fxsplit.spec.schema import DEVICE_KEYS, SPEC_KEYS, Spec, SpecProblems
+from fxsplit.spec.schema import DEVICE_KEYS, OFFLOAD_KEYS, SPEC_KEYS, Spec, SpecProblems
 from fxsplit.yamlfile import Problem
 
 __all__ = [
     "DEVICE_KEYS",
     "DTYPES",
     "Headroom",
+    "OFFLOAD_KEYS",
     "Problem",
     "SPEC_KEYS",
     "Spec",

@@ -1,24 +1,35 @@
 """Validating a loaded spec's fields one by one, collecting every problem with its YAML path.
 
-:class:`FieldChecker` records problems; :func:`read_devices`, :func:`read_pins`
-and :func:`read_together` read the fields with structure of their own, and
+:class:`FieldChecker` records problems; :func:`read_devices`, :func:`read_pins`,
+:func:`read_together` and :func:`read_offload` read the fields with structure of their own, and
 :func:`spec_device` a device name (with a suggestion for names torch does not know).
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 from functools import partial
 from typing import Any, Callable
 
 from fxsplit.errors import SpecError
+from fxsplit.options import MAX_PREFETCH, STORAGE_TIERS, Offload
 from fxsplit.reserve import Headroom, parse_headroom
-from fxsplit.spec.schema import DEVICE_KEYS
+from fxsplit.spec.schema import DEVICE_KEYS, OFFLOAD_KEYS
 from fxsplit.units import format_size, parse_size
 from fxsplit.yamlfile import Problem, YamlPath, line_of
 from fxsplit.yamlfile import short_repr as _short
 
-__all__ = ["FieldChecker", "describe", "module_key", "read_devices", "read_pins", "read_together", "spec_device"]
+__all__ = [
+    "FieldChecker",
+    "describe",
+    "module_key",
+    "read_devices",
+    "read_offload",
+    "read_pins",
+    "read_together",
+    "spec_device",
+]
 
 
 class FieldChecker:
@@ -198,3 +209,55 @@ def read_together(check: FieldChecker, value: Any) -> tuple[tuple[str, ...], ...
         if items:
             groups.append(items)
     return tuple(groups)
+
+
+def read_offload(check: FieldChecker, value: Any, folder: str | None) -> Offload | None:
+    """``offload``: the host and disk budgets for weights the devices cannot hold, ``dir`` and ``prefetch``.
+
+    A relative ``dir`` (after ``~`` is expanded) is taken inside ``folder``,
+    the spec file's folder (None: a spec given as text or a mapping; it stays
+    as written, relative to the working directory).
+    """
+    path: YamlPath = ("offload",)
+    if isinstance(value, Offload):  # from a mapping built in Python
+        return value
+    if not isinstance(value, dict):
+        sized = isinstance(value, (str, int)) and not isinstance(value, bool) and len(str(value)) <= 20
+        hint = f"; for host memory write {{host: {value}}}" if sized else ""
+        check.problem(
+            path,
+            f"must map host, disk, dir and prefetch, like {{host: 16GiB, disk: 100GiB, dir: offload/}} "
+            f"(got {describe(value)}){hint}",
+        )
+        return None
+    before = len(check.problems)
+    check.unknown_keys(value, OFFLOAD_KEYS, path)
+    unknown = len(check.problems) > before
+    sizes: dict[str, int] = {}
+    for tier in STORAGE_TIERS:
+        if value.get(tier) is not None:
+            size = check.attempt((*path, tier), partial(parse_size, value[tier], what=f"{tier} budget"))
+            if size is not None:
+                sizes[tier] = size
+    if all(value.get(tier) is None for tier in STORAGE_TIERS) and not unknown:  # else the unknown key says it
+        check.problem(path, "needs a host or disk budget, like {host: 16GiB} or {disk: 100GiB, dir: offload/}")
+    where = value.get("dir")
+    if where is not None and (not isinstance(where, str) or not where.strip()):
+        quote = "; quote it: YAML reads yes, no, on and off as true or false" if isinstance(where, bool) else ""
+        check.problem((*path, "dir"), f"must be a directory path, as a string (got {describe(where)}){quote}")
+    elif where is None and value.get("disk") is not None:
+        check.problem((*path, "disk"), "needs dir: the directory the stored weights are written to, like dir: offload/")
+    prefetch = value.get("prefetch", 1)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= MAX_PREFETCH:
+        check.problem(
+            (*path, "prefetch"),
+            f"must be a whole number from 0 to {MAX_PREFETCH}, the ops ahead a streamed weight is copied "
+            f"(got {describe(prefetch)})",
+        )
+    if len(check.problems) > before:
+        return None
+    if where is not None:
+        where = os.path.expanduser(where)
+        where = os.path.join(folder, where) if folder else where
+    made: Offload | None = check.attempt(path, partial(Offload, **sizes, dir=where, prefetch=prefetch))
+    return made

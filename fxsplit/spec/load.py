@@ -11,7 +11,7 @@ from fxsplit.errors import SpecError
 from fxsplit.options import DYNAMIC_SHAPES, MODES, OBJECTIVES, OPTIMIZERS, TRACE_MODES, PipelineConfig
 from fxsplit.reserve import parse_headroom
 from fxsplit.spec.dtype import DTYPES
-from fxsplit.spec.fields import FieldChecker, read_devices, read_pins, read_together, spec_device
+from fxsplit.spec.fields import FieldChecker, read_devices, read_offload, read_pins, read_together, spec_device
 from fxsplit.spec.schema import SPEC_KEYS, Spec, SpecProblems
 from fxsplit.yamlfile import MAX_SPEC_BYTES, Problem, YamlPath, YamlProblems, format_path, load_yaml, read_limited
 from fxsplit.yamlfile import short_repr as _short
@@ -25,7 +25,8 @@ def load_spec(source: str | os.PathLike[str] | Mapping[str, Any] | Spec) -> Spec
     A string is a path when it names an existing file or ends in ``.yaml`` /
     ``.yml`` without a newline; otherwise it is YAML text. A spec may hold
     at most 1 MiB (a larger file is refused before it is read) and no YAML
-    aliases (``*name``); see :mod:`fxsplit.yamlfile`.
+    aliases (``*name``); see :mod:`fxsplit.yamlfile`. A relative ``offload``
+    ``dir`` in a spec file is relative to the file's folder.
 
     Raises:
         SpecProblems: (a :class:`SpecError`, so also a ``ValueError``) listing
@@ -35,28 +36,36 @@ def load_spec(source: str | os.PathLike[str] | Mapping[str, Any] | Spec) -> Spec
         return source
     if isinstance(source, Mapping):
         return _validate(dict(source), "<spec>", {})
-    text, name = _read(source)
+    text, name, folder = _read(source)
     try:
         data, lines, problems = load_yaml(text, "spec", name)
     except YamlProblems as error:
         raise SpecProblems(name, list(error.problems)) from None
-    return _validate(data, name, lines, problems)
+    return _validate(data, name, lines, problems, folder)
 
 
-def _read(source: str | os.PathLike[str]) -> tuple[str, str]:
+def _read(source: str | os.PathLike[str]) -> tuple[str, str, str | None]:
+    """The text, the name for messages, and the file's folder (``""``: the working directory; None: YAML text)."""
     looks_like_path = (
         isinstance(source, str)
         and "\n" not in source
         and (source.endswith((".yaml", ".yml")) or os.path.isfile(source))
     )
     if isinstance(source, os.PathLike) or looks_like_path:
-        return read_limited(source, "spec", MAX_SPEC_BYTES), str(Path(source))
+        name = str(Path(source))
+        return read_limited(source, "spec", MAX_SPEC_BYTES), name, os.path.dirname(name)
     if not isinstance(source, str):
         raise SpecError(f"a spec must be a file path, YAML text or a mapping (got {type(source).__name__})")
-    return source, "<spec>"
+    return source, "<spec>", None
 
 
-def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list[Problem] | None = None) -> Spec:
+def _validate(
+    data: Any,
+    source: str,
+    lines: dict[YamlPath, int],
+    problems: list[Problem] | None = None,
+    folder: str | None = None,
+) -> Spec:
     check = FieldChecker(lines, list(problems or []))
     if not isinstance(data, dict):
         what = "empty" if data is None else f"a {type(data).__name__}"
@@ -106,6 +115,7 @@ def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list
     dynamic = None
     if "dynamic_shapes" in data:
         dynamic = check.choice(data["dynamic_shapes"], DYNAMIC_SHAPES, ("dynamic_shapes",))
+    offload = read_offload(check, data["offload"], folder) if "offload" in data else None
     output = None
     if "output_device" in data:
         output = check.attempt(("output_device",), lambda: spec_device(data["output_device"]))
@@ -127,6 +137,7 @@ def _validate(data: Any, source: str, lines: dict[YamlPath, int], problems: list
         mode=mode,
         optimizer=optimizer,
         dynamic_shapes=dynamic,
+        offload=offload,
         source=source,
         lines=dict(lines),
     )

@@ -14,7 +14,10 @@ def merge_spec(spec: Spec, budgets: Any, options: Mapping[str, Any]) -> tuple[An
     """Budgets and options from ``spec``, overridden by what the caller passed explicitly.
 
     Explicit ``budgets`` replace the spec's devices (their reserves apply to
-    devices of the same name); an explicit ``reserve`` replaces the spec's.
+    devices of the same name); an explicit ``reserve`` replaces the spec's. Every
+    other option replaces the spec's field whole: ``offload={"host": "8GiB"}``
+    drops the spec's disk, ``offload=None`` turns offload off (the command line
+    merges its offload flags into the spec's field by field instead).
     """
     merged = {**spec.options(), **options}
     chosen = budgets if budgets is not None else (dict(spec.devices) or None)

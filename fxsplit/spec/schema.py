@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fxsplit.options import PipelineConfig
+from fxsplit.options import Offload, PipelineConfig
 from fxsplit.reserve import Headroom
 from fxsplit.yamlfile import YamlPath, YamlProblems, format_path
 
-__all__ = ["DEVICE_KEYS", "SPEC_KEYS", "Spec", "SpecProblems"]
+__all__ = ["DEVICE_KEYS", "OFFLOAD_KEYS", "SPEC_KEYS", "Spec", "SpecProblems"]
 
 SPEC_KEYS = (
     "devices",
@@ -26,8 +26,10 @@ SPEC_KEYS = (
     "mode",
     "optimizer",
     "dynamic_shapes",
+    "offload",
 )
 DEVICE_KEYS = ("budget", "reserve")
+OFFLOAD_KEYS = tuple(Offload.__dataclass_fields__)  # host, disk, dir, prefetch
 
 
 class SpecProblems(YamlProblems):
@@ -54,6 +56,8 @@ class Spec:
         mode: what the budgets must hold: ``"inference"``, ``"training"`` or ``"weights"``.
         optimizer: optimizer state counted in training (``"adam"``, ``"sgd"``, ... or bytes per parameter).
         dynamic_shapes: input sizes a torch.export split keeps variable: ``"batch"`` or ``"all"``.
+        offload: where weights the devices cannot hold are stored (``{host: 16GiB, disk: 100GiB,
+            dir: offload/}``), or None. A relative ``dir`` in a spec file is relative to the file's folder.
         source: the file name, for messages.
         lines: YAML path -> line number, for messages that come later.
     """
@@ -73,6 +77,7 @@ class Spec:
     mode: str | None = None
     optimizer: str | int | None = None
     dynamic_shapes: str | None = None
+    offload: Offload | None = None
     source: str = "<spec>"
     lines: dict[YamlPath, int] = field(default_factory=dict, compare=False, repr=False)
 
