@@ -9,13 +9,14 @@ in a fresh subprocess:
   checkpoint=dir)`` over 4 logical devices ``cpu:0..cpu:3`` (4 blocks each);
 * ``accelerate``: the model built under ``init_empty_weights()``,
   ``load_checkpoint_and_dispatch(model, dir, device_map={"": "cpu"})``;
-* ``fxsplit-offload``: as ``fxsplit``, with budgets that hold about half the
-  checkpoint (each device: an eighth of it plus its two streaming buffers,
-  prefetch 1) and ``offload={"disk": <checkpoint size>, "dir": ...}``: the
-  weights the devices cannot hold are stored on disk (for a safetensors
-  checkpoint in the planned dtype: views of the checkpoint's own mapped file);
+* ``fxsplit-offload``: as ``fxsplit``, with budgets that add up to half the
+  checkpoint (an eighth each) and ``offload={"disk": <checkpoint size>, "dir":
+  ...}``: each device keeps resident what fits beside its streaming buffers, and
+  the rest is stored on disk (for a safetensors checkpoint in the planned
+  dtype: views of the checkpoint's own mapped file);
 * ``accelerate-offload``: ``load_checkpoint_and_dispatch(model, dir,
-  device_map=<first 8 blocks "cpu", last 8 "disk">, offload_folder=...)``.
+  device_map=<first 8 blocks "cpu", last 8 "disk">, offload_folder=...)``: half
+  the checkpoint in memory, as ``max_memory={"cpu": <half>}`` would map it.
 
 Each child samples ``RssAnon`` of ``/proc/self/status`` (anonymous memory:
 what the process allocated, not the page cache its memory maps read) every
@@ -67,10 +68,11 @@ WHAT = (
     "`fxsplit.fxsplit(model, budgets, trace='fx', mode='weights', checkpoint=dir)` over cpu:0..cpu:3 (4 blocks "
     "each; the time includes tracing and planning); *accelerate* builds it under `init_empty_weights()` and calls "
     "`load_checkpoint_and_dispatch(model, dir, device_map={'': 'cpu'})`. With offload: *fxsplit-offload* gives "
-    "the 4 devices budgets that hold about half the checkpoint (each: an eighth of it plus two streaming buffers "
-    "of the largest tensor, as prefetch 1 needs) and `offload={'disk': <checkpoint size>, 'dir': ...}`; "
-    "*accelerate-offload* calls `load_checkpoint_and_dispatch(model, dir, device_map=<blocks 0-7: 'cpu', 8-15: "
-    "'disk'>, offload_folder=...)`. *resident / on disk*: weights kept in memory (devices and host) and stored on "
+    "the 4 devices budgets that add up to half the checkpoint (an eighth each) and `offload={'disk': <checkpoint "
+    "size>, 'dir': ...}`: each device keeps resident what fits beside its streaming buffers, the rest is stored on "
+    "disk; *accelerate-offload* calls `load_checkpoint_and_dispatch(model, dir, device_map=<blocks 0-7: 'cpu', "
+    "8-15: 'disk'>, offload_folder=...)` (half the checkpoint in memory). "
+    "*resident / on disk*: weights kept in memory (devices and host) and stored on "
     "disk. *peak RssAnon* is the process's anonymous memory (torch included), sampled every millisecond during "
     "the call; *before load* is it just before. Every tool's loaded weights are checked against the checkpoint's "
     "checksum, and each runs one forward on the same input (*output agrees*: its sum equals the first tool's to "
@@ -171,9 +173,9 @@ class PeakSampler:
 
 
 def offload_budget(checkpoint: dict[str, Any]) -> int:
-    """Each device's budget for ``fxsplit-offload``: an eighth of the checkpoint (the 4 devices keep about half
-    of it) plus two streaming buffers of its largest op's weights (prefetch 1), with a little slack."""
-    return math.ceil(checkpoint["model_bytes"] / (2 * len(DEVICES)) + 2.1 * checkpoint["largest"])
+    """Each device's budget for ``fxsplit-offload``: an eighth of the checkpoint, so that the 4 budgets add up to
+    half of it (with 2% slack); fxsplit keeps resident what fits beside its streaming buffers."""
+    return math.ceil(checkpoint["model_bytes"] / (2 * len(DEVICES)) * 1.02)
 
 
 def _hooked_tensors(model: nn.Module) -> list[torch.Tensor]:
