@@ -422,6 +422,12 @@ def _median(values: Sequence[float]) -> float:
 # ---------------------------------------------------------------- bars and headlines
 
 
+def _size(nbytes: int) -> str:
+    from fxsplit.units import format_size
+
+    return format_size(int(nbytes))
+
+
 def case_label(row: dict[str, Any]) -> str:
     return f"{row['model']}/{round(100 * row['fraction'])}%"
 
@@ -437,12 +443,12 @@ def offload_bars(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     unplaced = [f"{case_label(r)}: {r['fxsplit']['error'][-160:]}" for r in compared if not r["fxsplit"]["placed"]]
     both = [r for r in compared if r["fxsplit"]["placed"] and "stream_bytes" in r["accelerate"]]
     more = [
-        f"{case_label(r)}: {r['fxsplit']['stream_bytes']} > {r['accelerate']['stream_bytes']}"
+        f"{case_label(r)}: {_size(r['fxsplit']['stream_bytes'])} > {_size(r['accelerate']['stream_bytes'])}"
         for r in both
         if r["fxsplit"]["stream_bytes"] > r["accelerate"]["stream_bytes"]
     ]
     measured_differs = [
-        f"{case_label(r)}: plan {r['fxsplit']['stream_bytes']}, forward {r['fxsplit'].get('stream_bytes_measured')}"
+        f"{case_label(r)}: plan {r['fxsplit']['stream_bytes']} B, forward {r['fxsplit'].get('stream_bytes_measured')} B"
         for r in both
         if r["fxsplit"].get("stream_bytes_measured") != r["fxsplit"]["stream_bytes"]
     ]
@@ -460,7 +466,7 @@ def offload_bars(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     ]
     acc_wrong = [f"{case_label(r)}" for r in rows if r.get("outputs_match", {}).get("accelerate") is False]
     between = [
-        f"{case_label(r)}: {r['fxsplit']['transfer_bytes']} > {r['accelerate']['bytes_between']}"
+        f"{case_label(r)}: {_size(r['fxsplit']['transfer_bytes'])} > {_size(r['accelerate']['bytes_between'])}"
         for r in both
         if r["fxsplit"]["transfer_bytes"] > r["accelerate"].get("bytes_between", 0)
     ]
@@ -468,7 +474,8 @@ def offload_bars(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     inference = [r for r in compared if not r["record"]["inference_mode"]["placed"]]
     prefetch0 = [r for r in compared if not r["record"]["prefetch_0"]["placed"]]
     p0_more = [
-        f"{case_label(r)}: {r['record']['prefetch_0']['stream_bytes']} > {r['accelerate']['stream_bytes']}"
+        f"{case_label(r)}: {_size(r['record']['prefetch_0']['stream_bytes'])} > "
+        f"{_size(r['accelerate']['stream_bytes'])}"
         for r in compared
         if r["record"]["prefetch_0"]["placed"]
         and "stream_bytes" in r["accelerate"]
@@ -698,12 +705,13 @@ def record_table(rows: list[dict[str, Any]]) -> str:
     return _table(header, lines)
 
 
-def headline_lines(offload: dict[str, Any]) -> list[str]:
-    """Headline bullets (also used by RESULTS.md)."""
+def headline_lines(offload: dict[str, Any], *, link: bool = False) -> list[str]:
+    """Headline bullets; ``link``: name OFFLOAD_RESULTS.md (in RESULTS.md)."""
     h = offload["headlines"]
     line = (
-        f"- Offload ([OFFLOAD_RESULTS.md]({RESULTS_MD})): Accelerate offloaded weights in {h['accelerate_offloads']} "
-        f"of {h['cases']} cases; fxsplit placed {h['fxsplit_placed']} of them with the same budgets."
+        "- Offload" + (f" ([{RESULTS_MD}]({RESULTS_MD}))" if link else "") + ": Accelerate offloaded weights in "
+        f"{h['accelerate_offloads']} of {h['cases']} cases; fxsplit placed {h['fxsplit_placed']} of them with the "
+        "same budgets."
     )
     if h["stream_ratio"]:
         s = h["stream_ratio"]
@@ -723,6 +731,7 @@ def headline_lines(offload: dict[str, Any]) -> list[str]:
 def markdown(offload: dict[str, Any], context: dict[str, Any]) -> str:
     """OFFLOAD_RESULTS.md: how it was run, the machine, the bars and the tables."""
     from benchmarks.report import _at_commit, _bars_md
+    from benchmarks.run import _caveat
 
     m = context["machine"]
     parts = [
@@ -732,7 +741,8 @@ def markdown(offload: dict[str, Any], context: dict[str, Any]) -> str:
         "Numbers: medians; ratios measured side by side in the same process.",
         _table(["machine", ""], [[k, v] for k, v in m.items()]),
         f"1-minute load average at the start and the end: "
-        f"{', '.join(f'{x:.2f}' for x in context['load_samples'])} ({m['cores']} cores).",
+        f"{', '.join(f'{x:.2f}' for x in context['load_samples'])} ({m['cores']} cores). "
+        + _caveat(context["load_samples"], m["torch_threads"], m["cores"] or 1),
         "## Headlines\n\n" + "\n".join(headline_lines(offload)),
         "## Bars\n\n" + _bars_md(offload["bars"]),
         "## Cases\n\n" + NOTE + "\n\n" + results_table(offload["rows"]),

@@ -457,7 +457,7 @@ def _headlines_md(results: dict[str, Any]) -> str:
     if results.get("offload"):
         from benchmarks.offload import headline_lines
 
-        lines += headline_lines(results["offload"])
+        lines += headline_lines(results["offload"], link=True)
     return "\n".join(lines)
 
 
