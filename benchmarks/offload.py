@@ -49,6 +49,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -61,6 +62,8 @@ if str(ROOT) not in sys.path:  # run as a script
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+
+from fxsplit.errors import FxsplitWarning  # noqa: E402
 
 __all__ = [
     "DEVICE_FRACTIONS",
@@ -279,11 +282,23 @@ def _fxsplit(
     import fxsplit
     from fxsplit.errors import BudgetError
 
-    try:
-        split = fxsplit.fxsplit(case.build(), budgets, example_inputs=case.inputs(), offload=offload, **options)
-    except BudgetError as error:
-        return {"placed": False, "error": str(error)}, None
-    return {"placed": True, **_plan_numbers(split.meta["fxsplit_plan"])}, split
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FxsplitWarning)
+        try:
+            split = fxsplit.fxsplit(case.build(), budgets, example_inputs=case.inputs(), offload=offload, **options)
+        except BudgetError as error:
+            return {"placed": False, "error": str(error)}, None
+    said = _offload_warnings(caught)
+    return {"placed": True, **_plan_numbers(split.meta["fxsplit_plan"]), "warnings": said}, split
+
+
+def _offload_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    """fxsplit's offload warnings (a lowered prefetch); any other warning is shown as usual."""
+    mine = [str(w.message) for w in caught if issubclass(w.category, FxsplitWarning) and "offload" in str(w.message)]
+    for w in caught:
+        if not (issubclass(w.category, FxsplitWarning) and "offload" in str(w.message)):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return mine
 
 
 def _plan_numbers(plan: Any) -> dict[str, Any]:
@@ -295,6 +310,7 @@ def _plan_numbers(plan: Any) -> dict[str, Any]:
         "disk_bytes": plan.stored_bytes.get("disk", 0),
         "streaming_buffer": [plan.memory.get(d, {}).get("streaming", 0) for d in plan.devices],
         "streamed_weights": len({c.producer for c in plan.cuts if c.kind == "stream"}),
+        "prefetch": plan.offload.get("prefetch"),
     }
 
 
@@ -305,11 +321,19 @@ def _plan_only(
     import fxsplit
     from fxsplit.errors import BudgetError
 
-    try:
-        plan = fxsplit.plan(model, budgets, example_inputs=case.inputs(), offload=offload, **options)
-    except BudgetError as error:
-        return {"placed": False, "error": str(error)}
-    return {"placed": True, "stream_bytes": plan.stream_bytes, "transfer_bytes": plan.transfer_bytes}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FxsplitWarning)
+        try:
+            plan = fxsplit.plan(model, budgets, example_inputs=case.inputs(), offload=offload, **options)
+        except BudgetError as error:
+            return {"placed": False, "error": str(error)}
+    return {
+        "placed": True,
+        "stream_bytes": plan.stream_bytes,
+        "transfer_bytes": plan.transfer_bytes,
+        "prefetch": plan.offload.get("prefetch"),
+        "warnings": _offload_warnings(caught),
+    }
 
 
 def _between_bytes(
@@ -612,6 +636,11 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
+def _lowered(numbers: dict[str, Any]) -> str:
+    """' (prefetch lowered to N)' where fxsplit warned that it lowered the prefetch asked for."""
+    return f" (prefetch lowered to {numbers['prefetch']})" if numbers.get("warnings") else ""
+
+
 def _where(numbers: dict[str, Any]) -> str:
     devices = " + ".join(_mib(b) for b in numbers["device_bytes"])
     return f"{devices} / {_mib(numbers['host_bytes'])} / {_mib(numbers['disk_bytes'])}"
@@ -644,7 +673,7 @@ def results_table(rows: list[dict[str, Any]]) -> str:
                 acc_where,
                 fx_where,
                 _mib(acc.get("stream_bytes")),
-                _mib(fx.get("stream_bytes")),
+                _mib(fx.get("stream_bytes")) + (_lowered(fx) if fx["placed"] else ""),
                 streamed,
                 f"{_mib(acc.get('bytes_between'))} / {_mib(fx.get('transfer_bytes'))}",
                 f"{ms['eager']:.2f}" if "eager" in ms else "-",
@@ -682,7 +711,7 @@ def record_table(rows: list[dict[str, Any]]) -> str:
         rec, ms, ratio = r["record"], r.get("median_ms", {}), r.get("ratio_to_accelerate", {})
 
         def cell(p: dict[str, Any]) -> str:
-            return f"{_mib(p['stream_bytes'])} MiB" if p["placed"] else "not placed"
+            return f"{_mib(p['stream_bytes'])} MiB{_lowered(p)}" if p["placed"] else "not placed"
 
         lines.append(
             [
