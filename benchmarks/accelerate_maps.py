@@ -22,6 +22,10 @@ Three ways of calling it:
   (``transformers.integrations.accelerate._get_device_map``: balanced
   ``max_memory`` then transformers' copy of ``infer_auto_device_map``).
 
+With offload (:func:`offload_map`, used by :mod:`benchmarks.offload`), ``max_memory``
+also names ``"cpu"``: host memory for offloaded weights; what fits neither goes
+to ``"disk"``.
+
 To run a device map, :func:`dispatch` calls ``dispatch_model`` with each int
 ``k`` replaced by ``"cpu:k"`` and ``main_device="cpu:0"`` (left unset,
 Accelerate picks an arbitrary element of a set). One shim is needed
@@ -31,9 +35,12 @@ leaves a weight already on the device alone, but on logical devices
 ``tensor.to("cpu:k")`` always copies and ``torch.device("cpu:k") !=
 tensor.device`` (``cpu``), so it turns the parameter into a plain tensor copy
 and fails at the next hook that touches it (and on tied weights). While
-dispatching (and while running offloaded layers), the shim hands that
-function ``"cpu"`` instead of ``"cpu:k"``, where it acts as it would on a GPU
-that already holds the weight. The hooks themselves are unchanged: on every
+dispatching (and while running offloaded layers: a forward of a model with
+offloaded modules must run inside :func:`logical_cpu_devices`), the shim hands
+that function ``"cpu"`` instead of ``"cpu:k"``, where it acts as it would on a
+GPU that already holds the weight; so a weight offloaded to ``"cpu"`` is used
+in place where a GPU would copy it (one read from ``"disk"`` is still read
+into new memory). The hooks themselves are unchanged: on every
 call they send the module's inputs with ``tensor.to("cpu:k")``, which on
 logical devices always copies (on a GPU it is a no-op when the tensor is
 already there); :mod:`benchmarks.runtime_overhead` reports a hooks-only
@@ -48,7 +55,16 @@ from typing import Any, Callable, Iterator, Sequence
 
 from torch import nn
 
-__all__ = ["VARIANTS", "accelerate_map", "dispatch", "hf_auto_map", "logical_cpu_devices", "plain_map", "variants_for"]
+__all__ = [
+    "VARIANTS",
+    "accelerate_map",
+    "dispatch",
+    "hf_auto_map",
+    "logical_cpu_devices",
+    "offload_map",
+    "plain_map",
+    "variants_for",
+]
 
 
 def _quiet() -> None:
@@ -87,6 +103,16 @@ def hf_auto_map(model: nn.Module, budgets: Sequence[int], block_classes: Sequenc
     return dict(_get_device_map(model, "auto", _max_memory(budgets), None))  # type: ignore[arg-type]
 
 
+def offload_map(model: nn.Module, budgets: Sequence[int], host: int, block_classes: Sequence[str]) -> dict[str, Any]:
+    """The documented call with offload: ``max_memory`` names the devices and ``"cpu"`` (``host`` bytes for
+    weights offloaded to host memory); what fits neither goes to ``"disk"``, which has no budget."""
+    from accelerate import infer_auto_device_map
+
+    _quiet()
+    memory: dict[int | str, int | str] = {**_max_memory(budgets), "cpu": int(host)}
+    return dict(infer_auto_device_map(model, max_memory=memory, no_split_module_classes=list(block_classes)))
+
+
 VARIANTS: dict[str, Callable[[nn.Module, Sequence[int], Sequence[str]], dict[str, Any]]] = {
     "accelerate": accelerate_map,
     "accelerate-plain": plain_map,
@@ -100,15 +126,24 @@ def variants_for(family: str) -> list[str]:
 
 
 def dispatch(
-    model: nn.Module, device_map: dict[str, Any], *, offload_dir: str | None = None, force_hooks: bool = False
+    model: nn.Module,
+    device_map: dict[str, Any],
+    *,
+    offload_dir: str | None = None,
+    force_hooks: bool = False,
+    main_device: str | None = None,
 ) -> nn.Module:
-    """``dispatch_model`` on logical CPU devices: int ``k`` becomes ``"cpu:k"``; modifies ``model``."""
+    """``dispatch_model`` on logical CPU devices: int ``k`` becomes ``"cpu:k"``; modifies ``model``.
+
+    ``main_device``: where modules mapped to ``"cpu"``/``"disk"`` run (default: ``"cpu:0"`` if the map
+    uses it, else the first device in the map, as ``dispatch_model`` picks).
+    """
     from accelerate import dispatch_model
 
     _quiet()
     named = {k: (f"cpu:{v}" if isinstance(v, int) else v) for k, v in device_map.items()}
     main = next((v for v in named.values() if v not in ("cpu", "disk")), "cpu")
-    main = "cpu:0" if any(v == "cpu:0" for v in named.values()) else main
+    main = main_device or ("cpu:0" if any(v == "cpu:0" for v in named.values()) else main)
     with logical_cpu_devices():
         return dispatch_model(model, named, main_device=main, offload_dir=offload_dir, force_hooks=force_hooks)
 

@@ -454,6 +454,10 @@ def _headlines_md(results: dict[str, Any]) -> str:
                 f"Accelerate {q['accelerate']:.2f}x (hooks alone {q['accelerate-hooks']:.2f}x); "
                 f"A/A control {q['hand-again']:.3f}x."
             )
+    if results.get("offload"):
+        from benchmarks.offload import headline_lines
+
+        lines += headline_lines(results["offload"], link=True)
     return "\n".join(lines)
 
 
@@ -517,6 +521,16 @@ def write_report(results: dict[str, Any], out: Path) -> list[Path]:
             + "\n\n"
             + _runtime_md(results["runtime"])
             + f"\n\n![runtime]({path.name})"
+        )
+    if results.get("offload"):
+        from benchmarks.offload import NOTE, RESULTS_MD, results_table
+
+        md.append(
+            "## 4. Offload\n\n"
+            + f"The whole report, with what fxsplit plans under other options: [{RESULTS_MD}]({RESULTS_MD}).\n\n"
+            + NOTE
+            + "\n\n"
+            + results_table(results["offload"]["rows"])
         )
     results_md = out / "RESULTS.md"
     results_md.write_text("\n\n".join(md) + "\n")

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` and this checkout's `fxsplit` importable
     sys.path.insert(0, str(ROOT))
 
-PARTS = ("quality", "planning", "runtime")
+PARTS = ("quality", "planning", "runtime", "offload")
 EXIT_BARS_PASS, EXIT_BAR_FAILED = 0, 1
 
 
@@ -31,7 +31,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes (a few minutes)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks", help="where RESULTS.md etc. go")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
-    parser.add_argument("--models", default="", help="comma-separated model names (default: all)")
+    parser.add_argument(
+        "--models",
+        default="",
+        help="comma-separated model names (default: all); the offload part runs those of its models named",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument(
         "--llama-layers",
@@ -93,12 +97,16 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, parts: list[str]) -> int:
     from benchmarks.measure import git_commit, load_average, machine, time_call
     from benchmarks.models import CASES, case_by_name
+    from benchmarks.offload import DEVICE_FRACTIONS, OFFLOAD_CASES, run_offload, write_results
     from benchmarks.planning_speed import run_planning
     from benchmarks.quality import run_quality
     from benchmarks.report import write_report
     from benchmarks.runtime_overhead import RUNTIME_MODELS, run_runtime
 
-    cases = [case_by_name(n) for n in args.models.split(",") if n] if args.models else list(CASES)
+    named = [n for n in args.models.split(",") if n]
+    offload_names = [c.name for c in OFFLOAD_CASES if (c.name in named if named else c.default)]
+    cases = [case_by_name(n) for n in named if n not in offload_names or n in {c.name for c in CASES}]
+    cases = cases if named else list(CASES)
     layers = args.llama_layers if args.llama_layers is not None else (8 if args.quick else 80)
     started, load_start, clock = datetime.now(timezone.utc), load_average(), time.perf_counter()
     results: dict[str, Any] = {
@@ -107,6 +115,7 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
             "threads": args.threads,
             "parts": parts,
             "models": [c.name for c in cases],
+            "offload_models": offload_names if "offload" in parts else [],
             "llama_layers": layers,
             "command": " ".join(["python benchmarks/run.py", *args.argv]),
         },
@@ -129,19 +138,32 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
         print("[fxsplit-bench] runtime overhead ...", flush=True)
         models = [c.name for c in cases if c.name in RUNTIME_MODELS]
         durations["runtime"], results["runtime"] = time_call(lambda: run_runtime(models, quick=args.quick))
+        samples.append(load_average()[0])
+    if "offload" in parts and offload_names:
+        print("[fxsplit-bench] offload ...", flush=True)
+        durations["offload"], results["offload"] = time_call(
+            lambda: run_offload(offload_names, DEVICE_FRACTIONS, quick=args.quick)
+        )
+    elif "offload" in parts:
+        known = ", ".join(c.name for c in OFFLOAD_CASES)
+        print(f"[fxsplit-bench] offload: skipped, none of --models is one of its models ({known})", flush=True)
     load_end = load_average()
     samples.append(load_end[0])
     results["load"] = {"start": list(load_start), "end": list(load_end), "samples_1min": samples}
     results["load_caveat"] = _caveat(samples, args.threads, results["machine"]["cores"] or 1)
     results["duration_s"] = time.perf_counter() - clock
     results["part_durations_s"] = durations
-    results["bars"] = {
-        name: bar
-        for part in ("quality", "planning", "runtime")
-        if results.get(part)
-        for name, bar in results[part]["bars"].items()
-    }
+    results["bars"] = {name: bar for part in PARTS if results.get(part) for name, bar in results[part]["bars"].items()}
     written = write_report(results, args.out)
+    if results.get("offload"):
+        context = {
+            **{k: results[k] for k in ("machine", "commit", "started")},
+            "command": results["settings"]["command"] + " (its offload part)",
+            "quick": args.quick,
+            "duration_s": durations["offload"],
+            "load_samples": samples[-2:],
+        }
+        written += write_results(results["offload"], context, args.out)
     lines, failed = verdicts(results["bars"])
     print("\n".join(lines))
     print("[fxsplit-bench] wrote " + ", ".join(str(p) for p in written))

@@ -92,3 +92,35 @@ def test_the_measured_commit_is_recorded() -> None:
         == "at commit `abc` with uncommitted changes to fxsplit/ or benchmarks/ "
     )
     assert _at_commit({"commit": "abc", "dirty": False}) == "at commit `abc` "
+
+
+@pytest.mark.slow  # one tiny case of the offload benchmark: ~8 s
+def test_offload_benchmark_on_a_tiny_model_writes_its_results(tmp_path: Path) -> None:
+    from benchmarks import offload
+
+    code = offload.main(["--models", "mlp-tiny", "--fractions", "0.5", "--quick", "--out", str(tmp_path)])
+
+    results = json.loads((tmp_path / offload.RESULTS_JSON).read_text())
+    assert results["machine"]["torch_threads"] == 1 and results["quick"] is True
+    [row] = results["offload"]["rows"]
+    assert (row["model"], row["fraction"], row["n_devices"]) == ("mlp-tiny", 0.5, 2)
+    assert row["device_budget"] == int(0.5 * row["total_bytes"] / 2)
+    acc, fx = row["accelerate"], row["fxsplit"]
+    assert acc["placed"] and acc["offloads"] and fx["placed"]
+    # both tools really stream: Accelerate's hooks as its map says, fxsplit's generated code as its plan says
+    assert acc["stream_bytes"] == acc["host_bytes"] + acc["disk_bytes"] == acc["stream_bytes_scored"] > 0
+    assert fx["stream_bytes_measured"] == fx["stream_bytes"] > 0
+    assert sum(fx["device_bytes"]) + fx["host_bytes"] + fx["disk_bytes"] == row["total_bytes"]
+    assert row["outputs_match"] == {name: True for name in row["median_ms"]}
+    assert {"eager", "accelerate", "fxsplit", "fxsplit-again", "fxsplit-fx"} == set(row["median_ms"])
+    assert row["ratio_to_accelerate"]["accelerate"] == 1.0 and row["aa_ratio"] > 0
+    assert {"inference_mode", "prefetch_0"} == set(row["record"])
+    assert fx["prefetch"] in (0, 1) and isinstance(fx["warnings"], list)  # 1 asked; lowered with a warning
+    bars = results["offload"]["bars"]
+    assert all("pass" in bar for bar in bars.values())
+    assert bars["offload: fxsplit places every case Accelerate places with offload"]["pass"]
+    assert bars["offload: fxsplit's outputs equal the unsplit model's"]["pass"]
+    assert code == run.exit_code(bars)  # the bytes and timing bars may fail: the exit code says so
+    text = (tmp_path / offload.RESULTS_MD).read_text()
+    for heading in ("## Headlines", "## Bars", "## Cases", "## For the record"):
+        assert heading in text

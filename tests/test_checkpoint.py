@@ -293,6 +293,20 @@ def test_benchmark_small_checkpoint_meets_the_memory_bar(tmp_path: Path) -> None
     assert "fxsplit" in out.getvalue()
 
 
+@pytest.mark.slow  # the benchmark in a subprocess: ~10 s
+def test_benchmark_small_checkpoint_offloaded_to_disk_keeps_only_the_resident_part(tmp_path: Path) -> None:
+    from benchmarks import checkpoint_load as bench
+
+    checkpoint = bench.write_checkpoint(tmp_path, 64 * 2**20)
+    result = bench.measure_fxsplit(checkpoint, offload=True)
+    assert result["disk_bytes"] > 0 and result["resident_bytes"] + result["disk_bytes"] == result["model_bytes"]
+    assert result["peak_anon"] <= result["bar"] == result["resident_bytes"] + result["largest"] + bench.MARGIN
+    # what loading added: the resident weights once and one tensor in flight, the disk ones not at all
+    grew = result["peak_anon"] - result["baseline_anon"]
+    assert grew <= result["resident_bytes"] + result["largest"] + 32 * 2**20, result
+    assert bench.passes(result) is True
+
+
 def test_load_checkpoint_into_a_pipeline(tmp_path: Path) -> None:
     reference = saved(two_layers, tmp_path / "model.safetensors")
     pipeline = fxsplit.fxsplit(
