@@ -64,7 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     offload.add_argument("--offload-disk", metavar="SIZE", help="disk space for them, in --offload-dir, e.g. 100GiB")
     offload.add_argument("--offload-dir", metavar="DIR", help="the directory of the disk's safetensors file")
     offload.add_argument(
-        "--prefetch", type=int, metavar="N", help=f"copy a streamed weight N ops ahead (0 to {MAX_PREFETCH}; default 1)"
+        "--prefetch",
+        type=int,
+        metavar="N",
+        help=f"copy a streamed weight N ops ahead (0 to {MAX_PREFETCH}; default 1 on CUDA devices, else 0)",
     )
 
     parser = argparse.ArgumentParser(
@@ -164,7 +167,7 @@ def _offload(flags: dict[str, Any], spec: Any) -> Any:
         raise SpecError("--offload-dir and --prefetch need --offload-host or --offload-disk, or a spec with offload:")
     if "disk" in fields and "dir" not in fields:
         raise SpecError("--offload-disk needs --offload-dir DIR, the directory the stored weights are written to")
-    if not 0 <= fields.get("prefetch", 1) <= MAX_PREFETCH:
+    if not 0 <= (fields.get("prefetch") or 0) <= MAX_PREFETCH:
         raise SpecError(f"--prefetch must be from 0 to {MAX_PREFETCH} ops ahead (got {fields['prefetch']})")
     return Offload(**fields)
 

@@ -224,9 +224,13 @@ class Offload:
         disk: bytes of disk space for stored weights; None: none.
         dir: the directory that holds the weights stored on disk (one
             safetensors file, memory-mapped); needed with ``disk``.
-        prefetch: how many ops ahead a streamed weight is copied (0: right
-            before its op). Each device is charged ``prefetch + 1`` times its
-            largest streamed op's weights for the copies in flight.
+        prefetch: how many weight-reading ops ahead a streamed weight starts
+            its copy (0: right before its op); None (the default): 1 when a
+            device of the plan is a CUDA device, whose side stream overlaps
+            the copy with the ops in between, else 0 (elsewhere a copy runs
+            in line, and a second buffer would only hold fewer weights
+            resident). Each device is charged the streamed weights of its
+            largest window of ``prefetch + 1`` consecutive weight-reading ops.
 
     >>> Offload.coerce({"host": "1GiB", "disk": "4GiB", "dir": "offload/"}).tiers()
     {'host': 1073741824, 'disk': 4294967296}
@@ -235,7 +239,7 @@ class Offload:
     host: int | None = None
     disk: int | None = None
     dir: str | None = None
-    prefetch: int = 1
+    prefetch: int | None = None
 
     def __post_init__(self) -> None:
         for tier in STORAGE_TIERS:
@@ -248,7 +252,7 @@ class Offload:
             raise SpecError("offload 'disk' needs 'dir', the directory the stored weights are written to")
         if self.dir is not None and not isinstance(self.dir, str):
             object.__setattr__(self, "dir", str(self.dir))
-        if (
+        if self.prefetch is not None and (
             isinstance(self.prefetch, bool)
             or not isinstance(self.prefetch, int)
             or not 0 <= self.prefetch <= MAX_PREFETCH
@@ -275,7 +279,14 @@ class Offload:
 
         sizes = {t: parse_size(value[t], what=f"offload {t}") for t in STORAGE_TIERS if value.get(t) is not None}
         dir_ = value.get("dir")
-        return cls(**sizes, dir=None if dir_ is None else str(dir_), prefetch=value.get("prefetch", 1))
+        return cls(**sizes, dir=None if dir_ is None else str(dir_), prefetch=value.get("prefetch"))
+
+    def resolved(self, devices: Iterable[str]) -> Offload:
+        """This offload with ``prefetch`` decided for ``devices`` when it was left to fxsplit (None)."""
+        if self.prefetch is not None:
+            return self
+        cuda = any(str(d).startswith("cuda") for d in devices)
+        return Offload(self.host, self.disk, self.dir, 1 if cuda else 0)
 
     def tiers(self) -> dict[str, int]:
         """Storage tier -> bytes, for the tiers given, in the order they are filled."""

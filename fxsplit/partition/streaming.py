@@ -37,6 +37,8 @@ __all__ = ["StreamChoice", "choose_streamed"]
 
 MAX_CANDIDATES = 256
 """Candidate group sizes tried at most (evenly spaced among the distinct sizes)."""
+DESCENT_LIMIT = 300
+"""Devices with at most this many streamable weights get the last, slower search when the others fail."""
 
 
 @dataclass(frozen=True)
@@ -85,9 +87,14 @@ def choose_streamed(
             reads[name] += 1
     best: StreamChoice | None = None
     for limit in _candidates(weights, groups, prefetch):
-        found = _choose_for(limit, weights, reads, groups, capacity, prefetch)
-        if found is not None and (best is None or _key(found) < _key(best)):
-            best = found
+        for cover in (False, True):
+            found = _choose_for(limit, weights, reads, groups, capacity, prefetch, cover)
+            if found is not None and (best is None or _key(found) < _key(best)):
+                best = found
+    if best is None:
+        best = _from_all_streamed(weights, reads, groups, capacity, prefetch)
+    if best is None and len(weights) <= DESCENT_LIMIT:
+        best = _descend(weights, reads, groups, capacity, prefetch)
     return best
 
 
@@ -125,8 +132,13 @@ def _choose_for(
     groups: Sequence[Sequence[str]],
     capacity: int,
     prefetch: int,
+    cover: bool = False,
 ) -> StreamChoice | None:
-    """The best choice whose windows of streamed weights are at most ``limit`` bytes, or None."""
+    """The best choice whose windows of streamed weights are at most ``limit`` bytes, or None.
+
+    ``cover``: a window over the limit keeps resident the smallest weight that alone brings it under
+    (when one does) instead of its last op's largest weights: fewer resident bytes spent there.
+    """
     room = capacity - limit
     if room < 0:
         return None
@@ -136,7 +148,13 @@ def _choose_for(
         copies = Counter(w for _, w in window if w not in resident)
         excess = sum(weights[w] * n for w, n in copies.items()) - limit
         latest = {w: op for op, w in window}  # the last op's first (the next windows hold them too)
-        for name in sorted(copies, key=lambda w: (-latest[w], -weights[w], w)):
+        order = sorted(copies, key=lambda w: (-latest[w], -weights[w], w))
+        if cover:
+            enough = [w for w in copies if weights[w] * copies[w] >= excess]
+            order = sorted(enough, key=lambda w: (weights[w], w))[:1] + order
+        for name in order:
+            if name in resident:
+                continue
             if excess <= 0:
                 break
             resident.add(name)
@@ -153,3 +171,65 @@ def _choose_for(
     buffers = max((sum(weights[w] for _, w in window if w in streamed_set) for window in windows), default=0)
     per_forward = sum(weights[w] * reads[w] for w in streamed_set)
     return StreamChoice(streamed_set, used, buffers, per_forward)
+
+
+def _peak(weights: Mapping[str, int], windows: Sequence[Sequence[tuple[int, str]]], streamed: set[str]) -> int:
+    return max((sum(weights[w] for _, w in window if w in streamed) for window in windows), default=0)
+
+
+def _descend(
+    weights: Mapping[str, int],
+    reads: Mapping[str, int],
+    groups: Sequence[Sequence[str]],
+    capacity: int,
+    prefetch: int,
+) -> StreamChoice | None:
+    """From everything resident, stream one weight at a time, the one that lowers the need most (or keeps it,
+    the cheapest to stream), until it fits."""
+    windows = _windows(groups, prefetch)
+    streamed: set[str] = set()
+    used = sum(weights.values())
+    need = used
+    while need > capacity:
+        options = [
+            (used - weights[w] + _peak(weights, windows, streamed | {w}), weights[w] * reads[w], w)
+            for w in weights
+            if w not in streamed
+        ]
+        if not options:
+            return None
+        best_need, _, name = min(options)
+        if best_need > need:  # ties go on (a plateau): each step streams one more weight, so it ends
+            return None
+        streamed.add(name)
+        used -= weights[name]
+        need = best_need
+    per_forward = sum(weights[w] * reads[w] for w in streamed)
+    return StreamChoice(frozenset(streamed), used, _peak(weights, windows, streamed), per_forward)
+
+
+def _from_all_streamed(
+    weights: Mapping[str, int],
+    reads: Mapping[str, int],
+    groups: Sequence[Sequence[str]],
+    capacity: int,
+    prefetch: int,
+) -> StreamChoice | None:
+    """When no candidate limit worked: stream everything, then keep resident whatever still fits, one by one."""
+    windows = _windows(groups, prefetch)
+
+    def peak(streamed: set[str]) -> int:
+        return max((sum(weights[w] for _, w in window if w in streamed) for window in windows), default=0)
+
+    streamed = set(weights)
+    if peak(streamed) > capacity:
+        return None
+    used = 0
+    for name in sorted(weights, key=lambda w: (-reads[w], -weights[w], w)):
+        streamed.discard(name)
+        if used + weights[name] + peak(streamed) <= capacity:
+            used += weights[name]
+        else:
+            streamed.add(name)
+    per_forward = sum(weights[w] * reads[w] for w in streamed)
+    return StreamChoice(frozenset(streamed), used, peak(streamed), per_forward)

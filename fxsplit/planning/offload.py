@@ -33,11 +33,9 @@ from fxsplit.units import format_size
 
 __all__ = ["fit_or_offload", "plan_offloaded", "training_refusal"]
 
-SPREADS = (1.02, 1.08, 1.17, 1.3, 1.6, 2.2, 4.0)
+SPREADS = (1.02, 1.1, 1.3, 2.0)
 """How much larger than needed the virtual budgets are (times the model over the budgets), in the order tried:
 each partition gives each device another share of the ops; the plan that streams the fewest bytes wins."""
-MAX_FEASIBLE = 3
-"""Plans that stream compared at most (each costs one partition)."""
 
 
 def fit_or_offload(
@@ -98,18 +96,20 @@ def plan_offloaded(
             weights of one of its ops with the streaming buffers, or the
             storage budgets cannot hold what is streamed.
     """
+    offload = offload.resolved(budgets.devices)
+    depth = offload.prefetch or 0
     asked: list[tuple[int, str]] = []  # (bytes short, why) of each plan that failed, with the asked prefetch
     problems = asked
-    for prefetch in range(offload.prefetch, -1, -1):
-        problems = asked if prefetch == offload.prefetch else []
+    for prefetch in range(depth, -1, -1):
+        problems = asked if prefetch == depth else []
         found = _spreads(
             memory, budgets, dataclasses.replace(offload, prefetch=prefetch), solve, graph_module, problems
         )
         if found is not None:
-            if prefetch < offload.prefetch:
+            if prefetch < depth:
                 why = min(asked)[1] if asked else "no partition fits"
                 warnings.warn(
-                    FxsplitWarning(f"offload: prefetch lowered from {offload.prefetch} to {prefetch}: with it, {why}"),
+                    FxsplitWarning(f"offload: prefetch lowered from {depth} to {prefetch}: with it, {why}"),
                     stacklevel=5,
                 )
             return found
@@ -126,11 +126,8 @@ def _spreads(
     problems: list[tuple[int, str]],
 ) -> Plan | None:
     """The best plan that streams, over partitions with more or less headroom, or None."""
-    caps = budgets.caps()
-    base = max(1.0, sum(memory.totals().values()) / max(1, sum(caps)))
     found: list[Plan] = []
-    for factor in SPREADS:
-        virtual = [int(cap * base * factor) + 1 for cap in caps]
+    for virtual in _virtual_caps(budgets.caps(), sum(memory.totals().values())):
         try:
             spread = solve(virtual)
         except BudgetError:
@@ -138,9 +135,25 @@ def _spreads(
         made = _stream(spread, memory, budgets, offload, graph_module, problems)
         if made is not None:
             found.append(made)
-        if len(found) >= MAX_FEASIBLE:
-            break
     return min(found, key=lambda plan: (plan.stream_bytes, plan.transfer_bytes)) if found else None
+
+
+def _virtual_caps(caps: list[int], needed: int) -> list[list[int]]:
+    """Per-device caps to partition under, as if the devices held the model: the candidates tried.
+
+    Every device larger in proportion to its budget (several amounts of
+    headroom: each gives each device another share of the ops and of the
+    streaming); and, for each device, that one device large enough to run
+    every op whose weights do not fit while the others keep their budgets
+    (they then hold resident what they run, and one device streams, as
+    Accelerate's offload does).
+    """
+    base = max(1.0, needed / max(1, sum(caps)))
+    found = [[int(cap * base * factor) + 1 for cap in caps] for factor in SPREADS]
+    extra = int((needed - sum(caps)) * 1.05) + 1
+    for device in range(len(caps) if len(caps) > 1 else 0):
+        found.append([cap + (extra if k == device else 0) for k, cap in enumerate(caps)])
+    return found
 
 
 def _storage_words(offload: Offload) -> str:
@@ -172,9 +185,9 @@ def _stream(
         row = usage.get(device, {})
         fixed = row.get("total", 0) - sum(movable.values())
         op_reads = [[w for w in reads if w in movable] for reads in _op_reads(readers, order, device)]
-        choice = choose_streamed(movable, op_reads, usable[device] - fixed, offload.prefetch)
+        choice = choose_streamed(movable, op_reads, usable[device] - fixed, offload.prefetch or 0)
         if choice is None:
-            problems.append(_no_fit(device, usable[device], fixed, movable, op_reads, offload.prefetch))
+            problems.append(_no_fit(device, usable[device], fixed, movable, op_reads, offload.prefetch or 0))
             return None
         choices[device] = choice
     tiers = _store(

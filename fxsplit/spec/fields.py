@@ -247,8 +247,10 @@ def read_offload(check: FieldChecker, value: Any, folder: str | None) -> Offload
         check.problem((*path, "dir"), f"must be a directory path, as a string (got {describe(where)}){quote}")
     elif where is None and value.get("disk") is not None:
         check.problem((*path, "disk"), "needs dir: the directory the stored weights are written to, like dir: offload/")
-    prefetch = value.get("prefetch", 1)
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= MAX_PREFETCH:
+    prefetch = value.get("prefetch")
+    if prefetch is not None and (
+        isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= MAX_PREFETCH
+    ):
         check.problem(
             (*path, "prefetch"),
             f"must be a whole number from 0 to {MAX_PREFETCH}, the ops ahead a streamed weight is copied "
