@@ -21,7 +21,6 @@ import itertools
 import random
 from typing import Sequence
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
