@@ -420,15 +420,17 @@ def test_each_copy_starts_prefetch_weight_ops_ahead_and_is_waited_for_right_befo
 ) -> None:
     budgets = dict.fromkeys(BUDGETS, ALL_STREAMED[prefetch])
     gm = offloaded_split(chain(), tmp_path, budgets=budgets, offload=storage("host", tmp_path, prefetch))
-    assert len(plan_of(gm).streamed) == 8
+    plan = plan_of(gm)
+    assert len(plan.streamed) >= 4
     lines = lines_of(gm.code)
-    ops: dict[str, list[int]] = collections.defaultdict(list)  # the lines of each device's linear ops
+    ops: dict[str, list[int]] = collections.defaultdict(list)  # each device's weight-reading ops, by line
     for i, line in enumerate(lines):
-        if re.match(r"linear(_\d+)? = torch\.ops\.aten\.linear", line):
-            ops[re.search(r"_weight_on_(cpu_\d)", line).group(1)].append(i)
-    assert sorted(map(len, ops.values())) == [4, 4]
-    for layer in range(8):
-        base = f"{2 * layer}_weight"
+        found = re.match(r"(linear(_\d+)?) = torch\.ops\.aten\.linear", line)
+        if found:
+            ops[plan.placement[found.group(1)].replace(":", "_")].append(i)
+    assert sum(map(len, ops.values())) == 8  # however the devices share them
+    for name in plan.streamed:
+        base = name.replace(".", "_")
         start = index_of(lines, rf"prefetch_{base} = fxsplit_runtime_prefetch\(stored_{base}, 'cpu:\d'\)")
         wait = index_of(lines, rf"_{base}_on_cpu_\d = fxsplit_runtime_arrive\(prefetch_{base}\)")
         device = re.search(rf"_{base}_on_(cpu_\d)", lines[wait]).group(1)
@@ -469,8 +471,9 @@ def test_no_more_than_prefetch_plus_one_copies_are_alive_and_none_between_forwar
         with torch.no_grad():
             gm(X)
         assert not alive, f"copies alive between forwards: {alive}"
-    for device in plan.devices:
-        assert peak[device] == (prefetch + 1) * WIDTH * WIDTH * 4 == plan.memory[device]["streaming"]
+    for device in plan.devices:  # the charge is what the code holds at once, at most prefetch + 1 weights
+        assert peak[device] == plan.memory[device]["streaming"] <= (prefetch + 1) * WIDTH * WIDTH * 4, dict(peak)
+        assert (peak[device] > 0) == (plan.streamed_into(device) > 0)
 
 
 def test_disk_weights_are_views_of_an_unlinked_memory_mapped_file(tmp_path: Path) -> None:
@@ -567,20 +570,20 @@ def saved_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[fxsplit.Plan, 
     plan = fxsplit.plan(
         chain(), BUDGETS, example_inputs=(X,), offload=storage("host+disk", tmp_path_factory.mktemp("o"))
     )
-    assert plan.streamed["2.weight"] == "disk" and plan.param_devices["2.weight"] == "cpu:0"
+    assert plan.streamed["4.weight"] == "disk" and plan.param_devices["4.weight"] == "cpu:0"
     return plan, plan.to_yaml()
 
 
-CUT = "- {value: 2.weight, from: disk, to: 'cpu:0', bytes: 65536, kind: stream}"
+CUT = "- {value: 4.weight, from: disk, to: 'cpu:0', bytes: 65536, kind: stream}"
 
 
 @pytest.mark.parametrize(
     ("old", "new", "words"),
     [
-        (CUT, CUT.replace("from: disk", "from: host"), r":\d+: cuts\[\d+\]: streams '2.weight' from 'host' but "),
-        (CUT, CUT.replace("from: disk", "from: 'cpu:1'"), r"streams '2.weight' from 'cpu:1' but streamed stores it"),
-        ("  2.weight: disk\n", "  2.weight: ram\n", r"streamed\['2.weight'\]: stores '2.weight' in 'ram', not one of"),
-        ("  2.weight: disk\n", "", r"cuts\[\d+\]: streams '2.weight', which streamed does not list \(it is resident\)"),
+        (CUT, CUT.replace("from: disk", "from: host"), r":\d+: cuts\[\d+\]: streams '4.weight' from 'host' but "),
+        (CUT, CUT.replace("from: disk", "from: 'cpu:1'"), r"streams '4.weight' from 'cpu:1' but streamed stores it"),
+        ("  4.weight: disk\n", "  4.weight: ram\n", r"streamed\['4.weight'\]: stores '4.weight' in 'ram', not one of"),
+        ("  4.weight: disk\n", "", r"cuts\[\d+\]: streams '4.weight', which streamed does not list \(it is resident\)"),
     ],
 )
 def test_an_edited_stream_is_refused_when_the_plan_is_read(
@@ -595,7 +598,7 @@ def test_an_edited_stream_is_refused_when_the_plan_is_read(
 def test_an_edited_stream_destination_is_refused_when_applied(saved_plan: tuple[fxsplit.Plan, str]) -> None:
     _, text = saved_plan
     edited = fxsplit.Plan.from_yaml(text.replace(CUT, CUT.replace("to: 'cpu:0'", "to: 'cpu:1'")))
-    with pytest.raises(fxsplit.PlanMismatchError, match=r"plan lists 2.weight: disk -> cpu:1 \(64.00 KiB, stream\)"):
+    with pytest.raises(fxsplit.PlanMismatchError, match=r"plan lists 4.weight: disk -> cpu:1 \(64.00 KiB, stream\)"):
         fxsplit.apply(chain(), edited, example_inputs=(X,))
 
 
@@ -603,8 +606,8 @@ def test_a_streamed_weight_edited_to_resident_does_not_fit_and_the_error_names_t
     saved_plan: tuple[fxsplit.Plan, str],
 ) -> None:
     _, text = saved_plan
-    edited = fxsplit.Plan.from_yaml(text.replace(CUT + "  # 64.00 KiB\n", "").replace("  2.weight: disk\n", ""))
-    assert "2.weight" not in edited.streamed
+    edited = fxsplit.Plan.from_yaml(text.replace(CUT + "  # 64.00 KiB\n", "").replace("  4.weight: disk\n", ""))
+    assert "4.weight" not in edited.streamed
     with pytest.raises(fxsplit.BudgetError, match=r"'cpu:0' holds .* of activations peak and streaming buffers"):
         fxsplit.apply(chain(), edited, example_inputs=(X,))
 
@@ -615,9 +618,9 @@ def test_a_plan_edited_to_store_more_than_the_host_budget_is_refused(saved_plan:
     plan, text = saved_plan
     assert plan.offload["host"] < plan.stored_bytes["host"] + 65536
     edited = fxsplit.Plan.from_yaml(
-        text.replace("  2.weight: disk\n", "  2.weight: host\n").replace(CUT, CUT.replace("from: disk", "from: host"))
+        text.replace("  4.weight: disk\n", "  4.weight: host\n").replace(CUT, CUT.replace("from: disk", "from: host"))
     )
-    assert edited.streamed["2.weight"] == "host" and edited.stored_bytes == plan.stored_bytes
+    assert edited.streamed["4.weight"] == "host" and edited.stored_bytes == plan.stored_bytes
     try:
         fxsplit.check_plan(chain(), edited, example_inputs=(X,))
     except fxsplit.FxsplitError as error:

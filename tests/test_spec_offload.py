@@ -87,7 +87,7 @@ def test_offload_fields_are_read() -> None:
     spec = load_spec(DEVICES + "offload:\n  host: 16GiB\n  disk: 100GB\n  dir: off/\n  prefetch: 0\n")
     assert spec.offload == Offload(host=16 * 2**30, disk=100 * 10**9, dir="off/", prefetch=0)
     assert spec.options() == {"offload": spec.offload}  # what fxsplit.plan gets as offload=
-    assert load_spec("offload: {host: 1MiB}").offload == Offload(host=MiB, prefetch=1)
+    assert load_spec("offload: {host: 1MiB}").offload == Offload(host=MiB)  # prefetch: fxsplit's choice (None)
     assert load_spec("offload: {host: 1MiB, disk: null}").offload == Offload(host=MiB)  # null: no disk
     assert load_spec("offload: {host: 1MiB, dir: ~/off}").offload.dir == os.path.expanduser("~/off")
     assert load_spec({"offload": Offload(host=MiB)}).offload == Offload(host=MiB)
@@ -111,7 +111,7 @@ def test_a_relative_dir_is_relative_to_the_spec_file(tmp_path: Path, monkeypatch
 def test_spec_offload_streams_what_the_devices_cannot_hold() -> None:
     with pytest.raises(fxsplit.BudgetError, match="the parameters alone exceed them"):
         fxsplit.plan(model(), spec=DEVICES, example_inputs=X)
-    spec = DEVICES + "offload:\n  host: 1MiB\n  disk: 4MiB\n  dir: stored\n"
+    spec = DEVICES + "offload:\n  host: 1MiB\n  disk: 4MiB\n  dir: stored\n  prefetch: 1\n"
     plan = fxsplit.plan(model(), spec=spec, example_inputs=X)
     assert plan.streamed and set(plan.streamed.values()) <= {"host", "disk"}
     assert plan.offload == {"host": MiB, "disk": 4 * MiB, "dir": "stored", "prefetch": 1}
@@ -156,7 +156,9 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A folder holding ``chain.py:factory`` and ``big.yaml`` (with offload), the working directory."""
     (tmp_path / "chain.py").write_text(FACTORY)
     (tmp_path / "specs").mkdir()
-    (tmp_path / "specs" / "big.yaml").write_text(DEVICES + "offload: {host: 1MiB, disk: 4MiB, dir: offload}\n")
+    (tmp_path / "specs" / "big.yaml").write_text(
+        DEVICES + "offload: {host: 1MiB, disk: 4MiB, dir: offload, prefetch: 1}\n"
+    )
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -186,8 +188,8 @@ def test_cli_flags_override_the_spec_offload_field_by_field(workdir: Path) -> No
     code, out, err = run("plan", "chain.py:factory", *budgets, "--offload-host", "3MiB", "-o", "plan.yaml")
     assert code == 0, err
     plan = fxsplit.Plan.from_yaml((workdir / "plan.yaml").read_text())
-    assert plan.offload == {"host": 3 * MiB, "disk": None, "dir": None, "prefetch": 1}
-    assert "offloaded: 8 parameter(s) stored in host 2.00 MiB of 3.00 MiB;" in out
+    assert plan.offload == {"host": 3 * MiB, "disk": None, "dir": None, "prefetch": 0}  # CPU devices: in line
+    assert "offloaded: 6 parameter(s) stored in host 1.50 MiB of 3.00 MiB;" in out
 
 
 @pytest.mark.parametrize(
