@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Iterable
 
 from fxsplit.gcpause import gc_paused
 
@@ -43,6 +43,22 @@ def describe(model: Any) -> tuple[str, dict[str, str], tuple[tuple[str, ...], ..
         by_id.setdefault(id(tensor), []).append(name)
     tied = tuple(tuple(names) for names in by_id.values() if len(names) > 1)
     return fingerprint_of(tensors, tied), tensors, tied
+
+
+def graph_constants(placed: Iterable[str], tensors: dict[str, str], graph_module: Any) -> dict[str, str]:
+    """Name -> signature of the tensors a plan places that are not the model's: constants its trace made
+    (``torch.export`` lifts tensor attributes that are not parameters or buffers, such as a static KV cache
+    kept on a plain object, into the graph). They are not part of the fingerprint: a re-trace makes them again.
+    """
+    from fxsplit.attrpath import attr_at
+
+    found: dict[str, str] = {}
+    for name in placed:
+        if name not in tensors:
+            tensor = attr_at(graph_module, name, None)
+            if tensor is not None:
+                found[name] = tensor_signature(tensor)
+    return found
 
 
 def fingerprint_of(tensors: dict[str, str], tied: tuple[tuple[str, ...], ...]) -> str:

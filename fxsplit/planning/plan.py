@@ -95,6 +95,10 @@ class Plan:
         offload: the offload option the plan was made with (``host`` and
             ``disk`` budgets in bytes, ``dir``, ``prefetch``), or empty.
         stored_bytes: storage tier -> bytes of the weights stored there.
+        constants: name -> ``"float32[...]"`` of tensors the plan places that
+            only the traced graph holds (``torch.export`` lifts tensor
+            attributes that are neither parameters nor buffers, such as a
+            static KV cache, into constants); not part of the fingerprint.
         activations_not_counted: why the plan does not count activations
             (and, without sizes, cut bytes) although its memory mode does,
             e.g. ``"no example_inputs, so the graph has no sizes"``; None
@@ -123,6 +127,7 @@ class Plan:
     streamed: dict[str, str] = field(default_factory=dict)
     offload: dict[str, Any] = field(default_factory=dict)
     stored_bytes: dict[str, int] = field(default_factory=dict)
+    constants: dict[str, str] = field(default_factory=dict)
 
     @property
     def usable(self) -> dict[str, int]:
@@ -181,6 +186,7 @@ class Plan:
             "streamed": dict(self.streamed),
             "offload": dict(self.offload),
             "stored_bytes": dict(self.stored_bytes),
+            "constants": dict(self.constants),
         }
 
     @classmethod
@@ -209,6 +215,7 @@ class Plan:
             streamed=dict(data.get("streamed", {})),
             offload=dict(data.get("offload", {})),
             stored_bytes=dict(data.get("stored_bytes", {})),
+            constants=dict(data.get("constants", {})),
         )
 
     def to_yaml(self) -> str:

@@ -100,8 +100,8 @@ def _record_problems(plan: Plan, problem: _Report) -> None:
         )
         return
     for name in plan.param_devices:
-        if name not in plan.tensors:
-            problem(("param_devices", name), f"{short_repr(name)} is not listed under tensors")
+        if name not in plan.tensors and name not in plan.constants:
+            problem(("param_devices", name), f"{short_repr(name)} is not listed under tensors (nor constants)")
     for name in plan.tensors:
         if name not in plan.param_devices:
             problem(("tensors", name), f"{short_repr(name)} has no device in param_devices")

@@ -167,6 +167,8 @@ def plan_to_yaml(plan: Plan) -> str:
     lines.extend(_block_map("placement", {n: k(d) for n, d in plan.placement.items()}))
     lines.extend(_block_map("param_devices", {n: k(d) for n, d in plan.param_devices.items()}))
     lines.extend(_block_map("tensors", {n: k(t) for n, t in plan.tensors.items()}))
+    if plan.constants:
+        lines.extend(_block_map("constants", {n: k(t) for n, t in plan.constants.items()}))
     if plan.streamed:
         lines.extend(_block_map("streamed", {n: k(t) for n, t in plan.streamed.items()}))
     lines.append("memory:" if plan.memory else "memory: {}")
@@ -290,6 +292,9 @@ class _Reader:
             ),
             "streamed": dict(self.optional(data, "streamed", lambda v: _is_map(v, _is_str), "name -> tier") or {}),
             "offload": dict(self.optional(data, "offload", _is_offload, "{host, disk, dir, prefetch}") or {}),
+            "constants": dict(
+                self.optional(data, "constants", lambda v: _is_map(v, _is_str), "name -> 'dtype[shape]'") or {}
+            ),
             "stored_bytes": dict(
                 self.optional(data, "stored_bytes", lambda v: _is_map(v, _is_int), "tier -> bytes") or {}
             ),
