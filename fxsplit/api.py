@@ -32,7 +32,7 @@ from fxsplit.partition.solve import Partition, partition
 from fxsplit.pipeline.gpipe import Pipeline, pipelined
 from fxsplit.pipeline.microbatch import first_microbatch
 from fxsplit.planning.build import make_plan
-from fxsplit.planning.fingerprint import describe, graph_constants
+from fxsplit.planning.fingerprint import record_origin
 from fxsplit.planning.offload import fit_or_offload
 from fxsplit.planning.plan import Plan
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
@@ -167,7 +167,7 @@ def trace_and_plan(
 
     made = fit_or_offload(memory, device_budgets, solve, Offload.coerce(options.offload), traced.graph_module)
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
-    made = _record(made, model, dtype, leaves, dynamic, traced.graph_module)
+    made = record_origin(made, model, dtype, leaves, dynamic, traced.graph_module)
     if uncounted is not None:
         made = dataclasses.replace(made, activations_not_counted=uncounted)
     if options.check:
@@ -223,31 +223,6 @@ def _inputs_without_values(graph_module: torch.fx.GraphModule) -> str:
 
 def _also(spec: MemorySpec) -> str:
     return ", gradients and optimizer state" if spec.training else ""
-
-
-def _record(
-    made: Plan,
-    model: torch.nn.Module,
-    dtype: str | None,
-    leaves: list[type | str],
-    dynamic: str | None = None,
-    graph_module: torch.fx.GraphModule | None = None,
-) -> Plan:
-    """The plan with what it was made from: the model's structure (and the tensors only its trace holds),
-    the planning dtype, how to re-trace."""
-    fingerprint, tensors, tied = describe(model)
-    constants = graph_constants(made.param_devices, tensors, graph_module) if graph_module is not None else {}
-    names = tuple(leaf if isinstance(leaf, str) else f"{leaf.__module__}.{leaf.__qualname__}" for leaf in leaves)
-    return dataclasses.replace(
-        made,
-        fingerprint=fingerprint,
-        tensors=tensors,
-        tied=tied,
-        dtype=dtype,
-        leaf_modules=names,
-        dynamic_shapes=dynamic,
-        constants=constants,
-    )
 
 
 def plan(model: torch.nn.Module, budgets: Any = None, *, example_inputs: Any = None, **options: Any) -> Plan:

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from fxsplit.attrpath import attr_at
-from fxsplit.cost.build import Weight, tensor_reads
+from fxsplit.cost.build import Weight, storage_key, tensor_reads
 from fxsplit.errors import DeviceError, FxsplitError
 from fxsplit.planning.plan import Plan
 from fxsplit.tracing.graphinfo import element_size, input_writers
@@ -119,11 +119,19 @@ def move_weights(graph_module: torch.fx.GraphModule, plan: Plan, weights: list[W
     check_input_writes(graph_module, plan)
     moved = MovedWeights()
     to_disk: dict[str, torch.Tensor] = {}
+    first_of: dict[tuple[object, ...], tuple[torch.Tensor, str]] = {}  # storage -> the tensor moved for it, where
     for weight in weights:
         tensor = weight_tensor(graph_module, weight)
         if tensor is None or tensor.device.type == "meta":
             continue
         tier = stored_in(plan, weight.names)
+        key = storage_key(tensor)
+        target = tier or plan.param_devices[weight.names[0]]
+        if key is not None and key in first_of and first_of[key][1] == target and tier != "disk":
+            moved.assign(tensor, first_of[key][0].data)  # two objects, one tensor: they stay one
+            continue
+        if key is not None:
+            first_of.setdefault(key, (tensor, target))
         if tier == "disk":
             to_disk[weight.names[0]] = tensor
             continue

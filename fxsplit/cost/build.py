@@ -8,6 +8,7 @@ one byte, so the partitioner then minimises the number of values cut.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
@@ -37,6 +38,7 @@ __all__ = [
     "model_tensors",
     "named_tensors",
     "path_matches",
+    "storage_key",
     "tensor_reads",
     "written_tensors",
 ]
@@ -73,6 +75,8 @@ class GraphCosts:
     weight_values: list[int]
     unused: list[Weight] = field(default_factory=list)
     value_nbytes: dict[str, int | None] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)  # unread weight -> the read weight whose storage it is
+    written: dict[str, int] = field(default_factory=dict)  # weights the forward writes in place -> bytes
 
 
 def model_tensors(model: torch.nn.Module) -> dict[int, tuple[list[str], torch.Tensor, bool]]:
@@ -108,6 +112,39 @@ def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]
                 if tensor is not None:
                     found.append((f"{prefix}.{name}" if prefix else name, tensor, is_buffer))
     return found
+
+
+def _unread_aliases(
+    weights: list[Weight],
+    weight_values: list[int],
+    unused: list[Weight],
+    read: dict[int, tuple[list[str], torch.Tensor, bool]],
+    known: dict[int, tuple[list[str], torch.Tensor, bool]],
+) -> dict[str, str]:
+    """Unread weight -> the read weight it is: two tensor objects over the same storage (export's lifted
+    constants alias the buffers they came from; the buffer's get_attr reads nothing). It costs nothing
+    more and goes where the read one goes."""
+    tensors = {entry[0][0]: entry[1] for entry in [*read.values(), *known.values()]}
+    read_names = {w.names[0] for w, index in zip(weights, weight_values, strict=True) if index >= 0}
+    by_storage = {key: name for name in read_names if (key := storage_key(tensors[name])) is not None}
+    unread = [w.names[0] for w, index in zip(weights, weight_values, strict=True) if index < 0]
+    unread += [w.names[0] for w in unused]
+    found = {}
+    for name in unread:
+        key = storage_key(tensors[name]) if name in tensors else None
+        if key is not None and key in by_storage:
+            found[name] = by_storage[key]
+    return found
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[object, ...] | None:
+    """What makes two tensor objects the same tensor: storage, offset, shape, strides, dtype (None on meta)."""
+    if tensor.device.type == "meta":
+        return None
+    pointer = tensor.untyped_storage().data_ptr()
+    if not pointer:
+        return None
+    return (pointer, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
 
 
 def _tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
@@ -205,6 +242,10 @@ def build_problem(
         for key, (names, t, b) in known.items()
         if key not in weight_tensor
     ]
+    aliases = _unread_aliases(weights, weight_values, unused, weight_tensor, known)
+    if aliases:
+        weights = [dataclasses.replace(w, nbytes=0) if w.names[0] in aliases else w for w in weights]
+        unused = [dataclasses.replace(w, nbytes=0) if w.names[0] in aliases else w for w in unused]
 
     labels = tuple(module_path(n) for n in ops)
     problem = PartitionProblem(
@@ -215,7 +256,12 @@ def build_problem(
         colocated=tuple(tuple(sorted(group)) for group in writes.values() if len(group) > 1),
         op_labels=labels,
     )
-    return GraphCosts(problem, ops, weights, weight_values, unused, value_nbytes)
+    written = {
+        weight_tensor[key][0][0]: _tensor_bytes(weight_tensor[key][1], dtype)
+        for kind, key in writes
+        if kind == "weight" and isinstance(key, int) and key in weight_tensor
+    }
+    return GraphCosts(problem, ops, weights, weight_values, unused, value_nbytes, aliases, written)
 
 
 def written_tensors(

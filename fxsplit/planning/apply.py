@@ -333,6 +333,7 @@ def checked_retrace(
         if weight.names[0] not in plan.streamed:  # stored off the devices
             held[plan.param_devices[weight.names[0]]] += weight.nbytes
     _check_budgets(plan, held, given)
+    _check_storage(plan, costs)
     notes = [
         f"plan.device_bytes says {format_size(plan.device_bytes.get(d))} on '{d}', the placement puts "
         f"{format_size(n)} there"
@@ -356,6 +357,28 @@ def _check_budgets(plan: Plan, held: dict[str, int], budgets: Budgets | None) ->
             else "plan again with these budgets"
         )
         raise BudgetError("the plan does not fit the budgets: " + "; ".join(map(str, over)) + f"; {fix}")
+
+
+def _check_storage(plan: Plan, costs: GraphCosts) -> None:
+    """Refuse when the weights the plan stores off the devices, as the model has them, exceed a storage budget."""
+    stored: dict[str, int] = {}
+    for weight in [*costs.weights, *costs.unused]:
+        tier = plan.streamed.get(weight.names[0])
+        if tier is not None:
+            stored[tier] = stored.get(tier, 0) + weight.nbytes
+    over = [
+        f"{tier} storage holds {format_size(nbytes)} ({nbytes} bytes) of streamed weights but its offload budget is "
+        f"{format_size(plan.offload.get(tier))}"
+        for tier, nbytes in stored.items()
+        if plan.offload.get(tier) is None or nbytes > plan.offload[tier]
+    ]
+    if stored != {t: n for t, n in plan.stored_bytes.items() if n}:
+        over.append(f"stored_bytes says {plan.stored_bytes}, the streamed weights add up to {stored}")
+    if over:
+        raise BudgetError(
+            "the plan's offload storage does not fit: " + "; ".join(over) + "; the plan was edited or made for "
+            "another model: plan again"
+        )
 
 
 def _check_cuts(plan: Plan, traced: Traced, costs: GraphCosts) -> list[str]:

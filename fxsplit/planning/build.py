@@ -143,6 +143,7 @@ def make_plan(
     # device_bytes counts parameters and buffers only (the partitioner also charged activations,
     # gradients and optimizer state, when the problem carries them).
     weight_home = {**_read_homes(costs, devices, solution), **unread_home}
+    weight_home.update({alias: weight_home[target] for alias, target in costs.aliases.items()})
     device_bytes = dict.fromkeys(devices, 0)
     for weight in [*costs.weights, *costs.unused]:
         device_bytes[weight_home[weight.names[0]]] += weight.nbytes
@@ -182,6 +183,7 @@ def make_plan(
         objective=objective,
         modules={d: tuple(m) for d, m in modules.items()},
         reserved=dict(budgets.reserved),
+        mutated=dict(costs.written),
     )
 
 

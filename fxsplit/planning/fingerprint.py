@@ -16,13 +16,14 @@ plan to another model fails with a list of differences instead of a wrong split.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from fxsplit.gcpause import gc_paused
 
-__all__ = ["describe", "differences", "fingerprint_of", "tensor_signature"]
+__all__ = ["describe", "differences", "fingerprint_of", "graph_constants", "record_origin", "tensor_signature"]
 
 
 def tensor_signature(tensor: Any) -> str:
@@ -109,3 +110,28 @@ def _cast_of(recorded: str, actual: str, dtype: str | None) -> bool:
     old_dtype, _, old_shape = recorded.partition("[")
     new_dtype, _, new_shape = actual.partition("[")
     return old_shape == new_shape and old_dtype in _FLOATING and new_dtype == dtype
+
+
+def record_origin(
+    made: Any,
+    model: Any,
+    dtype: str | None,
+    leaves: Sequence[type | str],
+    dynamic: str | None = None,
+    graph_module: Any = None,
+) -> Any:
+    """The plan with what it was made from: the model's structure (and the tensors only its trace holds),
+    the planning dtype, how to re-trace."""
+    fingerprint, tensors, tied = describe(model)
+    constants = graph_constants(made.param_devices, tensors, graph_module) if graph_module is not None else {}
+    names = tuple(leaf if isinstance(leaf, str) else f"{leaf.__module__}.{leaf.__qualname__}" for leaf in leaves)
+    return dataclasses.replace(
+        made,
+        fingerprint=fingerprint,
+        tensors=tensors,
+        tied=tied,
+        dtype=dtype,
+        leaf_modules=names,
+        dynamic_shapes=dynamic,
+        constants=constants,
+    )

@@ -99,6 +99,9 @@ class Plan:
             only the traced graph holds (``torch.export`` lifts tensor
             attributes that are neither parameters nor buffers, such as a
             static KV cache, into constants); not part of the fingerprint.
+        mutated: name -> bytes of each parameter or buffer the forward writes
+            in place (a KV cache, running statistics): it lives on the device
+            of the ops that write it and keeps its value there between calls.
         activations_not_counted: why the plan does not count activations
             (and, without sizes, cut bytes) although its memory mode does,
             e.g. ``"no example_inputs, so the graph has no sizes"``; None
@@ -128,6 +131,7 @@ class Plan:
     offload: dict[str, Any] = field(default_factory=dict)
     stored_bytes: dict[str, int] = field(default_factory=dict)
     constants: dict[str, str] = field(default_factory=dict)
+    mutated: dict[str, int] = field(default_factory=dict)
 
     @property
     def usable(self) -> dict[str, int]:
@@ -187,6 +191,7 @@ class Plan:
             "offload": dict(self.offload),
             "stored_bytes": dict(self.stored_bytes),
             "constants": dict(self.constants),
+            "mutated": dict(self.mutated),
         }
 
     @classmethod
@@ -216,6 +221,7 @@ class Plan:
             offload=dict(data.get("offload", {})),
             stored_bytes=dict(data.get("stored_bytes", {})),
             constants=dict(data.get("constants", {})),
+            mutated=dict(data.get("mutated", {})),
         )
 
     def to_yaml(self) -> str:
@@ -282,6 +288,7 @@ class Plan:
             f"outputs on {self.output_device}" + (f"; planned as {self.dtype}" if self.dtype else "")
         )
         lines.extend(self._offload_lines())
+        lines.extend(self._state_lines())
         lines.extend(self.tied_summary())
         lines.extend(self._empty_devices_note())
         if self.memory:
@@ -292,6 +299,20 @@ class Plan:
                 "leave room in the budgets or pass example_inputs"
             )
         return "\n".join(lines)
+
+    def _state_lines(self) -> list[str]:
+        """Where the tensors the forward writes in place (a cache, running statistics) live, when there are any."""
+        if not self.mutated:
+            return []
+        where: dict[str, int] = {}
+        for name, nbytes in self.mutated.items():
+            device = self.param_devices.get(name, "?")
+            where[device] = where.get(device, 0) + nbytes
+        shares = ", ".join(f"{d} {format_size(n)}" for d, n in where.items())
+        return [
+            f"written in place: {len(self.mutated)} tensor(s), {format_size(sum(self.mutated.values()))} "
+            f"(a cache or state, kept on its device between calls): {shares}"
+        ]
 
     def _offload_lines(self) -> list[str]:
         """What is stored off the devices and streamed in, when anything is."""

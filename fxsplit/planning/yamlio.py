@@ -169,6 +169,8 @@ def plan_to_yaml(plan: Plan) -> str:
     lines.extend(_block_map("tensors", {n: k(t) for n, t in plan.tensors.items()}))
     if plan.constants:
         lines.extend(_block_map("constants", {n: k(t) for n, t in plan.constants.items()}))
+    if plan.mutated:
+        lines.extend(_block_map("mutated", {n: k(b) for n, b in plan.mutated.items()}))
     if plan.streamed:
         lines.extend(_block_map("streamed", {n: k(t) for n, t in plan.streamed.items()}))
     lines.append("memory:" if plan.memory else "memory: {}")
@@ -292,6 +294,7 @@ class _Reader:
             ),
             "streamed": dict(self.optional(data, "streamed", lambda v: _is_map(v, _is_str), "name -> tier") or {}),
             "offload": dict(self.optional(data, "offload", _is_offload, "{host, disk, dir, prefetch}") or {}),
+            "mutated": dict(self.optional(data, "mutated", lambda v: _is_map(v, _is_int), "name -> bytes") or {}),
             "constants": dict(
                 self.optional(data, "constants", lambda v: _is_map(v, _is_str), "name -> 'dtype[shape]'") or {}
             ),
