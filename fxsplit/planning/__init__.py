@@ -6,6 +6,7 @@
 * :mod:`~fxsplit.planning.rules`: what a plan must say about itself to be used.
 * :mod:`~fxsplit.planning.fingerprint`: a model's structure as a short hash.
 * :mod:`~fxsplit.planning.apply`: use a saved plan: re-trace, check, emit without solving.
+* :mod:`~fxsplit.planning.offload`: plans that store what the devices cannot hold and stream it in.
 
 Importing this package, or reading a plan with :meth:`Plan.from_yaml`, does not import torch.
 """
