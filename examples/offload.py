@@ -22,22 +22,9 @@ from pathlib import Path
 
 import torch
 import transformers
+from from_checkpoint import save_tiny_llama  # the same tiny Llama, written the same way
 
 import fxsplit
-
-
-def save_tiny_llama(directory: Path) -> None:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=176,
-        vocab_size=1024,
-        max_position_embeddings=64,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(directory, max_shard_size="300KB")
 
 
 def main() -> None:

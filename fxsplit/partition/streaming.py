@@ -92,9 +92,9 @@ def choose_streamed(
             if found is not None and (best is None or _key(found) < _key(best)):
                 best = found
     if best is None:
-        best = _from_all_streamed(weights, reads, groups, capacity, prefetch)
+        best = _from_all_streamed(weights, reads, _windows(groups, prefetch), capacity)
     if best is None and len(weights) <= DESCENT_LIMIT:
-        best = _descend(weights, reads, groups, capacity, prefetch)
+        best = _descend(weights, reads, _windows(groups, prefetch), capacity)
     return best
 
 
@@ -177,16 +177,21 @@ def _peak(weights: Mapping[str, int], windows: Sequence[Sequence[tuple[int, str]
     return max((sum(weights[w] for _, w in window if w in streamed) for window in windows), default=0)
 
 
+def _made(
+    weights: Mapping[str, int], reads: Mapping[str, int], windows: _Windows, streamed: set[str], used: int
+) -> StreamChoice:
+    per_forward = sum(weights[w] * reads[w] for w in streamed)
+    return StreamChoice(frozenset(streamed), used, _peak(weights, windows, streamed), per_forward)
+
+
+_Windows = Sequence[Sequence[tuple[int, str]]]
+
+
 def _descend(
-    weights: Mapping[str, int],
-    reads: Mapping[str, int],
-    groups: Sequence[Sequence[str]],
-    capacity: int,
-    prefetch: int,
+    weights: Mapping[str, int], reads: Mapping[str, int], windows: _Windows, capacity: int
 ) -> StreamChoice | None:
     """From everything resident, stream one weight at a time, the one that lowers the need most (or keeps it,
     the cheapest to stream), until it fits."""
-    windows = _windows(groups, prefetch)
     streamed: set[str] = set()
     used = sum(weights.values())
     need = used
@@ -204,32 +209,21 @@ def _descend(
         streamed.add(name)
         used -= weights[name]
         need = best_need
-    per_forward = sum(weights[w] * reads[w] for w in streamed)
-    return StreamChoice(frozenset(streamed), used, _peak(weights, windows, streamed), per_forward)
+    return _made(weights, reads, windows, streamed, used)
 
 
 def _from_all_streamed(
-    weights: Mapping[str, int],
-    reads: Mapping[str, int],
-    groups: Sequence[Sequence[str]],
-    capacity: int,
-    prefetch: int,
+    weights: Mapping[str, int], reads: Mapping[str, int], windows: _Windows, capacity: int
 ) -> StreamChoice | None:
     """When no candidate limit worked: stream everything, then keep resident whatever still fits, one by one."""
-    windows = _windows(groups, prefetch)
-
-    def peak(streamed: set[str]) -> int:
-        return max((sum(weights[w] for _, w in window if w in streamed) for window in windows), default=0)
-
     streamed = set(weights)
-    if peak(streamed) > capacity:
+    if _peak(weights, windows, streamed) > capacity:
         return None
     used = 0
     for name in sorted(weights, key=lambda w: (-reads[w], -weights[w], w)):
         streamed.discard(name)
-        if used + weights[name] + peak(streamed) <= capacity:
+        if used + weights[name] + _peak(weights, windows, streamed) <= capacity:
             used += weights[name]
         else:
             streamed.add(name)
-    per_forward = sum(weights[w] * reads[w] for w in streamed)
-    return StreamChoice(frozenset(streamed), used, peak(streamed), per_forward)
+    return _made(weights, reads, windows, streamed, used)
