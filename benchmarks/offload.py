@@ -804,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     from benchmarks.measure import git_commit, load_average, machine
-    from benchmarks.run import exit_code, verdicts
+    from benchmarks.run import announce
 
     names = [n for n in args.models.split(",") if n] or [c.name for c in OFFLOAD_CASES if c.default]
     for name in names:
@@ -827,13 +827,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_samples": [load_start[0], load_average()[0]],
     }
     written = write_results(offload, context, args.out)
-    lines, failed = verdicts(offload["bars"])
     print(results_table(offload["rows"]))
-    print("\n".join(lines))
-    print("[fxsplit-bench] wrote " + ", ".join(str(p) for p in written))
-    if failed:
-        print(f"[fxsplit-bench] {len(failed)} bar(s) failed: {'; '.join(failed)}", flush=True)
-    return exit_code(offload["bars"])
+    return announce(offload["bars"], written)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,16 @@ def exit_code(bars: dict[str, dict[str, Any]]) -> int:
     return EXIT_BAR_FAILED if verdicts(bars)[1] else EXIT_BARS_PASS
 
 
+def announce(bars: dict[str, dict[str, Any]], written: list[Path]) -> int:
+    """Print every bar's verdict, the files written and the failures; return the exit code."""
+    lines, failed = verdicts(bars)
+    print("\n".join(lines))
+    print("[fxsplit-bench] wrote " + ", ".join(str(p) for p in written))
+    if failed:
+        print(f"[fxsplit-bench] {len(failed)} bar(s) failed: {'; '.join(failed)}", flush=True)
+    return exit_code(bars)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     import torch
@@ -164,12 +174,7 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
             "load_samples": samples[-2:],
         }
         written += write_results(results["offload"], context, args.out)
-    lines, failed = verdicts(results["bars"])
-    print("\n".join(lines))
-    print("[fxsplit-bench] wrote " + ", ".join(str(p) for p in written))
-    if failed:
-        print(f"[fxsplit-bench] {len(failed)} bar(s) failed: {'; '.join(failed)}", flush=True)
-    return exit_code(results["bars"])
+    return announce(results["bars"], written)
 
 
 if __name__ == "__main__":
