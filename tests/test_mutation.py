@@ -166,3 +166,51 @@ def test_the_unsplit_model_is_not_changed_by_splitting_a_mutating_model(trace: s
     before = copy.deepcopy(model.state_dict())
     fxsplit.plan(model, BUDGETS, example_inputs=(torch.randn(3, WIDTH),), trace=trace, mode="weights")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("devices", [2])
+def test_static_cache_generation_prefills_a_prompt_of_any_length_then_decodes(devices: int) -> None:
+    """A Hugging Face Llama in transformers' own export wrapper (a static KV cache the graph writes in
+    place), split with the sequence length dynamic: one call prefills the whole prompt, then one token
+    per call; the greedy tokens are model.generate's, and each layer's cache is on its layer's device."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=128,
+        intermediate_size=352,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.cache_implementation = "static"
+    prompt = torch.tensor([[5, 17, 42, 7, 9, 11]])
+    expected = model.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, 6:].tolist()
+    wrapped = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=32)
+    total = sum(t.numel() * t.element_size() for t in [*wrapped.parameters(), *wrapped.buffers()])
+    seq = torch.export.Dim("seq", min=1, max=31)
+    split = fxsplit.fxsplit(
+        wrapped,
+        {f"cpu:{i}": int(1.1 * total / devices) for i in range(devices)},
+        example_inputs=(torch.tensor([[1, 2]]),),
+        example_kwargs={"cache_position": torch.tensor([0, 1])},
+        dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}},
+        mode="weights",
+        check=True,
+    )
+    plan = split.meta["fxsplit_plan"]
+    signatures = {**plan.tensors, **plan.constants}
+    caches = {name: plan.param_devices[name] for name in plan.mutated if signatures[name].count(",") == 3}
+    assert len(set(caches.values())) == devices, caches  # the layers' caches are spread with the layers
+    assert "written in place:" in str(plan)
+    logits = split(prompt, cache_position=torch.arange(6))
+    tokens, position = [], 6
+    for _ in range(16):
+        tokens.append(int(logits[0, -1].argmax()))
+        logits = split(torch.tensor([[tokens[-1]]]), cache_position=torch.tensor([position]))
+        position += 1
+    assert tokens == expected
