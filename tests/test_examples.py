@@ -112,3 +112,16 @@ def test_offload() -> None:
     assert re.search(r"stored in host [\d.]+ KiB of 600\.00 KiB, disk [\d.]+ KiB of 4\.00 MiB", out), out
     assert "fxsplit_runtime_prefetch(stored_" in out
     assert "logits equal to from_pretrained's" in out
+
+
+def test_generate() -> None:
+    out = run_example("generate.py")
+    assert out.startswith("device  budget")
+    cache = re.findall(r"^(cpu:\d): ([\d.]+ KiB) of cache, 4 x \[1, 2, 48, 32\]: (.*)$", out, re.M)
+    assert [device for device, _, _ in cache] == ["cpu:0", "cpu:1"], out  # both devices hold layers' caches
+    names = sorted(name for _, _, names in cache for name in names.split(", "))
+    assert names == sorted(f"{kind}_cache_{layer}" for kind in ("key", "value") for layer in range(4))
+    assert sum(float(size.split()[0]) for _, size, _ in cache) == 96.0  # 8 x 1*2*48*32 float32
+    generated = re.search(r"^generated: \[([\d, ]+)\]$", out, re.M)
+    assert generated is not None and len(generated.group(1).split(", ")) == 32
+    assert out.rstrip().endswith("same tokens as model.generate")
