@@ -39,7 +39,14 @@ from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.dynamic import describe as describe_dynamic
-from fxsplit.validate import check_concrete_args, check_option_types, device_option, refuse_meta, require_module
+from fxsplit.validate import (
+    check_concrete_args,
+    check_option_types,
+    device_option,
+    refuse_growing_state,
+    refuse_meta,
+    require_module,
+)
 
 __all__ = ["Planned", "fxsplit", "plan", "trace_and_plan"]
 
@@ -116,6 +123,7 @@ def trace_and_plan(
         concrete_args=options.concrete_args,
         dynamic_shapes=options.dynamic_shapes,
     )
+    refuse_growing_state(traced.graph_module)
     pins = {str(k): device_option(f"pins[{str(k)!r}]", v) for k, v in (options.pins or {}).items()}
     together = together_groups(options.together)
     check_constraints(traced.graph_module, model, devices, pins, together, locate)

@@ -22,7 +22,14 @@ import torch
 from fxsplit.devices import normalize_device
 from fxsplit.errors import FxsplitError, SpecError
 
-__all__ = ["check_concrete_args", "check_option_types", "device_option", "refuse_meta", "require_module"]
+__all__ = [
+    "check_concrete_args",
+    "check_option_types",
+    "device_option",
+    "refuse_growing_state",
+    "refuse_meta",
+    "require_module",
+]
 
 
 def require_module(model: Any) -> None:
@@ -141,4 +148,36 @@ def refuse_meta(model: torch.nn.Module) -> None:
                 f"'{name}' is on the meta device, so the split model could not run; pass checkpoint='path' to "
                 "load the weights onto their planned devices (checkpoint=False: split now, fxsplit.load_checkpoint "
                 "later), or use fxsplit.plan() to plan a meta model"
+            )
+
+
+def refuse_growing_state(graph_module: torch.fx.GraphModule) -> None:
+    """Refuse a graph that writes a buffer back with another shape: state that grows on every call.
+
+    ``torch.export`` turns ``self.cache = torch.cat([self.cache, x])`` into a ``copy_`` of the longer tensor
+    into the buffer as traced; the copy broadcasts or fails, so such a split would silently drop what is
+    appended (and so would ``torch.export``'s own module).
+
+    Raises:
+        FxsplitError: names the buffer, both shapes, the op that made the new value, and what to do instead.
+    """
+    from fxsplit.tracing.graphinfo import module_path
+
+    for node in graph_module.graph.nodes:
+        if not (node.op == "call_function" and getattr(node.target, "__name__", "") == "copy_.default"):
+            continue
+        target, source = node.args[0], node.args[1]
+        if not (isinstance(target, torch.fx.Node) and isinstance(source, torch.fx.Node) and target.op == "get_attr"):
+            continue
+        old, new = target.meta.get("val"), source.meta.get("val")
+        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and tuple(old.shape) != tuple(new.shape):
+            where = module_path(source)
+            made = f" from '{source.name}'" + (f" in '{where}'" if where else "")
+            raise FxsplitError(
+                f"buffer '{target.target}' is replaced on every call by a tensor of another shape "
+                f"({list(old.shape)} -> {list(new.shape)}, the new one{made}): state that grows per call cannot "
+                "be split, because the split keeps the traced shape and would drop what is appended. Allocate "
+                "it once at its largest size and write into it in place at a position input (index_copy_ or slice "
+                "assignment), as transformers' StaticCache does; for Hugging Face models, split "
+                "TorchExportableModuleWithStaticCache (see examples/generate.py)"
             )

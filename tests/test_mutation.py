@@ -214,3 +214,21 @@ def test_static_cache_generation_prefills_a_prompt_of_any_length_then_decodes(de
         logits = split(torch.tensor([[tokens[-1]]]), cache_position=torch.tensor([position]))
         position += 1
     assert tokens == expected
+
+
+class GrowingState(Blocks):
+    """``self.cache = torch.cat([self.cache, x])``: a buffer that grows by every call's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1, 0, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache = torch.cat([self.cache, x], dim=1)
+        return self.blocks[0](x) + self.cache.mean(dim=1, keepdim=True)
+
+
+def test_state_that_grows_per_call_is_refused_naming_the_buffer_and_the_static_alternative() -> None:
+    # torch.export writes the longer tensor back into the buffer as traced: a split would drop what grows
+    with pytest.raises(fxsplit.FxsplitError, match=r"buffer 'cache' is replaced on every call .*\[1, 0, 64\] -> "):
+        fxsplit.fxsplit(GrowingState(), BUDGETS, example_inputs=(torch.randn(1, 1, WIDTH),), mode="weights")

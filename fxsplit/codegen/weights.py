@@ -56,7 +56,7 @@ class MovedWeights:
 
     def assign(self, tensor: torch.Tensor, data: torch.Tensor, device: torch.device | None = None) -> None:
         """Give ``tensor`` new ``data`` (its gradient moves to ``device``, or to ``data``'s device)."""
-        grad = tensor.grad
+        grad = tensor.grad if tensor.is_leaf else None  # a non-leaf (a buffer written under autograd) has none
         grad_data = grad.data.to(device or data.device) if grad is not None else None
         self._before.append((tensor, tensor.data, grad, grad.data if grad is not None else None))
         try:

@@ -311,8 +311,12 @@ def _export_message(error: BaseException) -> str:
     hint = ""
     if "Cache" in str(error):
         hint = (
-            "\n  this looks like a Hugging Face model returning its key/value cache: pass "
-            "example_kwargs={'use_cache': False} (and call the split model with use_cache=False)"
+            "\n  this looks like a Hugging Face model returning (or taking) its key/value cache, a cache "
+            "object that grows on every call, which a split cannot hold. For generation, set "
+            "model.generation_config.cache_implementation = 'static' and split "
+            "transformers.integrations.executorch.TorchExportableModuleWithStaticCache(model, batch_size=1, "
+            "max_cache_len=N) under torch.no_grad() (see examples/generate.py); for one forward without a "
+            "cache, pass example_kwargs={'use_cache': False} (and call the split model with use_cache=False)"
         )
     if "Constraints violated" in str(error) or "dynamic_shapes" in str(error):
         hint += (

@@ -246,8 +246,9 @@ def module_path(node: torch.fx.Node) -> str:
         return str(node.target).rpartition(".")[0]
     stack = node.meta.get("nn_module_stack")
     if stack:
-        path = list(stack.values())[-1][0]
-        return str(path)
+        path = str(list(stack.values())[-1][0])
+        # torch.export's placeholder for nodes it made outside any module (a dynamic size's check): no module
+        return "" if path.startswith("_empty_nn_module_stack") else path
     return ""
 
 
