@@ -62,7 +62,6 @@ import shutil
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -630,26 +629,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    from benchmarks.measure import git_commit, load_average, machine
+    from benchmarks.measure import run_alone
     from benchmarks.run import exit_code, verdicts
 
     rounds = args.rounds or (3 if args.quick else 7)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    started, load_start, clock = datetime.now(timezone.utc), load_average(), time.perf_counter()
-    try:
-        result = run_generate(rounds=rounds, device_counts=[int(n) for n in args.devices.split(",") if n])
-    finally:
-        torch.set_num_threads(previous)
-    context = {
-        "command": " ".join(["python -m benchmarks.generate", *(argv if argv is not None else sys.argv[1:])]),
-        "quick": args.quick,
-        "machine": machine(args.threads),
-        "commit": git_commit(),
-        "started": started.strftime("%Y-%m-%d %H:%M UTC"),
-        "duration_s": time.perf_counter() - clock,
-        "load_samples": [load_start[0], load_average()[0]],
-    }
+    command = " ".join(["python -m benchmarks.generate", *(argv if argv is not None else sys.argv[1:])])
+    result, context = run_alone(
+        command,
+        args.threads,
+        args.quick,
+        lambda: run_generate(rounds=rounds, device_counts=[int(n) for n in args.devices.split(",") if n]),
+    )
     written = write_results(result, context, args.out)
     bars = generate_bars(result)
     lines, failed = verdicts(bars)

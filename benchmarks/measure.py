@@ -8,9 +8,11 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
-__all__ = ["fit_slope", "load_average", "machine", "median", "time_call"]
+T = TypeVar("T")
+
+__all__ = ["fit_slope", "load_average", "machine", "median", "run_alone", "time_call"]
 
 
 def median(values: Sequence[float]) -> float:
@@ -98,3 +100,33 @@ def machine(threads: int) -> dict[str, Any]:
         "accelerate": accelerate.__version__,
         "fxsplit_commit": _commit_label(git_commit()),
     }
+
+
+def run_alone(command: str, threads: int, quick: bool, run: Callable[[], T]) -> tuple[T, dict[str, Any]]:
+    """``run()`` with ``threads`` torch threads, and the context a results file records about it.
+
+    For a benchmark run on its own (``python -m benchmarks.X``): the command line, the machine, the
+    commit, when it started, how long it took and the load average before and after.
+    """
+    import time
+    from datetime import datetime, timezone
+
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    started, load_start, clock = datetime.now(timezone.utc), load_average(), time.perf_counter()
+    try:
+        result = run()
+    finally:
+        torch.set_num_threads(previous)
+    context = {
+        "command": command,
+        "quick": quick,
+        "machine": machine(threads),
+        "commit": git_commit(),
+        "started": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "duration_s": time.perf_counter() - clock,
+        "load_samples": [load_start[0], load_average()[0]],
+    }
+    return result, context

@@ -48,11 +48,9 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -803,29 +801,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    from benchmarks.measure import git_commit, load_average, machine
+    from benchmarks.measure import run_alone
     from benchmarks.run import announce
 
     names = [n for n in args.models.split(",") if n] or [c.name for c in OFFLOAD_CASES if c.default]
     for name in names:
         case_named(name)
     fractions = [float(f) for f in args.fractions.split(",") if f]
-    previous = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    started, load_start, clock = datetime.now(timezone.utc), load_average(), time.perf_counter()
-    try:
-        offload = run_offload(names, fractions, quick=args.quick)
-    finally:
-        torch.set_num_threads(previous)
-    context = {
-        "command": " ".join(["python -m benchmarks.offload", *(argv if argv is not None else sys.argv[1:])]),
-        "quick": args.quick,
-        "machine": machine(args.threads),
-        "commit": git_commit(),
-        "started": started.strftime("%Y-%m-%d %H:%M UTC"),
-        "duration_s": time.perf_counter() - clock,
-        "load_samples": [load_start[0], load_average()[0]],
-    }
+    command = " ".join(["python -m benchmarks.offload", *(argv if argv is not None else sys.argv[1:])])
+    offload, context = run_alone(
+        command, args.threads, args.quick, lambda: run_offload(names, fractions, quick=args.quick)
+    )
     written = write_results(offload, context, args.out)
     print(results_table(offload["rows"]))
     return announce(offload["bars"], written)
