@@ -25,6 +25,7 @@ from fxsplit.cost.constraints import (
 from fxsplit.devices import require_usable
 from fxsplit.errors import BudgetError, FxsplitWarning, SpecError
 from fxsplit.gcpause import gc_paused
+from fxsplit.hardware import Hardware
 from fxsplit.memory.activations import profile_activations
 from fxsplit.memory.model import MemoryModel, MemorySpec
 from fxsplit.options import OBJECTIVES, TRACE_MODES, Budgets, Offload, Options, PipelineConfig
@@ -35,6 +36,7 @@ from fxsplit.planning.build import make_plan
 from fxsplit.planning.fingerprint import record_origin
 from fxsplit.planning.offload import fit_or_offload
 from fxsplit.planning.plan import Plan
+from fxsplit.planning.timing import timing_for, timing_record
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import Traced, trace
@@ -66,11 +68,13 @@ def _options(raw: Mapping[str, Any]) -> Options:
         options = dataclasses.replace(options, pipeline=PipelineConfig.coerce(options.pipeline))
     if options.trace not in TRACE_MODES:
         raise SpecError(f"trace must be one of {', '.join(TRACE_MODES)} (got {options.trace!r})")
-    if options.objective not in OBJECTIVES:
+    if options.objective is not None and options.objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)} (got {options.objective!r})")
     MemorySpec.coerce(options.mode, options.optimizer)
     if options.offload is not None:
         options = dataclasses.replace(options, offload=Offload.coerce(options.offload))
+    if options.hardware is not None:
+        options = dataclasses.replace(options, hardware=Hardware.coerce(options.hardware))
     describe_dynamic(options.dynamic_shapes)
     return options
 
@@ -148,10 +152,14 @@ def trace_and_plan(
         memory = dataclasses.replace(memory, chunks=pipeline.chunks, checkpoint=str(pipeline.checkpoint))
     problem = memory.problem()
     contiguous = options.contiguous or options.pipeline is not None
+    objective = options.chosen_objective
+    timing = timing_for(options, traced.graph_module, costs.ops, devices, dtype=dtype, training=memory.spec.training)
 
     def split(caps: Sequence[int]) -> Partition:
         try:
-            return partition(problem, caps, objective=options.objective, device_names=devices, contiguous=contiguous)
+            return partition(
+                problem, caps, objective=objective, device_names=devices, contiguous=contiguous, timing=timing
+            )
         except BudgetError as error:
             better = explain_infeasible_pins(
                 error, problem, list(caps), devices, pins, len(together), locate, contiguous=contiguous
@@ -169,7 +177,7 @@ def trace_and_plan(
             caps=caps,
             output_device=output_device,
             trace=traced.method,
-            objective=options.objective,
+            objective=objective,
             repartition=split,
         )
 
@@ -178,6 +186,8 @@ def trace_and_plan(
     made = record_origin(made, model, dtype, leaves, dynamic, traced.graph_module)
     if uncounted is not None:
         made = dataclasses.replace(made, activations_not_counted=uncounted)
+    if timing is not None:
+        made = dataclasses.replace(made, timing=timing_record(made, costs.ops, problem, timing, options))
     if options.check:
         verify_plan(made, traced.graph_module, model)
     return Planned(traced, costs, made, options, memory)

@@ -36,7 +36,8 @@ __all__ = [
 ]
 
 TRACE_MODES = ("auto", "fx", "export")  # trace: torch.export with a torch.fx fallback, or one of them
-OBJECTIVES = ("min_transfer", "balanced")  # objective: fewest bytes copied, or the most even devices
+# objective: fewest bytes copied, the most even devices, the fastest pipeline, the shortest forward
+OBJECTIVES = ("min_transfer", "balanced", "throughput", "latency")
 MODES = ("inference", "training", "weights")  # mode: what the budgets hold
 OPTIMIZERS = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}  # optimizer: state tensors per parameter
 DYNAMIC_SHAPES = ("batch", "all")  # dynamic_shapes shorthands: which input sizes an export split keeps variable
@@ -315,7 +316,13 @@ class Options:
         output_device: where the outputs are returned (None: the device of
             the last op).
         objective: what the partitioner optimises, one of :data:`OBJECTIVES`:
-            ``"min_transfer"`` (fewest bytes copied) or ``"balanced"``.
+            ``"min_transfer"`` (fewest bytes copied), ``"balanced"`` (most
+            even parameter bytes), ``"throughput"`` (contiguous stages whose
+            slowest stage, compute plus the copies it receives, is fastest)
+            or ``"latency"`` (the shortest forward, stages one after
+            another); times come from ``hardware`` or ``profile``. None
+            (the default): ``"throughput"`` with ``pipeline``, else
+            ``"min_transfer"``.
         pins: module path or glob -> the device its ops and tensors must go to.
         pipeline: run micro-batches through the stages: a :class:`PipelineConfig`,
             a mapping (``{"chunks": 4}``) or an int (chunks); None: no
@@ -341,6 +348,14 @@ class Options:
             streamed from: an :class:`Offload` or a mapping (``{"host":
             "16GiB", "disk": "100GiB", "dir": "offload/"}``); None: the
             budgets must hold the whole model. Inference only.
+        hardware: device speeds and links for time estimates: a
+            :class:`~fxsplit.hardware.Hardware` or a mapping (``{"devices":
+            {"cuda": {"flops": "300T", "bandwidth": "2TB/s"}}, "links":
+            {"cuda:0 <-> cuda:1": {"bandwidth": "300GB/s"}}}``); None: the
+            defaults of :mod:`fxsplit.hardware`.
+        profile: time every op by running it on each kind of device the
+            budgets name (a few repeats) instead of estimating from FLOPs and
+            bytes; needs real weights and ``example_inputs``.
     """
 
     example_kwargs: Mapping[str, Any] | None = None
@@ -348,7 +363,7 @@ class Options:
     leaf_modules: Iterable[type | str] = ()
     concrete_args: Mapping[str, Any] | None = None
     output_device: Any = None
-    objective: str = "min_transfer"
+    objective: str | None = None
     pins: Mapping[str, Any] | None = None
     pipeline: PipelineConfig | Mapping[str, Any] | int | None = None
     contiguous: bool = False
@@ -361,3 +376,12 @@ class Options:
     optimizer: str | int | None = None
     dynamic_shapes: Any = None
     offload: Offload | Mapping[str, Any] | None = None
+    hardware: Any = None
+    profile: bool = False
+
+    @property
+    def chosen_objective(self) -> str:
+        """The objective planned for: the one given, else ``"throughput"`` with a pipeline, else ``"min_transfer"``."""
+        if self.objective is not None:
+            return self.objective
+        return "throughput" if self.pipeline is not None else "min_transfer"

@@ -90,6 +90,7 @@ _CHECKS: dict[str, Callable[[str, Any], None]] = {
     "pins": _mapping("{'lm_head': 'cuda:1'}"),
     "contiguous": _bool,
     "check": _bool,
+    "profile": _bool,
     "dynamic_shapes": _dynamic_shapes,
 }
 """Options whose type is checked here; the others are checked where they are parsed: sizes, devices, specs,

@@ -148,8 +148,9 @@ def candidates(ctx: Context, relay: list[int] | None) -> np.ndarray:
     return np.array(sorted(chosen))
 
 
-def cut_cost_matrix(ctx: Context, cands: np.ndarray) -> np.ndarray:
-    """``C[i, j]``: bytes copied into a device that runs ops ``[cands[i], cands[j])``."""
+def cut_cost_matrix(ctx: Context, cands: np.ndarray, *, count: bool = False) -> np.ndarray:
+    """``C[i, j]``: bytes copied into a device that runs ops ``[cands[i], cands[j])`` (with ``count``: how many
+    values are)."""
     m = len(cands)
     increments = np.zeros((m, m + 1))
     spanning = [v for v in ctx.problem.values if v.nbytes and v.consumers and v.last > v.start]
@@ -170,7 +171,7 @@ def cut_cost_matrix(ctx: Context, cands: np.ndarray) -> np.ndarray:
         next_use = consumers[np.searchsorted(consumers, positions, side="left")]
         rows.append(np.arange(lo, hi))
         cols.append(np.searchsorted(cands, next_use, side="right"))
-        sizes.append(np.full(hi - lo, value.nbytes, dtype=np.float64))
+        sizes.append(np.full(hi - lo, 1 if count else value.nbytes, dtype=np.float64))
     if rows:
         np.add.at(increments, (np.concatenate(rows), np.concatenate(cols)), np.concatenate(sizes))
     return np.cumsum(increments, axis=1)[:, :m]

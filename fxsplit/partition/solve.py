@@ -40,15 +40,16 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-from fxsplit.errors import SpecError
+from fxsplit.errors import BudgetError, SpecError
 from fxsplit.options import OBJECTIVES
 from fxsplit.partition.colocate import colocate
-from fxsplit.partition.contiguous import EXACT_LIMIT
+from fxsplit.partition.contiguous import EXACT_LIMIT, devices_of
 from fxsplit.partition.infeasible import ANY_ORDER, IN_ORDER, raise_infeasible
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.refine import device_loads
 from fxsplit.partition.result import Partition, placement_problems, transfer_bytes
 from fxsplit.partition.strategies import CONTIGUOUS_STRATEGIES, DEFAULT_STRATEGIES, Search, Strategy
+from fxsplit.partition.throughput import TIME_OBJECTIVES, Timing, fastest_boundaries, stage_times, time_of
 
 __all__ = ["EXACT_LIMIT", "OBJECTIVES", "Partition", "partition", "transfer_bytes"]
 
@@ -61,6 +62,7 @@ def partition(
     device_names: Sequence[str] | None = None,
     contiguous: bool = False,
     strategies: Sequence[Strategy] | None = None,
+    timing: Timing | None = None,
 ) -> Partition:
     """Place every op on a device so that each device's resident bytes fit its budget.
 
@@ -78,13 +80,17 @@ def partition(
         strategies: the strategies to run, in order (see :mod:`fxsplit.partition.strategies`);
             None: :data:`~fxsplit.partition.strategies.DEFAULT_STRATEGIES`, or
             :data:`~fxsplit.partition.strategies.CONTIGUOUS_STRATEGIES` with ``contiguous=True``.
+        timing: seconds per op on each device and the links between them, for the time objectives
+            ``"throughput"`` (contiguous stages, the slowest one fastest) and ``"latency"`` (the shortest
+            forward: the fastest contiguous placement, or the out-of-order one that copies fewest bytes
+            when that is faster); see :mod:`fxsplit.partition.throughput`.
 
     Raises:
         BudgetError: no strategy found a placement that fits; the message says what and by how much.
         SpecError: pins contradict the device order, the objective is unknown, a budget is negative,
             ``strategies`` is empty or holds something other than a callable, or a strategy returned a
             placement that breaks a budget, a pin or a together-constraint (or, with
-            ``contiguous=True``, is not contiguous).
+            ``contiguous=True``, is not contiguous); a time objective without ``timing``.
     """
     if objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)} (got {objective!r})")
@@ -98,6 +104,8 @@ def partition(
     _check_pin_order(problem, names)
     if problem.num_ops == 0:
         return Partition((), 0, (0,) * len(budgets))
+    if objective in TIME_OBJECTIVES:
+        return _fastest(problem, budgets, objective, timing, names, contiguous)
     if contiguous:
         problem = problem.glued()  # a colocated group in a contiguous placement: no cut inside its span
     search = Search(problem, budgets, objective)
@@ -127,6 +135,39 @@ def partition(
     return Partition(best, cost, tuple(device_loads(problem, best, len(budgets))))
 
 
+def _fastest(
+    problem: PartitionProblem,
+    budgets: Sequence[int],
+    objective: str,
+    timing: Timing | None,
+    names: list[str],
+    contiguous: bool,
+) -> Partition:
+    """The time objectives: the fastest contiguous placement; for ``"latency"`` out of order, also the
+    placement that copies fewest bytes, when it is faster."""
+    if timing is None or timing.op_seconds.shape != (len(budgets), problem.num_ops):
+        raise SpecError(
+            f"objective {objective!r} needs the seconds of each of the {problem.num_ops} ops on each of "
+            f"the {len(budgets)} devices (timing=...)"
+        )
+    glued = problem.glued()
+    search = Search(glued, budgets)
+    found: list[tuple[int, ...]] = []
+    if not search.contiguous_unfit:
+        boundaries = fastest_boundaries(search.context, timing, objective, search.candidates)
+        if boundaries is not None:
+            found.append(_checked(search, fastest_boundaries, devices_of(glued.num_ops, boundaries), True))
+    if objective == "latency" and not contiguous:
+        try:
+            found.append(partition(problem, budgets, device_names=names).op_devices)
+        except BudgetError:
+            pass
+    if not found:
+        raise_infeasible(search.context, names, IN_ORDER if objective == "throughput" or contiguous else ANY_ORDER)
+    best = min(found, key=lambda p: time_of(stage_times(problem, p, timing), objective))
+    return Partition(best, transfer_bytes(problem, best), tuple(device_loads(problem, best, len(budgets))))
+
+
 def _strategy_list(strategies: Sequence[Strategy] | None, contiguous: bool) -> tuple[Strategy, ...]:
     if strategies is None:
         return CONTIGUOUS_STRATEGIES if contiguous else DEFAULT_STRATEGIES
@@ -145,7 +186,7 @@ def _strategy_list(strategies: Sequence[Strategy] | None, contiguous: bool) -> t
     return chosen
 
 
-def _checked(search: Search, strategy: Strategy, found: Sequence[int], contiguous: bool) -> tuple[int, ...]:
+def _checked(search: Search, strategy: object, found: Sequence[int], contiguous: bool) -> tuple[int, ...]:
     """``found`` as a tuple, after checking it: one device index per op, every budget, pin and together-group held."""
     problems = placement_problems(search.problem, found, search.budgets)
     if not problems and contiguous and any(a > b for a, b in itertools.pairwise(found)):
@@ -166,7 +207,7 @@ def _how(chosen: tuple[Strategy, ...], contiguous: bool) -> str:
     return f"without exceeding a budget by the strategies given ({', '.join(_name(s) for s in chosen)})"
 
 
-def _name(strategy: Strategy) -> str:
+def _name(strategy: object) -> str:
     return repr(getattr(strategy, "__name__", None) or strategy)
 
 

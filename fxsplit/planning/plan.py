@@ -102,6 +102,14 @@ class Plan:
         mutated: name -> bytes of each parameter or buffer the forward writes
             in place (a KV cache, running statistics): it lives on the device
             of the ops that write it and keeps its value there between calls.
+        timing: time estimates, when the plan was made for time (a time
+            objective, a pipeline, ``hardware`` or ``profile``), else empty:
+            ``source`` (``"estimate"`` or ``"profile"``), ``chunks`` (the
+            pipeline's micro-batches, or None), ``training`` and ``stages``:
+            device -> ``{"compute": s, "copies": s}``, the seconds its ops
+            take and the copies it receives, per forward (per micro-batch
+            with a pipeline; per training step in training). See
+            :mod:`fxsplit.planning.timetable`.
         activations_not_counted: why the plan does not count activations
             (and, without sizes, cut bytes) although its memory mode does,
             e.g. ``"no example_inputs, so the graph has no sizes"``; None
@@ -132,6 +140,7 @@ class Plan:
     stored_bytes: dict[str, int] = field(default_factory=dict)
     constants: dict[str, str] = field(default_factory=dict)
     mutated: dict[str, int] = field(default_factory=dict)
+    timing: dict[str, Any] = field(default_factory=dict)
 
     @property
     def usable(self) -> dict[str, int]:
@@ -192,6 +201,7 @@ class Plan:
             "stored_bytes": dict(self.stored_bytes),
             "constants": dict(self.constants),
             "mutated": dict(self.mutated),
+            "timing": dict(self.timing),
         }
 
     @classmethod
@@ -222,6 +232,7 @@ class Plan:
             stored_bytes=dict(data.get("stored_bytes", {})),
             constants=dict(data.get("constants", {})),
             mutated=dict(data.get("mutated", {})),
+            timing=dict(data.get("timing", {})),
         )
 
     def to_yaml(self) -> str:
@@ -293,6 +304,10 @@ class Plan:
         lines.extend(self._empty_devices_note())
         if self.memory:
             lines.extend(self._memory_table())
+        if self.timing:
+            from fxsplit.planning.timetable import time_lines
+
+            lines.extend(time_lines(self.timing))
         if self.activations_not_counted:
             lines.append(
                 f"activations not counted: {self.activations_not_counted}; "
@@ -356,7 +371,7 @@ class Plan:
         """One line when devices were left empty because that copies fewer bytes, naming the option that spreads."""
         busy = set(self.placement.values()) | set(self.param_devices.values())
         empty = [d for d in self.devices if d not in busy]
-        if not empty or self.objective != "min_transfer":
+        if not empty or self.objective not in ("min_transfer", "latency"):
             return []
         if self.streamed:
             return [
@@ -366,7 +381,7 @@ class Plan:
         return [
             f"empty: {', '.join(empty)}: the model fits on the other device(s), and leaving "
             f"{'it' if len(empty) == 1 else 'them'} empty copies the fewest bytes; objective='balanced' "
-            "spreads the model over every device"
+            "spreads the model over every device, objective='throughput' makes the fastest pipeline of them"
         ]
 
     def _memory_table(self) -> list[str]:

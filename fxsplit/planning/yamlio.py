@@ -159,6 +159,8 @@ def plan_to_yaml(plan: Plan) -> str:
         stored = ", ".join(f"{t} {format_size(n)}" for t, n in plan.stored_bytes.items())
         lines.append(f"offload: {_flow_map(dict(plan.offload))}  # stored: {stored or 'nothing'}")
         lines.append(f"stored_bytes: {_flow_map(dict(plan.stored_bytes))}")
+    if plan.timing:
+        lines.append(f"timing: {_flow_map(dict(plan.timing))}  # seconds per stage: compute, copies received")
     lines.append("# ---- full placement (exact; the summary above is derived from it) ----")
     lines.append("modules:" if plan.modules else "modules: {}")
     for device, paths in plan.modules.items():
@@ -301,6 +303,9 @@ class _Reader:
             "stored_bytes": dict(
                 self.optional(data, "stored_bytes", lambda v: _is_map(v, _is_int), "tier -> bytes") or {}
             ),
+            "timing": dict(
+                self.optional(data, "timing", _is_timing, "{source, chunks, training, stages: {device: seconds}}") or {}
+            ),
         }
         if self.problems:
             return None
@@ -349,6 +354,18 @@ def _is_offload(value: Any) -> bool:
         and set(value) <= {"host", "disk", "dir", "prefetch"}
         and all(value.get(t) is None or _is_int(value[t]) for t in ("host", "disk", "prefetch"))
         and (value.get("dir") is None or _is_str(value["dir"]))
+    )
+
+
+def _is_timing(value: Any) -> bool:
+    seconds = lambda row: _is_map(row, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))  # noqa: E731
+    return (
+        isinstance(value, dict)
+        and set(value) == {"source", "chunks", "training", "stages"}
+        and _is_str(value["source"])
+        and (value["chunks"] is None or _is_int(value["chunks"]))
+        and isinstance(value["training"], bool)
+        and _is_map(value["stages"], seconds)
     )
 
 

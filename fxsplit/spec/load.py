@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fxsplit.errors import SpecError
+from fxsplit.hardware import Hardware
 from fxsplit.options import DYNAMIC_SHAPES, MODES, OBJECTIVES, OPTIMIZERS, TRACE_MODES, PipelineConfig
 from fxsplit.reserve import parse_headroom
 from fxsplit.spec.dtype import DTYPES
@@ -116,6 +117,11 @@ def _validate(
     if "dynamic_shapes" in data:
         dynamic = check.choice(data["dynamic_shapes"], DYNAMIC_SHAPES, ("dynamic_shapes",))
     offload = read_offload(check, data["offload"], folder) if "offload" in data else None
+    hardware = check.attempt(("hardware",), partial(Hardware.coerce, data["hardware"])) if "hardware" in data else None
+    profile = data.get("profile")
+    if profile is not None and not isinstance(profile, bool):
+        check.problem(("profile",), f"must be true or false (got {_short(profile)})")
+        profile = None
     output = None
     if "output_device" in data:
         output = check.attempt(("output_device",), lambda: spec_device(data["output_device"]))
@@ -138,6 +144,8 @@ def _validate(
         optimizer=optimizer,
         dynamic_shapes=dynamic,
         offload=offload,
+        hardware=hardware,
+        profile=profile,
         source=source,
         lines=dict(lines),
     )

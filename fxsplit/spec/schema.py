@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fxsplit.hardware import Hardware
 from fxsplit.options import Offload, PipelineConfig
 from fxsplit.reserve import Headroom
 from fxsplit.yamlfile import YamlPath, YamlProblems, format_path
@@ -27,6 +28,8 @@ SPEC_KEYS = (
     "optimizer",
     "dynamic_shapes",
     "offload",
+    "hardware",
+    "profile",
 )
 DEVICE_KEYS = ("budget", "reserve")
 OFFLOAD_KEYS = tuple(Offload.__dataclass_fields__)  # host, disk, dir, prefetch
@@ -49,7 +52,7 @@ class Spec:
         leaf_modules: module paths or class names fx must not trace into.
         trace: ``"auto"``, ``"fx"`` or ``"export"``.
         output_device: where outputs are returned.
-        objective: ``"min_transfer"`` or ``"balanced"``.
+        objective: ``"min_transfer"``, ``"balanced"``, ``"throughput"`` or ``"latency"``.
         dtype: plan as if floating tensors had this dtype (``"bfloat16"``).
         pipeline: micro-batch pipelining (``{chunks: 4, checkpoint: except_last}``), or None.
         contiguous: keep each device's ops one consecutive run, in device order (None: the default, False).
@@ -58,6 +61,9 @@ class Spec:
         dynamic_shapes: input sizes a torch.export split keeps variable: ``"batch"`` or ``"all"``.
         offload: where weights the devices cannot hold are stored (``{host: 16GiB, disk: 100GiB,
             dir: offload/}``), or None. A relative ``dir`` in a spec file is relative to the file's folder.
+        hardware: device speeds and links for time estimates (``{devices: {cuda: {flops: 300T}}, links:
+            {cuda:0 <-> cuda:1: {bandwidth: 300GB/s}}}``), or None.
+        profile: time the ops by running them instead of estimating (None: the default, False).
         source: the file name, for messages.
         lines: YAML path -> line number, for messages that come later.
     """
@@ -78,6 +84,8 @@ class Spec:
     optimizer: str | int | None = None
     dynamic_shapes: str | None = None
     offload: Offload | None = None
+    hardware: Hardware | None = None
+    profile: bool | None = None
     source: str = "<spec>"
     lines: dict[YamlPath, int] = field(default_factory=dict, compare=False, repr=False)
 

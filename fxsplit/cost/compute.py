@@ -1,0 +1,209 @@
+"""What each op of a traced graph computes: FLOPs and bytes moved, from the shapes the trace recorded.
+
+Shapes come from ``node.meta["val"]`` (fake tensors, so a model on ``meta``
+is estimated like any other). FLOPs, per op:
+
+* ATen ops (torch.export graphs): torch's own FLOP formulas
+  (``torch.utils.flop_counter``'s registry: matmuls, convolutions, attention);
+* torch.fx ops: matrix products (``linear``, ``matmul``, ``bmm``, ``addmm``,
+  ``nn.Linear``), convolutions (functional and ``nn.Conv*``) and
+  ``scaled_dot_product_attention`` by their formulas; an embedding lookup 0;
+  another module with parameters 2 FLOPs per parameter per row of its output;
+* anything else (elementwise ops, norms, reductions): one FLOP per output
+  element.
+
+Bytes moved: the tensors an op reads (its inputs, and a module's own
+parameters) and writes. Views, ``getitem`` and other ops that make no new
+tensor cost nothing. :func:`op_seconds` turns the work into seconds on a
+device (:class:`~fxsplit.hardware.DeviceSpeed`: a roofline plus a cost per op).
+
+>>> import torch, torch.fx
+>>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU()))
+>>> from torch.fx.passes.shape_prop import ShapeProp
+>>> _ = ShapeProp(gm).propagate(torch.randn(8, 64))
+>>> work = op_work(gm, [n for n in gm.graph.nodes if n.op == "call_module"])
+>>> work.flops.tolist(), work.nbytes.tolist()  # 2*8*64*32; 8*32; bytes: x + weight + bias + out, in + out
+([32768.0, 256.0], [11392.0, 2048.0])
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from fxsplit.hardware import DeviceSpeed
+from fxsplit.tracing.graphinfo import element_size, value_bytes
+
+__all__ = ["Work", "op_seconds", "op_work"]
+
+
+@dataclass(frozen=True)
+class Work:
+    """FLOPs and bytes moved per op, in the order of the ops given.
+
+    Attributes:
+        flops: floating-point operations per op.
+        nbytes: bytes each op reads and writes.
+        free: True for ops that make no new tensor (views, ``getitem``): they cost no time.
+        known: False when the graph had no shapes (every op then counts as one unit of work).
+    """
+
+    flops: np.ndarray
+    nbytes: np.ndarray
+    free: np.ndarray
+    known: bool = True
+
+
+_MATMULS = {torch.matmul, operator.matmul, torch.mm, torch.bmm, "matmul", "mm", "bmm"}
+_ADD_MATMULS = {torch.addmm, torch.baddbmm, "addmm", "baddbmm"}
+_CONVS = {F.conv1d, F.conv2d, F.conv3d}
+_TRANSPOSED_CONVS = {F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
+_VIEW_NAMES = {
+    "view",
+    "reshape",
+    "permute",
+    "transpose",
+    "t",
+    "unsqueeze",
+    "squeeze",
+    "flatten",
+    "unflatten",
+    "expand",
+    "narrow",
+    "select",
+    "split",
+    "chunk",
+    "unbind",
+    "view_as",
+    "expand_as",
+    "size",
+    "dim",
+    "contiguous",
+    "detach",
+    "alias",
+    "getitem",
+}
+
+
+def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *, dtype: Any = None) -> Work:
+    """FLOPs and bytes per op of ``ops`` (nodes of ``graph_module``), from their recorded shapes.
+
+    ``dtype`` (a floating dtype) counts floating tensors as if they had it, as planning with ``dtype=`` does.
+    Without shapes every op counts one FLOP and one byte (``known`` False).
+    """
+    n = len(ops)
+    flops, nbytes, free = np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool)
+    if not any("val" in node.meta or "tensor_meta" in node.meta for node in ops):
+        return Work(np.ones(n), np.ones(n), free, known=False)
+    modules = dict(graph_module.named_modules())
+    for index, node in enumerate(ops):
+        if _is_free(node):
+            free[index] = True
+            continue
+        module = modules.get(str(node.target)) if node.op == "call_module" else None
+        try:
+            flops[index] = _flops(node, module)
+        except Exception:  # noqa: BLE001 - a formula that cannot read these shapes: count the op as elementwise
+            flops[index] = _numel(_value(node))
+        nbytes[index] = _bytes_moved(node, module, dtype)
+    return Work(flops, nbytes, free)
+
+
+def op_seconds(work: Work, speed: DeviceSpeed) -> np.ndarray:
+    """Seconds per op on a device of ``speed``: ``overhead + max(flops / peak, bytes / bandwidth)``; 0 for free ops."""
+    roofline = np.maximum(work.flops / speed.flops, work.nbytes / speed.bandwidth)
+    return np.where(work.free, 0.0, speed.overhead + roofline)
+
+
+def _is_free(node: torch.fx.Node) -> bool:
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return bool(target.is_view) or target.overloadpacket.__name__ in ("sym_size", "_assert_tensor_metadata")
+    name = getattr(target, "__name__", target) if node.op == "call_function" else target
+    return node.op in ("call_method", "call_function") and str(name) in _VIEW_NAMES
+
+
+def _value(node: Any) -> Any:
+    if not isinstance(node, torch.fx.Node):
+        return node
+    return node.meta.get("val", node.meta.get("tensor_meta"))
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in _value(value).shape)
+
+
+def _numel(value: Any) -> float:
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return 0.0
+    return float(math.prod(int(s) for s in shape))
+
+
+def _flops(node: torch.fx.Node, module: torch.nn.Module | None) -> float:
+    out = _value(node)
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        from torch.utils.flop_counter import flop_registry
+
+        formula = flop_registry.get(target.overloadpacket)
+        if formula is None:
+            return _numel(out)
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _value)
+        return float(formula(*args, **kwargs, out_val=out))
+    if module is not None:
+        return _module_flops(module, node, out)
+    if target in _MATMULS or target in _ADD_MATMULS:  # functions, or method names
+        first = node.args[1] if target in _ADD_MATMULS else node.args[0]
+        return 2.0 * _numel(out) * _shape(first)[-1]
+    if target is F.linear:
+        return 2.0 * _numel(out) * _shape(node.args[0])[-1]
+    if target in _CONVS:
+        weight = _shape(node.args[1])
+        return 2.0 * _numel(out) * math.prod(weight[1:])
+    if target in _TRANSPOSED_CONVS:
+        weight = _shape(node.args[1])
+        return 2.0 * _numel(_value(node.args[0])) * math.prod(weight[1:])
+    if target is F.scaled_dot_product_attention:
+        query, key = _shape(node.args[0]), _shape(node.args[1])
+        return 4.0 * math.prod(query[:-1]) * key[-2] * query[-1]
+    if target is F.embedding:
+        return 0.0
+    return _numel(out)
+
+
+def _module_flops(module: torch.nn.Module, node: torch.fx.Node, out: Any) -> float:
+    if isinstance(module, torch.nn.Linear):
+        return 2.0 * _numel(out) * module.in_features
+    if isinstance(module, torch.nn.modules.conv._ConvNd):
+        kernel = math.prod(module.weight.shape[1:])
+        if module.transposed:
+            return 2.0 * _numel(_value(node.args[0])) * kernel
+        return 2.0 * _numel(out) * kernel
+    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+        return 0.0
+    params = sum(p.numel() for p in module.parameters())
+    shape = getattr(out, "shape", None)
+    if params and shape is not None and len(shape) >= 1 and int(shape[-1]):
+        rows = _numel(out) / int(shape[-1])
+        return 2.0 * params * rows
+    return _numel(out)
+
+
+def _bytes_moved(node: torch.fx.Node, module: torch.nn.Module | None, dtype: Any) -> float:
+    total = float(value_bytes(node, float_dtype=dtype) or 0)
+    for source in dict.fromkeys(node.all_input_nodes):
+        total += float(value_bytes(source, float_dtype=dtype) or 0)
+    if module is not None:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            total += tensor.numel() * element_size(tensor.dtype, dtype)
+    return total

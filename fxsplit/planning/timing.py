@@ -1,0 +1,102 @@
+"""Time for planning: seconds per op on each device (:func:`op_timing`) and the stage times a plan gets
+(:func:`timing_record`, kept in :attr:`Plan.timing <fxsplit.planning.plan.Plan.timing>`).
+
+Op seconds are estimated from each op's FLOPs and bytes (:mod:`fxsplit.cost.compute`) on the
+device's speed (:class:`~fxsplit.hardware.Hardware`), or measured (``profile=True``). A training
+step counts each op three times (forward, and a backward of about twice its work) and each copy
+twice (the value forward, its gradient back).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.fx
+
+from fxsplit.cost.compute import op_seconds, op_work
+from fxsplit.hardware import Hardware
+from fxsplit.options import Options, PipelineConfig
+from fxsplit.partition.problem import PartitionProblem
+from fxsplit.partition.throughput import Timing, stage_times
+from fxsplit.planning.plan import Plan
+
+__all__ = ["TRAINING_COMPUTE", "TRAINING_COPIES", "op_timing", "timing_for", "timing_record", "wants_timing"]
+
+TRAINING_COMPUTE = 3.0  # a training step's work per op, in forwards: the forward and a backward of about two
+TRAINING_COPIES = 2.0  # a training step's copies per cut: the value forward and its gradient back
+
+
+def op_timing(
+    graph_module: torch.fx.GraphModule,
+    ops: Sequence[torch.fx.Node],
+    devices: Sequence[str],
+    hardware: Hardware,
+    *,
+    dtype: torch.dtype | None = None,
+    training: bool = False,
+    measured: Mapping[str, Sequence[float]] | None = None,
+) -> Timing:
+    """Seconds of every op of ``ops`` on every device of ``devices``, and the links between them.
+
+    ``measured``: device -> seconds per op, measured (``profile=True``), used instead of the estimate
+    for the devices it names.
+    """
+    work = op_work(graph_module, ops, dtype=dtype)
+    rows = []
+    for device in devices:
+        if measured is not None and device in measured:
+            rows.append(np.asarray(measured[device], dtype=np.float64))
+        else:
+            rows.append(op_seconds(work, hardware.speed(device)))
+    links = [[hardware.link(a, b) for b in devices] for a in devices]
+    timing = Timing(
+        np.stack(rows) if rows else np.zeros((0, len(ops))),
+        np.array([[link.bandwidth for link in row] for row in links]),
+        np.array([[link.latency for link in row] for row in links]),
+    )
+    return timing.scaled(TRAINING_COMPUTE, TRAINING_COPIES) if training else timing
+
+
+def timing_for(
+    options: Options,
+    graph_module: torch.fx.GraphModule,
+    ops: Sequence[torch.fx.Node],
+    devices: Sequence[str],
+    *,
+    dtype: str | None,
+    training: bool,
+) -> Timing | None:
+    """The op times ``options`` plan with (:func:`op_timing`), or None when the plan is not made for time
+    (:func:`wants_timing`)."""
+    objective = options.chosen_objective
+    if not wants_timing(objective, options.pipeline, options.hardware, options.profile):
+        return None
+    hardware = Hardware.coerce(options.hardware)
+    return op_timing(
+        graph_module, ops, devices, hardware, dtype=getattr(torch, dtype) if dtype else None, training=training
+    )
+
+
+def timing_record(
+    plan: Plan, ops: Sequence[torch.fx.Node], problem: PartitionProblem, timing: Timing, options: Options
+) -> dict[str, Any]:
+    """What :attr:`Plan.timing` holds for ``plan``: each device's compute and received-copy seconds."""
+    index = {device: k for k, device in enumerate(plan.devices)}
+    op_devices = [index[plan.placement[op.name]] for op in ops]
+    stages = stage_times(problem, op_devices, timing)
+    pipeline = options.pipeline
+    return {
+        "source": "profile" if options.profile else "estimate",
+        "chunks": pipeline.chunks if isinstance(pipeline, PipelineConfig) else None,
+        "training": options.mode == "training",
+        "stages": {d: {"compute": c, "copies": x} for d, (c, x) in zip(plan.devices, stages, strict=True)},
+    }
+
+
+def wants_timing(objective: str, pipeline: Any, hardware: Any, profile: bool) -> bool:
+    """Whether a plan gets time estimates: a time objective, a pipeline, or hardware or profiling asked for."""
+    from fxsplit.partition.throughput import TIME_OBJECTIVES
+
+    return objective in TIME_OBJECTIVES or pipeline is not None or hardware is not None or profile
