@@ -153,7 +153,8 @@ def test_plan_says_why_devices_are_empty_and_which_option_spreads_the_model() ->
     assert set(plan.placement.values()) == {"cpu:0"}
     assert (
         "empty: cpu:1, cpu:2: the model fits on the other device(s), and leaving them empty copies the fewest "
-        "bytes; objective='balanced' spreads the model over every device"
+        "bytes; objective='balanced' spreads the model over every device, objective='throughput' makes the "
+        "fastest pipeline of them"
     ) in str(plan).splitlines()
     spread = fxsplit.plan(Small(), roomy, mode="weights", example_inputs=inputs(), trace="fx", objective="balanced")
     assert len(set(spread.placement.values())) == 3 and "empty:" not in str(spread)

@@ -136,7 +136,8 @@ def test_every_option_is_documented() -> None:
 def test_option_defaults_are_the_documented_choices() -> None:
     options = Options()
     assert options.trace == TRACE_MODES[0] == "auto"
-    assert options.objective == OBJECTIVES[0] == "min_transfer"
+    assert options.objective is None and options.chosen_objective == OBJECTIVES[0] == "min_transfer"
+    assert Options(pipeline=PipelineConfig(2)).chosen_objective == "throughput"
     assert options.mode == MODES[0] == "inference"
     assert (options.check, options.contiguous, options.pipeline, options.reserve) == (False, False, None, None)
 

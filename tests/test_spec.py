@@ -100,7 +100,11 @@ BAD_SPECS = [
         [(1, "trace", "must be one of auto, fx, export (got 'exprt'); did you mean 'export'?")],
         id="trace",
     ),
-    pytest.param("objective: 3", [(1, "objective", "must be one of min_transfer, balanced (got 3)")], id="objective"),
+    pytest.param(
+        "objective: 3",
+        [(1, "objective", "must be one of min_transfer, balanced, throughput, latency (got 3)")],
+        id="objective",
+    ),
     pytest.param("dtype: bf17", [(1, "dtype", "did you mean 'bf16'?")], id="dtype"),
     pytest.param("output_device: gpu", [(1, "output_device", "did you mean 'cuda'?")], id="output-device"),
     pytest.param("mode: trainig", [(1, "mode", "did you mean 'training'?")], id="mode"),

@@ -13,9 +13,10 @@ is estimated like any other). FLOPs, per op:
   element.
 
 Bytes moved: the tensors an op reads (its inputs, and a module's own
-parameters) and writes. Views, ``getitem`` and other ops that make no new
-tensor cost nothing. :func:`op_seconds` turns the work into seconds on a
-device (:class:`~fxsplit.hardware.DeviceSpeed`: a roofline plus a cost per op).
+parameters) and writes; an embedding lookup reads only the rows it returns.
+Views, ``getitem`` and other ops that make no new tensor cost nothing.
+:func:`op_seconds` turns the work into seconds on a device
+(:class:`~fxsplit.hardware.DeviceSpeed`: a roofline plus a cost per op).
 
 >>> import torch, torch.fx
 >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU()))
@@ -36,7 +37,6 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.fx
-import torch.nn.functional as F
 
 from fxsplit.hardware import DeviceSpeed
 from fxsplit.tracing.graphinfo import element_size, value_bytes
@@ -61,10 +61,11 @@ class Work:
     known: bool = True
 
 
-_MATMULS = {torch.matmul, operator.matmul, torch.mm, torch.bmm, "matmul", "mm", "bmm"}
-_ADD_MATMULS = {torch.addmm, torch.baddbmm, "addmm", "baddbmm"}
-_CONVS = {F.conv1d, F.conv2d, F.conv3d}
-_TRANSPOSED_CONVS = {F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
+_MATMULS = {"matmul", "mm", "bmm"}  # first argument times second
+_ADD_MATMULS = {"addmm", "baddbmm"}  # input plus first times second
+_CONVS = {"conv1d", "conv2d", "conv3d"}
+_TRANSPOSED_CONVS = {"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
+_LOOKUPS = {"embedding", "embedding_bag"}
 _VIEW_NAMES = {
     "view",
     "reshape",
@@ -149,35 +150,42 @@ def _numel(value: Any) -> float:
     return float(math.prod(int(s) for s in shape))
 
 
-def _flops(node: torch.fx.Node, module: torch.nn.Module | None) -> float:
-    out = _value(node)
+def _op_name(node: torch.fx.Node) -> str:
+    """The op's name: an ATen op's packet name, a torch function's name, or a method's name."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        from torch.utils.flop_counter import flop_registry
+        return str(target.overloadpacket.__name__)
+    if node.op == "call_method":
+        return str(target)
+    where = getattr(target, "__module__", None) or ""
+    torch_made = where.startswith("torch") or where in ("_operator", "operator") or where == ""
+    return str(getattr(target, "__name__", "")) if torch_made else ""
 
-        formula = flop_registry.get(target.overloadpacket)
-        if formula is None:
-            return _numel(out)
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _value)
-        return float(formula(*args, **kwargs, out_val=out))
+
+def _flops(node: torch.fx.Node, module: torch.nn.Module | None) -> float:
+    out = _value(node)
     if module is not None:
         return _module_flops(module, node, out)
-    if target in _MATMULS or target in _ADD_MATMULS:  # functions, or method names
-        first = node.args[1] if target in _ADD_MATMULS else node.args[0]
+    name = _op_name(node)
+    if name in _MATMULS or name in _ADD_MATMULS or name == "linear":
+        first = node.args[1] if name in _ADD_MATMULS else node.args[0]
         return 2.0 * _numel(out) * _shape(first)[-1]
-    if target is F.linear:
-        return 2.0 * _numel(out) * _shape(node.args[0])[-1]
-    if target in _CONVS:
-        weight = _shape(node.args[1])
-        return 2.0 * _numel(out) * math.prod(weight[1:])
-    if target in _TRANSPOSED_CONVS:
-        weight = _shape(node.args[1])
-        return 2.0 * _numel(_value(node.args[0])) * math.prod(weight[1:])
-    if target is F.scaled_dot_product_attention:
+    if name in _CONVS:
+        return 2.0 * _numel(out) * math.prod(_shape(node.args[1])[1:])
+    if name in _TRANSPOSED_CONVS:
+        return 2.0 * _numel(_value(node.args[0])) * math.prod(_shape(node.args[1])[1:])
+    if name == "scaled_dot_product_attention":
         query, key = _shape(node.args[0]), _shape(node.args[1])
         return 4.0 * math.prod(query[:-1]) * key[-2] * query[-1]
-    if target is F.embedding:
+    if name in _LOOKUPS:
         return 0.0
+    if isinstance(node.target, torch._ops.OpOverload):
+        from torch.utils.flop_counter import flop_registry
+
+        formula = flop_registry.get(node.target.overloadpacket)
+        if formula is not None:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _value)
+            return float(formula(*args, **kwargs, out_val=out))
     return _numel(out)
 
 
@@ -200,7 +208,10 @@ def _module_flops(module: torch.nn.Module, node: torch.fx.Node, out: Any) -> flo
 
 
 def _bytes_moved(node: torch.fx.Node, module: torch.nn.Module | None, dtype: Any) -> float:
-    total = float(value_bytes(node, float_dtype=dtype) or 0)
+    out = float(value_bytes(node, float_dtype=dtype) or 0)
+    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) or _op_name(node) in _LOOKUPS:
+        return 2.0 * out  # a lookup reads the rows it returns, not the whole table
+    total = out
     for source in dict.fromkeys(node.all_input_nodes):
         total += float(value_bytes(source, float_dtype=dtype) or 0)
     if module is not None:

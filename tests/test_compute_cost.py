@@ -1,0 +1,160 @@
+"""The compute cost model (fxsplit.cost.compute), device speeds (fxsplit.hardware) and plans made for time."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import fxsplit
+from fxsplit.api import trace_and_plan
+from fxsplit.cost.compute import op_seconds, op_work
+from fxsplit.errors import SpecError
+from fxsplit.hardware import DEFAULT_SPEEDS, Hardware, parse_flops, parse_rate, parse_seconds
+from fxsplit.planning.plan import Plan
+
+
+def _mlp(blocks: int = 8, width: int = 256) -> torch.nn.Sequential:
+    layers: list[torch.nn.Module] = []
+    for _ in range(blocks):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+class ConvHeavy(torch.nn.Module):
+    """Few weights, most of the compute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(32, 32, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).relu()
+
+
+class EmbeddingHeavy(torch.nn.Module):
+    """Most of the weights, little compute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(60_000, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids).sum(dim=1)
+
+
+def _work(model: torch.nn.Module, inputs: tuple, trace: str) -> tuple[float, float]:
+    planned = trace_and_plan(model, {"cpu:0": "1GiB"}, inputs, {"trace": trace, "mode": "weights"})
+    work = op_work(planned.traced.graph_module, planned.costs.ops)
+    seconds = op_seconds(work, DEFAULT_SPEEDS["cpu"])
+    return float(work.flops.sum()), float(seconds.sum())
+
+
+def _measured(model: torch.nn.Module, inputs: tuple, repeats: int = 7) -> float:
+    with torch.no_grad():
+        model(*inputs)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(*inputs)
+            times.append(time.perf_counter() - start)
+    return sorted(times)[repeats // 2]
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_linear_and_conv_flops_are_their_formulas(trace: str) -> None:
+    flops, _ = _work(torch.nn.Linear(64, 32), (torch.randn(8, 64),), trace)
+    assert flops == 2 * 8 * 64 * 32
+    conv, _ = _work(ConvHeavy(), (torch.randn(2, 32, 16, 16),), trace)
+    assert conv >= 2 * (2 * 32 * 16 * 16) * (32 * 3 * 3)  # the convolution; plus bias and relu elementwise
+    assert conv < 1.1 * 2 * (2 * 32 * 16 * 16) * (32 * 3 * 3)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_estimate_ranks_compute_against_weights_like_the_real_run(trace: str) -> None:
+    conv, ids = (torch.randn(4, 32, 32, 32),), (torch.randint(0, 60_000, (4, 16)),)
+    conv_bytes = sum(p.numel() * 4 for p in ConvHeavy().parameters())
+    embed_bytes = sum(p.numel() * 4 for p in EmbeddingHeavy().parameters())
+    assert conv_bytes * 100 < embed_bytes  # by weights the embedding is the big one...
+    _, conv_estimate = _work(ConvHeavy(), conv, trace)
+    _, embed_estimate = _work(EmbeddingHeavy(), ids, trace)
+    assert conv_estimate > 10 * embed_estimate  # ...by time the convolution
+    torch.manual_seed(0)
+    assert _measured(ConvHeavy(), conv) > 3 * _measured(EmbeddingHeavy(), ids)  # and so it runs
+
+
+def test_meta_models_are_estimated_from_shapes() -> None:
+    with torch.device("meta"):
+        model = _mlp(4, 1024)
+    plan = fxsplit.plan(
+        model,
+        {"cuda:0": "10MiB", "cuda:1": "10MiB"},
+        example_inputs=(torch.randn(32, 1024, device="meta"),),
+        objective="throughput",
+        trace="fx",
+    )
+    compute = {d: row["compute"] for d, row in plan.timing["stages"].items()}
+    assert compute["cuda:0"] == pytest.approx(compute["cuda:1"], rel=0.05)  # two blocks each
+    per_linear = 2 * 32 * 1024 * 1024 / DEFAULT_SPEEDS["cuda"].flops
+    assert compute["cuda:0"] > 2 * per_linear
+
+
+def test_pipeline_of_the_eight_block_mlp_spreads_over_four_devices_by_default() -> None:
+    model, x = _mlp(), torch.randn(64, 256)
+    budgets = {f"cpu:{k}": "8MiB" for k in range(4)}
+    pipelined = fxsplit.plan(model, budgets, example_inputs=(x,), pipeline=fxsplit.PipelineConfig(chunks=4))
+    assert pipelined.objective == "throughput"
+    assert [pipelined.modules[d] for d in pipelined.devices] == [
+        tuple(str(i) for i in range(4 * k, 4 * k + 4)) for k in range(4)
+    ]
+    totals = [row["compute"] + row["copies"] for row in pipelined.timing["stages"].values()]
+    assert max(totals) / (sum(totals) / 4) < 1.05
+    text = str(pipelined)
+    assert "bottleneck: cpu:" in text and "4 micro-batches: step ≈" in text and "bubble 43%" in text
+    plain = fxsplit.plan(model, budgets, example_inputs=(x,))  # no pipeline: fewest bytes, one device
+    assert set(plain.placement.values()) == {"cpu:0"} and not plain.timing
+    split = fxsplit.fxsplit(model, budgets, example_inputs=(x,), pipeline=4)
+    torch.testing.assert_close(split(x), model(x))
+
+
+def test_a_faster_device_gets_more_of_the_pipeline() -> None:
+    model, x = _mlp(), torch.randn(64, 256)
+    budgets = {"cpu:0": "8MiB", "cpu:1": "8MiB"}
+    hardware = {"devices": {"cpu:1": {"flops": "150G"}}}  # three times the default CPU's 50 GFLOP/s
+    plan = fxsplit.plan(model, budgets, example_inputs=(x,), pipeline=2, hardware=hardware)
+    linears = {d: sum(1 for m in plan.modules[d] if int(m) % 2 == 0) for d in plan.devices}
+    assert linears["cpu:1"] > linears["cpu:0"]
+
+
+def test_timing_survives_yaml_and_prints_for_training() -> None:
+    model, x = _mlp(4, 64), torch.randn(16, 64)
+    plan = fxsplit.plan(model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(x,), pipeline=2, mode="training")
+    assert plan.timing["training"] is True and plan.timing["chunks"] == 2
+    assert Plan.from_yaml(plan.to_yaml()) == plan
+    assert "per micro-batch training step (forward + backward)" in str(plan)
+
+
+def test_latency_objective_records_one_forward() -> None:
+    plan = fxsplit.plan(
+        _mlp(4, 64), {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(torch.randn(16, 64),), objective="latency"
+    )
+    assert plan.objective == "latency" and plan.timing["chunks"] is None
+    assert "stages one after another" in str(plan)
+
+
+def test_hardware_values_parse_and_bad_ones_say_how() -> None:
+    assert parse_flops("312 TFLOP/s") == 312e12 and parse_flops(1e9) == 1e9
+    assert parse_rate("25GiB/s") == 25 * 2**30 and parse_seconds("2ms") == 0.002
+    hw = Hardware.coerce({"links": {("cuda", "cuda"): {"bandwidth": "300GB/s"}}})
+    assert hw.link("cuda:0", "cuda:7").bandwidth == 300e9 and hw.link("cpu:0", "cuda:0").bandwidth == 25e9
+    with pytest.raises(SpecError, match="unknown hardware key"):
+        Hardware.coerce({"speeds": {}})
+    with pytest.raises(SpecError, match="must be positive"):
+        Hardware.coerce({"devices": {"cuda": {"flops": 0}}})
+    with pytest.raises(SpecError, match="like 'cuda:0 <-> cuda:1'"):
+        Hardware.coerce({"links": {"cuda:0": {"bandwidth": 1}}})
+    with pytest.raises(SpecError, match="rate like '25GB/s'"):
+        Hardware.coerce({"links": {"a <-> b": {"bandwidth": "25GB"}}})
+    with pytest.raises(SpecError, match="unknown option 'hardwares'"):
+        fxsplit.plan(torch.nn.Linear(2, 2), {"cpu:0": "1KiB"}, hardwares={})
