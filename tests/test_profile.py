@@ -199,3 +199,21 @@ def test_cuda_times_with_events_and_leaves_the_model_on_its_device(trace: str) -
     assert len(seconds) == 2 and all(s > 0 for s in seconds)
     assert seconds[0] > seconds[1], seconds  # the matmul, then the ReLU
     assert_unchanged(model, before)  # still on the CPU
+
+
+def test_inputs_unlike_the_exported_ones_are_refused() -> None:
+    made = planned(mlp(blocks=1, width=8), (torch.randn(4, 8),), "export")
+    match = r"do not match what torch.export traced \(Guard failed: .*one micro-batch"
+    with pytest.raises(SpecError, match=match) as caught:
+        profile(made, (torch.randn(6, 8),))
+    assert "While executing" not in str(caught.value)
+
+
+def test_the_random_generator_is_put_back() -> None:
+    x = torch.randn(4, 8)
+    made = planned(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).train(), (x,), "fx")
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    profile(made, (x,))
+    assert torch.equal(torch.rand(3), expected)

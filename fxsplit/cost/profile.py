@@ -14,7 +14,9 @@ scaling for it is the caller's job.
 
 The user's model and the traced graph keep their tensors, devices and values
 (the run writes, as a forward may, into the copies only), at the price of one
-copy of the weights on the device while it runs.
+copy of the weights on the device while it runs; the random number generators
+are put back as they were (dropout draws from them). Ops use the threads torch
+has (``torch.set_num_threads``): set them as the model will run.
 
 >>> import torch, fxsplit
 >>> from fxsplit.api import trace_and_plan
@@ -42,6 +44,7 @@ from fxsplit.devices import normalize_device, require_usable
 from fxsplit.errors import SpecError
 from fxsplit.memory.activations import replace_graph_tensors
 from fxsplit.memory.measure import flat_inputs
+from fxsplit.tracing.graphinfo import is_guard
 
 __all__ = ["profile_op_seconds"]
 
@@ -100,7 +103,9 @@ def profile_op_seconds(
     clock = _CudaClock(target, len(ops)) if target.type == "cuda" else _WallClock(len(ops))
     runner = _TimedRunner(graph_module, slots, clock)
     runs: list[list[float]] = []
-    with torch.no_grad(), _reparametrize_module(graph_module, copies, tie_weights=True, strict=False):
+    swapped = _reparametrize_module(graph_module, copies, tie_weights=True, strict=False)
+    rng = torch.random.fork_rng(devices=[target] if target.type == "cuda" else [])  # dropout draws; restored
+    with torch.no_grad(), swapped, rng:
         for done in range(warmup + repeats):
             fresh = tree_map_only(torch.Tensor, lambda t: t.detach().to(target, copy=True), inputs)
             clock.begin()
@@ -210,15 +215,25 @@ class _TimedRunner(torch.fx.Interpreter):
         self.clock = clock
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        slot = self.slots.get(n)
-        if slot is None:
-            return super().run_node(n)
+        try:
+            return self._timed(n) if n in self.slots else super().run_node(n)
+        except AssertionError as error:
+            if not is_guard(n):
+                raise
+            first = (str(error).strip().splitlines() or [""])[0]  # export's check of the inputs' sizes and values
+            self.extra_traceback = False  # this message says it all; torch's "While executing ..." is for op errors
+            raise SpecError(
+                f"{_REFUSAL} the example inputs do not match what torch.export traced ({first}); profile with "
+                "inputs like the traced ones (with pipeline=, one micro-batch of them)"
+            ) from None
+
+    def _timed(self, n: torch.fx.Node) -> Any:
         with self._set_current_node(n):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             call = self._call(n, tuple(args), dict(kwargs))
             started = self.clock.start()
             value = call()
-            self.clock.stop(slot, started)
+            self.clock.stop(self.slots[n], started)
         return value
 
     def _call(self, n: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
