@@ -104,7 +104,11 @@ def profile_op_seconds(
     runner = _TimedRunner(graph_module, slots, clock)
     runs: list[list[float]] = []
     swapped = _reparametrize_module(graph_module, copies, tie_weights=True, strict=False)
-    rng = torch.random.fork_rng(devices=[target] if target.type == "cuda" else [])  # dropout draws; restored
+    if target.type == "cuda":  # dropout draws from the generators: put them back after
+        index = target.index if target.index is not None else torch.cuda.current_device()
+        rng = torch.random.fork_rng(devices=[index], device_type="cuda")
+    else:
+        rng = torch.random.fork_rng(devices=[])
     with torch.no_grad(), swapped, rng:
         for done in range(warmup + repeats):
             fresh = tree_map_only(torch.Tensor, lambda t: t.detach().to(target, copy=True), inputs)
