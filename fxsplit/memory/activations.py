@@ -16,7 +16,7 @@ The model and the traced graph are not modified.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
@@ -29,7 +29,7 @@ from fxsplit.cost.build import GraphCosts, Weight
 from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory
 from fxsplit.planning.build import weights_by_node
 
-__all__ = ["profile_activations"]
+__all__ = ["profile_activations", "replace_graph_tensors"]
 
 
 class _Storages:
@@ -232,7 +232,25 @@ def profile_activations(
 
 
 def _fake_weights(graph_module: torch.fx.GraphModule, mode: Any, training: bool) -> dict[str, torch.Tensor]:
-    fakes: dict[str, torch.Tensor] = {}
+    def fake(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        made = mode.from_tensor(tensor.detach())
+        if training and isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+            made.requires_grad_(True)
+        return made
+
+    return replace_graph_tensors(graph_module, fake)
+
+
+def replace_graph_tensors(
+    graph_module: torch.fx.GraphModule, make: Callable[[str, torch.Tensor], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Every tensor the graph reads by name -> ``make(name, tensor)``, for ``_reparametrize_module``.
+
+    Parameters, buffers and the tensors ``get_attr`` nodes read (constants)
+    under each of their names; ``make`` is called once per tensor, with its
+    first name, and tied names share what it made. The graph is not modified.
+    """
+    made: dict[str, torch.Tensor] = {}
     named = [
         *graph_module.named_parameters(remove_duplicate=False),
         *graph_module.named_buffers(remove_duplicate=False),
@@ -244,16 +262,13 @@ def _fake_weights(graph_module: torch.fx.GraphModule, mode: Any, training: bool)
                 named.append((str(node.target), attr))
     by_id: dict[int, torch.Tensor] = {}
     for name, tensor in named:
-        if tensor is None or name in fakes:
+        if tensor is None or name in made:
             continue
-        fake = by_id.get(id(tensor))
-        if fake is None:
-            fake = mode.from_tensor(tensor.detach())
-            if training and isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
-                fake.requires_grad_(True)
-            by_id[id(tensor)] = fake
-        fakes[name] = fake
-    return fakes
+        replacement = by_id.get(id(tensor))
+        if replacement is None:
+            replacement = by_id[id(tensor)] = make(name, tensor)
+        made[name] = replacement
+    return made
 
 
 def _fake_input(value: Any, mode: Any) -> Any:

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 
 from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
 
-__all__ = ["ActivationMeter", "measure_forward", "measure_training"]
+__all__ = ["ActivationMeter", "flat_inputs", "measure_forward", "measure_training"]
 
 UNTAGGED = "?"
 
@@ -86,7 +86,7 @@ class ActivationMeter(TorchDispatchMode):
 
         Returns the flat list of the graph's outputs.
         """
-        flat = _flat_inputs(self.split, args, kwargs)
+        flat = flat_inputs(self.split, args, kwargs)
         for tensor in tree_leaves(flat):
             if isinstance(tensor, torch.Tensor):  # the caller's inputs are not activations
                 self._resident.add(StorageWeakRef(tensor.untyped_storage()))
@@ -235,7 +235,7 @@ class _Runner(torch.fx.Interpreter):
         return value
 
 
-def _flat_inputs(split: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+def flat_inputs(split: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The values of the graph's placeholders for ``split(*args, **kwargs)`` (defaults filled in)."""
     bound = inspect.signature(split.forward).bind(*args, **kwargs)
     bound.apply_defaults()
