@@ -158,3 +158,17 @@ def test_hardware_values_parse_and_bad_ones_say_how() -> None:
         Hardware.coerce({"links": {"a <-> b": {"bandwidth": "25GB"}}})
     with pytest.raises(SpecError, match="unknown option 'hardwares'"):
         fxsplit.plan(torch.nn.Linear(2, 2), {"cpu:0": "1KiB"}, hardwares={})
+
+
+def test_profile_plans_with_measured_times_and_refuses_meta() -> None:
+    model, x = _mlp(4, 256), torch.randn(64, 256)
+    threads = torch.get_num_threads()
+    plan = fxsplit.plan(model, {"cpu:0": "8MiB", "cpu:1": "8MiB"}, example_inputs=(x,), pipeline=2, profile=True)
+    assert torch.get_num_threads() == threads  # profiled on one thread, then put back
+    assert plan.timing["source"] == "profile" and "measured per op (profile=True)" in str(plan)
+    stages = [row["compute"] for row in plan.timing["stages"].values()]
+    assert all(s > 0 for s in stages) and max(stages) < 3 * min(stages)
+    with torch.device("meta"):
+        on_meta = _mlp(2, 64)
+    with pytest.raises(SpecError, match="profile=True runs the model: .* is on the meta device"):
+        fxsplit.plan(on_meta, {"cpu:0": "1MiB"}, example_inputs=(torch.randn(2, 64, device="meta"),), profile=True)

@@ -22,9 +22,19 @@ from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.throughput import Timing, stage_times
 from fxsplit.planning.plan import Plan
 
-__all__ = ["TRAINING_COMPUTE", "TRAINING_COPIES", "op_timing", "timing_for", "timing_record", "wants_timing"]
+__all__ = [
+    "PROFILE_REPEATS",
+    "TRAINING_COMPUTE",
+    "TRAINING_COPIES",
+    "measure_ops",
+    "op_timing",
+    "timing_for",
+    "timing_record",
+    "wants_timing",
+]
 
 TRAINING_COMPUTE = 3.0  # a training step's work per op, in forwards: the forward and a backward of about two
+PROFILE_REPEATS = 5  # runs of the graph per device with profile=True; each op's time is its median
 TRAINING_COPIES = 2.0  # a training step's copies per cut: the value forward and its gradient back
 
 
@@ -67,16 +77,58 @@ def timing_for(
     *,
     dtype: str | None,
     training: bool,
+    inputs: tuple[tuple[Any, ...] | None, Mapping[str, Any] | None] = (None, None),
 ) -> Timing | None:
     """The op times ``options`` plan with (:func:`op_timing`), or None when the plan is not made for time
-    (:func:`wants_timing`)."""
+    (:func:`wants_timing`). With ``profile``, measured on each device (:func:`measure_ops`) fed ``inputs``
+    (positional and keyword example inputs, as traced)."""
     objective = options.chosen_objective
     if not wants_timing(objective, options.pipeline, options.hardware, options.profile):
         return None
+    measured = measure_ops(graph_module, ops, devices, *inputs) if options.profile else None
     hardware = Hardware.coerce(options.hardware)
     return op_timing(
-        graph_module, ops, devices, hardware, dtype=getattr(torch, dtype) if dtype else None, training=training
+        graph_module,
+        ops,
+        devices,
+        hardware,
+        dtype=getattr(torch, dtype) if dtype else None,
+        training=training,
+        measured=measured,
     )
+
+
+def measure_ops(
+    graph_module: torch.fx.GraphModule,
+    ops: Sequence[torch.fx.Node],
+    devices: Sequence[str],
+    args: tuple[Any, ...] | None,
+    kwargs: Mapping[str, Any] | None,
+) -> dict[str, list[float]]:
+    """Device -> measured forward seconds per op (:func:`~fxsplit.cost.profile.profile_op_seconds`,
+    :data:`PROFILE_REPEATS` runs): once for all the ``cpu:N`` devices, which share the CPU, on one thread (a
+    logical CPU device stands for a core), and once per other device."""
+    from fxsplit.cost.profile import profile_op_seconds
+
+    measured: dict[str, list[float]] = {}
+    cpu: list[float] | None = None
+    for device in devices:
+        if device.split(":")[0] == "cpu":
+            if cpu is None:
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                try:
+                    cpu = profile_op_seconds(
+                        graph_module, ops, args, dict(kwargs or {}), "cpu", repeats=PROFILE_REPEATS
+                    )
+                finally:
+                    torch.set_num_threads(threads)
+            measured[device] = cpu
+        else:
+            measured[device] = profile_op_seconds(
+                graph_module, ops, args, dict(kwargs or {}), device, repeats=PROFILE_REPEATS
+            )
+    return measured
 
 
 def timing_record(

@@ -1,0 +1,68 @@
+"""The memory model a plan is charged by, from a traced graph: :func:`memory_model` (and the warning when
+activations cannot be counted)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.fx
+
+from fxsplit.cost.build import GraphCosts
+from fxsplit.errors import FxsplitWarning
+from fxsplit.gcpause import gc_paused
+from fxsplit.memory.activations import profile_activations
+from fxsplit.memory.model import MemoryModel, MemorySpec
+from fxsplit.tracing.capture import Traced
+
+__all__ = ["memory_model"]
+
+
+@gc_paused()
+def memory_model(
+    spec: MemorySpec, traced: Traced, costs: GraphCosts, model: torch.nn.Module, dtype: torch.dtype | None = None
+) -> tuple[MemoryModel, str | None]:
+    """What the plan charges: trainable parameters and, with shapes, the activation profile.
+
+    Also why the activations are not counted where ``spec`` counts them (warned), else None.
+    """
+    named = dict(model.named_parameters(remove_duplicate=False))
+    trainable = {
+        w.names[0]: named[w.names[0]].numel()
+        for w in costs.weights
+        if w.names[0] in named and named[w.names[0]].requires_grad
+    }
+    profile, uncounted = None, None
+    if spec.counts_activations and not traced.has_shapes:
+        uncounted = traced.shapes_missing or "the traced graph has no sizes"
+    elif spec.counts_activations:
+        try:
+            profile = profile_activations(traced.graph_module, costs, training=spec.training, dtype=dtype)
+        except Exception as error:  # noqa: BLE001 - fake execution of any graph can raise anything
+            first = (str(error).strip().splitlines() or [""])[0]
+            uncounted = f"profiling them on fake tensors failed ({type(error).__name__}: {first})"
+        if profile is None and uncounted is None:
+            uncounted = _inputs_without_values(traced.graph_module)
+    if uncounted is not None:
+        warnings.warn(
+            FxsplitWarning(
+                f"activations not counted: {uncounted}; this plan charges parameters and buffers{_also(spec)} but no "
+                f"activations (nor cut sizes, where the graph has no sizes), although mode={spec.mode!r} counts them: "
+                "leave room for them in the budgets or pass example_inputs the model runs on (mode='weights' plans "
+                "without activations and without this warning)"
+            ),
+            stacklevel=4,
+        )
+    return MemoryModel(spec, costs, trainable, profile), uncounted
+
+
+def _inputs_without_values(graph_module: torch.fx.GraphModule) -> str:
+    unknown = [n.name for n in graph_module.graph.nodes if n.op == "placeholder" and "val" not in n.meta]
+    return (
+        f"no example value recorded for input(s) {', '.join(unknown) or '?'} (fake shape propagation "
+        "records tensors and numbers only)"
+    )
+
+
+def _also(spec: MemorySpec) -> str:
+    return ", gradients and optimizer state" if spec.training else ""
