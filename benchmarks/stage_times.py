@@ -122,7 +122,8 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         f"`{meta['command']}`: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
         f"{meta['machine']['torch']}, 1 thread; commit {meta['commit']}; load average "
-        f"{' -> '.join(f'{x:.1f}' for x in meta['load_samples'])}; {meta['duration_s']:.0f} s. Each pipeline of {CHUNKS} micro-batches "
+        f"{' -> '.join(f'{x:.1f}' for x in meta['load_samples'])}; {meta['duration_s']:.0f} s. "
+        f"Each pipeline of {CHUNKS} micro-batches "
         "is planned with the throughput objective from the cost model's estimate and with `profile=True`; the "
         "profiled plan's stages (`fxsplit.pipeline_stages`) then run one micro-batch forward, one thread, each "
         f"stage timed alone (median of {REPEATS}). Bars: planned within ±{ERROR_BAR:.0%} of measured per stage, "
