@@ -121,7 +121,7 @@ def test_bad_budgets(budgets: dict[object, object], message: str) -> None:
         ({"example_kwarg": {}}, "did you mean 'example_kwargs'?"),
         ({"zzz": 1}, "unknown option 'zzz'; options are example_kwargs, trace, leaf_modules"),
         ({"trace": "jit"}, "trace must be one of auto, fx, export (got 'jit')"),
-        ({"objective": "fast"}, "objective must be one of min_transfer, balanced (got 'fast')"),
+        ({"objective": "fast"}, "objective must be one of min_transfer, balanced, throughput, latency (got 'fast')"),
         ({"pins": {"0": "cpu:5"}}, "pins['0']: pins to 'cpu:5', which has no budget (devices: cpu:0, cpu:1)"),
         ({"pins": {"nope": "cpu:0"}}, "pins['nope']: no module of the model matches 'nope'; top-level modules: 0, 1"),
         ({"pins": {"0": "cpu:1", "3": "cpu:0"}}, "devices run in the order the budgets list them"),

@@ -160,7 +160,7 @@ def test_a_graph_that_cannot_be_profiled_is_planned_without_activations_and_says
     def fail(*args: object, **kwargs: object) -> None:
         raise NotImplementedError("no fake kernel for my_op\nmore detail")
 
-    monkeypatch.setattr("fxsplit.api.profile_activations", fail)
+    monkeypatch.setattr("fxsplit.memory.charge.profile_activations", fail)
     with pytest.warns(
         fxsplit.FxsplitWarning,
         match=r"activations not counted: profiling them on fake tensors failed "
