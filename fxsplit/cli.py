@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     overrides.add_argument(
         "--dynamic-shapes", choices=DYNAMIC_SHAPES, help="input sizes a torch.export split keeps variable"
     )
+    overrides.add_argument(
+        "--profile",
+        action="store_true",
+        default=None,
+        help="time each op by running it (the time objectives; default: estimate from FLOPs and bytes)",
+    )
     offload = overrides.add_argument_group(
         "offload",
         "where weights the devices cannot hold are stored and streamed from (each overrides that field "
@@ -126,7 +132,7 @@ def _options(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if loaded.example_kwargs:
         options["example_kwargs"] = loaded.example_kwargs
-    for name in ("trace", "objective", "dtype", "output_device", "mode", "optimizer", "dynamic_shapes"):
+    for name in ("trace", "objective", "dtype", "output_device", "mode", "optimizer", "dynamic_shapes", "profile"):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
