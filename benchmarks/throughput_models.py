@@ -165,7 +165,7 @@ def _resnet_blocks(counts: tuple[int, ...]) -> tuple[str, ...]:
     return tuple(f"layer{i + 1}.{j}" for i, count in enumerate(counts) for j in range(count))
 
 
-IMAGE, IMAGE_TINY, SEQ, SEQ_TINY = 128, 32, 64, 16
+IMAGE, IMAGE_TINY, SEQ, SEQ_TINY = 96, 32, 32, 16
 
 MODELS: tuple[ModelSpec, ...] = (
     ModelSpec(
