@@ -55,7 +55,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
-__all__ = ["MODEL_NAMES", "main", "run_throughput", "settings_for", "summarize", "throughput_bars", "write_results"]
+__all__ = [
+    "MODEL_NAMES",
+    "headline_lines",
+    "main",
+    "report_section",
+    "run_throughput",
+    "settings_for",
+    "summarize",
+    "throughput_bars",
+    "write_results",
+]
 
 MODEL_NAMES = ("resnet50", "gpt2")
 RESULTS_MD, RESULTS_JSON = "THROUGHPUT_RESULTS.md", "throughput_results.json"
@@ -127,6 +137,11 @@ def _launch(settings: dict[str, Any], quick: bool) -> tuple[list[dict[str, Any]]
         return [json.loads(p.read_text()) for p in records], tail
 
 
+def _share(timing: dict[str, Any]) -> float:
+    """The rank's CPU seconds per wall second over the timed steps."""
+    return float(timing["cpu_s"] / timing["wall_s"])
+
+
 def _variant(name: str, ranks: list[dict[str, Any]], single: float, ceiling: float, batch: int) -> dict[str, Any]:
     first = ranks[0]["variants"][name]
     if "error" in first:
@@ -148,6 +163,7 @@ def _variant(name: str, ranks: list[dict[str, Any]], single: float, ceiling: flo
         "stage_s": stage_s,
         "balance": balance,
         "step_s": [r["variants"][name]["timing"]["step_s"] for r in ranks],
+        "cpu_share": [_share(r["variants"][name]["timing"]) for r in ranks[: first["stages"]]],  # idle ranks: none
         "load_1min": first["timing"]["load_1min"],
     }
 
@@ -169,8 +185,19 @@ def summarize(name: str, settings: dict[str, Any], ranks: list[dict[str, Any]]) 
         "parameters": ranks[0]["parameters"],
         "one_device_bytes": ranks[0]["one_device_bytes"],
         "budget_bytes": ranks[0]["budget_bytes"],
-        "single": {"steps_per_s": single, "samples_per_s": single * spec.batch, **ranks[0]["single"]},
-        "ceiling": {"steps_per_s": ceiling, "vs_single": ceiling / single, "copies_steps_per_s": copies},
+        "single": {
+            **ranks[0]["single"],
+            "steps_per_s": single,
+            "samples_per_s": single * spec.batch,
+            "cpu_share": [_share(ranks[0]["single"])],
+        },
+        "ceiling": {
+            "steps_per_s": ceiling,
+            "vs_single": ceiling / single,
+            "copies_steps_per_s": copies,
+            "cpu_share": [_share(r["ceiling"]) for r in ranks],
+            "load_1min": ranks[0]["ceiling"]["load_1min"],
+        },
         "variants": {v: _variant(v, ranks, single, ceiling, spec.batch) for v in settings["variants"]},
         "loads": {"start": ranks[0]["load_start"], "end": ranks[0]["load_end"]},
     }
@@ -231,20 +258,24 @@ def _where(v: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _shares(row: dict[str, Any]) -> str:
+    return ", ".join(f"{x:.2f}" for x in row["cpu_share"])
+
+
 def throughput_table(result: dict[str, Any]) -> str:
     rows = []
     for m in result["models"]:
         if "error" in m:
-            rows.append([m["model"], "(failed)", "", "", "", "", "", ""])
+            rows.append([m["model"], "(failed)", "", "", "", "", "", "", ""])
             continue
         s, c = m["single"], m["ceiling"]
         rows.append([m["model"], "single process", 1, f"{s['steps_per_s']:.3f}", f"{s['samples_per_s']:.1f}", "1.00"])
-        rows[-1] += [f"{1 / c['vs_single']:.2f}", ""]
+        rows[-1] += [f"{1 / c['vs_single']:.2f}", _shares(s), ""]
         rows.append([m["model"], "two independent copies (ceiling)", "", f"{c['steps_per_s']:.3f}", ""])
-        rows[-1] += [f"{c['vs_single']:.2f}", "1.00", ""]
+        rows[-1] += [f"{c['vs_single']:.2f}", "1.00", _shares(c), ""]
         for variant, v in m["variants"].items():
             if "error" in v:
-                rows.append([m["model"], variant, "error", "", "", "", "", v["error"][:200]])
+                rows.append([m["model"], variant, "error", "", "", "", "", "", v["error"][:200]])
                 continue
             rows.append(
                 [
@@ -255,10 +286,11 @@ def throughput_table(result: dict[str, Any]) -> str:
                     f"{v['samples_per_s']:.1f}",
                     f"{v['vs_single']:.2f}",
                     f"**{v['vs_ceiling']:.2f}**",
+                    _shares(v),
                     _where(v),
                 ]
             )
-    header = ["model", "run", "stages", "steps/s", "samples/s", "x single", "x ceiling", "stages hold"]
+    header = ["model", "run", "stages", "steps/s", "samples/s", "x single", "x ceiling", "CPU / wall", "stages hold"]
     return _table(header, rows)
 
 
@@ -275,11 +307,13 @@ def stage_table(result: dict[str, Any]) -> str:
     return _table(["model", "plan", "stage", "forward ms", "backward ms", "total ms", "slowest / mean"], rows)
 
 
-def headline_lines(result: dict[str, Any]) -> list[str]:
+def headline_lines(result: dict[str, Any], *, link: bool = False) -> list[str]:
+    """A bullet per model; ``link``: name THROUGHPUT_RESULTS.md (in RESULTS.md)."""
     lines = []
+    where = f" ([{RESULTS_MD}]({RESULTS_MD}))" if link else ""
     for m in result["models"]:
         if "error" in m:
-            lines.append(f"- {m['model']}: the run failed: {m['error'][-300:]}")
+            lines.append(f"- Pipelined throughput{where}, {m['model']}: the run failed: {m['error'][-300:]}")
             continue
         figures = [
             f"{variant} {v['vs_ceiling']:.2f}x ceiling ({v['stages']} stage{'s' if v['stages'] > 1 else ''})"
@@ -288,10 +322,20 @@ def headline_lines(result: dict[str, Any]) -> list[str]:
             for variant, v in m["variants"].items()
         ]
         lines.append(
-            f"- {m['model']}: single process {m['single']['steps_per_s']:.3f} steps/s; two-process ceiling "
+            f"- Pipelined throughput{where}, {m['model']}: single process {m['single']['steps_per_s']:.3f} steps/s; "
+            "two-process ceiling "
             f"x{m['ceiling']['vs_single']:.2f}; pipelines: " + "; ".join(figures) + "."
         )
     return lines
+
+
+def report_section(result: dict[str, Any]) -> str:
+    """RESULTS.md's section: a link to the whole report, and the throughput table."""
+    return (
+        f"## 5. Pipelined training throughput\n\nThe whole report, with stage times: [{RESULTS_MD}]({RESULTS_MD}). "
+        "Two gloo processes, one thread each; *x ceiling* is over two independent copies of the one-process "
+        "step run at once.\n\n" + throughput_table(result)
+    )
 
 
 def markdown(result: dict[str, Any], context: dict[str, Any]) -> str:
@@ -321,7 +365,9 @@ def markdown(result: dict[str, Any], context: dict[str, Any]) -> str:
         "## Setup\n\n" + (__doc__ or "").split("\n\n", 1)[1].split("    python -m")[0].strip() + "\n\n" + setup,
         "## Throughput\n\n*x ceiling*: steps/s over the two independent copies' summed steps/s (the bar: "
         f">= {CEILING_BAR}). *stages hold*: parameters and the model's blocks with weights on each stage (a block "
-        "cut in two counts on both).\n\n" + throughput_table(result),
+        "cut in two counts on both). *CPU / wall*: each rank's process CPU time over the timed steps' wall time "
+        "(below 1: the rank waited, for a core the machine's other work held or for its neighbour stage).\n\n"
+        + throughput_table(result),
         "## Stage times\n\nPer micro-batch, each stage run by itself on rank 0 (one thread), median over the "
         "micro-batches of the repeats after the first; forward, then backward from the loss (last stage) or "
         f"from ones (the others). The bar: slowest / mean <= {BALANCE_BAR}.\n\n" + stage_table(result),

@@ -17,7 +17,9 @@ in order, with a barrier between them:
   (:func:`stage_times`), while rank 1 waits.
 
 Each timed phase runs ``warmup`` untimed steps, a barrier, then ``steps`` steps;
-its wall time is from that barrier to the end of the rank's last step.
+its wall time is from that barrier to the end of the rank's last step, and its
+CPU time the process's over the same steps (all its threads: on a loaded machine,
+CPU / wall below 1 says the rank waited for a core, or for its neighbour).
 """
 
 from __future__ import annotations
@@ -62,14 +64,21 @@ def _timed(steps: int, warmup: int, step: Callable[[int], None]) -> dict[str, An
     for i in range(warmup):
         step(i)
     dist.barrier()
-    load, start = _load()[0], time.perf_counter()
+    load, start, cpu = _load()[0], time.perf_counter(), time.process_time()
     times = []
     for i in range(steps):
         began = time.perf_counter()
         step(warmup + i)
         times.append(time.perf_counter() - began)
-    wall = time.perf_counter() - start
-    return {"wall_s": wall, "steps": steps, "steps_per_s": steps / wall, "step_s": times, "load_1min": load}
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "steps": steps,
+        "steps_per_s": steps / wall,
+        "step_s": times,
+        "load_1min": load,
+    }
 
 
 def _plain_step(model: nn.Module, spec: ModelSpec) -> Callable[[int], None]:
