@@ -2,10 +2,12 @@
 
 For each model (:mod:`benchmarks.throughput_models`: ResNet-50 and GPT-2 small,
 random weights), one ``torchrun --nproc-per-node 2`` launch (gloo, one torch
-thread per rank; :mod:`benchmarks.throughput_worker`) measures, in this order:
+thread per rank; :mod:`benchmarks.throughput_worker`) times these, in rounds,
+each round running every one in turn (so that load from other work on the
+machine falls on all of them alike):
 
 * ``single``: a training step (forward, backward, SGD) of the whole model on the
-  whole batch in one process, one thread, the other rank idle: steps/s;
+  whole batch in one process, one thread, the other rank idle;
 * ``ceiling``: two independent copies of that step, one per process, at once:
   their summed steps/s over ``single``'s is what two processes get on this
   machine (1.4-1.9x on these 2-core machines, memory bandwidth being shared);
@@ -22,13 +24,20 @@ thread per rank; :mod:`benchmarks.throughput_worker`) measures, in this order:
   one device for training: each device could hold the whole model, so the plan,
   not memory, decides the split. A plan of one stage runs on rank 0 alone.
 
+steps/s: all rounds' steps over their wall time (a pipeline's round ends when
+its last rank does); *x single* and *x ceiling*: the median over rounds of the
+round's ratio.
+
 After each pipeline's timed steps, rank 0 times every stage's forward and
 backward per micro-batch by itself (the other rank waiting), so the table shows
-the slowest stage / the mean stage as measured.
+the slowest stage / the mean stage as measured. Then rank 0 plans each variant
+over four devices (same budgets; the hand split one ResNet layer or a quarter
+of GPT-2's blocks per device) and times those stages the same way: two cores
+cannot run four stages at once, so four-stage plans get no pipeline run.
 
 Bars, for the default variant (a user's plan): pipeline steps/s >= 0.8 x the
-two-process ceiling's, and slowest / mean stage time <= 1.10 (a one-stage plan
-fails both: there is nothing pipelined). The other variants' figures are
+two-process ceiling's, and slowest / mean stage time <= 1.10 over two and over
+four devices (a one-stage plan fails them: there is nothing pipelined). The other variants' figures are
 ``info:`` lines.
 
     python -m benchmarks.pipeline_throughput [--quick] [--models resnet50,gpt2] [--out benchmarks/]
@@ -45,6 +54,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,9 +67,7 @@ if str(ROOT) not in sys.path:  # run as a script
 
 __all__ = [
     "MODEL_NAMES",
-    "headline_lines",
     "main",
-    "report_section",
     "run_throughput",
     "settings_for",
     "summarize",
@@ -78,21 +86,26 @@ def variants() -> list[str]:
     """The pipeline variants; ``throughput`` once fxsplit has that objective."""
     from fxsplit.options import OBJECTIVES
 
-    return [*BASE_VARIANTS, *(["throughput"] if "throughput" in OBJECTIVES else [])]
+    return [*BASE_VARIANTS, *(["throughput"] if "throughput" in OBJECTIVES else [])]  # the lead's objective
 
 
 def settings_for(name: str, quick: bool) -> dict[str, Any]:
-    """What the worker runs for one model: micro-batches, timed and warm-up steps, budgets."""
-    steps = {"resnet50": 6, "gpt2": 4}[name]
+    """What the worker runs for one model: micro-batches, rounds of timed steps, warm-up steps, budgets.
+
+    GPT-2 takes 4 micro-batches of 64 tokens: with 8 of 32 tokens its steps are bound by reading
+    and accumulating the weights (124 M parameters, a 50257-word head) once per micro-batch.
+    """
     return {
         "model": name,
         "tiny": quick,
-        "chunks": 4 if quick else 8,
-        "steps": 3 if quick else steps,
-        "warmup": 1 if quick else 2,
-        "stage_repeats": 2 if quick else 3,
+        "chunks": 4 if quick else {"resnet50": 8, "gpt2": 4}[name],
+        "rounds": 2 if quick else 3,
+        "steps": 1 if quick else {"resnet50": 2, "gpt2": 1}[name],
+        "warmup": 1,
+        "stage_repeats": 2,
         "budget_factor": 1.25,
         "variants": variants(),
+        "four_stages": True,
     }
 
 
@@ -137,35 +150,64 @@ def _launch(settings: dict[str, Any], quick: bool) -> tuple[list[dict[str, Any]]
         return [json.loads(p.read_text()) for p in records], tail
 
 
-def _share(timing: dict[str, Any]) -> float:
-    """The rank's CPU seconds per wall second over the timed steps."""
-    return float(timing["cpu_s"] / timing["wall_s"])
+def _share(timings: list[dict[str, Any]]) -> float:
+    """The rank's CPU seconds per wall second over its timed steps."""
+    return sum(t["cpu_s"] for t in timings) / sum(t["wall_s"] for t in timings)
 
 
-def _variant(name: str, ranks: list[dict[str, Any]], single: float, ceiling: float, batch: int) -> dict[str, Any]:
+def _rate(timings: list[dict[str, Any]]) -> float:
+    """Steps per second over all rounds."""
+    return sum(t["steps"] for t in timings) / sum(t["wall_s"] for t in timings)
+
+
+def _per_round(timings: list[dict[str, Any]]) -> list[float]:
+    return [t["steps"] / t["wall_s"] for t in timings]
+
+
+def _slowest(ranks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per round, the timing of the rank that finished last (a pipeline's step ends on every rank)."""
+    return [max(rounds, key=lambda t: t["wall_s"]) for rounds in zip(*ranks, strict=True)]
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _variant(
+    name: str, ranks: list[dict[str, Any]], single: list[float], ceiling: list[float], batch: int
+) -> dict[str, Any]:
     first = ranks[0]["variants"][name]
     if "error" in first:
         return {"error": first["error"], "traceback": first.get("traceback", "")}
-    if first["stages"] == 1:
-        wall = first["timing"]["wall_s"]
-    else:
-        wall = max(r["variants"][name]["timing"]["wall_s"] for r in ranks)
-    steps_per_s = first["timing"]["steps"] / wall
+    busy = [r["variants"][name]["timing"] for r in ranks[: first["stages"]]]  # a one-stage plan: rank 0 only
+    timing = _slowest(busy)
+    rate, rounds = _rate(timing), _per_round(timing)
     stage_s = [t["forward_s"] + t["backward_s"] for t in first["stage_times"]]
-    balance = max(stage_s) / (sum(stage_s) / len(stage_s)) if len(stage_s) > 1 else None
     keep = ("stages", "devices", "transfer_bytes", "tied", "per_stage", "stage_times", "plan_s")
     return {
         **{k: first[k] for k in keep},
-        "steps_per_s": steps_per_s,
-        "samples_per_s": steps_per_s * batch,
-        "vs_single": steps_per_s / single,
-        "vs_ceiling": steps_per_s / ceiling,
+        "steps_per_s": rate,
+        "samples_per_s": rate * batch,
+        "rounds_steps_per_s": rounds,
+        "vs_single": _median([v / s for v, s in zip(rounds, single, strict=True)]),
+        "vs_ceiling": _median([v / c for v, c in zip(rounds, ceiling, strict=True)]),
         "stage_s": stage_s,
-        "balance": balance,
-        "step_s": [r["variants"][name]["timing"]["step_s"] for r in ranks],
-        "cpu_share": [_share(r["variants"][name]["timing"]) for r in ranks[: first["stages"]]],  # idle ranks: none
-        "load_1min": first["timing"]["load_1min"],
+        "balance": _balance(stage_s),
+        "step_s": [[x for t in rank for x in t["step_s"]] for rank in busy],
+        "cpu_share": [_share(rank) for rank in busy],
+        "load_1min": [t["load_1min"] for t in busy[0]],
     }
+
+
+def _balance(stage_s: list[float]) -> float | None:
+    return max(stage_s) / (sum(stage_s) / len(stage_s)) if len(stage_s) > 1 else None
+
+
+def _four(record: dict[str, Any]) -> dict[str, Any]:
+    if "error" in record:
+        return record
+    stage_s = [t["forward_s"] + t["backward_s"] for t in record["stage_times"]]
+    return {**record, "stage_s": stage_s, "balance": _balance(stage_s)}
 
 
 def summarize(name: str, settings: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -173,9 +215,11 @@ def summarize(name: str, settings: dict[str, Any], ranks: list[dict[str, Any]]) 
     from benchmarks.throughput_models import model_spec
 
     spec = model_spec(name, settings["tiny"])
-    single = ranks[0]["single"]["steps_per_s"]
-    copies = [r["ceiling"]["steps_per_s"] for r in ranks]
-    ceiling = sum(copies)
+    single = _per_round(ranks[0]["single"])
+    copies = [_per_round(r["ceiling"]) for r in ranks]
+    ceiling = [sum(rates) for rates in zip(*copies, strict=True)]
+    variants = {v: _variant(v, ranks, single, ceiling, spec.batch) for v in settings["variants"]}
+    rate = _rate(ranks[0]["single"])
     return {
         "model": name,
         "describe": spec.describe,
@@ -186,19 +230,22 @@ def summarize(name: str, settings: dict[str, Any], ranks: list[dict[str, Any]]) 
         "one_device_bytes": ranks[0]["one_device_bytes"],
         "budget_bytes": ranks[0]["budget_bytes"],
         "single": {
-            **ranks[0]["single"],
-            "steps_per_s": single,
-            "samples_per_s": single * spec.batch,
+            "steps_per_s": rate,
+            "samples_per_s": rate * spec.batch,
+            "rounds_steps_per_s": single,
+            "step_s": [x for t in ranks[0]["single"] for x in t["step_s"]],
             "cpu_share": [_share(ranks[0]["single"])],
+            "load_1min": [t["load_1min"] for t in ranks[0]["single"]],
         },
         "ceiling": {
-            "steps_per_s": ceiling,
-            "vs_single": ceiling / single,
-            "copies_steps_per_s": copies,
+            "steps_per_s": sum(_rate(r["ceiling"]) for r in ranks),
+            "vs_single": _median([c / s for c, s in zip(ceiling, single, strict=True)]),
+            "rounds_steps_per_s": ceiling,
+            "copies_steps_per_s": [_rate(r["ceiling"]) for r in ranks],
             "cpu_share": [_share(r["ceiling"]) for r in ranks],
-            "load_1min": ranks[0]["ceiling"]["load_1min"],
         },
-        "variants": {v: _variant(v, ranks, single, ceiling, spec.batch) for v in settings["variants"]},
+        "variants": variants,
+        "four_stages": {v: _four(r) for v, r in ranks[0].get("four_stages", {}).items()},
         "loads": {"start": ranks[0]["load_start"], "end": ranks[0]["load_end"]},
     }
 
@@ -213,6 +260,14 @@ def run_throughput(names: list[str], *, quick: bool) -> dict[str, Any]:
         models.append({"model": name, "error": tail} if ranks is None else summarize(name, settings, ranks))
     result = {"models": models, "variants": variants()}
     return {**result, "bars": throughput_bars(result)}
+
+
+def _balance_bar(v: dict[str, Any], info: bool) -> dict[str, Any]:
+    if "error" in v:
+        return {"pass": False, "info": info, "value": v["error"]}
+    if v["balance"] is None:
+        return {"pass": False, "info": info, "value": "one stage"}
+    return {"pass": v["balance"] <= BALANCE_BAR, "info": info, "value": f"{v['balance']:.2f} ({v['stages']} stages)"}
 
 
 def throughput_bars(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -236,159 +291,22 @@ def throughput_bars(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "value": f"{v['vs_ceiling']:.2f} (x{v['vs_single']:.2f} single, ceiling "
                 f"x{m['ceiling']['vs_single']:.2f}){one}",
             }
-            bars[f"{prefix}: slowest / mean stage <= {BALANCE_BAR} (measured)"] = {
-                "pass": v["balance"] is not None and v["balance"] <= BALANCE_BAR,
-                "info": info,
-                "value": f"{v['balance']:.2f}" if v["balance"] is not None else "one stage",
-            }
+            bars[f"{prefix}: slowest / mean stage <= {BALANCE_BAR} (measured)"] = _balance_bar(v, info)
+        for variant, v in m.get("four_stages", {}).items():
+            info = variant != "default"
+            prefix = f"{'info: ' if info else ''}throughput {name} {variant}, 4 devices"
+            bars[f"{prefix}: slowest / mean stage <= {BALANCE_BAR} (measured)"] = _balance_bar(v, info)
     return bars
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join([*lines, *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)])
-
-
-def _where(v: dict[str, Any]) -> str:
-    parts = []
-    for device, stage in zip(v["devices"], v["per_stage"], strict=True):
-        blocks = "-".join(dict.fromkeys(b.removeprefix("model.transformer.") for b in stage["blocks"]))
-        named = f" ({blocks})" if blocks else ""
-        parts.append(f"{device}: {stage['parameters'] / 1e6:.2f} M params, {stage['block_count']} blocks{named}")
-    return "; ".join(parts)
-
-
-def _shares(row: dict[str, Any]) -> str:
-    return ", ".join(f"{x:.2f}" for x in row["cpu_share"])
-
-
-def throughput_table(result: dict[str, Any]) -> str:
-    rows = []
-    for m in result["models"]:
-        if "error" in m:
-            rows.append([m["model"], "(failed)", "", "", "", "", "", "", ""])
-            continue
-        s, c = m["single"], m["ceiling"]
-        rows.append([m["model"], "single process", 1, f"{s['steps_per_s']:.3f}", f"{s['samples_per_s']:.1f}", "1.00"])
-        rows[-1] += [f"{1 / c['vs_single']:.2f}", _shares(s), ""]
-        rows.append([m["model"], "two independent copies (ceiling)", "", f"{c['steps_per_s']:.3f}", ""])
-        rows[-1] += [f"{c['vs_single']:.2f}", "1.00", _shares(c), ""]
-        for variant, v in m["variants"].items():
-            if "error" in v:
-                rows.append([m["model"], variant, "error", "", "", "", "", "", v["error"][:200]])
-                continue
-            rows.append(
-                [
-                    m["model"],
-                    variant,
-                    v["stages"],
-                    f"{v['steps_per_s']:.3f}",
-                    f"{v['samples_per_s']:.1f}",
-                    f"{v['vs_single']:.2f}",
-                    f"**{v['vs_ceiling']:.2f}**",
-                    _shares(v),
-                    _where(v),
-                ]
-            )
-    header = ["model", "run", "stages", "steps/s", "samples/s", "x single", "x ceiling", "CPU / wall", "stages hold"]
-    return _table(header, rows)
-
-
-def stage_table(result: dict[str, Any]) -> str:
-    rows = []
-    for m in result["models"]:
-        for variant, v in m.get("variants", {}).items():
-            if "error" in v:
-                continue
-            for index, (t, total) in enumerate(zip(v["stage_times"], v["stage_s"], strict=True)):
-                balance = f"{v['balance']:.2f}" if v["balance"] is not None and index == 0 else ""
-                fwd, bwd = t["forward_s"] * 1e3, t["backward_s"] * 1e3
-                rows.append([m["model"], variant, index, f"{fwd:.1f}", f"{bwd:.1f}", f"{total * 1e3:.1f}", balance])
-    return _table(["model", "plan", "stage", "forward ms", "backward ms", "total ms", "slowest / mean"], rows)
-
-
-def headline_lines(result: dict[str, Any], *, link: bool = False) -> list[str]:
-    """A bullet per model; ``link``: name THROUGHPUT_RESULTS.md (in RESULTS.md)."""
-    lines = []
-    where = f" ([{RESULTS_MD}]({RESULTS_MD}))" if link else ""
-    for m in result["models"]:
-        if "error" in m:
-            lines.append(f"- Pipelined throughput{where}, {m['model']}: the run failed: {m['error'][-300:]}")
-            continue
-        figures = [
-            f"{variant} {v['vs_ceiling']:.2f}x ceiling ({v['stages']} stage{'s' if v['stages'] > 1 else ''})"
-            if "error" not in v
-            else f"{variant}: error"
-            for variant, v in m["variants"].items()
-        ]
-        lines.append(
-            f"- Pipelined throughput{where}, {m['model']}: single process {m['single']['steps_per_s']:.3f} steps/s; "
-            "two-process ceiling "
-            f"x{m['ceiling']['vs_single']:.2f}; pipelines: " + "; ".join(figures) + "."
-        )
-    return lines
-
-
-def report_section(result: dict[str, Any]) -> str:
-    """RESULTS.md's section: a link to the whole report, and the throughput table."""
-    return (
-        f"## 5. Pipelined training throughput\n\nThe whole report, with stage times: [{RESULTS_MD}]({RESULTS_MD}). "
-        "Two gloo processes, one thread each; *x ceiling* is over two independent copies of the one-process "
-        "step run at once.\n\n" + throughput_table(result)
-    )
-
-
-def markdown(result: dict[str, Any], context: dict[str, Any]) -> str:
-    from benchmarks.report import _at_commit, _bars_md
-
-    m = context["machine"]
-    models = [x for x in result["models"] if "error" not in x]
-    setup = "\n".join(
-        f"- {x['model']}: {x['describe']}; {x['settings']['chunks']} micro-batches (GPipe); traced with "
-        f'`trace="{x["trace"]}"`; budgets 2 x {x["budget_bytes"] / 2**20:.0f} MiB '
-        f"({x['settings']['budget_factor']} x "
-        f"the {x['one_device_bytes'] / 2**20:.0f} MiB fxsplit plans for the whole model on one device, mode "
-        f'"training"); {x["settings"]["warmup"]} warm-up and {x["settings"]["steps"]} timed steps per run; '
-        f"1-minute load {x['loads']['start'][0]:.2f} at its start, {x['loads']['end'][0]:.2f} at its end."
-        for x in models
-    )
-    parts = [
-        "# Pipelined training throughput across processes\n\n"
-        f"Written by `{context['command']}` {_at_commit(context.get('commit'))}on {context['started']} "
-        f"in {context['duration_s']:.0f} s" + (" (**--quick**: tiny models)" if context.get("quick") else "") + ".",
-        _table(["machine", ""], [[k, v] for k, v in m.items()]),
-        f"1-minute load average at the start and the end: {', '.join(f'{x:.2f}' for x in context['load_samples'])} "
-        f"({m['cores']} cores). Every figure comes from one run per model, its baselines and pipelines one "
-        "after the other in the same launch, so load from other work moves them; the load is noted per model.",
-        "## Headlines\n\n" + "\n".join(headline_lines(result)),
-        "## Bars\n\n" + _bars_md(result["bars"]),
-        "## Setup\n\n" + (__doc__ or "").split("\n\n", 1)[1].split("    python -m")[0].strip() + "\n\n" + setup,
-        "## Throughput\n\n*x ceiling*: steps/s over the two independent copies' summed steps/s (the bar: "
-        f">= {CEILING_BAR}). *stages hold*: parameters and the model's blocks with weights on each stage (a block "
-        "cut in two counts on both). *CPU / wall*: each rank's process CPU time over the timed steps' wall time "
-        "(below 1: the rank waited, for a core the machine's other work held or for its neighbour stage).\n\n"
-        + throughput_table(result),
-        "## Stage times\n\nPer micro-batch, each stage run by itself on rank 0 (one thread), median over the "
-        "micro-batches of the repeats after the first; forward, then backward from the loss (last stage) or "
-        f"from ones (the others). The bar: slowest / mean <= {BALANCE_BAR}.\n\n" + stage_table(result),
-    ]
-    errors = [
-        f"### {x['model']} {v}\n\n```text\n{d['traceback'] or d['error']}\n```"
-        for x in models
-        for v, d in x["variants"].items()
-        if "error" in d
-    ]
-    if errors:
-        parts.append("## Errors\n\n" + "\n\n".join(errors))
-    return "\n\n".join(parts) + "\n"
 
 
 def write_results(result: dict[str, Any], context: dict[str, Any], out: Path) -> list[Path]:
     """Write THROUGHPUT_RESULTS.md and throughput_results.json under ``out``."""
+    from benchmarks.throughput_report import markdown
+
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / RESULTS_MD, out / RESULTS_JSON
     js.write_text(json.dumps({**context, "throughput": result}, indent=1) + "\n")
-    md.write_text(markdown(result, context))
+    md.write_text(markdown(result, context))  # benchmarks.throughput_report
     return [md, js]
 
 
@@ -400,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from benchmarks.measure import run_alone
     from benchmarks.run import announce
+    from benchmarks.throughput_report import stage_table, throughput_table
 
     names = [n for n in args.models.split(",") if n]
     unknown = [n for n in names if n not in MODEL_NAMES]

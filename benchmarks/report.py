@@ -459,7 +459,7 @@ def _headlines_md(results: dict[str, Any]) -> str:
 
         lines += headline_lines(results["offload"], link=True)
     if results.get("throughput"):
-        from benchmarks.pipeline_throughput import headline_lines as throughput_lines
+        from benchmarks.throughput_report import headline_lines as throughput_lines
 
         lines += throughput_lines(results["throughput"], link=True)
     return "\n".join(lines)
@@ -537,7 +537,7 @@ def write_report(results: dict[str, Any], out: Path) -> list[Path]:
             + results_table(results["offload"]["rows"])
         )
     if results.get("throughput"):
-        from benchmarks.pipeline_throughput import report_section
+        from benchmarks.throughput_report import report_section
 
         md.append(report_section(results["throughput"]))
     results_md = out / "RESULTS.md"

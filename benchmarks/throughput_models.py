@@ -15,8 +15,9 @@
 model-parallel tutorial's ResNet-50 split (stem, ``layer1``, ``layer2`` on the
 first device; ``layer3``, ``layer4``, ``fc`` on the second) and its analogue
 for GPT-2 (embeddings and the first half of the blocks | the second half, the
-final norm and the head; the head's weight is tied to the token embedding, and
-the pins name modules, so the tied weight follows the embedding's pin).
+final norm and the head, whose weight is tied to the token embedding: the
+pipeline replicates it on both stages); on four devices, one ResNet layer or
+a quarter of GPT-2's blocks per device.
 """
 
 from __future__ import annotations
@@ -218,14 +219,22 @@ def model_spec(name: str, tiny: bool) -> ModelSpec:
     raise SystemExit(f"unknown throughput model {name!r}; models are {', '.join(sorted({m.name for m in MODELS}))}")
 
 
-def hand_pins(spec: ModelSpec, devices: tuple[str, str]) -> dict[str, str]:
-    """The tutorial's two-device hand split (ResNet) or its half/half analogue (GPT-2), as fxsplit pins."""
-    first, second = devices
+def hand_pins(spec: ModelSpec, devices: tuple[str, ...]) -> dict[str, str]:
+    """A hand split as fxsplit pins: 2 devices, the tutorial's (ResNet) or half/half (GPT-2); 4, by layer or quarter.
+
+    ResNet on 4 devices: stem and ``layer1`` | ``layer2`` | ``layer3`` | ``layer4`` and ``fc``.
+    GPT-2: the blocks in equal runs, the embeddings with the first, the final norm and the head with the last.
+    """
     if spec.name == "resnet50":
-        pins = {name: first for name in ("conv1", "bn1", "maxpool", "layer1", "layer2")}
-        return {**pins, **{name: second for name in ("layer3", "layer4", "fc")}}
-    half = len(spec.blocks) // 2
-    pins = {"model.transformer.wte": first, "model.transformer.wpe": first}
-    pins.update({block: first for block in spec.blocks[:half]})
-    pins.update({block: second for block in spec.blocks[half:]})
-    return {**pins, "model.transformer.ln_f": second, "model.lm_head": second}
+        groups = {
+            2: (("conv1", "bn1", "maxpool", "layer1", "layer2"), ("layer3", "layer4", "fc")),
+            4: (("conv1", "bn1", "maxpool", "layer1"), ("layer2",), ("layer3",), ("layer4", "fc")),
+        }[len(devices)]
+    else:
+        size = len(spec.blocks) // len(devices)
+        runs = [list(spec.blocks[i * size : (i + 1) * size]) for i in range(len(devices))]
+        runs[-1] += list(spec.blocks[len(devices) * size :])
+        runs[0] = ["model.transformer.wte", "model.transformer.wpe", *runs[0]]
+        runs[-1] += ["model.transformer.ln_f", "model.lm_head"]
+        groups = tuple(tuple(run) for run in runs)
+    return {name: device for device, group in zip(devices, groups, strict=True) for name in group}

@@ -2,24 +2,29 @@
 
     torchrun --nproc-per-node 2 benchmarks/throughput_worker.py SETTINGS.json OUT_DIR
 
-Each rank runs with one torch thread and writes ``OUT_DIR/rank<r>.json``. Phases,
-in order, with a barrier between them:
+Each rank runs with one torch thread and writes ``OUT_DIR/rank<r>.json``. It
+plans every pipeline variant first (``fxsplit.pipeline_stages`` under the
+variant's options; ``ScheduleGPipe`` with ``chunks`` micro-batches, rank i
+running stage i; a one-stage plan runs on rank 0 alone, accumulating the
+micro-batches' gradients as GPipe does, while rank 1 waits), then times these
+phases, each ``warmup`` untimed steps first, then ``rounds`` rounds of
+``steps`` steps of every phase in turn (interleaved, so that other work's load
+falls on all of them alike):
 
 * ``single``: rank 0 trains the whole model alone (forward, backward and SGD on
-  the whole batch) while rank 1 waits: one process, one thread.
+  the whole batch) while rank 1 waits: one process, one thread;
 * ``ceiling``: both ranks train their own whole copy at once, independently:
-  what two processes on this machine get.
-* one phase per pipeline variant: ``fxsplit.pipeline_stages`` under the
-  variant's options, ``ScheduleGPipe`` with ``chunks`` micro-batches, rank i
-  runs stage i (a one-stage plan runs on rank 0 alone, accumulating the
-  micro-batches' gradients as GPipe does, while rank 1 waits). Then rank 0
-  times every stage's forward and backward per micro-batch by itself
-  (:func:`stage_times`), while rank 1 waits.
+  what two processes on this machine get;
+* one phase per pipeline variant.
 
-Each timed phase runs ``warmup`` untimed steps, a barrier, then ``steps`` steps;
-its wall time is from that barrier to the end of the rank's last step, and its
-CPU time the process's over the same steps (all its threads: on a loaded machine,
-CPU / wall below 1 says the rank waited for a core, or for its neighbour).
+A timed run of steps starts at a barrier; its wall time runs to the end of the
+rank's last step, and its CPU time is the process's over the same steps (all
+its threads: CPU / wall below 1 says the rank waited, for a core or for its
+neighbour). Then rank 0 times every stage's forward and backward per
+micro-batch by itself (:func:`stage_times`), and, when ``four_stages`` is set,
+plans each variant over four devices and times those stages the same way (two
+cores cannot run four stages at once, so they get no pipeline run), while rank
+1 waits.
 """
 
 from __future__ import annotations
@@ -60,25 +65,17 @@ def _load() -> tuple[float, float, float]:
         return (0.0, 0.0, 0.0)
 
 
-def _timed(steps: int, warmup: int, step: Callable[[int], None]) -> dict[str, Any]:
-    for i in range(warmup):
-        step(i)
+def _timed(steps: int, first: int, step: Callable[[int], None]) -> dict[str, Any]:
+    """``steps`` calls of ``step`` (inputs ``first``, ``first + 1``, ...) after a barrier: wall and CPU seconds."""
     dist.barrier()
     load, start, cpu = _load()[0], time.perf_counter(), time.process_time()
     times = []
     for i in range(steps):
         began = time.perf_counter()
-        step(warmup + i)
+        step(first + i)
         times.append(time.perf_counter() - began)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return {
-        "wall_s": wall,
-        "cpu_s": cpu,
-        "steps": steps,
-        "steps_per_s": steps / wall,
-        "step_s": times,
-        "load_1min": load,
-    }
+    return {"wall_s": wall, "cpu_s": cpu, "steps": steps, "step_s": times, "load_1min": load}
 
 
 def _plain_step(model: nn.Module, spec: ModelSpec) -> Callable[[int], None]:
@@ -93,12 +90,12 @@ def _plain_step(model: nn.Module, spec: ModelSpec) -> Callable[[int], None]:
     return step
 
 
-def variant_options(name: str, spec: ModelSpec) -> dict[str, Any]:
+def variant_options(name: str, spec: ModelSpec, devices: tuple[str, ...] = DEVICES) -> dict[str, Any]:
     """fxsplit options of a pipeline variant: ``default`` (no objective), ``hand`` (pins), or an objective."""
     if name == "default":
         return {}
     if name == "hand":
-        return {"pins": hand_pins(spec, DEVICES)}
+        return {"pins": hand_pins(spec, devices)}
     return {"objective": name}
 
 
@@ -170,6 +167,7 @@ def stage_times(modules: tuple[nn.Module, ...], spec: ModelSpec, chunks: int, re
 
 
 def _pipeline(spec: ModelSpec, settings: dict[str, Any], variant: str, rank: int, budget: int) -> dict[str, Any]:
+    """The variant's stages on this rank: what the plan holds, and a training step (``"step"``, not saved)."""
     from torch.distributed.pipelining import ScheduleGPipe
 
     import fxsplit
@@ -194,6 +192,7 @@ def _pipeline(spec: ModelSpec, settings: dict[str, Any], variant: str, rank: int
         "transfer_bytes": stages.plan.transfer_bytes,
         "tied": {k: list(v) for k, v in stages.tied.items()},
         "per_stage": _stage_blocks(spec, model, stages.modules),
+        "modules": stages.modules,
     }
     if len(stages) == world:
         stage = stages.build_stage(rank)
@@ -212,28 +211,47 @@ def _pipeline(spec: ModelSpec, settings: dict[str, Any], variant: str, rank: int
             stages.reduce_tied_grads(rank)
             optimizer.step()
 
-        result["timing"] = _timed(settings["steps"], settings["warmup"], step)
-    elif len(stages) == 1:  # the whole model on rank 0, micro-batches accumulated; the other rank idles
+        return {**result, "step": step}
+    if len(stages) == 1:  # the whole model on rank 0, micro-batches accumulated; the other rank idles
         module = stages.modules[0]
-        optimizer = torch.optim.SGD(module.parameters(), lr=LR)
+        alone_optimizer = torch.optim.SGD(module.parameters(), lr=LR)
 
         def alone(i: int) -> None:
             if rank != 0:
                 return
             inputs, target = spec.inputs(i)
-            optimizer.zero_grad()
+            alone_optimizer.zero_grad()
             for mx, my in zip(inputs.chunk(chunks), target.chunk(chunks), strict=True):
                 loss_fn(module(mx), my).backward()
-            optimizer.step()
+            alone_optimizer.step()
 
-        result["timing"] = _timed(settings["steps"], settings["warmup"], alone)
-    else:
-        raise RuntimeError(f"{len(stages)} stages for {world} ranks")
-    dist.barrier()
-    if rank == 0:
-        result["stage_times"] = stage_times(stages.modules, spec, chunks, settings["stage_repeats"])
-    dist.barrier()
-    return result
+        return {**result, "step": alone}
+    raise RuntimeError(f"{len(stages)} stages for {world} ranks")
+
+
+def _four_stages(spec: ModelSpec, settings: dict[str, Any], variant: str, budget: int) -> dict[str, Any]:
+    """The variant's plan over four devices, its stages timed one by one in this process (no pipeline run)."""
+    import fxsplit
+
+    devices = tuple(f"cpu:{i}" for i in range(4))
+    model = spec.build()
+    x, _ = spec.inputs(0)
+    stages = fxsplit.pipeline_stages(
+        model,
+        {d: budget for d in devices},
+        example_inputs=(x,),
+        chunks=settings["chunks"],
+        trace=spec.trace,
+        mode="training",
+        **variant_options(variant, spec, devices),
+    )
+    return {
+        "stages": len(stages),
+        "devices": [s.device for s in stages.specs],
+        "transfer_bytes": stages.plan.transfer_bytes,
+        "per_stage": _stage_blocks(spec, model, stages.modules),
+        "stage_times": stage_times(stages.modules, spec, settings["chunks"], settings["stage_repeats"]),
+    }
 
 
 def _guarded(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
@@ -244,6 +262,20 @@ def _guarded(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
         return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
 
 
+def _rounds(phases: dict[str, Callable[[int], None]], settings: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Every phase's warm-up steps, then ``rounds`` rounds of ``steps`` steps of each phase in turn.
+
+    Interleaved so that the load other work puts on the machine falls on every phase alike.
+    """
+    for step in phases.values():
+        _timed(settings["warmup"], 0, step)
+    timings: dict[str, list[dict[str, Any]]] = {name: [] for name in phases}
+    for index in range(settings["rounds"]):
+        for name, step in phases.items():
+            timings[name].append(_timed(settings["steps"], settings["warmup"] + index * settings["steps"], step))
+    return timings
+
+
 def main() -> None:
     settings = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
@@ -251,24 +283,39 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     spec = model_spec(settings["model"], settings["tiny"])
-    steps, warmup = settings["steps"], settings["warmup"]
     record: dict[str, Any] = {"rank": rank, "load_start": list(_load())}
 
     model = spec.build()
-    single = _plain_step(model, spec)
-    record["single"] = _timed(steps, warmup, single if rank == 0 else lambda i: None)
-    dist.barrier()
-    record["ceiling"] = _timed(steps, warmup, single)
     record["parameters"] = sum(p.numel() for p in model.parameters())
-    del model, single
-    dist.barrier()
     budget = _one_device_budget(spec, spec.build(), settings["chunks"])
     record["one_device_bytes"] = budget
     record["budget_bytes"] = int(budget * settings["budget_factor"])
-    record["variants"] = {}
+    pipelines = {}
     for variant in settings["variants"]:
-        record["variants"][variant] = _guarded(_pipeline, spec, settings, variant, rank, record["budget_bytes"])
+        pipelines[variant] = _guarded(_pipeline, spec, settings, variant, rank, record["budget_bytes"])
         dist.barrier()
+    single = _plain_step(model, spec)
+    phases = {"single": single if rank == 0 else (lambda i: None), "ceiling": single}
+    phases.update({variant: p["step"] for variant, p in pipelines.items() if "step" in p})
+    timings = _rounds(phases, settings)
+    record["single"], record["ceiling"] = timings.pop("single"), timings.pop("ceiling")
+    record["variants"] = {}
+    for variant, pipeline in pipelines.items():
+        modules = pipeline.pop("modules", None)
+        pipeline.pop("step", None)
+        if variant in timings:
+            pipeline["timing"] = timings[variant]
+            if rank == 0:
+                pipeline["stage_times"] = stage_times(modules, spec, settings["chunks"], settings["stage_repeats"])
+            dist.barrier()
+        record["variants"][variant] = pipeline
+    del pipelines, phases, timings
+    if settings.get("four_stages"):
+        record["four_stages"] = {}
+        for variant in settings["variants"]:
+            if rank == 0:
+                record["four_stages"][variant] = _guarded(_four_stages, spec, settings, variant, record["budget_bytes"])
+            dist.barrier()
     record["load_end"] = list(_load())
     (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1) + "\n")
     dist.destroy_process_group()

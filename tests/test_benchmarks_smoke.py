@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -163,6 +164,9 @@ def test_resnet50_is_the_standard_one_and_the_hand_splits_follow_the_tutorial() 
     gpt2 = hand_pins(model_spec("gpt2", False), ("a", "b"))
     assert [gpt2[f"model.transformer.h.{i}"] for i in range(12)] == ["a"] * 6 + ["b"] * 6
     assert gpt2["model.transformer.wte"] == "a" and gpt2["model.lm_head"] == "b"
+    four = hand_pins(model_spec("gpt2", False), ("a", "b", "c", "d"))
+    assert [four[f"model.transformer.h.{i}"] for i in range(12)] == [d for d in "abcd" for _ in range(3)]
+    assert hand_pins(model_spec("resnet50", False), ("a", "b", "c", "d"))["layer3"] == "c"
 
 
 def test_throughput_bars_fail_a_one_stage_default_and_only_info_for_other_plans() -> None:
@@ -213,9 +217,15 @@ def test_pipeline_throughput_benchmark_on_a_tiny_resnet_writes_its_results(tmp_p
     assert [s["blocks"] for s in variants["hand"]["per_stage"]] == [["layer1.0", "layer2.0"], ["layer3.0", "layer4.0"]]
     for v in variants.values():
         assert len(v["stage_times"]) == len(v["stage_s"]) == v["stages"] and min(v["stage_s"]) > 0
-        assert v["vs_ceiling"] == pytest.approx(v["steps_per_s"] / model["ceiling"]["steps_per_s"])
+        rounds = zip(v["rounds_steps_per_s"], model["ceiling"]["rounds_steps_per_s"], strict=True)
+        assert v["vs_ceiling"] == pytest.approx(statistics.median(p / c for p, c in rounds))
         assert sum(s["parameters"] for s in v["per_stage"]) == model["parameters"]  # every weight on one stage
+    four = model["four_stages"]
+    assert set(four) == set(variants) and not any("error" in v for v in four.values())
+    assert [s["blocks"] for s in four["hand"]["per_stage"]] == [[f"layer{i}.0"] * 2 for i in range(1, 5)]
+    assert four["hand"]["devices"] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"] and len(four["hand"]["stage_s"]) == 4
     bars = results["throughput"]["bars"]
+    assert "throughput resnet50 default, 4 devices: slowest / mean stage <= 1.1 (measured)" in bars
     assert all("pass" in bar for bar in bars.values())
     assert code == run.exit_code(bars)  # timing bars may fail: the exit code says so
     text = (tmp_path / pipeline_throughput.RESULTS_MD).read_text()
