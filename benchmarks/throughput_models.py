@@ -225,6 +225,7 @@ def hand_pins(spec: ModelSpec, devices: tuple[str, ...]) -> dict[str, str]:
     ResNet on 4 devices: stem and ``layer1`` | ``layer2`` | ``layer3`` | ``layer4`` and ``fc``.
     GPT-2: the blocks in equal runs, the embeddings with the first, the final norm and the head with the last.
     """
+    groups: tuple[tuple[str, ...], ...]
     if spec.name == "resnet50":
         groups = {
             2: (("conv1", "bn1", "maxpool", "layer1", "layer2"), ("layer3", "layer4", "fc")),

@@ -153,8 +153,8 @@ def stage_times(modules: tuple[nn.Module, ...], spec: ModelSpec, chunks: int, re
                 if index == len(modules) - 1:
                     loss_fn(out, target).backward()
                 else:
-                    outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
-                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                    grads = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
+                    torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
                 backward[index].append(time.perf_counter() - began)
             for module in modules:
                 module.zero_grad(set_to_none=True)
