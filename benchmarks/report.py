@@ -458,6 +458,10 @@ def _headlines_md(results: dict[str, Any]) -> str:
         from benchmarks.offload import headline_lines
 
         lines += headline_lines(results["offload"], link=True)
+    if results.get("throughput"):
+        from benchmarks.throughput_report import headline_lines as throughput_lines
+
+        lines += throughput_lines(results["throughput"], link=True)
     return "\n".join(lines)
 
 
@@ -532,6 +536,10 @@ def write_report(results: dict[str, Any], out: Path) -> list[Path]:
             + "\n\n"
             + results_table(results["offload"]["rows"])
         )
+    if results.get("throughput"):
+        from benchmarks.throughput_report import report_section
+
+        md.append(report_section(results["throughput"]))
     results_md = out / "RESULTS.md"
     results_md.write_text("\n\n".join(md) + "\n")
     return [results_md, *written]

@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    python benchmarks/run.py            # the full suite, ~10-15 min on 2 cores
+    python benchmarks/run.py            # the full suite, ~15-20 min on 2 cores
     python benchmarks/run.py --quick    # fewer repeats and sizes, Llama-70B shape with 8 layers
 
 See ``benchmarks/README.md`` for each part and its options. Exits 1 when a bar fails
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` and this checkout's `fxsplit` importable
     sys.path.insert(0, str(ROOT))
 
-PARTS = ("quality", "planning", "runtime", "offload")
+PARTS = ("quality", "planning", "runtime", "offload", "throughput")
 EXIT_BARS_PASS, EXIT_BAR_FAILED = 0, 1
 
 
@@ -34,7 +34,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--models",
         default="",
-        help="comma-separated model names (default: all); the offload part runs those of its models named",
+        help="comma-separated model names (default: all); the offload and throughput parts run those of their "
+        "models named",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument(
@@ -108,6 +109,7 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
     from benchmarks.measure import git_commit, load_average, machine, time_call
     from benchmarks.models import CASES, case_by_name
     from benchmarks.offload import DEVICE_FRACTIONS, OFFLOAD_CASES, run_offload, write_results
+    from benchmarks.pipeline_throughput import MODEL_NAMES, run_throughput
     from benchmarks.planning_speed import run_planning
     from benchmarks.quality import run_quality
     from benchmarks.report import write_report
@@ -115,7 +117,9 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
 
     named = [n for n in args.models.split(",") if n]
     offload_names = [c.name for c in OFFLOAD_CASES if (c.name in named if named else c.default)]
-    cases = [case_by_name(n) for n in named if n not in offload_names or n in {c.name for c in CASES}]
+    throughput_names = [n for n in MODEL_NAMES if n in named] if named else list(MODEL_NAMES)
+    case_names = {c.name for c in CASES}
+    cases = [case_by_name(n) for n in named if n in case_names or n not in {*offload_names, *throughput_names}]
     cases = cases if named else list(CASES)
     layers = args.llama_layers if args.llama_layers is not None else (8 if args.quick else 80)
     started, load_start, clock = datetime.now(timezone.utc), load_average(), time.perf_counter()
@@ -126,6 +130,7 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
             "parts": parts,
             "models": [c.name for c in cases],
             "offload_models": offload_names if "offload" in parts else [],
+            "throughput_models": throughput_names if "throughput" in parts else [],
             "llama_layers": layers,
             "command": " ".join(["python benchmarks/run.py", *args.argv]),
         },
@@ -157,6 +162,13 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
     elif "offload" in parts:
         known = ", ".join(c.name for c in OFFLOAD_CASES)
         print(f"[fxsplit-bench] offload: skipped, none of --models is one of its models ({known})", flush=True)
+    if "throughput" in parts and throughput_names:
+        durations["throughput"], results["throughput"] = time_call(
+            lambda: run_throughput(throughput_names, quick=args.quick)
+        )
+        samples.append(load_average()[0])
+    elif "throughput" in parts:
+        print(f"[fxsplit-bench] throughput: skipped, none of --models is {' or '.join(MODEL_NAMES)}", flush=True)
     load_end = load_average()
     samples.append(load_end[0])
     results["load"] = {"start": list(load_start), "end": list(load_end), "samples_1min": samples}
@@ -174,6 +186,17 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
             "load_samples": samples[-2:],
         }
         written += write_results(results["offload"], context, args.out)
+    if results.get("throughput"):
+        from benchmarks.pipeline_throughput import write_results as write_throughput
+
+        context = {
+            **{k: results[k] for k in ("machine", "commit", "started")},
+            "command": results["settings"]["command"] + " (its throughput part)",
+            "quick": args.quick,
+            "duration_s": durations["throughput"],
+            "load_samples": samples[-2:],
+        }
+        written += write_throughput(results["throughput"], context, args.out)
     return announce(results["bars"], written)
 
 

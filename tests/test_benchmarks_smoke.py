@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -150,4 +151,83 @@ def test_generate_benchmark_on_two_devices_writes_its_results(tmp_path: Path) ->
     assert code == run.exit_code(bars)  # the timing bar may fail on one round: the exit code says so
     text = (tmp_path / generate.RESULTS_MD).read_text()
     for heading in ("## Headlines", "## Bars", "## Tokens per second", "## Weights and cache per device"):
+        assert heading in text
+
+
+def test_resnet50_is_the_standard_one_and_the_hand_splits_follow_the_tutorial() -> None:
+    from benchmarks.throughput_models import ResNet, hand_pins, model_spec
+
+    assert sum(p.numel() for p in ResNet().parameters()) == 25_557_032  # torchvision's resnet50
+    pins = hand_pins(model_spec("resnet50", False), ("a", "b"))
+    assert {k for k, v in pins.items() if v == "a"} == {"conv1", "bn1", "maxpool", "layer1", "layer2"}
+    assert {k for k, v in pins.items() if v == "b"} == {"layer3", "layer4", "fc"}
+    gpt2 = hand_pins(model_spec("gpt2", False), ("a", "b"))
+    assert [gpt2[f"model.transformer.h.{i}"] for i in range(12)] == ["a"] * 6 + ["b"] * 6
+    assert gpt2["model.transformer.wte"] == "a" and gpt2["model.lm_head"] == "b"
+    four = hand_pins(model_spec("gpt2", False), ("a", "b", "c", "d"))
+    assert [four[f"model.transformer.h.{i}"] for i in range(12)] == [d for d in "abcd" for _ in range(3)]
+    assert hand_pins(model_spec("resnet50", False), ("a", "b", "c", "d"))["layer3"] == "c"
+
+
+def test_throughput_bars_fail_a_one_stage_default_and_only_info_for_other_plans() -> None:
+    from benchmarks.pipeline_throughput import throughput_bars
+
+    def variant(stages: int, vs_ceiling: float, balance: float | None) -> dict[str, object]:
+        return {"stages": stages, "vs_ceiling": vs_ceiling, "vs_single": vs_ceiling * 1.7, "balance": balance}
+
+    result = {
+        "models": [
+            {
+                "model": "m",
+                "ceiling": {"vs_single": 1.7},
+                "variants": {"default": variant(1, 0.9, None), "hand": variant(2, 0.85, 1.05)},
+            },
+            {"model": "broken", "error": "torchrun exited 1: boom"},
+        ]
+    }
+    bars = throughput_bars(result)
+    assert not bars["throughput m default: pipeline >= 0.8 x two-process ceiling"]["pass"]  # one stage: no pipeline
+    assert bars["throughput m default: slowest / mean stage <= 1.1 (measured)"]["value"] == "one stage"
+    hand = bars["info: throughput m hand: pipeline >= 0.8 x two-process ceiling"]
+    assert hand["pass"] and hand["info"]
+    assert bars["info: throughput m hand: slowest / mean stage <= 1.1 (measured)"]["pass"]
+    assert not bars["throughput broken: the benchmark ran"]["pass"]
+    assert run.verdicts(bars)[1] == [
+        "throughput m default: pipeline >= 0.8 x two-process ceiling",
+        "throughput m default: slowest / mean stage <= 1.1 (measured)",
+        "throughput broken: the benchmark ran",
+    ]
+
+
+@pytest.mark.slow  # two gloo processes on the tiny ResNet: ~40 s
+def test_pipeline_throughput_benchmark_on_a_tiny_resnet_writes_its_results(tmp_path: Path) -> None:
+    from benchmarks import pipeline_throughput
+
+    code = pipeline_throughput.main(["--quick", "--models", "resnet50", "--out", str(tmp_path)])
+
+    results = json.loads((tmp_path / pipeline_throughput.RESULTS_JSON).read_text())
+    assert results["machine"]["torch_threads"] == 1 and results["quick"] is True
+    [model] = results["throughput"]["models"]
+    assert model["model"] == "resnet50" and model["settings"]["tiny"]
+    assert model["single"]["steps_per_s"] > 0 and len(model["ceiling"]["copies_steps_per_s"]) == 2
+    variants = model["variants"]
+    assert {"default", "balanced", "hand"} <= set(variants) and not any("error" in v for v in variants.values())
+    for name in ("balanced", "hand"):  # these plans spread over both ranks
+        assert variants[name]["stages"] == 2 and variants[name]["devices"] == ["cpu:0", "cpu:1"]
+    assert [s["blocks"] for s in variants["hand"]["per_stage"]] == [["layer1.0", "layer2.0"], ["layer3.0", "layer4.0"]]
+    for v in variants.values():
+        assert len(v["stage_times"]) == len(v["stage_s"]) == v["stages"] and min(v["stage_s"]) > 0
+        rounds = zip(v["rounds_steps_per_s"], model["ceiling"]["rounds_steps_per_s"], strict=True)
+        assert v["vs_ceiling"] == pytest.approx(statistics.median(p / c for p, c in rounds))
+        assert sum(s["parameters"] for s in v["per_stage"]) == model["parameters"]  # every weight on one stage
+    four = model["four_stages"]
+    assert set(four) == set(variants) and not any("error" in v for v in four.values())
+    assert [s["blocks"] for s in four["hand"]["per_stage"]] == [[f"layer{i}.0"] * 2 for i in range(1, 5)]
+    assert four["hand"]["devices"] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"] and len(four["hand"]["stage_s"]) == 4
+    bars = results["throughput"]["bars"]
+    assert "throughput resnet50 default, 4 devices: slowest / mean stage <= 1.1 (measured)" in bars
+    assert all("pass" in bar for bar in bars.values())
+    assert code == run.exit_code(bars)  # timing bars may fail: the exit code says so
+    text = (tmp_path / pipeline_throughput.RESULTS_MD).read_text()
+    for heading in ("## Headlines", "## Bars", "## Throughput", "## Stage times"):
         assert heading in text
