@@ -15,11 +15,11 @@ machine falls on all of them alike):
   chunks=C, trace=..., mode="training", <variant>)`` under GPipe
   (``torch.distributed.pipelining.ScheduleGPipe``, C micro-batches), rank i
   running stage i, each variant's options being:
-  ``default`` (no ``objective``: what a user gets), ``balanced``
-  (``objective="balanced"``: even parameter bytes), ``hand`` (``pins=``: the
+  ``default`` (no ``objective``: what a user gets, which with a pipeline is
+  ``objective="throughput"``, stages balanced by estimated time), ``balanced``
+  (``objective="balanced"``: even parameter bytes) and ``hand`` (``pins=``: the
   PyTorch model-parallel tutorial's ResNet-50 split, layers 1-2 | 3-4, and its
-  half/half analogue for GPT-2's blocks), and ``throughput``
-  (``objective="throughput"``) where fxsplit has that objective. Each of the two
+  half/half analogue for GPT-2's blocks). Each of the two
   budgets is ``budget_factor`` x what fxsplit plans the whole model to need on
   one device for training: each device could hold the whole model, so the plan,
   not memory, decides the split. A plan of one stage runs on rank 0 alone.
@@ -83,10 +83,8 @@ TIMEOUT_S = {False: 900, True: 240}
 
 
 def variants() -> list[str]:
-    """The pipeline variants; ``throughput`` once fxsplit has that objective."""
-    from fxsplit.options import OBJECTIVES
-
-    return [*BASE_VARIANTS, *(["throughput"] if "throughput" in OBJECTIVES else [])]  # the lead's objective
+    """The pipeline variants (``default`` is the throughput objective, fxsplit's default with a pipeline)."""
+    return list(BASE_VARIANTS)
 
 
 def settings_for(name: str, quick: bool) -> dict[str, Any]:
