@@ -121,7 +121,7 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "# Planned vs measured stage times (`benchmarks/stage_times.py`)",
         "",
         f"`{meta['command']}`: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
-        f"{meta['machine']['torch']}, 1 thread; commit {meta['commit']}; load average "
+        f"{meta['machine']['torch']}, 1 thread; commit {meta['machine']['fxsplit_commit'][:12]}; load average "
         f"{' -> '.join(f'{x:.1f}' for x in meta['load_samples'])}; {meta['duration_s']:.0f} s. "
         f"Each pipeline of {CHUNKS} micro-batches "
         "is planned with the throughput objective from the cost model's estimate and with `profile=True`; the "
