@@ -46,6 +46,7 @@ class _Search:
         self.transient = problem.transients()
         self.forbidden = problem.forbidden_cuts()
         self.pinned = dict(problem.pinned)
+        self.leader = _leaders(problem)
         # reads[j]: (value index, bytes) of the copied values op j reads, each once
         self.reads: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         self.starts = [v.start for v in problem.values]
@@ -70,11 +71,15 @@ class _Search:
         self._place(0, 0)
 
     def _choices(self, op: int) -> list[int]:
+        forced = set()
         if op > 0 and self.forbidden[op]:  # constraints keep it beside the op before it
-            previous = self.devices[op - 1]
-            return [previous] if self.pinned.get(op, previous) == previous else []
+            forced.add(self.devices[op - 1])
+        if self.leader[op] < op:  # a colocated group's later member goes where its first member went
+            forced.add(self.devices[self.leader[op]])
         if op in self.pinned:
-            return [self.pinned[op]]
+            forced.add(self.pinned[op])
+        if forced:
+            return list(forced) if len(forced) == 1 else []
         seen_empty: set[int] = set()
         found = []
         for d in range(self.k):
@@ -135,6 +140,22 @@ class _Search:
         self.load[d] -= self.resident[op]
         for index in added:
             self.sent[index].discard(d)
+
+
+def _leaders(problem: PartitionProblem) -> list[int]:
+    """``leader[op]``: the first op of the colocated groups ``op`` belongs to (overlapping groups merged), or ``op``."""
+    leader = list(range(problem.num_ops))
+
+    def root(op: int) -> int:
+        while leader[op] != op:
+            op = leader[op]
+        return op
+
+    for group in problem.colocated:
+        for op in group[1:]:
+            a, b = root(group[0]), root(op)
+            leader[max(a, b)] = min(a, b)
+    return [root(op) for op in range(problem.num_ops)]
 
 
 def exact_placement(
