@@ -15,7 +15,7 @@ from reference import any_order_optimum, feasible, true_cost
 
 from benchmarks.optimality import any_order_optimum as optimality_oracle
 from benchmarks.optimality import constrained_dag
-from fxsplit.partition.exact import EXACT_OPS, exact_placement
+from fxsplit.partition.exact import EXACT_OPS, exact_placement, searched
 from fxsplit.partition.problem import PartitionProblem, Value
 from fxsplit.partition.result import placement_problems
 
@@ -95,11 +95,13 @@ def test_the_doc_example_cuts_where_the_activation_is_smallest() -> None:
 
 def test_graphs_it_does_not_search_give_the_incumbent_back() -> None:
     rng = random.Random(2)
-    big = random_problem(rng, EXACT_OPS + 1)
+    big = random_problem(rng, EXACT_OPS + 1)  # 4 ** 15 placements: more than EXACT_SPACE
     incumbent = [0] * big.num_ops
-    answer = exact_placement(big, [10**9, 10**9], incumbent, true_cost(big, incumbent))
+    answer = exact_placement(big, [10**9] * 4, incumbent, true_cost(big, incumbent))
     assert answer == incumbent and answer is not incumbent
-    assert exact_placement(big, [10**9, 10**9], None) is None
+    assert exact_placement(big, [10**9] * 4, None) is None
+    assert searched(14, 4) and not searched(15, 4) and searched(15, 3) and not searched(16, 3)
+    assert searched(24, 2) and not searched(25, 2) and not searched(0, 2)
     assert exact_placement(PartitionProblem((), ()), [10], None) is None
     # an input whose first reader comes before its home op: not searched either
     late = PartitionProblem(("a", "b"), (Value("x", 5, 1, (0, 1)), Value("w", 0, 0, (0,), weight=10)))
