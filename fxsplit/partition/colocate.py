@@ -6,8 +6,8 @@ written by each layer. The strategies place ops without these groups; then
 :func:`colocate` moves each group's ops to the one device that adds the
 fewest bytes copied per forward among those whose budgets still hold (a
 pinned member decides the device). Ops that no cut may separate from a
-member (a together-group's span, a value changed in place) move with it. The ops are usually small (the writes),
-so this costs little.
+member (a together-group's span, a value changed in place) move with it.
+The ops are usually small (the writes), so this costs little.
 
 >>> from fxsplit.partition.problem import PartitionProblem, Value
 >>> acc = PartitionProblem(  # 'zeros' makes a tensor that 'add1' and 'add2' update; 'b1' and 'b2' are blocks
