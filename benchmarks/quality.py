@@ -9,7 +9,9 @@ parameter and buffer (each tensor once):
 * the block-level optimum of :mod:`benchmarks.reference`.
 
 All placements are scored by :func:`benchmarks.placements.score` on the same
-traced graph, so the bytes are comparable.
+traced graph, so the bytes are comparable. :func:`run_quality` also runs
+:mod:`benchmarks.optimality`: fxsplit's default placement against brute force
+over every placement of small random DAGs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Sequence
 import fxsplit
 from benchmarks.accelerate_maps import VARIANTS, variants_for
 from benchmarks.models import Case, top_level_blocks
+from benchmarks.optimality import OPTIMALITY_CASES, run_optimality
 from benchmarks.placements import Score, from_device_map, from_plan, score
 from benchmarks.reference import BlockOptimum, block_optimum, block_problem, op_blocks
 from fxsplit.cost.build import GraphCosts, build_problem
@@ -194,7 +197,17 @@ def quality_headlines(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run_quality(cases: Sequence[Case], device_counts: Sequence[int] = DEVICE_COUNTS) -> dict[str, Any]:
-    """Rows for every case and the bars."""
+def run_quality(
+    cases: Sequence[Case],
+    device_counts: Sequence[int] = DEVICE_COUNTS,
+    optimality_cases: int = OPTIMALITY_CASES["full"],
+) -> dict[str, Any]:
+    """Rows for every case, the bars and headlines; with ``optimality_cases``, also the default placement
+    against brute force on that many small random DAGs (:func:`benchmarks.optimality.run_optimality`), whose
+    bars join the rest."""
     rows = [row for case in cases for row in quality_for_case(case, device_counts)]
-    return {"rows": rows, "bars": quality_bars(rows), "headlines": quality_headlines(rows)}
+    found = {"rows": rows, "bars": quality_bars(rows), "headlines": quality_headlines(rows)}
+    if optimality_cases:
+        found["optimality"] = run_optimality(optimality_cases)
+        found["bars"].update(found["optimality"]["bars"])
+    return found

@@ -35,6 +35,15 @@ fit the budgets by first-fit-decreasing, in any order. "block optimum": the exac
 top-level blocks (embeddings, each layer, head) in order, with the same cost (`benchmarks/reference.py`);
 "none fits" when no block placement meets the budgets. "max load": heaviest device / its budget."""
 
+OPTIMALITY_NOTE = """\
+fxsplit's default (out-of-order) placement, `partition(problem, budgets)`, against brute force over all
+N^k placements (`benchmarks/optimality.py`; N^k <= 4^10) on seeded random DAGs of 4-10 ops over 2-4
+devices: `linear` as issue 14 measured (a weight per op, skip connections, tied weights, budgets of
+0.95-1.9 x total / N, equal or per device), `constrained` with pins, ops that write one tensor in place,
+values changed in place, transient and extra bytes (budgets from 0.9 x total / N). "worst ratio": fxsplit's
+bytes / the optimum at most; "not monotone": cases where the budgets times 1.1, 1.3 or 2 gave more bytes
+(or a refusal); "ms": partition()'s median / largest time per case."""
+
 PLANNING_NOTE = """\
 Time to a runnable split model on N=2 logical devices with loose budgets: fxsplit's stages (trace with
 torch.export; plan = cost model + partition + plan data; codegen = moving weights + emitting the
@@ -233,6 +242,32 @@ def _quality_md(quality: dict[str, Any]) -> str:
     return _table(header, rows)
 
 
+def _optimality_md(optimality: dict[str, Any]) -> str:
+    """The default placement against brute force on small random DAGs (benchmarks/optimality.py): one row per
+    family and one for all."""
+    rows = []
+    for name, s in [*optimality["by_family"].items(), ("all", optimality["summary"])]:
+        rows.append(
+            [
+                name,
+                s["cases"],
+                s["feasible"],
+                f"{s['optimal']} ({s['rate']:.1%})" if s["rate"] is not None else "-",
+                f"{s['worst_ratio']:.2f}x",
+                s["refused"] + s["errors"],
+                s["not_monotone"],
+                f"{s['partition_ms']['median']:.1f} / {s['partition_ms']['max']:.0f}" if s["partition_ms"] else "-",
+            ]
+        )
+    header = ["family", "cases", "feasible", "optimal", "worst ratio", "refused or error", "not monotone", "ms"]
+    return (
+        f"### Against brute force on small DAGs (seed {optimality['seed']})\n\n"
+        + OPTIMALITY_NOTE
+        + "\n\n"
+        + _table(header, rows)
+    )
+
+
 def _failure_summary(failures: list[str]) -> str:
     """'12 failing: gpt2 (9), unet (1) ...; e.g. <first of each model>'."""
     by_model: dict[str, list[str]] = {}
@@ -426,6 +461,15 @@ def _headlines_md(results: dict[str, Any]) -> str:
             f"equal in {quality['fxsplit_fewer_bytes_cases']} of the {quality.get('both_placed_cases', '')} "
             "cases both placed." + _spill_split(quality.get("bytes_ratio_by_accelerate_spill") or {})
         )
+    optimality = (results.get("quality") or {}).get("optimality")
+    if optimality:
+        s = optimality["summary"]
+        lines.append(
+            f"- Default placement against brute force on {s['cases']} small random DAGs (4-10 ops, 2-4 devices): "
+            f"optimal in {s['optimal']} of {s['feasible']} feasible cases ({s['rate']:.1%}), at most "
+            f"{s['worst_ratio']:.2f}x the optimum, {s['refused'] + s['errors']} feasible refused, "
+            f"{s['not_monotone']} where more budget gave more bytes."
+        )
     planning = results.get("planning")
     if planning:
         times = sorted(r["fxsplit"]["api_total"] / r["accelerate"]["total"] for r in planning["time_to_split"])
@@ -500,6 +544,11 @@ def write_report(results: dict[str, Any], out: Path) -> list[Path]:
             + QUALITY_NOTE
             + "\n\n"
             + _quality_md(results["quality"])
+            + (
+                "\n\n" + _optimality_md(results["quality"]["optimality"])
+                if results["quality"].get("optimality")
+                else ""
+            )
             + f"\n\n![bytes moved per forward]({path.name})"
         )
     if results.get("planning"):

@@ -109,6 +109,7 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
     from benchmarks.measure import git_commit, load_average, machine, time_call
     from benchmarks.models import CASES, case_by_name
     from benchmarks.offload import DEVICE_FRACTIONS, OFFLOAD_CASES, run_offload, write_results
+    from benchmarks.optimality import OPTIMALITY_CASES
     from benchmarks.pipeline_throughput import MODEL_NAMES, run_throughput
     from benchmarks.planning_speed import run_planning
     from benchmarks.quality import run_quality
@@ -141,7 +142,8 @@ def _run(args: argparse.Namespace, parts: list[str]) -> int:
     samples, durations = [load_start[0]], {}
     if "quality" in parts:
         print("[fxsplit-bench] placement quality ...", flush=True)
-        durations["quality"], results["quality"] = time_call(lambda: run_quality(cases))
+        optimality = OPTIMALITY_CASES["quick" if args.quick else "full"]
+        durations["quality"], results["quality"] = time_call(lambda: run_quality(cases, optimality_cases=optimality))
         samples.append(load_average()[0])
     if "planning" in parts:
         print("[fxsplit-bench] planning speed ...", flush=True)

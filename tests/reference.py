@@ -3,6 +3,8 @@
 It enumerates every placement of ops on devices in order (all device
 boundaries), charges the true cost (one copy per value and destination
 device) and checks feasibility, sharing no code with ``fxsplit.partition``.
+The brute force over placements in any order (:func:`any_order_optimum`) is
+benchmarks/optimality.py's, which reports the same comparison.
 """
 
 from __future__ import annotations
@@ -10,9 +12,19 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-import numpy as np
-
+from benchmarks.optimality import any_order_optimum, every_placement
 from fxsplit.partition.problem import PartitionProblem
+
+__all__ = [
+    "any_order_optimum",
+    "brute_force",
+    "every_placement",
+    "feasible",
+    "loads",
+    "placements",
+    "sum_sq",
+    "true_cost",
+]
 
 
 def placements(n: int, k: int) -> list[tuple[int, ...]]:
@@ -68,52 +80,3 @@ def brute_force(problem: PartitionProblem, budgets: Sequence[int]) -> list[tuple
         return []
     best = min(true_cost(problem, p) for p in fits)
     return [p for p in fits if true_cost(problem, p) == best]
-
-
-def every_placement(n: int, k: int) -> np.ndarray:
-    """All ``k ** n`` placements of ``n`` ops on ``k`` devices, one per row (any order, any device)."""
-
-    grids = np.indices((k,) * n).reshape(n, -1).T
-    return grids.astype(np.int8)
-
-
-def any_order_optimum(problem: PartitionProblem, budgets: Sequence[int]) -> tuple[int, tuple[int, ...]] | None:
-    """The cheapest feasible placement of all ``k ** n`` (true cost, vectorised over placements), or None."""
-
-    k, n = len(budgets), problem.num_ops
-    grid = every_placement(n, k)
-    ok = np.ones(len(grid), dtype=bool)
-    extra = problem.op_extra or (0,) * n
-    transient = problem.op_transient or (0,) * n
-    for d in range(k):
-        on_d = grid == d
-        load = on_d @ np.asarray(extra, dtype=np.int64)
-        for v in problem.values:
-            if v.weight:
-                load = load + on_d[:, v.start] * v.weight
-        peak = (on_d * np.asarray(transient, dtype=np.int64)).max(axis=1) if n else 0
-        ok &= load + peak <= budgets[d]
-    for op, d in problem.pinned.items():
-        ok &= grid[:, op] == d
-    for group in problem.together:
-        for op in group[1:]:
-            ok &= grid[:, op] == grid[:, group[0]]
-    for v in problem.values:
-        if not v.movable:
-            for c in v.consumers:
-                ok &= grid[:, c] == grid[:, v.start]
-    if not ok.any():
-        return None
-    grid = grid[ok]
-    cost = np.zeros(len(grid), dtype=np.int64)
-    for v in problem.values:
-        if not v.nbytes or not v.consumers:
-            continue
-        home = grid[:, v.start]
-        for d in range(k):
-            reads_on_d = np.zeros(len(grid), dtype=bool)
-            for c in v.consumers:
-                reads_on_d |= grid[:, c] == d
-            cost += v.nbytes * (reads_on_d & (home != d))
-    best = int(np.argmin(cost))
-    return int(cost[best]), tuple(int(d) for d in grid[best])

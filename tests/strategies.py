@@ -6,7 +6,10 @@ import random
 
 from hypothesis import strategies as st
 
+from benchmarks.optimality import random_linear_dag
 from fxsplit.partition.problem import PartitionProblem, Value
+
+__all__ = ["draw_dag_values", "random_linear_dag", "seeded_dag"]
 
 
 def draw_dag_values(draw: st.DrawFn, n: int, *, inputs: bool = True) -> list[Value]:
@@ -33,19 +36,4 @@ def seeded_dag(rng: random.Random, n: int = 12, min_weight: int = 0) -> Partitio
         for i in range(n - 1)
     ]
     values += [Value(f"w{i}", 0, i, (i,), weight=rng.randint(min_weight, 40)) for i in range(n)]
-    return PartitionProblem(tuple(f"op{i}" for i in range(n)), tuple(values))
-
-
-def random_linear_dag(rng: random.Random, n: int) -> PartitionProblem:
-    """``n`` ops with a weight each (a ``Linear``), each output read by 1-3 later ops (skip connections),
-    and up to two weights shared by 1-3 ops (tied)."""
-    values = []
-    for i in range(n - 1):
-        readers = rng.sample(range(i + 1, n), rng.randint(1, min(3, n - 1 - i)))
-        values.append(Value(f"a{i}", rng.randint(1, 16) * 64, i, tuple(sorted(readers))))
-    values += [Value(f"w{i}", 0, i, (i,), weight=rng.randint(1, 40)) for i in range(n)]
-    for j in range(rng.randint(0, 2)):
-        readers = sorted(rng.sample(range(n), rng.randint(1, min(3, n))))
-        w = rng.randint(1, 60)
-        values.append(Value(f"s{j}", w, readers[0], tuple(readers), weight=w))
     return PartitionProblem(tuple(f"op{i}" for i in range(n)), tuple(values))

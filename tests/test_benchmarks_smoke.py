@@ -53,6 +53,9 @@ def test_quick_suite_on_one_model_writes_results(tmp_path: Path) -> None:
     text = (out / "RESULTS.md").read_text()
     for heading in ("## Bars", "## 1. Placement quality", "## 2. Planning speed", "## 3. Runtime overhead"):
         assert heading in text
+    optimality = results["quality"]["optimality"]  # the default placement against brute force, quick: 80 DAGs
+    assert optimality["summary"]["cases"] == 80 and set(optimality["bars"]) <= set(results["bars"])
+    assert "### Against brute force on small DAGs" in text and "- Default placement against brute force" in text
     assert results["machine"]["cpu"] in text
     assert results["commit"]["commit"] == "unknown" or f"at commit `{results['commit']['commit']}`" in text
 

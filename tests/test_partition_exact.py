@@ -13,8 +13,11 @@ import random
 
 from reference import any_order_optimum, feasible, true_cost
 
-from fxsplit.partition.exact import EXACT_OPS, exact_placement
+from benchmarks.optimality import any_order_optimum as optimality_oracle
+from benchmarks.optimality import constrained_dag
+from fxsplit.partition.exact import EXACT_OPS, exact_placement, searched
 from fxsplit.partition.problem import PartitionProblem, Value
+from fxsplit.partition.result import placement_problems
 
 
 def random_problem(rng: random.Random, n: int) -> PartitionProblem:
@@ -92,12 +95,37 @@ def test_the_doc_example_cuts_where_the_activation_is_smallest() -> None:
 
 def test_graphs_it_does_not_search_give_the_incumbent_back() -> None:
     rng = random.Random(2)
-    big = random_problem(rng, EXACT_OPS + 1)
+    big = random_problem(rng, EXACT_OPS + 1)  # 4 ** 15 placements: more than EXACT_SPACE
     incumbent = [0] * big.num_ops
-    answer = exact_placement(big, [10**9, 10**9], incumbent, true_cost(big, incumbent))
+    answer = exact_placement(big, [10**9] * 4, incumbent, true_cost(big, incumbent))
     assert answer == incumbent and answer is not incumbent
-    assert exact_placement(big, [10**9, 10**9], None) is None
+    assert exact_placement(big, [10**9] * 4, None) is None
+    assert searched(14, 4) and not searched(15, 4) and searched(15, 3) and not searched(16, 3)
+    assert searched(24, 2) and not searched(25, 2) and not searched(0, 2)
     assert exact_placement(PartitionProblem((), ()), [10], None) is None
     # an input whose first reader comes before its home op: not searched either
     late = PartitionProblem(("a", "b"), (Value("x", 5, 1, (0, 1)), Value("w", 0, 0, (0,), weight=10)))
     assert exact_placement(late, [10, 10], [1, 0], 5) == [1, 0]
+
+
+def test_colocated_groups_are_kept_together_while_searching() -> None:
+    """Pins, colocated groups (one device, the ops between anywhere), values changed in place, transients:
+    the search's answer holds them all and is the cheapest (benchmarks/optimality.py's oracle)."""
+    rng = random.Random(4)
+    grouped = 0
+    for _ in range(120):
+        k = rng.randint(2, 3)
+        problem = constrained_dag(rng, rng.randint(4, 7), k)
+        if not problem.colocated:
+            problem = dataclasses.replace(problem, colocated=(tuple(sorted(rng.sample(range(problem.num_ops), 2))),))
+        total = sum(problem.op_weights())
+        budgets = [int(total / k * rng.uniform(0.9, 1.8)) for _ in range(k)]
+        optimum = optimality_oracle(problem, budgets)
+        found = exact_placement(problem, budgets, None)
+        if optimum is None:
+            assert found is None
+            continue
+        grouped += 1
+        assert found is not None and not placement_problems(problem, found, budgets), (problem, budgets, found)
+        assert true_cost(problem, found) == optimum[0]
+    assert 40 < grouped < 120

@@ -58,6 +58,39 @@ def test_tensors_no_op_reads_are_packed_with_the_rest() -> None:
     assert [c.nbytes for c in plan.cuts if c.kind == "activation"] == [3 * 8 * 4]  # still one cut
 
 
+class NarrowThenWide(nn.Module):
+    """A 32 KiB layer with a narrow output, two 8 KiB layers with a wider one between them, and an unused
+    submodule of two 16 KiB layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(256, 32, bias=False)
+        self.b = nn.Linear(32, 64, bias=False)
+        self.c = nn.Linear(64, 32, bias=False)
+        self.aux = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)))
+
+
+@pytest.mark.parametrize("trace_mode", ["fx", "export"])
+def test_an_unused_submodule_is_packed_with_the_ops_not_into_what_they_leave(trace_mode: str) -> None:
+    """Alone, the ops split after 'a' (the narrow output): 32 + 16 KiB, leaving gaps of 8 and 24 KiB where
+    one unused 16 KiB layer fits and the other does not; room set aside on the device with the most room
+    (16 KiB on each) leaves no device that holds 'a'. Packed together: 'a' and 'b' fill one device, 'c'
+    and the unused submodule the other, and b's output (4 x 64 floats) is the one copy. Was refused."""
+    model = NarrowThenWide()
+    budgets = {"cpu:0": 40 * 1024, "cpu:1": 40 * 1024}
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    assert sum(sizes) == sum(budgets.values())  # no slack at all
+    gm = split_and_compare(model, budgets, (torch.randn(4, 256),), trace=trace_mode, mode="weights")
+    plan = gm.meta["fxsplit_plan"]
+    assert plan.device_bytes == budgets
+    assert plan.param_devices["aux.0.weight"] == plan.param_devices["aux.1.weight"] == plan.param_devices["c.weight"]
+    assert plan.param_devices["a.weight"] == plan.param_devices["b.weight"] != plan.param_devices["c.weight"]
+    assert plan.transfer_bytes == 4 * 64 * 4
+
+
 # -- make_plan, reads_of, unread_weights on one hand-chosen placement (fxsplit.planning.build) ----------------
 
 
@@ -168,7 +201,7 @@ def test_tensors_no_op_reads_that_fit_nowhere_are_named() -> None:
     )
 
 
-def test_tensors_no_op_reads_are_packed_first_when_a_repartition_is_allowed() -> None:
+def test_room_is_set_aside_for_tensors_no_op_reads_when_a_repartition_is_allowed() -> None:
     costs, graph_module = costs_and_graph()
     solution = placed(costs, [0, 1, 1, 1, 1, 1])  # the embedding (160 B) on cpu:0, the body (80 B) on cpu:1
     budgets = {"cpu:0": 190, "cpu:1": 110}  # 30 B left on each: the spare's 36 B weight fits neither gap
@@ -189,8 +222,11 @@ def test_tensors_no_op_reads_are_packed_first_when_a_repartition_is_allowed() ->
             objective="min_transfer",
             repartition=repartition,
         )
-    assert asked == [[190 - 48, 110]]  # the spare (48 B) set aside on the device with the most room, then the ops
+    # room for the spare (36 + 12 B) set aside three distinct ways, the ops partitioned into what is left each
+    # time: the weight where there is most room and the bias into a gap; both where there is most room; both on
+    # cpu:1 first (cpu:0 first is the same as the second)
+    assert asked == [[190 - 36, 110 - 12], [190 - 48, 110], [190, 110 - 48]]
     assert str(info.value).startswith(
         "the ops fit the budgets only if the 48 B of tensors no op reads ('spare.weight' 36 B, 'spare.bias' 12 B) "
-        "are left out; with them packed first: "
+        "are left out; with room set aside for them first: "
     )

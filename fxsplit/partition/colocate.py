@@ -5,8 +5,9 @@ ops between them need not: an accumulator updated after every block, a cache
 written by each layer. The strategies place ops without these groups; then
 :func:`colocate` moves each group's ops to the one device that adds the
 fewest bytes copied per forward among those whose budgets still hold (a
-pinned member decides the device). The ops are usually small (the writes),
-so this costs little.
+pinned member decides the device). Ops that no cut may separate from a
+member (a together-group's span, a value changed in place) move with it.
+The ops are usually small (the writes), so this costs little.
 
 >>> from fxsplit.partition.problem import PartitionProblem, Value
 >>> acc = PartitionProblem(  # 'zeros' makes a tensor that 'add1' and 'add2' update; 'b1' and 'b2' are blocks
@@ -35,7 +36,7 @@ def colocate(problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequ
     state = State(problem, list(op_devices), budgets)
     devices = range(len(budgets))
     for group in problem.colocated:
-        members = sorted(set(group))
+        members = _moved_with(problem, group)
         pinned = {problem.pinned[m] for m in members if m in problem.pinned}
         best: tuple[int, int] | None = None
         for target in sorted(pinned) if pinned else devices:
@@ -58,3 +59,18 @@ def colocate(problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequ
             if state.devices[op] != best[1]:
                 state.apply(op, best[1])
     return state.devices
+
+
+def _moved_with(problem: PartitionProblem, group: Sequence[int]) -> list[int]:
+    """The ops that must move with ``group``: its own, and those of every no-cut span and colocated group that
+    shares an op with them (to a fixed point), so that moving them breaks no other constraint."""
+    members = set(group)
+    spans = [set(range(lo, hi + 1)) for lo, hi in problem.no_cut_spans()] + [set(g) for g in problem.colocated]
+    grown = True
+    while grown:
+        grown = False
+        for span in spans:
+            if not span <= members and span & members:
+                members |= span
+                grown = True
+    return sorted(members)

@@ -24,13 +24,13 @@ only when ``best`` is None (a fallback).
 2. :func:`packing`: only when nothing was found: wrapped placements in the
    budgets' order, and the nearest contiguous placement brought within budgets
    (or a first-fit packing), each improved by single-op moves; the cheapest.
-3. :func:`exact_fallback`: only when still nothing was found, on graphs of up to
-   :data:`~fxsplit.partition.exact.EXACT_OPS` ops: branch and bound from scratch.
+3. :func:`exact_fallback`: only when still nothing was found, on small graphs
+   (:func:`~fxsplit.partition.exact.searched`): branch and bound from scratch.
 4. :func:`min_cut_exchanges`: on graphs of up to :data:`~fxsplit.partition.contiguous.EXACT_LIMIT`
    ops, pairs of devices exchange groups of ops along minimum cuts, then single
    ops move again.
-5. :func:`exact_search`: on graphs of up to :data:`~fxsplit.partition.exact.EXACT_OPS` ops,
-   branch and bound for a strictly cheaper placement.
+5. :func:`exact_search`: on small graphs (up to :data:`~fxsplit.partition.exact.EXACT_OPS` ops, or 24 on
+   two devices: :func:`~fxsplit.partition.exact.searched`), branch and bound for a strictly cheaper placement.
 
 :data:`CONTIGUOUS_STRATEGIES` (``contiguous=True``) is :func:`contiguous` alone; :func:`local_moves`
 improves any best placement by single-op moves, for lists of one's own.
@@ -66,7 +66,7 @@ from fxsplit.partition.contiguous import (
     min_scale,
     relay_boundaries,
 )
-from fxsplit.partition.exact import EXACT_OPS, exact_placement
+from fxsplit.partition.exact import exact_placement, searched
 from fxsplit.partition.mincut import exchange
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.refine import frozen_ops, improve, pack, repair
@@ -193,7 +193,7 @@ def packing(search: Search, best: tuple[int, ...] | None) -> list[int] | None:
 
 
 def exact_fallback(search: Search, best: tuple[int, ...] | None) -> list[int] | None:
-    """When ``best`` is None, on graphs of up to :data:`~fxsplit.partition.exact.EXACT_OPS` ops: the cheapest
+    """When ``best`` is None, on the small graphs :func:`~fxsplit.partition.exact.searched` names: the cheapest
     placement that fits, by branch and bound (:func:`~fxsplit.partition.exact.exact_placement`); else None."""
     if best is not None:
         return None
@@ -219,10 +219,10 @@ def min_cut_exchanges(search: Search, best: tuple[int, ...] | None) -> list[int]
 def exact_search(search: Search, best: tuple[int, ...] | None) -> list[int] | None:
     """A placement strictly cheaper than ``best``, by branch and bound, or ``best`` when there is none.
 
-    Only for graphs of up to :data:`~fxsplit.partition.exact.EXACT_OPS` ops
+    Only for the small graphs :func:`~fxsplit.partition.exact.searched` names
     (:func:`~fxsplit.partition.exact.exact_placement`) and a ``best`` that copies bytes; else None.
     """
-    if best is None or search.problem.num_ops > EXACT_OPS:
+    if best is None or not searched(search.problem.num_ops, len(search.budgets)):
         return None
     cost = transfer_bytes(search.problem, best)
     return exact_placement(search.problem, search.budgets, best, cost) if cost else None

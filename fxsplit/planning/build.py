@@ -113,8 +113,10 @@ def make_plan(
     Tensors no op reads (unused submodules, weights the graph never reads) go
     where room is left after ``solution``, largest first. When they do not
     fit the gaps and ``repartition`` (partition under other caps) is
-    given, they are packed first and the ops partitioned again into what is
-    left.
+    given, they are packed together with the ops: room is set aside for them
+    in several ways (into the gaps, spread, or each device filled first),
+    the ops partitioned again into what is left each time, and the cheapest
+    result kept.
 
     Args:
         costs: the cost model ``solution`` partitioned.
@@ -133,7 +135,7 @@ def make_plan(
     room = dict(zip(devices, budgets.caps() if caps is None else caps, strict=True))
     unread_home = _pack_unread(costs, devices, room, solution)
     if unread_home is None and repartition is not None:
-        solution, unread_home = _set_aside_unread(costs, devices, room, repartition)
+        solution, unread_home = _set_aside_unread(costs, devices, room, repartition, solution)
     if unread_home is None:
         _raise_unread(costs, devices, room, list(solution.device_weights))
     op_device = {op.name: devices[d] for op, d in zip(costs.ops, solution.op_devices, strict=True)}
@@ -233,25 +235,68 @@ def _set_aside_unread(
     devices: Sequence[str],
     caps: dict[str, int],
     repartition: Callable[[Sequence[int]], Partition],
-) -> tuple[Partition, dict[str, str] | None]:
-    """Pack the unread tensors first (largest first, onto the device with the most room), then the ops."""
-    room = dict(caps)
-    homes: dict[str, str] = {}
-    for weight in sorted(unread_weights(costs), key=lambda w: -w.nbytes):
-        home = max(devices, key=lambda d: room[d])
-        if room[home] < weight.nbytes:
-            _raise_unread(costs, devices, caps, [0] * len(devices))
-        homes[weight.names[0]] = home
-        room[home] -= weight.nbytes
-    unread = sum(caps[d] - room[d] for d in devices)
-    try:
-        solution = repartition([room[d] for d in devices])
-    except BudgetError as error:
+    first: Partition,
+) -> tuple[Partition, dict[str, str]]:
+    """Set room aside for the unread tensors, partition the ops into what is left, then pack the tensors into
+    the room that leaves; over several ways of setting room aside (:func:`_reservations`), the one that copies
+    fewest bytes (ties: the first). Refuses when none fits."""
+    weights = sorted(unread_weights(costs), key=lambda w: -w.nbytes)
+    reservations = _reservations(weights, devices, caps, first)
+    if not reservations:
+        _raise_unread(costs, devices, caps, [0] * len(devices))
+    best: tuple[Partition, dict[str, str]] | None = None
+    error: BudgetError | None = None
+    for aside in reservations:
+        try:
+            solution = repartition([caps[d] - sum(w.nbytes for w in aside[d]) for d in devices])
+        except BudgetError as refused:
+            error = error or refused
+            continue
+        homes = _pack_unread(costs, devices, caps, solution) or {w.names[0]: d for d in devices for w in aside[d]}
+        if best is None or solution.transfer_bytes < best[0].transfer_bytes:
+            best = (solution, homes)
+    if best is None:
+        unread = sum(w.nbytes for w in weights)
         raise BudgetError(
             f"the ops fit the budgets only if the {format_size(unread)} of tensors no op reads "
-            f"({_largest_unread(costs)}) are left out; with them packed first: {error}"
+            f"({_largest_unread(costs)}) are left out; with room set aside for them first: {error}"
         ) from None
-    return solution, homes
+    return best
+
+
+def _reservations(
+    weights: list[Weight], devices: Sequence[str], caps: dict[str, int], first: Partition
+) -> list[dict[str, list[Weight]]]:
+    """Ways to pack ``weights`` (largest first) into ``caps``, each as device -> its tensors, distinct by the
+    bytes each device keeps: into the gaps ``first`` leaves (the tightest that holds each, else the device
+    with the most room); each onto the device with the most room (spread); and, for each device, onto it
+    first, then onto the next ones in order (so the ops keep other devices whole)."""
+    gaps = {d: caps[d] - int(load) for d, load in zip(devices, first.device_weights, strict=True)}
+
+    def into_gaps(room: dict[str, int], nbytes: int) -> str:
+        held = [d for d in devices if gaps[d] - (caps[d] - room[d]) >= nbytes]
+        return min(held, key=lambda d: gaps[d] - caps[d] + room[d]) if held else max(devices, key=room.__getitem__)
+
+    def spread(room: dict[str, int], nbytes: int) -> str:
+        return max(devices, key=room.__getitem__)
+
+    def in_order(order: list[str]) -> Callable[[dict[str, int], int], str]:
+        return lambda room, nbytes: next((d for d in order if room[d] >= nbytes), order[0])
+
+    rules = [into_gaps, spread, *(in_order([*devices[k:], *devices[:k]]) for k in range(len(devices)))]
+    found: list[dict[str, list[Weight]]] = []
+    seen: set[tuple[int, ...]] = set()
+    for rule in rules:
+        room, aside = dict(caps), {d: list[Weight]() for d in devices}
+        for weight in weights:
+            home = rule(room, weight.nbytes)
+            room[home] -= weight.nbytes
+            aside[home].append(weight)
+        kept = tuple(room[d] for d in devices)
+        if min(kept) >= 0 and kept not in seen:
+            seen.add(kept)
+            found.append(aside)
+    return found
 
 
 def _largest_unread(costs: GraphCosts) -> str:
