@@ -20,6 +20,7 @@ Run: ``python -m benchmarks.stage_times [--quick] [--out DIR]``; exits 1 when a 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -51,13 +52,19 @@ def _budgets(model: torch.nn.Module, stages: int) -> dict[str, int]:
 
 
 def _stage_seconds(stages: Any, inputs: tuple[torch.Tensor, ...]) -> list[float]:
-    """Median forward seconds of each stage, one micro-batch fed through them in order."""
+    """Median forward seconds of each stage, one micro-batch fed through them in order.
+
+    Each stage runs on its own copy of its weights, moved to its device first, as each rank of a
+    ``torchrun`` launch holds its own (``build_stage``); else a weight two stages read (GPT-2's tied
+    embedding and head) would be copied between logical devices on every call.
+    """
+    modules = [copy.deepcopy(m).to(torch.device(s.device)) for m, s in zip(stages.modules, stages.specs, strict=True)]
     runs: list[list[float]] = []
     with torch.no_grad():
         for repeat in range(REPEATS + 1):
             value: Any = inputs
             times = []
-            for module in stages.modules:
+            for module in modules:
                 start = time.perf_counter()
                 value = module(*value) if isinstance(value, tuple) else module(value)
                 times.append(time.perf_counter() - start)

@@ -95,7 +95,9 @@ DEFAULT_SPEEDS: dict[str, DeviceSpeed] = {
 """Device kind -> speed, where :class:`Hardware` names neither the device nor its kind."""
 
 DEFAULT_LINKS: dict[str, Link] = {
-    "same": Link(bandwidth=10e9, latency=1e-6),  # two logical devices of one memory (cpu:0 -> cpu:1): a memcpy
+    # two logical devices of one memory (cpu:0 -> cpu:1): a copy into fresh memory, which goes at 1.5-15 GB/s
+    # on the 2-core machines of the benchmarks (page faults slow the large ones), and 10-15 µs for a small one
+    "same": Link(bandwidth=3e9, latency=10e-6),
     "other": Link(bandwidth=25e9, latency=10e-6),  # anything else: PCIe 4.0 x16
 }
 """Links :class:`Hardware` does not name: ``"same"`` between devices of one memory (``cpu:N``), else ``"other"``."""
