@@ -41,7 +41,9 @@ import torch.fx
 from fxsplit.hardware import DeviceSpeed
 from fxsplit.tracing.graphinfo import element_size, value_bytes
 
-__all__ = ["Work", "op_seconds", "op_work"]
+__all__ = ["PRODUCT_BACKWARD", "Work", "op_seconds", "op_work"]
+
+PRODUCT_BACKWARD = 2.0  # a product's backward, in forwards: the input's gradient and the weight's
 
 
 @dataclass(frozen=True)
@@ -52,20 +54,31 @@ class Work:
         flops: floating-point operations per op.
         nbytes: bytes each op reads and writes.
         free: True for ops that make no new tensor (views, ``getitem``): they cost no time.
+        products: True for ops whose FLOPs are products (matmuls, convolutions, attention, modules
+            with weights), whose backward does about twice their forward's work (the gradients of
+            the input and of the weight); an elementwise op's backward does about its forward's.
         known: False when the graph had no shapes (every op then counts as one unit of work).
     """
 
     flops: np.ndarray
     nbytes: np.ndarray
     free: np.ndarray
+    products: np.ndarray
     known: bool = True
+
+    def backward_factor(self) -> np.ndarray:
+        """Per op, its backward's work in forwards: :data:`PRODUCT_BACKWARD` for products, else 1 (0 if free)."""
+        return np.where(self.free, 0.0, np.where(self.products, PRODUCT_BACKWARD, 1.0))
 
 
 _MATMULS = {"matmul", "mm", "bmm"}  # first argument times second
 _ADD_MATMULS = {"addmm", "baddbmm"}  # input plus first times second
 _CONVS = {"conv1d", "conv2d", "conv3d"}
 _TRANSPOSED_CONVS = {"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
+_PRODUCTS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scaled_dot_product_attention"}
+_PRODUCTS |= {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
 _LOOKUPS = {"embedding", "embedding_bag"}
+_LOOKUP_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 _VIEW_NAMES = {
     "view",
     "reshape",
@@ -100,9 +113,9 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
     Without shapes every op counts one FLOP and one byte (``known`` False).
     """
     n = len(ops)
-    flops, nbytes, free = np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool)
+    flops, nbytes, free, products = np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
     if not any("val" in node.meta or "tensor_meta" in node.meta for node in ops):
-        return Work(np.ones(n), np.ones(n), free, known=False)
+        return Work(np.ones(n), np.ones(n), free, products, known=False)
     modules = dict(graph_module.named_modules())
     for index, node in enumerate(ops):
         if _is_free(node):
@@ -114,13 +127,28 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
         except Exception:  # noqa: BLE001 - a formula that cannot read these shapes: count the op as elementwise
             flops[index] = _numel(_value(node))
         nbytes[index] = _bytes_moved(node, module, dtype)
-    return Work(flops, nbytes, free)
+        products[index] = _is_product(node, module)
+    return Work(flops, nbytes, free, products)
 
 
-def op_seconds(work: Work, speed: DeviceSpeed) -> np.ndarray:
-    """Seconds per op on a device of ``speed``: ``overhead + max(flops / peak, bytes / bandwidth)``; 0 for free ops."""
+def op_seconds(work: Work, speed: DeviceSpeed, *, training: bool = False) -> np.ndarray:
+    """Seconds per op on a device of ``speed``: ``overhead + max(flops / peak, bytes / bandwidth)``; 0 for free ops.
+
+    With ``training``, a forward and a backward: the backward a second op whose roofline is
+    :meth:`Work.backward_factor` times the forward's.
+    """
     roofline = np.maximum(work.flops / speed.flops, work.nbytes / speed.bandwidth)
-    return np.where(work.free, 0.0, speed.overhead + roofline)
+    forward = np.where(work.free, 0.0, speed.overhead + roofline)
+    if not training:
+        return forward
+    return forward + np.where(work.free, 0.0, speed.overhead + roofline * work.backward_factor())
+
+
+def _is_product(node: torch.fx.Node, module: torch.nn.Module | None) -> bool:
+    if module is not None:
+        return any(True for _ in module.parameters()) and not isinstance(module, _LOOKUP_MODULES)
+    name = _op_name(node)
+    return name in _PRODUCTS or name == "convolution"
 
 
 def _is_free(node: torch.fx.Node) -> bool:

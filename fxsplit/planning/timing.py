@@ -3,7 +3,8 @@
 
 Op seconds are estimated from each op's FLOPs and bytes (:mod:`fxsplit.cost.compute`) on the
 device's speed (:class:`~fxsplit.hardware.Hardware`), or measured (``profile=True``). A training
-step counts each op three times (forward, and a backward of about twice its work) and each copy
+step adds each op's backward (:meth:`~fxsplit.cost.compute.Work.backward_factor`: twice the forward's
+work for products such as matmuls and convolutions, once for elementwise ops) and counts each copy
 twice (the value forward, its gradient back).
 """
 
@@ -24,7 +25,6 @@ from fxsplit.planning.plan import Plan
 
 __all__ = [
     "PROFILE_REPEATS",
-    "TRAINING_COMPUTE",
     "TRAINING_COPIES",
     "measure_ops",
     "op_timing",
@@ -33,7 +33,6 @@ __all__ = [
     "wants_timing",
 ]
 
-TRAINING_COMPUTE = 3.0  # a training step's work per op, in forwards: the forward and a backward of about two
 PROFILE_REPEATS = 5  # runs of the graph per device with profile=True; each op's time is its median
 TRAINING_COPIES = 2.0  # a training step's copies per cut: the value forward and its gradient back
 
@@ -56,17 +55,18 @@ def op_timing(
     work = op_work(graph_module, ops, dtype=dtype)
     rows = []
     for device in devices:
-        if measured is not None and device in measured:
-            rows.append(np.asarray(measured[device], dtype=np.float64))
+        if measured is not None and device in measured:  # forward times: add the backward's share
+            forward = np.asarray(measured[device], dtype=np.float64)
+            rows.append(forward * (1.0 + work.backward_factor()) if training else forward)
         else:
-            rows.append(op_seconds(work, hardware.speed(device)))
+            rows.append(op_seconds(work, hardware.speed(device), training=training))
     links = [[hardware.link(a, b) for b in devices] for a in devices]
     timing = Timing(
         np.stack(rows) if rows else np.zeros((0, len(ops))),
         np.array([[link.bandwidth for link in row] for row in links]),
         np.array([[link.latency for link in row] for row in links]),
     )
-    return timing.scaled(TRAINING_COMPUTE, TRAINING_COPIES) if training else timing
+    return timing.scaled(1.0, TRAINING_COPIES) if training else timing
 
 
 def timing_for(
