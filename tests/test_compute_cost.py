@@ -111,7 +111,7 @@ def test_pipeline_of_the_eight_block_mlp_spreads_over_four_devices_by_default() 
     totals = [row["compute"] + row["copies"] for row in pipelined.timing["stages"].values()]
     assert max(totals) / (sum(totals) / 4) < 1.05
     text = str(pipelined)
-    assert "bottleneck: cpu:" in text and "4 micro-batches: step ≈" in text and "bubble 43%" in text
+    assert "bottleneck: cpu:" in text and "4 micro-batches: step ≈" in text and "bubble 44%" in text
     plain = fxsplit.plan(model, budgets, example_inputs=(x,))  # no pipeline: fewest bytes, one device
     assert set(plain.placement.values()) == {"cpu:0"} and not plain.timing
     split = fxsplit.fxsplit(model, budgets, example_inputs=(x,), pipeline=4)
