@@ -16,7 +16,9 @@ machine falls on all of them alike):
   (``torch.distributed.pipelining.ScheduleGPipe``, C micro-batches), rank i
   running stage i, each variant's options being:
   ``default`` (no ``objective``: what a user gets, which with a pipeline is
-  ``objective="throughput"``, stages balanced by estimated time), ``balanced``
+  ``objective="throughput"``, stages balanced by estimated time), ``profiled``
+  (the same with ``profile=True``: each op's forward and backward measured, on rank
+  0, whose plan every rank applies), ``balanced``
   (``objective="balanced"``: even parameter bytes) and ``hand`` (``pins=``: the
   PyTorch model-parallel tutorial's ResNet-50 split, layers 1-2 | 3-4, and its
   half/half analogue for GPT-2's blocks). Each of the two
@@ -78,7 +80,7 @@ __all__ = [
 MODEL_NAMES = ("resnet50", "gpt2")
 RESULTS_MD, RESULTS_JSON = "THROUGHPUT_RESULTS.md", "throughput_results.json"
 CEILING_BAR, BALANCE_BAR = 0.8, 1.10
-BASE_VARIANTS = ("default", "balanced", "hand")
+BASE_VARIANTS = ("default", "profiled", "balanced", "hand")
 TIMEOUT_S = {False: 900, True: 240}
 
 

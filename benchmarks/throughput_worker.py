@@ -96,6 +96,8 @@ def variant_options(name: str, spec: ModelSpec, devices: tuple[str, ...] = DEVIC
         return {}
     if name == "hand":
         return {"pins": hand_pins(spec, devices)}
+    if name == "profiled":
+        return {"profile": True}
     return {"objective": name}
 
 
@@ -176,14 +178,17 @@ def _pipeline(spec: ModelSpec, settings: dict[str, Any], variant: str, rank: int
     model = spec.build()
     x, _ = spec.inputs(0)
     began = time.perf_counter()
+    budgets = {d: budget for d in DEVICES}
+    planned: Any = budgets
+    if variant == "profiled":  # measured times differ per process: rank 0 plans, every rank applies its plan
+        planned = _rank0_plan(model, budgets, x, chunks, spec, rank)
     stages = fxsplit.pipeline_stages(
         model,
-        {d: budget for d in DEVICES},
+        planned,
         example_inputs=(x,),
         chunks=chunks,
         trace=spec.trace,
-        mode="training",
-        **variant_options(variant, spec),
+        **({} if variant == "profiled" else {"mode": "training", **variant_options(variant, spec)}),
     )
     result: dict[str, Any] = {
         "plan_s": time.perf_counter() - began,
@@ -227,6 +232,27 @@ def _pipeline(spec: ModelSpec, settings: dict[str, Any], variant: str, rank: int
 
         return {**result, "step": alone}
     raise RuntimeError(f"{len(stages)} stages for {world} ranks")
+
+
+def _rank0_plan(
+    model: nn.Module, budgets: dict[str, int], x: torch.Tensor, chunks: int, spec: ModelSpec, rank: int
+) -> Any:
+    """The profiled plan, made on rank 0 (its ops timed there, the other rank waiting) and sent to every rank."""
+    import fxsplit
+
+    message: list[Any] = [None]
+    if rank == 0:
+        try:
+            made = fxsplit.plan(
+                model, budgets, example_inputs=(x,), pipeline=chunks, trace=spec.trace, mode="training", profile=True
+            )
+            message = [made.to_yaml()]
+        except Exception as error:  # noqa: BLE001 - sent on, so every rank fails alike
+            message = [error]
+    dist.broadcast_object_list(message, src=0)
+    if isinstance(message[0], Exception):
+        raise message[0]
+    return fxsplit.Plan.from_yaml(message[0])
 
 
 def _four_stages(spec: ModelSpec, settings: dict[str, Any], variant: str, budget: int) -> dict[str, Any]:

@@ -172,3 +172,27 @@ def test_profile_plans_with_measured_times_and_refuses_meta() -> None:
         on_meta = _mlp(2, 64)
     with pytest.raises(SpecError, match="profile=True runs the model: .* is on the meta device"):
         fxsplit.plan(on_meta, {"cpu:0": "1MiB"}, example_inputs=(torch.randn(2, 64, device="meta"),), profile=True)
+
+
+def test_profile_in_training_times_the_backward_too() -> None:
+    model, x = _mlp(4, 256), torch.randn(64, 256)
+    budgets = {"cpu:0": "16MiB", "cpu:1": "16MiB"}
+    forward = fxsplit.plan(model, budgets, example_inputs=(x,), pipeline=2, profile=True, mode="weights")
+    training = fxsplit.plan(model, budgets, example_inputs=(x,), pipeline=2, profile=True, mode="training")
+    assert training.timing["training"] and not forward.timing["training"]
+    forward_s, training_s = (sum(r["compute"] for r in p.timing["stages"].values()) for p in (forward, training))
+    assert training_s > 1.5 * forward_s  # a backward costs about twice a forward here
+    assert all(p.grad is None for p in model.parameters())  # the model's own tensors took no gradient
+
+
+def test_profiled_pipeline_stages_across_ranks_must_share_one_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with pytest.raises(SpecError, match="plan on one rank .* pass it to pipeline_stages on every rank"):
+        fxsplit.pipeline_stages(
+            _mlp(2, 16),
+            {"cpu:0": "1MiB", "cpu:1": "1MiB"},
+            example_inputs=(torch.randn(4, 16),),
+            chunks=2,
+            profile=True,
+        )

@@ -61,6 +61,7 @@ def profile_op_seconds(
     *,
     repeats: int = 3,
     warmup: int = 1,
+    backward: bool = False,
 ) -> list[float]:
     """Seconds each op of ``ops`` takes on ``device`` (median over ``repeats`` runs after ``warmup``).
 
@@ -76,6 +77,10 @@ def profile_op_seconds(
         device: where to run: ``"cpu"``, ``"cpu:1"`` (the CPU), ``"cuda:0"``.
         repeats: timed runs (at least 1); each op reports its median.
         warmup: untimed runs first (at least 0).
+        backward: also time each op's backward, alone: the op runs with gradients on inputs of its
+            own (detached from the ops before it), then ``torch.autograd.grad`` takes the gradients of
+            its floating inputs and of the parameters it reads from a gradient of ones; an op's time
+            is then its forward's plus its backward's (a training step's share).
 
     Returns:
         One time in seconds per op of ``ops``.
@@ -99,9 +104,10 @@ def profile_op_seconds(
         raise SpecError(f"profiling times ops on 'cpu' and 'cuda' devices only (got {name!r}); profile on one of those")
     slots = _slots(graph_module, ops)
     inputs = _inputs(graph_module, args, kwargs)
-    copies = replace_graph_tensors(graph_module, functools.partial(_copy_weight, target))
+    trainable = {n for n, p in graph_module.named_parameters(remove_duplicate=False) if p.is_floating_point()}
+    copies = replace_graph_tensors(graph_module, functools.partial(_copy_weight, target, trainable if backward else ()))
     clock = _CudaClock(target, len(ops)) if target.type == "cuda" else _WallClock(len(ops))
-    runner = _TimedRunner(graph_module, slots, clock)
+    runner = _TimedRunner(graph_module, slots, clock, backward=backward)
     runs: list[list[float]] = []
     swapped = _reparametrize_module(graph_module, copies, tie_weights=True, strict=False)
     if target.type == "cuda":  # dropout draws from the generators: put them back after
@@ -109,7 +115,7 @@ def profile_op_seconds(
         rng = torch.random.fork_rng(devices=[index], device_type="cuda")
     else:
         rng = torch.random.fork_rng(devices=[])
-    with torch.no_grad(), swapped, rng:
+    with torch.set_grad_enabled(backward), swapped, rng:
         for done in range(warmup + repeats):
             fresh = tree_map_only(torch.Tensor, lambda t: t.detach().to(target, copy=True), inputs)
             clock.begin()
@@ -153,10 +159,10 @@ def _inputs(graph_module: torch.fx.GraphModule, args: tuple[Any, ...] | None, kw
     return values
 
 
-def _copy_weight(device: torch.device, name: str, tensor: torch.Tensor) -> torch.Tensor:
+def _copy_weight(device: torch.device, trainable: Any, name: str, tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type == "meta":
         raise SpecError(f"{_REFUSAL} {name!r} is on the meta device (no data); {_FIX}")
-    return tensor.detach().to(device, copy=True)
+    return tensor.detach().to(device, copy=True).requires_grad_(name in trainable)
 
 
 class _WallClock:
@@ -208,15 +214,31 @@ class _CudaClock:
         return times
 
 
+def _own_input(leaves: list[torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
+    """A floating input as a leaf of its own that takes a gradient (kept in ``leaves``), passed on through a
+    copy so that an op that writes its input in place may (autograd refuses that on a leaf); others as they are."""
+    if not tensor.is_floating_point() or tensor.requires_grad:
+        return tensor
+    leaf = tensor.detach().requires_grad_(True)
+    leaves.append(leaf)
+    return leaf.clone()
+
+
 class _TimedRunner(torch.fx.Interpreter):
     """Runs every node; times the call of each node in ``slots``, with its arguments already fetched."""
 
     def __init__(
-        self, graph_module: torch.fx.GraphModule, slots: dict[torch.fx.Node, int], clock: _WallClock | _CudaClock
+        self,
+        graph_module: torch.fx.GraphModule,
+        slots: dict[torch.fx.Node, int],
+        clock: _WallClock | _CudaClock,
+        *,
+        backward: bool = False,
     ) -> None:
         super().__init__(graph_module, garbage_collect_values=True)
         self.slots = slots
         self.clock = clock
+        self.backward = backward
 
     def run_node(self, n: torch.fx.Node) -> Any:
         try:
@@ -234,11 +256,35 @@ class _TimedRunner(torch.fx.Interpreter):
     def _timed(self, n: torch.fx.Node) -> Any:
         with self._set_current_node(n):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
+            leaves: list[torch.Tensor] = []
+            if self.backward:  # inputs of its own, so that the backward below is this op's alone
+                args, kwargs = tree_map_only(torch.Tensor, functools.partial(_own_input, leaves), (args, kwargs))
             call = self._call(n, tuple(args), dict(kwargs))
             started = self.clock.start()
             value = call()
             self.clock.stop(self.slots[n], started)
+            if self.backward:
+                self._backward(n, value, leaves)
+                value = tree_map_only(torch.Tensor, torch.Tensor.detach, value)
         return value
+
+    def _backward(self, n: torch.fx.Node, value: Any, leaves: list[torch.Tensor]) -> None:
+        """Time the gradients of ``n``'s inputs and of the parameters it reads, from a gradient of ones."""
+        outputs = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        wanted = leaves + [p for p in self._parameters_of(n) if p.requires_grad]
+        if not outputs or not wanted:
+            return
+        ones = [torch.ones_like(t) for t in outputs]
+        started = self.clock.start()
+        torch.autograd.grad(outputs, wanted, ones, allow_unused=True)
+        self.clock.stop(self.slots[n], started)
+
+    def _parameters_of(self, n: torch.fx.Node) -> list[torch.Tensor]:
+        if n.op == "call_module":
+            return list(self.fetch_attr(str(n.target)).parameters())
+        return [
+            self.env[a] for a in n.all_input_nodes if a.op == "get_attr" and isinstance(self.env.get(a), torch.Tensor)
+        ]
 
     def _call(self, n: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
         if n.op == "call_module":

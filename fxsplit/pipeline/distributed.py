@@ -195,6 +195,13 @@ def pipeline_stages(
     """
     if "pipeline" in options:
         raise SpecError("pipeline_stages takes chunks=..., not pipeline=...")
+    if options.get("profile") and not isinstance(plan_or_budgets, Plan) and _ranks() > 1:
+        raise SpecError(
+            "profile=True times the ops in each process, and the times differ from rank to rank, so the ranks would "
+            "plan different stages: plan on one rank (fxsplit.plan(model, budgets, example_inputs=..., "
+            "pipeline=chunks, profile=True)), share the plan (plan.to_yaml(), or "
+            "torch.distributed.broadcast_object_list) and pass it to pipeline_stages on every rank"
+        )
     if isinstance(plan_or_budgets, Plan):
         graph_module, plan = _apply(model, plan_or_budgets, example_inputs, chunks, options)
     else:
@@ -208,6 +215,12 @@ def pipeline_stages(
     stages = split_stages(split, plan, relay=True)
     tied, paths = _replicas(model, stages.modules)
     return PipelineStages(plan, stages.specs, stages.modules, tied, chunks, paths)
+
+
+def _ranks() -> int:
+    """Processes of the default group, or 1 outside torch.distributed."""
+    distributed = torch.distributed
+    return distributed.get_world_size() if distributed.is_available() and distributed.is_initialized() else 1
 
 
 def _apply(

@@ -55,9 +55,8 @@ def op_timing(
     work = op_work(graph_module, ops, dtype=dtype)
     rows = []
     for device in devices:
-        if measured is not None and device in measured:  # forward times: add the backward's share
-            forward = np.asarray(measured[device], dtype=np.float64)
-            rows.append(forward * (1.0 + work.backward_factor()) if training else forward)
+        if measured is not None and device in measured:  # with training, measured forward and backward
+            rows.append(np.asarray(measured[device], dtype=np.float64))
         else:
             rows.append(op_seconds(work, hardware.speed(device), training=training))
     links = [[hardware.link(a, b) for b in devices] for a in devices]
@@ -85,7 +84,7 @@ def timing_for(
     objective = options.chosen_objective
     if not wants_timing(objective, options.pipeline, options.hardware, options.profile):
         return None
-    measured = measure_ops(graph_module, ops, devices, *inputs) if options.profile else None
+    measured = measure_ops(graph_module, ops, devices, *inputs, training=training) if options.profile else None
     hardware = Hardware.coerce(options.hardware)
     return op_timing(
         graph_module,
@@ -104,10 +103,13 @@ def measure_ops(
     devices: Sequence[str],
     args: tuple[Any, ...] | None,
     kwargs: Mapping[str, Any] | None,
+    *,
+    training: bool = False,
 ) -> dict[str, list[float]]:
     """Device -> measured forward seconds per op (:func:`~fxsplit.cost.profile.profile_op_seconds`,
     :data:`PROFILE_REPEATS` runs): once for all the ``cpu:N`` devices, which share the CPU, on one thread (a
-    logical CPU device stands for a core), and once per other device."""
+    logical CPU device stands for a core), and once per other device. With ``training``, each op's
+    forward and backward."""
     from fxsplit.cost.profile import profile_op_seconds
 
     measured: dict[str, list[float]] = {}
@@ -119,14 +121,14 @@ def measure_ops(
                 torch.set_num_threads(1)
                 try:
                     cpu = profile_op_seconds(
-                        graph_module, ops, args, dict(kwargs or {}), "cpu", repeats=PROFILE_REPEATS
+                        graph_module, ops, args, dict(kwargs or {}), "cpu", repeats=PROFILE_REPEATS, backward=training
                     )
                 finally:
                     torch.set_num_threads(threads)
             measured[device] = cpu
         else:
             measured[device] = profile_op_seconds(
-                graph_module, ops, args, dict(kwargs or {}), device, repeats=PROFILE_REPEATS
+                graph_module, ops, args, dict(kwargs or {}), device, repeats=PROFILE_REPEATS, backward=training
             )
     return measured
 
