@@ -262,15 +262,13 @@ def _four_stages(spec: ModelSpec, settings: dict[str, Any], variant: str, budget
     devices = tuple(f"cpu:{i}" for i in range(4))
     model = spec.build()
     x, _ = spec.inputs(0)
-    stages = fxsplit.pipeline_stages(
-        model,
-        {d: budget for d in devices},
-        example_inputs=(x,),
-        chunks=settings["chunks"],
-        trace=spec.trace,
-        mode="training",
-        **variant_options(variant, spec, devices),
-    )
+    chunks, budgets = settings["chunks"], {d: budget for d in devices}
+    planned: Any = budgets
+    options: dict[str, Any] = {"mode": "training", **variant_options(variant, spec, devices)}
+    if variant == "profiled":  # planned here, in this process alone (pipeline_stages refuses to across ranks)
+        planned = fxsplit.plan(model, budgets, example_inputs=(x,), pipeline=chunks, trace=spec.trace, **options)
+        options = {}
+    stages = fxsplit.pipeline_stages(model, planned, example_inputs=(x,), chunks=chunks, trace=spec.trace, **options)
     return {
         "stages": len(stages),
         "devices": [s.device for s in stages.specs],
