@@ -285,7 +285,7 @@ def exact_boundaries(ctx: Context, cands: np.ndarray, budgets: Sequence[int], ma
     previous[0] = 0.0
     choices: list[list[int]] = []
     for k in range(len(budgets)):
-        best_start, best = cheapest_starts(matrices.flipped[k], previous)
+        best_start, best = cheapest_starts(matrices.flipped[k], previous, last_only=k == len(budgets) - 1)
         take = best < previous
         choices.append(np.where(take, best_start, -1).tolist())
         previous = np.where(take, best, previous)

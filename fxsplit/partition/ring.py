@@ -116,11 +116,14 @@ def flip_steps(steps: list[np.ndarray]) -> list[np.ndarray]:
     return [flipped[id(step)] for step in steps]
 
 
-def cheapest_starts(flipped: np.ndarray, previous: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def cheapest_starts(
+    flipped: np.ndarray, previous: np.ndarray, last_only: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """For each end ``j < m`` (``m = len(previous)``), the start ``i < m`` minimising ``previous[i] +
     steps[i, j]`` (the latest of those that tie: ops without weights stay with the stage before), and that
     minimum (infinite where no start fits; the start is then meaningless); ``flipped`` is ``steps`` as
-    :func:`flip_steps` gives it.
+    :func:`flip_steps` gives it. With ``last_only``, only for ``j = m - 1`` (infinite elsewhere): the
+    last device's run must end there.
 
     Only starts before the end (``steps`` is infinite elsewhere) and within the finite part of
     ``previous`` are read, a block of ends at a time; the minimum runs along contiguous rows, the starts
@@ -134,11 +137,12 @@ def cheapest_starts(flipped: np.ndarray, previous: np.ndarray) -> tuple[np.ndarr
         return starts, best
     lo, hi = int(finite[0]), int(finite[-1])
     block = max(32, -(-m // 8))
-    for first in range(lo + 1, m, block):  # ends j <= lo have no finite start before them
+    begin = max(lo + 1, m - 1) if last_only else lo + 1  # ends j <= lo have no finite start before them
+    for first in range(begin, m, block):
         stop = min(first + block, m)
         top = min(stop - 2, hi)  # the latest start an end in [first, stop) may take
         total = flipped[first:stop, last - top : last - lo + 1] + previous[lo : top + 1][::-1]
-        latest = np.argmin(total, axis=1)
+        latest = total.argmin(axis=1)
         starts[first:stop] = top - latest
         best[first:stop] = total[np.arange(stop - first), latest]
     return starts, best
@@ -245,7 +249,7 @@ def _wrapped(
     previous = start.objective
     choices: list[np.ndarray] = []
     for k in range(1, len(budgets)):
-        best_start, best = cheapest_starts(flipped[k], previous)
+        best_start, best = cheapest_starts(flipped[k], previous, last_only=k == len(budgets) - 1)
         take = best < previous
         choices.append(np.where(take, best_start, -1))
         previous = np.where(take, best, previous)
