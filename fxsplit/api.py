@@ -14,7 +14,7 @@ import torch.fx
 from fxsplit.check import verify_plan, verify_split
 from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.codegen.emitter import emit, move_weights
-from fxsplit.cost.build import GraphCosts, build_problem, named_tensors
+from fxsplit.cost.build import GraphCosts, build_problem
 from fxsplit.cost.constraints import (
     check_constraints,
     explain_infeasible_pins,
@@ -191,7 +191,7 @@ def _memory_model(
 
     Also why the activations are not counted where ``spec`` counts them (warned), else None.
     """
-    named = {name: tensor for name, tensor, is_buffer in named_tensors(model) if not is_buffer}
+    named = dict(model.named_parameters(remove_duplicate=False))
     trainable = {
         w.names[0]: named[w.names[0]].numel()
         for w in costs.weights

@@ -95,19 +95,24 @@ def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]
     names), in the same order, from one walk of the module tree (torch's
     nested generators cost about ten times as much on models of 100k modules).
     """
-    parameters: list[tuple[str, torch.Tensor, bool]] = []
-    buffers: list[tuple[str, torch.Tensor, bool]] = []
+    modules: list[tuple[str, torch.nn.Module]] = []
     stack: list[tuple[str, torch.nn.Module]] = [("", model)]
     while stack:  # pre-order, children in registration order, as named_modules
         prefix, module = stack.pop()
-        dot = prefix + "." if prefix else ""
-        parameters.extend(
-            (dot + name, tensor, False) for name, tensor in module._parameters.items() if tensor is not None
-        )
-        buffers.extend((dot + name, tensor, True) for name, tensor in module._buffers.items() if tensor is not None)
-        if module._modules:
-            stack.extend((dot + name, child) for name, child in reversed(module._modules.items()) if child is not None)
-    return parameters + buffers
+        modules.append((prefix, module))
+        children = [
+            (f"{prefix}.{name}" if prefix else name, child)
+            for name, child in module._modules.items()
+            if child is not None
+        ]
+        stack.extend(reversed(children))
+    found: list[tuple[str, torch.Tensor, bool]] = []
+    for attribute, is_buffer in (("_parameters", False), ("_buffers", True)):
+        for prefix, module in modules:
+            for name, tensor in getattr(module, attribute).items():
+                if tensor is not None:
+                    found.append((f"{prefix}.{name}" if prefix else name, tensor, is_buffer))
+    return found
 
 
 def _unread_aliases(
