@@ -77,6 +77,7 @@ class GraphCosts:
     value_nbytes: dict[str, int | None] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)  # unread weight -> the read weight whose storage it is
     written: dict[str, int] = field(default_factory=dict)  # weights the forward writes in place -> bytes
+    writers: frozenset[str] | None = None  # ops that write an input in place (None: not known, ask each node)
 
 
 def model_tensors(model: torch.nn.Module) -> dict[int, tuple[list[str], torch.Tensor, bool]]:
@@ -124,11 +125,13 @@ def _unread_aliases(
     """Unread weight -> the read weight it is: two tensor objects over the same storage (export's lifted
     constants alias the buffers they came from; the buffer's get_attr reads nothing). It costs nothing
     more and goes where the read one goes."""
+    unread = [w.names[0] for w, index in zip(weights, weight_values, strict=True) if index < 0]
+    unread += [w.names[0] for w in unused]
+    if not unread:
+        return {}
     tensors = {entry[0][0]: entry[1] for entry in [*read.values(), *known.values()]}
     read_names = {w.names[0] for w, index in zip(weights, weight_values, strict=True) if index >= 0}
     by_storage = {key: name for name in read_names if (key := storage_key(tensors[name])) is not None}
-    unread = [w.names[0] for w, index in zip(weights, weight_values, strict=True) if index < 0]
-    unread += [w.names[0] for w in unused]
     found = {}
     for name in unread:
         key = storage_key(tensors[name]) if name in tensors else None
@@ -189,17 +192,16 @@ def build_problem(
         weight_users.setdefault(key, set()).update(users)
         weight_nodes.setdefault(key, []).append(node)
 
+    mutated_weights: set[int] = set()  # buffers a call_module op reads: its module may write them
     for node, path, tensor in tensor_reads(graph_module, modules):
         users = {index[u] for u in node.users if u in index} if node.op == "get_attr" else {index[node]}
-        add_weight(tensor, path, not isinstance(tensor, torch.nn.Parameter), node.name, users)
+        is_buffer = not isinstance(tensor, torch.nn.Parameter)
+        add_weight(tensor, path, is_buffer, node.name, users)
+        if is_buffer and node.op == "call_module" and node in index:
+            mutated_weights.add(id(tensor))
 
-    mutated_weights: set[int] = set()
-    writes = written_tensors(graph_module, ops, modules)
-    for node in ops:
-        if node.op == "call_module":
-            for _, tensor in _module_tensors(modules[str(node.target)]):
-                if not isinstance(tensor, torch.nn.Parameter):
-                    mutated_weights.add(id(tensor))
+    mutations = {node: targets for node in ops if (targets := mutated_inputs(node, modules))}
+    writes = written_tensors(graph_module, ops, modules, mutations)
 
     values: list[Value] = []
     value_nbytes: dict[str, int | None] = {}
@@ -261,11 +263,15 @@ def build_problem(
         for kind, key in writes
         if kind == "weight" and isinstance(key, int) and key in weight_tensor
     }
-    return GraphCosts(problem, ops, weights, weight_values, unused, value_nbytes, aliases, written)
+    writers = frozenset(node.name for node in mutations)
+    return GraphCosts(problem, ops, weights, weight_values, unused, value_nbytes, aliases, written, writers)
 
 
 def written_tensors(
-    graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], modules: dict[str, torch.nn.Module]
+    graph_module: torch.fx.GraphModule,
+    ops: Sequence[torch.fx.Node],
+    modules: dict[str, torch.nn.Module],
+    mutations: Mapping[torch.fx.Node, list[torch.fx.Node]] | None = None,
 ) -> dict[tuple[str, object], set[int]]:
     """Each tensor some op writes in place -> the ops that must run where it lives (op indices).
 
@@ -275,13 +281,16 @@ def written_tensors(
     model input: its copy lives where that op runs; a weight: the caller adds
     its first reader). Readers elsewhere get copies, made again after each
     write (:class:`~fxsplit.planning.build.WriteVersions`). Keys:
-    ``("weight", id(tensor))``, ``("node", name)``.
+    ``("weight", id(tensor))``, ``("node", name)``. ``mutations``: :func:`mutated_inputs` of the
+    ops that write something, when the caller has it.
     """
+    if mutations is None:
+        mutations = {node: targets for node in ops if (targets := mutated_inputs(node, modules))}
     index = {node: i for i, node in enumerate(ops)}
     groups: dict[tuple[str, object], set[int]] = {}
     roots: dict[torch.fx.Node, tuple[str, object]] = {}
-    for node in ops:
-        for target in mutated_inputs(node, modules):
+    for node, targets in mutations.items():
+        for target in targets:
             root = alias_root(target)
             weight = attr_at(graph_module, str(root.target)) if root.op == "get_attr" else None
             key: tuple[str, object] = ("weight", id(weight)) if weight is not None else ("node", root.name)
@@ -327,6 +336,9 @@ def tensor_reads(
 
 
 def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    if not module._modules:  # a leaf (most call_module targets): its own parameters, then buffers
+        found = [(name, tensor) for name, tensor in module._parameters.items() if tensor is not None]
+        return found + [(name, tensor) for name, tensor in module._buffers.items() if tensor is not None]
     return [(name, tensor) for name, tensor, _ in named_tensors(module)]
 
 

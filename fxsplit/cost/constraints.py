@@ -70,6 +70,9 @@ def resolve_leaf_modules(model: torch.nn.Module, leaves: Iterable[type | str], l
     Raises:
         SpecError: names that are neither, each with close names.
     """
+    leaves = list(leaves)
+    if not leaves:
+        return []
     paths = {name for name, _ in model.named_modules() if name}
     classes: dict[str, type] = {}
     for _, module in model.named_modules():

@@ -171,7 +171,8 @@ class MemoryModel:
         for weight, index in zip(self.costs.weights, self.costs.weight_values, strict=True):
             if index >= 0:
                 grads, state = self.state_bytes(weight.names[0], weight.nbytes)
-                values[index] = dataclasses.replace(values[index], weight=weight.nbytes + grads + state)
+                if values[index].weight != weight.nbytes + grads + state:  # else the same value as it is
+                    values[index] = dataclasses.replace(values[index], weight=weight.nbytes + grads + state)
         extra: tuple[int, ...] = ()
         transient: tuple[int, ...] = ()
         if self.profile is not None:
@@ -185,7 +186,8 @@ class MemoryModel:
         found = {d: dict.fromkeys(COMPONENTS[:4], 0) for d in plan.devices}
         read = {w.names[0] for w, index in zip(self.costs.weights, self.costs.weight_values, strict=True) if index >= 0}
         for weight in [*self.costs.weights, *self.costs.unused]:
-            row = found.setdefault(plan.param_devices[weight.names[0]], dict.fromkeys(COMPONENTS[:4], 0))
+            device = plan.param_devices[weight.names[0]]
+            row = found.get(device) or found.setdefault(device, dict.fromkeys(COMPONENTS[:4], 0))
             row["buffers" if weight.is_buffer else "params"] += weight.nbytes
             if weight.names[0] in read:
                 grads, state = self.state_bytes(weight.names[0], weight.nbytes)

@@ -15,6 +15,9 @@ forbidden and where pins end.
 
 from __future__ import annotations
 
+import itertools
+from functools import cached_property
+
 import numpy as np
 
 from fxsplit.partition.problem import PartitionProblem
@@ -34,7 +37,8 @@ class Context:
         forbidden: ``forbidden[t]``: no device boundary may fall just before op ``t``.
         crossing: ``crossing[t]``: bytes of the values made before op ``t`` and read at or after it.
         reach: start, last reader and bytes of every copied value (arrays), for the wrapped programme.
-        last_bad: ``last_bad[k][t]``: 1 + index of the last op before ``t`` pinned to a device other than ``k``.
+        last_bad: ``last_bad[k][t]``: 1 + index of the last op before ``t`` pinned to a device other than ``k``
+            (an array per device).
     """
 
     def __init__(self, problem: PartitionProblem, budgets: list[int]) -> None:
@@ -47,7 +51,6 @@ class Context:
         self.has_transient = any(self.transient)
         self._sparse = _SparseMax(self.transient) if self.has_transient else None
         self.forbidden = problem.forbidden_cuts()
-        self.crossing = self._crossing()
         reaching = [v for v in problem.values if v.nbytes and v.consumers]
         # start, last reader and bytes of every copied value, for the wrapped programme
         self.reach = (
@@ -55,29 +58,36 @@ class Context:
             np.array([v.last for v in reaching], dtype=np.int64),
             np.array([v.nbytes for v in reaching], dtype=np.float64),
         )
+        self._reaching = reaching
+        self.crossing = self._crossing()
         # last_bad[k][t]: 1 + index of the last op before t pinned to a device other than k.
-        self.last_bad: list[list[int]] = []
+        self.last_bad: list[np.ndarray] = []
         for k in range(len(budgets)):
-            row = [0] * (n + 1)
-            last = 0
-            for t in range(1, n + 1):
-                pin = problem.pinned.get(t - 1)
-                if pin is not None and pin != k:
-                    last = t
-                row[t] = last
-            self.last_bad.append(row)
+            row = np.zeros(n + 1, dtype=np.int64)
+            for op, pin in problem.pinned.items():
+                if pin != k and 0 <= op < n:
+                    row[op + 1] = op + 1
+            self.last_bad.append(np.maximum.accumulate(row))
 
     def _crossing(self) -> list[int]:
-        diff = [0] * (self.n + 2)
-        for value in self.problem.values:
-            if value.consumers and value.nbytes and value.last > value.start:
-                diff[value.start + 1] += value.nbytes
-                diff[value.last + 1] -= value.nbytes
-        crossing, running = [], 0
-        for t in range(self.n + 1):
-            running += diff[t]
-            crossing.append(running)
-        return crossing
+        starts, lasts, _ = self.reach
+        spans = lasts > starts
+        nbytes = np.array([v.nbytes for v in self._reaching], dtype=np.int64)[spans]
+        diff = np.zeros(self.n + 2, dtype=np.int64)
+        np.add.at(diff, starts[spans] + 1, nbytes)
+        np.add.at(diff, lasts[spans] + 1, -nbytes)
+        return [int(c) for c in np.cumsum(diff[: self.n + 1]).tolist()]
+
+    @cached_property
+    def readers(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(offsets, consumers)``: the readers of the ``i``-th value of :attr:`reach` are
+        ``consumers[offsets[i]:offsets[i + 1]]``, sorted."""
+        counts = np.array([len(v.consumers) for v in self._reaching], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        consumers = np.fromiter(
+            itertools.chain.from_iterable(v.consumers for v in self._reaching), dtype=np.int64, count=int(offsets[-1])
+        )
+        return offsets, consumers
 
     def weight(self, start: int, stop: int) -> int:
         """Bytes a device needs to run ops ``[start, stop)``: resident plus peak transient."""

@@ -32,14 +32,14 @@ otherwise. :func:`min_max_fraction` and :func:`min_scale` answer the balance and
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
 
 from fxsplit.partition.context import Context
-from fxsplit.partition.ring import step_matrices
+from fxsplit.partition.ring import cheapest_starts, flip_steps, step_matrices
 
 __all__ = [
     "EXACT_LIMIT",
@@ -63,47 +63,74 @@ def relay_boundaries(ctx: Context, budgets: Sequence[int]) -> list[int] | None:
 
     Device ``k`` runs ops ``[b[k], b[k + 1])``. None when no contiguous placement fits: the
     programme visits every position, so that answer is exact.
+
+    Device ``k``'s run ending at ``t`` may start at any ``s`` in ``[bound[t], t)`` (within its budget,
+    after the last op pinned elsewhere); the cheapest start (the latest of those that tie) comes from a
+    range-minimum table over all positions at once (:func:`_latest_argmin`), in numpy.
     """
-    n, crossing, forbidden = ctx.n, ctx.crossing, ctx.forbidden
-    prefix = ctx.prefix_weight.tolist()
-    previous = [0.0] + [_INF] * n
+    n = ctx.n
+    crossing = np.asarray(ctx.crossing, dtype=np.float64)
+    ineligible = np.asarray(ctx.forbidden, dtype=bool)  # a run may not start at a forbidden cut
+    ineligible[0] = False
+    ineligible[n] = True  # a run ending at t starts at t - 1 at the latest
+    ends = np.arange(1, n + 1)
+    previous = np.full(n + 1, _INF)
+    previous[0] = 0.0
     choices: list[list[int]] = []
     for k, budget in enumerate(budgets):
-        current = [0.0] + [_INF] * n
-        choice = [-1] * (n + 1)
-        window: deque[int] = deque()
-        left = 0
-        last_bad = ctx.last_bad[k]
-        for t in range(1, n + 1):
-            s = t - 1
-            if previous[s] < _INF and (s == 0 or not forbidden[s]):
-                key = previous[s] + crossing[s]
-                while window and previous[window[-1]] + crossing[window[-1]] >= key:
-                    window.pop()
-                window.append(s)
-            if ctx.has_transient:
-                while left < t and ctx.weight(left, t) > budget:
-                    left += 1
-                if ctx.weight(left, t) > budget:
-                    left = t
-            else:
-                while prefix[t] - prefix[left] > budget:
-                    left += 1
-            bound = max(left, last_bad[t])
-            while window and window[0] < bound:
-                window.popleft()
-            best = previous[t]
-            if window:
-                s = window[0]
-                if previous[s] + crossing[s] < best:
-                    best = previous[s] + crossing[s]
-                    choice[t] = s
-            current[t] = best
-        choices.append(choice)
-        previous = current
+        keys = previous + crossing
+        keys[ineligible] = _INF
+        bound = np.maximum(_run_starts(ctx, budget), np.asarray(ctx.last_bad[k], dtype=np.int64))[1:]
+        start = _latest_argmin(keys, bound, ends - 1)
+        best = np.where(start >= 0, keys[start], _INF)
+        take = best < previous[1:]
+        choice = np.full(n + 1, -1, dtype=np.int64)
+        choice[1:][take] = start[take]
+        previous = previous.copy()
+        previous[1:][take] = best[take]
+        choices.append(choice.tolist())
     if previous[n] == _INF:
         return None
     return _walk_back(choices, n)
+
+
+def _run_starts(ctx: Context, budget: int) -> np.ndarray:
+    """``left[t]``: the first op a device within ``budget`` can start at and run up to op ``t`` (excluded)."""
+    n, prefix = ctx.n, ctx.prefix_weight
+    if not ctx.has_transient and bool(np.all(prefix[1:] >= prefix[:-1])):
+        within = min(budget, int(prefix[n]))  # a larger budget starts every run at 0 too
+        return np.searchsorted(prefix, prefix - within, side="left").astype(np.int64)
+    left_of = [0] * (n + 1)
+    left = 0
+    for t in range(1, n + 1):
+        while left < t and ctx.weight(left, t) > budget:
+            left += 1
+        if ctx.weight(left, t) > budget:
+            left = t
+        left_of[t] = left
+    return np.asarray(left_of, dtype=np.int64)
+
+
+def _latest_argmin(keys: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """For each query, the index in ``[lo, hi]`` of the smallest key (the latest of those that tie), or -1
+    when the range is empty; a sparse table of O(len(keys) log len(keys)) entries."""
+    table = [np.arange(len(keys))]
+    width = 1
+    while 2 * width <= len(keys):
+        below = table[-1]
+        first, second = below[:-width], below[width:]
+        table.append(np.where(keys[second] <= keys[first], second, first))
+        width *= 2
+    found = np.full(len(lo), -1, dtype=np.int64)
+    length = hi - lo + 1
+    present = np.flatnonzero(length > 0)
+    level = np.frexp(length[present].astype(np.float64))[1] - 1  # floor(log2(length)), exact
+    for j in np.unique(level).tolist():
+        rows = present[level == j]
+        first = table[j][lo[rows]]
+        second = table[j][hi[rows] - (1 << j) + 1]
+        found[rows] = np.where(keys[second] <= keys[first], second, first)
+    return found
 
 
 def _walk_back(choices: list[list[int]], n: int) -> list[int]:
@@ -130,51 +157,72 @@ def candidates(ctx: Context, relay: list[int] | None) -> np.ndarray:
     n = ctx.n
     if n <= EXACT_LIMIT:
         return np.arange(n + 1)
-    allowed = [t for t in range(1, n) if not ctx.forbidden[t]]
+    allowed = np.flatnonzero(~np.asarray(ctx.forbidden[:n], dtype=bool))
+    allowed = allowed[allowed > 0]
     chosen = {0, n, *(relay or [])}
     labels = ctx.problem.op_labels
     if labels:
+        # op t starts a module at depth d when the first d parts of its label and the previous op's differ
         parts = [label.split(".") for label in labels]
+        differs = np.array([_first_difference(parts[t - 1], parts[t]) for t in range(1, n)])
+        depth_of = np.concatenate([[_NEVER], differs])[allowed]
         for depth in range(1, 5):
-            level = {t for t in allowed if parts[t][:depth] != parts[t - 1][:depth]}
+            level = set(allowed[depth_of <= depth].tolist())
             if len(chosen | level) > (EXACT_LIMIT + 1) // 2:
                 break
             chosen |= level
-    by_cost = sorted(allowed, key=lambda t: (ctx.crossing[t], t))
-    for t in by_cost:
+    crossing = np.asarray(ctx.crossing, dtype=np.int64)[allowed]
+    for t in allowed[np.lexsort((allowed, crossing))].tolist():  # fewest bytes crossing first, then earliest
         if len(chosen) > EXACT_LIMIT:
             break
         chosen.add(t)
     return np.array(sorted(chosen))
 
 
+_NEVER = 1 << 30
+
+
+def _first_difference(before: list[str], after: list[str]) -> int:
+    """The smallest ``d`` with ``before[:d] != after[:d]`` (:data:`_NEVER` for equal lists)."""
+    common = 0
+    for a, b in zip(before, after, strict=False):
+        if a != b:
+            break
+        common += 1
+    return _NEVER if common == len(before) == len(after) else common + 1
+
+
 def cut_cost_matrix(ctx: Context, cands: np.ndarray, *, count: bool = False) -> np.ndarray:
     """``C[i, j]``: bytes copied into a device that runs ops ``[cands[i], cands[j])`` (with ``count``: how many
-    values are)."""
+    values are).
+
+    A value made before ``cands[i]`` and read at or after it is copied into that device when its first
+    reader from ``cands[i]`` on is before ``cands[j]``: each (value, start position) pair adds its bytes
+    at that reader's column, and a cumulative sum along the rows finishes the matrix.
+    """
     m = len(cands)
-    increments = np.zeros((m, m + 1))
-    spanning = [v for v in ctx.problem.values if v.nbytes and v.consumers and v.last > v.start]
-    if not spanning:
-        return increments[:, :m]
-    starts = np.array([v.start for v in spanning])
-    lasts = np.array([v.last for v in spanning])
-    los = np.searchsorted(cands, starts, side="right")
-    his = np.searchsorted(cands, lasts, side="right")
-    rows: list[np.ndarray] = []
-    cols: list[np.ndarray] = []
-    sizes: list[np.ndarray] = []
-    for value, lo, hi in zip(spanning, los.tolist(), his.tolist(), strict=True):
-        if lo >= hi:
-            continue
-        positions = cands[lo:hi]
-        consumers = np.asarray(value.consumers)
-        next_use = consumers[np.searchsorted(consumers, positions, side="left")]
-        rows.append(np.arange(lo, hi))
-        cols.append(np.searchsorted(cands, next_use, side="right"))
-        sizes.append(np.full(hi - lo, 1 if count else value.nbytes, dtype=np.float64))
-    if rows:
-        np.add.at(increments, (np.concatenate(rows), np.concatenate(cols)), np.concatenate(sizes))
-    return np.cumsum(increments, axis=1)[:, :m]
+    starts, lasts, nbytes = ctx.reach
+    offsets, consumers = ctx.readers
+    spanning = np.flatnonzero(lasts > starts)
+    los = np.searchsorted(cands, starts[spanning], side="right")
+    his = np.searchsorted(cands, lasts[spanning], side="right")
+    counts = np.maximum(his - los, 0)
+    if not counts.sum():
+        return np.zeros((m, m))
+    # one entry per (value, candidate position in (start, last]) pair
+    pair_value = np.repeat(np.arange(len(spanning)), counts)
+    first_pair = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rows = los[pair_value] + (np.arange(len(pair_value)) - first_pair[pair_value])
+    # its next reader at or after the position: search (value, op) keys, values in order, readers sorted
+    stride = ctx.n + 2
+    owner = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    keys = owner * stride + consumers
+    value = spanning[pair_value]
+    next_use = consumers[np.searchsorted(keys, value * stride + cands[rows], side="left")]
+    cols = np.searchsorted(cands, next_use, side="right")
+    weights = np.ones(len(value)) if count else nbytes[value]
+    increments = np.bincount(rows * (m + 1) + cols, weights=weights, minlength=m * (m + 1))
+    return np.cumsum(increments.reshape(m, m + 1), axis=1)[:, :m]
 
 
 def segment_masks(ctx: Context, cands: np.ndarray, budgets: Sequence[int]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -225,6 +273,11 @@ class Matrices:
         cost = cut_cost_matrix(ctx, cands) if cost is None else cost
         return cls(cost, seg_weight, masks, step_matrices(cost, seg_weight, masks, budgets))
 
+    @cached_property
+    def flipped(self) -> list[np.ndarray]:
+        """:attr:`steps` as :func:`~fxsplit.partition.ring.cheapest_starts` reads them."""
+        return flip_steps(self.steps)
+
 
 def exact_boundaries(ctx: Context, cands: np.ndarray, budgets: Sequence[int], matrices: Matrices) -> list[int] | None:
     """Boundaries of the cheapest contiguous placement (true copy cost, then balance) with boundaries in
@@ -234,10 +287,7 @@ def exact_boundaries(ctx: Context, cands: np.ndarray, budgets: Sequence[int], ma
     previous[0] = 0.0
     choices: list[list[int]] = []
     for k in range(len(budgets)):
-        total = previous[:, None] + matrices.steps[k]
-        # On ties take the latest start: ops without weights stay with the stage before.
-        best_start = m - 1 - np.argmin(total[::-1], axis=0)
-        best = total[best_start, np.arange(m)]
+        best_start, best = cheapest_starts(matrices.flipped[k], previous, last_only=k == len(budgets) - 1)
         take = best < previous
         choices.append(np.where(take, best_start, -1).tolist())
         previous = np.where(take, best, previous)

@@ -116,10 +116,11 @@ class PartitionProblem:
     @cached_property
     def op_homes(self) -> tuple[tuple[int, ...], ...]:
         """Indices of the values whose home is each op: read or resident ones with ``start`` there."""
-        homes: list[list[int]] = [[] for _ in range(self.num_ops)]
+        n = self.num_ops
+        homes: list[list[int]] = [[] for _ in range(n)]
         for index, value in enumerate(self.values):
-            if (value.consumers or value.weight) and self.num_ops:
-                homes[min(value.start, self.num_ops - 1)].append(index)
+            if (value.consumers or value.weight) and n:
+                homes[min(value.start, n - 1)].append(index)
         return tuple(tuple(h) for h in homes)
 
     @cached_property

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 __all__ = [
     "LONG_REACH",
     "WRAP_TRIES",
+    "cheapest_starts",
     "cheapest_wraps",
+    "flip_steps",
     "has_long_reach",
     "step_matrices",
     "wrap_points",
@@ -51,7 +53,8 @@ def has_long_reach(ctx: Context) -> bool:
     """Whether some copied value is made early and read late: only then can a wrap help."""
     n = ctx.n
     early, late = n * LONG_REACH, n * (1 - LONG_REACH)
-    return any(v.nbytes and v.consumers and v.start < early and v.last >= late for v in ctx.problem.values)
+    starts, lasts, _ = ctx.reach
+    return bool(np.any((starts < early) & (lasts >= late)))
 
 
 def wrap_points(ctx: Context, cands: np.ndarray, budget: int) -> list[int]:
@@ -103,6 +106,48 @@ def step_matrices(
     return steps
 
 
+def flip_steps(steps: list[np.ndarray]) -> list[np.ndarray]:
+    """Each of ``steps`` transposed with its starts reversed, ``flipped[k][j, M - 1 - i] = steps[k][i, j]``
+    (matrices shared between devices stay shared), for :func:`cheapest_starts`."""
+    flipped: dict[int, np.ndarray] = {}
+    for step in steps:
+        if id(step) not in flipped:
+            flipped[id(step)] = np.ascontiguousarray(step.T[:, ::-1])
+    return [flipped[id(step)] for step in steps]
+
+
+def cheapest_starts(
+    flipped: np.ndarray, previous: np.ndarray, last_only: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """For each end ``j < m`` (``m = len(previous)``), the start ``i < m`` minimising ``previous[i] +
+    steps[i, j]`` (the latest of those that tie: ops without weights stay with the stage before), and that
+    minimum (infinite where no start fits; the start is then meaningless); ``flipped`` is ``steps`` as
+    :func:`flip_steps` gives it. With ``last_only``, only for ``j = m - 1`` (infinite elsewhere): the
+    last device's run must end there.
+
+    Only starts before the end (``steps`` is infinite elsewhere) and within the finite part of
+    ``previous`` are read, a block of ends at a time; the minimum runs along contiguous rows, the starts
+    reversed so that the first minimum is the latest.
+    """
+    m, last = len(previous), flipped.shape[1] - 1
+    starts = np.zeros(m, dtype=np.int64)
+    best = np.full(m, _INF)
+    finite = np.flatnonzero(previous < _INF)
+    if not len(finite):
+        return starts, best
+    lo, hi = int(finite[0]), int(finite[-1])
+    block = max(32, -(-m // 8))
+    begin = max(lo + 1, m - 1) if last_only else lo + 1  # ends j <= lo have no finite start before them
+    for first in range(begin, m, block):
+        stop = min(first + block, m)
+        top = min(stop - 2, hi)  # the latest start an end in [first, stop) may take
+        total = flipped[first:stop, last - top : last - lo + 1] + previous[lo : top + 1][::-1]
+        latest = total.argmin(axis=1)
+        starts[first:stop] = top - latest
+        best[first:stop] = total[np.arange(stop - first), latest]
+    return starts, best
+
+
 def wrapped_placement(
     ctx: Context,
     cands: np.ndarray,
@@ -118,8 +163,8 @@ def wrapped_placement(
     matrices over ``cands`` (segment copy cost, segment bytes, segment allowed
     on device k).
     """
-    steps = step_matrices(cost, seg_weight, masks, budgets)
-    found = _wrapped(ctx, cands, cost, steps, _start(ctx, cands, cost, seg_weight, budgets, wrap), budgets)
+    flipped = flip_steps(step_matrices(cost, seg_weight, masks, budgets))
+    found = _wrapped(ctx, cands, cost, flipped, _start(ctx, cands, cost, seg_weight, budgets, wrap), budgets)
     return None if found is None else found[1]
 
 
@@ -142,11 +187,12 @@ def cheapest_wraps(
     first such point.
     """
     starts = [_start(ctx, cands, cost, seg_weight, budgets, w) for w in points]
+    flipped = flip_steps(steps)
     best: list[tuple[float, int, list[int]]] = []
     for start in sorted(starts, key=lambda s: (s.bound, s.wrap)):
         if len(best) >= keep and (start.bound, start.wrap) > best[keep - 1][:2]:
             break
-        found = _wrapped(ctx, cands, cost, steps, start, budgets)
+        found = _wrapped(ctx, cands, cost, flipped, start, budgets)
         if found is not None:
             best.append((found[0], start.wrap, found[1]))
             best.sort(key=lambda item: item[:2])
@@ -195,17 +241,15 @@ def _start(
 
 
 def _wrapped(
-    ctx: Context, cands: np.ndarray, cost: np.ndarray, steps: list[np.ndarray], start: _Start, budgets: Sequence[int]
+    ctx: Context, cands: np.ndarray, cost: np.ndarray, flipped: list[np.ndarray], start: _Start, budgets: Sequence[int]
 ) -> tuple[int, list[int]] | None:
-    """``(bytes copied, op devices)`` of the cheapest placement wrapped at ``start.wrap``, or None."""
+    """``(bytes copied, op devices)`` of the cheapest placement wrapped at ``start.wrap``, or None;
+    ``flipped``: the step matrices as :func:`flip_steps` gives them."""
     m = start.wrap + 1
     previous = start.objective
     choices: list[np.ndarray] = []
-    columns = np.arange(m)
     for k in range(1, len(budgets)):
-        total = previous[:, None] + steps[k][:m, :m]
-        best_start = m - 1 - np.argmin(total[::-1], axis=0)
-        best = total[best_start, columns]
+        best_start, best = cheapest_starts(flipped[k], previous, last_only=k == len(budgets) - 1)
         take = best < previous
         choices.append(np.where(take, best_start, -1))
         previous = np.where(take, best, previous)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Mapping, NoReturn, Sequence
 
 import torch.fx
@@ -61,10 +62,21 @@ class WriteVersions:
     other tensors by their alias root's node name.
     """
 
-    def __init__(self, graph_module: torch.fx.GraphModule, by_node: dict[str, list[Weight]]) -> None:
-        self.modules = dict(graph_module.named_modules())
+    def __init__(
+        self,
+        graph_module: torch.fx.GraphModule,
+        by_node: dict[str, list[Weight]],
+        writers: frozenset[str] | None = None,
+    ) -> None:
+        self.graph_module = graph_module
         self.by_node = by_node
+        self.writers = writers  # the nodes that may write in place (None: any may)
         self.counts: dict[str, int] = {}
+
+    @cached_property
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """``dict(graph_module.named_modules())``, made when a node first needs it."""
+        return dict(self.graph_module.named_modules())
 
     def _key(self, node: torch.fx.Node) -> str:
         root = alias_root(node)
@@ -80,6 +92,8 @@ class WriteVersions:
 
     def written(self, node: torch.fx.Node) -> None:
         """Count the in-place writes ``node`` makes."""
+        if self.writers is not None and node.name not in self.writers:
+            return
         for target in mutated_inputs(node, self.modules):
             key = self._key(target)
             self.counts[key] = self.counts.get(key, 0) + 1
@@ -330,7 +344,7 @@ def cuts_for(
     offloaded off the devices: one ``"stream"`` cut per op that reads one.
     """
     by_node = weights_by_node(costs)
-    versions = WriteVersions(graph_module, by_node)
+    versions = WriteVersions(graph_module, by_node, costs.writers)
     sent: set[tuple[str, str, int]] = set()
     cuts: list[Cut] = []
     for node in graph_module.graph.nodes:

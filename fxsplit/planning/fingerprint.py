@@ -39,8 +39,13 @@ def describe(model: Any) -> tuple[str, dict[str, str], tuple[tuple[str, ...], ..
 
     tensors: dict[str, str] = {}
     by_id: dict[int, list[str]] = {}
+    signatures: dict[tuple[Any, Any], str] = {}  # (dtype, shape) -> signature: models repeat a few shapes
     for name, tensor, _ in named_tensors(model):
-        tensors[name] = tensor_signature(tensor)
+        key = (tensor.dtype, tensor.shape)
+        signature = signatures.get(key)
+        if signature is None:
+            signature = signatures[key] = tensor_signature(tensor)
+        tensors[name] = signature
         by_id.setdefault(id(tensor), []).append(name)
     tied = tuple(tuple(names) for names in by_id.values() if len(names) > 1)
     return fingerprint_of(tensors, tied), tensors, tied

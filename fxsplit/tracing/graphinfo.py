@@ -295,7 +295,7 @@ def _inplace_by_argument(node: torch.fx.Node, modules: dict[str, torch.nn.Module
         if modules is None:
             owner = node.graph.owning_module
             modules = dict(owner.named_modules()) if owner is not None else {}
-        return getattr(modules.get(str(node.target)), "inplace", False) is True
+        return _inplace_flag(modules.get(str(node.target)))
     if node.op != "call_function" or isinstance(node.target, torch._ops.OpOverload):
         return False
     if node.kwargs.get("inplace") is True:
@@ -305,6 +305,21 @@ def _inplace_by_argument(node: torch.fx.Node, modules: dict[str, torch.nn.Module
     except TypeError:  # an unhashable callable
         position = None
     return position is not None and len(node.args) > position and node.args[position] is True
+
+
+def _inplace_flag(module: object) -> bool:
+    """``getattr(module, "inplace", False) is True`` without nn.Module's slow miss (see :func:`_plain_lookup`)."""
+    kind: type = type(module)
+    if module is not None and _plain_lookup(kind):
+        return vars(module).get("inplace", False) is True
+    return getattr(module, "inplace", False) is True
+
+
+@functools.cache
+def _plain_lookup(kind: type) -> bool:
+    """Whether ``kind`` reads attributes as nn.Module does, with no ``inplace`` of its own (so only ``__dict__``)."""
+    plain = getattr(kind, "__getattr__", None) is torch.nn.Module.__getattr__ and not hasattr(kind, "inplace")
+    return plain and issubclass(kind, torch.nn.Module) and kind.__getattribute__ is object.__getattribute__
 
 
 @functools.cache
