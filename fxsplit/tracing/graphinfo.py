@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 
+from fxsplit.attrpath import attr_at
 from fxsplit.tracing.gradmode import is_grad_mode_node
 
 __all__ = [
@@ -292,9 +293,8 @@ def _inplace_by_argument(node: torch.fx.Node, modules: dict[str, torch.nn.Module
     positional) or a module built with ``inplace=True`` (``nn.ReLU(inplace=True)``). Such an op writes its
     first argument and returns it."""
     if node.op == "call_module":
-        if modules is None:
-            owner = node.graph.owning_module
-            modules = dict(owner.named_modules()) if owner is not None else {}
+        if modules is None:  # one module by its path, not a table of all of them per call (quadratic over a graph)
+            return _inplace_flag(attr_at(node.graph.owning_module, str(node.target), None))
         return _inplace_flag(modules.get(str(node.target)))
     if node.op != "call_function" or isinstance(node.target, torch._ops.OpOverload):
         return False
