@@ -151,3 +151,23 @@ def test_infeasible_throughput_says_what_does_not_fit() -> None:
     timing = Timing.uniform(np.ones((2, 2)), bandwidth=1e6, latency=0.0)
     with pytest.raises(BudgetError, match="500"):
         partition(chain, [100, 100], objective="throughput", timing=timing)
+
+
+def test_large_graphs_are_balanced_over_positions_spread_by_time() -> None:
+    # past EXACT_LIMIT ops the programme runs over candidate positions; with every cut alike in bytes, the
+    # bytes programme's candidates (cheapest cuts first) would all sit at the start of the graph
+    rng = random.Random(5)
+    n = 1200
+    chain = PartitionProblem(
+        tuple(f"op{i}" for i in range(n)), tuple(Value(f"a{i}", 64, i, (i + 1,)) for i in range(n - 1))
+    )
+    seconds = np.array([[rng.uniform(0.5, 1.5) for _ in range(n)]] * 4)
+    timing = Timing.uniform(seconds, bandwidth=1e6, latency=1e-6)
+    ctx = Context(chain, [10**9] * 4)
+    spread = fastest_boundaries(ctx, timing, "throughput")
+    exact = fastest_boundaries(ctx, timing, "throughput", np.arange(n + 1))
+    assert spread is not None and exact is not None
+    value = time_of(stage_times(chain, devices_of(n, spread), timing), "throughput")
+    best = time_of(stage_times(chain, devices_of(n, exact), timing), "throughput")
+    assert best <= value <= 1.01 * best
+    assert value <= 1.01 * seconds[0].sum() / 4

@@ -154,7 +154,7 @@ def _fastest(
     search = Search(glued, budgets)
     found: list[tuple[int, ...]] = []
     if not search.contiguous_unfit:
-        boundaries = fastest_boundaries(search.context, timing, objective, search.candidates)
+        boundaries = fastest_boundaries(search.context, timing, objective)
         if boundaries is not None:
             found.append(_checked(search, fastest_boundaries, devices_of(glued.num_ops, boundaries), True))
     if objective == "latency" and not contiguous:

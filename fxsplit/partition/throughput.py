@@ -13,9 +13,9 @@ link from the value's device). Two objectives:
   another.
 
 :func:`fastest_boundaries` solves either exactly by dynamic programming over
-the candidate positions (:func:`~fxsplit.partition.contiguous.candidates`: all
-of them on graphs of up to :data:`~fxsplit.partition.contiguous.EXACT_LIMIT`
-ops) when every link is alike; with unlike links the programme charges a
+the candidate positions (:func:`time_candidates`: all of them on graphs of up
+to :data:`~fxsplit.partition.contiguous.EXACT_LIMIT` ops, else positions spread
+evenly by time) when every link is alike; with unlike links the programme charges a
 stage's incoming copies at the link from the device before it (the source of
 every copy on a chain), and :func:`stage_times` then gives the true times of
 the result.
@@ -39,10 +39,10 @@ from typing import Sequence
 import numpy as np
 
 from fxsplit.partition.context import Context
-from fxsplit.partition.contiguous import _walk_back, candidates, cut_cost_matrix, segment_masks
+from fxsplit.partition.contiguous import EXACT_LIMIT, _walk_back, candidates, cut_cost_matrix, segment_masks
 from fxsplit.partition.problem import PartitionProblem
 
-__all__ = ["TIME_OBJECTIVES", "Timing", "fastest_boundaries", "stage_times", "time_of"]
+__all__ = ["TIME_OBJECTIVES", "Timing", "fastest_boundaries", "stage_times", "time_candidates", "time_of"]
 
 TIME_OBJECTIVES = ("throughput", "latency")
 _INF = float("inf")
@@ -104,7 +104,7 @@ def fastest_boundaries(
 ) -> list[int] | None:
     """Boundaries of the fastest contiguous placement under ``ctx.budgets`` (device ``k`` runs ops
     ``[b[k], b[k + 1])``), by ``objective`` (one of :data:`TIME_OBJECTIVES`), or None when none fits."""
-    cands = candidates(ctx, None) if cands is None else cands
+    cands = time_candidates(ctx, timing) if cands is None else cands
     m = len(cands)
     _, masks = segment_masks(ctx, cands, ctx.budgets)
     incoming = cut_cost_matrix(ctx, cands)
@@ -134,6 +134,26 @@ def fastest_boundaries(
     if prev_sum[m - 1] == _INF:
         return None
     return [int(cands[i]) for i in _walk_back(choices, m - 1)]
+
+
+def time_candidates(ctx: Context, timing: Timing) -> np.ndarray:
+    """Where the time programme may put a boundary: every position on graphs of up to
+    :data:`~fxsplit.partition.contiguous.EXACT_LIMIT` ops; beyond, the allowed positions on either side of
+    evenly spaced fractions of the ops' total time (mean over devices), so that stages can be balanced to
+    about 1/240 of the whole wherever the time lies (module boundaries and cheap cuts, which the bytes
+    programme tries, may all sit in one part of the graph)."""
+    n = ctx.n
+    if n <= EXACT_LIMIT:
+        return candidates(ctx, None)
+    allowed = np.array([t for t in range(1, n) if not ctx.forbidden[t]], dtype=np.int64)
+    chosen = {0, n}
+    if len(allowed):
+        prefix = np.concatenate([[0.0], np.cumsum(timing.op_seconds.mean(axis=0))])
+        targets = np.searchsorted(prefix, np.linspace(0.0, prefix[-1], (EXACT_LIMIT - 1) // 2 + 1)[1:-1])
+        after = np.minimum(np.searchsorted(allowed, targets), len(allowed) - 1)
+        before = np.maximum(after - 1, 0)
+        chosen |= set(allowed[after].tolist()) | set(allowed[before].tolist())
+    return np.array(sorted(chosen))
 
 
 def _better(new_max: np.ndarray, new_sum: np.ndarray, old_max: np.ndarray, old_sum: np.ndarray) -> np.ndarray:
