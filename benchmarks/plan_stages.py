@@ -38,7 +38,7 @@ STAGES = ("trace", "build", "memory", "partition", "make_plan", "other")
 _WRAPPED = {
     "trace": ("trace",),
     "build": ("check_constraints", "build_problem"),
-    "memory": ("_memory_model",),
+    "memory": ("memory_model",),
     "partition": ("partition",),
     "make_plan": ("make_plan",),
 }
