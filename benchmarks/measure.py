@@ -6,13 +6,23 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["fit_slope", "load_average", "machine", "median", "run_alone", "time_call"]
+__all__ = [
+    "fit_slope",
+    "free_port",
+    "load_average",
+    "machine",
+    "median",
+    "run_alone",
+    "time_call",
+    "torchrun_command",
+]
 
 
 def median(values: Sequence[float]) -> float:
@@ -130,3 +140,30 @@ def run_alone(command: str, threads: int, quick: bool, run: Callable[[], T]) -> 
         "load_samples": [load_start[0], load_average()[0]],
     }
     return result, context
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for a torch.distributed rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def torchrun_command(script: Path, *args: str, processes: int = 2) -> list[str]:
+    """``torchrun`` (as ``python -m torch.distributed.run``) running ``script`` with ``args`` in ``processes``
+    local processes, on a free port of 127.0.0.1."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(processes),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        *args,
+    ]

@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -66,6 +65,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.measure import torchrun_command  # noqa: E402
 
 __all__ = [
     "MODEL_NAMES",
@@ -109,31 +110,12 @@ def settings_for(name: str, quick: bool) -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _launch(settings: dict[str, Any], quick: bool) -> tuple[list[dict[str, Any]] | None, str]:
     """Run the worker under torchrun; the two ranks' records, or None and the output's tail."""
     with tempfile.TemporaryDirectory(prefix="fxsplit-throughput-") as tmp:
         path = Path(tmp) / "settings.json"
         path.write_text(json.dumps(settings))
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            str(ROOT / "benchmarks" / "throughput_worker.py"),
-            str(path),
-            tmp,
-        ]
+        command = torchrun_command(ROOT / "benchmarks" / "throughput_worker.py", str(path))
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import fxsplit
+from benchmarks.measure import free_port
 
 pytestmark = pytest.mark.slow  # two gloo processes, ~15 s
 
@@ -82,12 +82,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _single_process() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Full-batch gradients of the first step, and parameters after every step, on one device."""
     model = copy.deepcopy(_model())
@@ -103,7 +97,7 @@ def _single_process() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
 
 
 def test_split_module_inside_ddp_averages_gradients_like_full_batch_training(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     full_grads, full_params = _single_process()
 

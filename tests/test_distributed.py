@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import fxsplit
+from benchmarks.measure import torchrun_command
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -211,12 +211,6 @@ def test_non_tensor_crossing_processes_is_refused() -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _single_process(name: str) -> tuple[list[float], torch.nn.Module]:
     model = pipeline_worker.make(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=pipeline_worker.LR)
@@ -237,19 +231,7 @@ def test_two_gloo_ranks_train_like_one_process(tmp_path: Path) -> None:
         "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
     }
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        str(HERE / "pipeline_worker.py"),
-        str(tmp_path),
-    ]
+    command = torchrun_command(HERE / "pipeline_worker.py", str(tmp_path))
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
