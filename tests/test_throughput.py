@@ -171,3 +171,18 @@ def test_large_graphs_are_balanced_over_positions_spread_by_time() -> None:
     best = time_of(stage_times(chain, devices_of(n, exact), timing), "throughput")
     assert best <= value <= 1.01 * best
     assert value <= 1.01 * seconds[0].sum() / 4
+
+
+def test_large_graphs_with_pins_keep_the_boundaries_the_pins_need() -> None:
+    # a hand split by pins over 1,200 ops (like GPT-2's blocks pinned by quarters): the boundaries must fall
+    # in the gaps between pinned runs, which the positions spread by time alone may miss
+    n = 1200
+    chain = PartitionProblem(
+        tuple(f"op{i}" for i in range(n)),
+        tuple(Value(f"a{i}", 64, i, (i + 1,)) for i in range(n - 1)),
+        pinned={i: min(i // 301, 3) for i in range(n)},
+    )
+    seconds = np.array([[1.0 + (i % 13) / 13 for i in range(n)]] * 4)
+    timing = Timing.uniform(seconds, bandwidth=1e6, latency=1e-6)
+    placed = partition(chain, [10**9] * 4, objective="throughput", timing=timing).op_devices
+    assert all(placed[op] == device for op, device in chain.pinned.items())

@@ -141,12 +141,14 @@ def time_candidates(ctx: Context, timing: Timing) -> np.ndarray:
     :data:`~fxsplit.partition.contiguous.EXACT_LIMIT` ops; beyond, the allowed positions on either side of
     evenly spaced fractions of the ops' total time (mean over devices), so that stages can be balanced to
     about 1/240 of the whole wherever the time lies (module boundaries and cheap cuts, which the bytes
-    programme tries, may all sit in one part of the graph)."""
+    programme tries, may all sit in one part of the graph), together with those (its
+    :func:`~fxsplit.partition.contiguous.candidates`) and both ends of every gap between ops pinned to
+    different devices, where a boundary must fall."""
     n = ctx.n
     if n <= EXACT_LIMIT:
         return candidates(ctx, None)
     allowed = np.array([t for t in range(1, n) if not ctx.forbidden[t]], dtype=np.int64)
-    chosen = {0, n}
+    chosen = {0, n, *candidates(ctx, None).tolist(), *_pin_changes(ctx)}
     if len(allowed):
         prefix = np.concatenate([[0.0], np.cumsum(timing.op_seconds.mean(axis=0))])
         targets = np.searchsorted(prefix, np.linspace(0.0, prefix[-1], (EXACT_LIMIT - 1) // 2 + 1)[1:-1])
@@ -154,6 +156,16 @@ def time_candidates(ctx: Context, timing: Timing) -> np.ndarray:
         before = np.maximum(after - 1, 0)
         chosen |= set(allowed[after].tolist()) | set(allowed[before].tolist())
     return np.array(sorted(chosen))
+
+
+def _pin_changes(ctx: Context) -> set[int]:
+    """Positions just after the last op pinned to one device and just before the next op pinned to another."""
+    changes: set[int] = set()
+    pinned = sorted(ctx.problem.pinned.items())
+    for (op, device), (next_op, next_device) in zip(pinned, pinned[1:], strict=False):
+        if device != next_device:
+            changes |= {op + 1, next_op}
+    return changes
 
 
 def _better(new_max: np.ndarray, new_sum: np.ndarray, old_max: np.ndarray, old_sum: np.ndarray) -> np.ndarray:
