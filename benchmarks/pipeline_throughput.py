@@ -115,7 +115,7 @@ def _launch(settings: dict[str, Any], quick: bool) -> tuple[list[dict[str, Any]]
     with tempfile.TemporaryDirectory(prefix="fxsplit-throughput-") as tmp:
         path = Path(tmp) / "settings.json"
         path.write_text(json.dumps(settings))
-        command = torchrun_command(ROOT / "benchmarks" / "throughput_worker.py", str(path))
+        command = torchrun_command(ROOT / "benchmarks" / "throughput_worker.py", str(path), tmp)
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
