@@ -21,6 +21,7 @@ from fxsplit.cost.constraints import (
     resolve_leaf_modules,
     together_groups,
 )
+from fxsplit.cost.walk import one_walk
 from fxsplit.devices import require_usable
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.hardware import Hardware
@@ -92,6 +93,13 @@ def trace_and_plan(
     model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mapping[str, Any], *, runnable: bool = False
 ) -> Planned:
     """Trace and plan; with ``runnable``, first refuse devices that cannot be used here (the split will run)."""
+    with one_walk():  # the model's tensors, walked once for the cost model, memory model and fingerprint
+        return _trace_and_plan(model, budgets, example_inputs, raw, runnable)
+
+
+def _trace_and_plan(
+    model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mapping[str, Any], runnable: bool
+) -> Planned:
     require_module(model)
     explicit = set(raw) - {"spec"}
     spec = load_spec(raw["spec"]) if raw.get("spec") is not None else None

@@ -15,13 +15,17 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 import torch.fx
+from torch.fx.passes.shape_prop import TensorMetadata
 
 from fxsplit.attrpath import attr_at
+from fxsplit.cost.walk import module_table, named_tensors
 from fxsplit.errors import SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.partition.problem import PartitionProblem, Value
 from fxsplit.tracing.graphinfo import (
     NONTENSOR,
+    TENSOR,
+    _numel,
     alias_root,
     element_size,
     is_guard,
@@ -88,33 +92,6 @@ def model_tensors(model: torch.nn.Module) -> dict[int, tuple[list[str], torch.Te
     return found
 
 
-def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
-    """``(qualified name, tensor, is_buffer)``: what ``named_parameters`` then ``named_buffers`` yield.
-
-    Both with ``remove_duplicate=False`` (a tied tensor under each of its
-    names), in the same order, from one walk of the module tree (torch's
-    nested generators cost about ten times as much on models of 100k modules).
-    """
-    modules: list[tuple[str, torch.nn.Module]] = []
-    stack: list[tuple[str, torch.nn.Module]] = [("", model)]
-    while stack:  # pre-order, children in registration order, as named_modules
-        prefix, module = stack.pop()
-        modules.append((prefix, module))
-        children = [
-            (f"{prefix}.{name}" if prefix else name, child)
-            for name, child in module._modules.items()
-            if child is not None
-        ]
-        stack.extend(reversed(children))
-    found: list[tuple[str, torch.Tensor, bool]] = []
-    for attribute, is_buffer in (("_parameters", False), ("_buffers", True)):
-        for prefix, module in modules:
-            for name, tensor in getattr(module, attribute).items():
-                if tensor is not None:
-                    found.append((f"{prefix}.{name}" if prefix else name, tensor, is_buffer))
-    return found
-
-
 def _unread_aliases(
     weights: list[Weight],
     weight_values: list[int],
@@ -176,7 +153,7 @@ def build_problem(
             had this dtype (None: as they are).
     """
     graph = graph_module.graph
-    modules = dict(graph_module.named_modules())
+    modules = module_table(graph_module)
     known = model_tensors(model)
     ops = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output") and not is_guard(n)]
     index = {node: i for i, node in enumerate(ops)}
@@ -184,21 +161,20 @@ def build_problem(
     weight_users: dict[int, set[int]] = {}
     weight_nodes: dict[int, list[str]] = {}
     weight_tensor: dict[int, tuple[list[str], torch.Tensor, bool]] = {}
-
-    def add_weight(tensor: torch.Tensor, graph_name: str, is_buffer: bool, node: str, users: set[int]) -> None:
-        key = id(tensor)
-        entry = known.get(key) or weight_tensor.get(key) or ([graph_name], tensor, is_buffer)
-        weight_tensor[key] = entry
-        weight_users.setdefault(key, set()).update(users)
-        weight_nodes.setdefault(key, []).append(node)
-
     mutated_weights: set[int] = set()  # buffers a call_module op reads: its module may write them
     for node, path, tensor in tensor_reads(graph_module, modules):
-        users = {index[u] for u in node.users if u in index} if node.op == "get_attr" else {index[node]}
+        key = id(tensor)
         is_buffer = not isinstance(tensor, torch.nn.Parameter)
-        add_weight(tensor, path, is_buffer, node.name, users)
-        if is_buffer and node.op == "call_module" and node in index:
-            mutated_weights.add(id(tensor))
+        if key not in weight_tensor:
+            weight_tensor[key] = known.get(key) or ([path], tensor, is_buffer)
+            weight_users[key], weight_nodes[key] = set(), []
+        if node.op == "get_attr":
+            weight_users[key].update(index[u] for u in node.users if u in index)
+        else:
+            weight_users[key].add(index[node])
+            if is_buffer and node.op == "call_module":
+                mutated_weights.add(key)
+        weight_nodes[key].append(node.name)
 
     mutations = {node: targets for node in ops if (targets := mutated_inputs(node, modules))}
     writes = written_tensors(graph_module, ops, modules, mutations)
@@ -206,16 +182,23 @@ def build_problem(
     values: list[Value] = []
     value_nbytes: dict[str, int | None] = {}
     for node in graph.nodes:
-        if node.op not in ("placeholder",) and node not in index:
+        at = index.get(node)
+        if at is None and node.op != "placeholder":
             continue
-        consumers = sorted({index[u] for u in node.users if u in index})
-        nbytes = value_bytes(node, float_dtype=dtype)
+        users = node.users
+        if len(users) == 1:  # most values: one reader, no set to sort
+            reader = index.get(next(iter(users)))
+            consumers: tuple[int, ...] = () if reader is None else (reader,)
+        else:
+            consumers = tuple(sorted({index[u] for u in users if u in index}))
+        nbytes, kind = _value_facts(node, dtype)
         value_nbytes[node.name] = nbytes
         if not consumers:
             continue
-        cost = 0 if value_kind(node) == NONTENSOR else (nbytes if nbytes is not None else UNKNOWN_VALUE_BYTES)
-        start = index[node] if node in index else consumers[0]
-        values.append(Value(node.name, cost, start, tuple(consumers)))
+        if kind is None:
+            kind = value_kind(node)
+        cost = 0 if kind == NONTENSOR else (nbytes if nbytes is not None else UNKNOWN_VALUE_BYTES)
+        values.append(Value(node.name, cost, consumers[0] if at is None else at, consumers))
 
     weights: list[Weight] = []
     weight_values: list[int] = []
@@ -265,6 +248,16 @@ def build_problem(
     }
     writers = frozenset(node.name for node in mutations)
     return GraphCosts(problem, ops, weights, weight_values, unused, value_nbytes, aliases, written, writers)
+
+
+def _value_facts(node: torch.fx.Node, dtype: torch.dtype | None) -> tuple[int | None, str | None]:
+    """``value_bytes(node)`` and, where it comes for free (one tensor), ``value_kind(node)`` (else None)."""
+    meta = node.meta
+    value = meta["val"] if "val" in meta else meta.get("tensor_meta")
+    if type(value) is TensorMetadata or isinstance(value, torch.Tensor):
+        numel = _numel(value.shape)
+        return (None if numel is None else numel * element_size(value.dtype, dtype)), TENSOR
+    return value_bytes(node, float_dtype=dtype), None
 
 
 def written_tensors(
@@ -324,7 +317,7 @@ def tensor_reads(
         graph_module: the traced graph and the module it reads from.
         modules: ``dict(graph_module.named_modules())``, when the caller has it.
     """
-    modules = modules if modules is not None else dict(graph_module.named_modules())
+    modules = modules if modules is not None else module_table(graph_module)
     for node in graph_module.graph.nodes:
         if node.op == "get_attr":
             attr = attr_at(graph_module, str(node.target))

@@ -9,6 +9,7 @@ import torch
 import torch.fx
 
 from fxsplit.cost.build import GraphCosts
+from fxsplit.cost.walk import named_tensors
 from fxsplit.errors import FxsplitWarning
 from fxsplit.gcpause import gc_paused
 from fxsplit.memory.activations import profile_activations
@@ -26,7 +27,7 @@ def memory_model(
 
     Also why the activations are not counted where ``spec`` counts them (warned), else None.
     """
-    named = dict(model.named_parameters(remove_duplicate=False))
+    named = {name: tensor for name, tensor, is_buffer in named_tensors(model) if not is_buffer}
     trainable = {
         w.names[0]: named[w.names[0]].numel()
         for w in costs.weights

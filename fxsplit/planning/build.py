@@ -347,25 +347,41 @@ def cuts_for(
     versions = WriteVersions(graph_module, by_node, costs.writers)
     sent: set[tuple[str, str, int]] = set()
     cuts: list[Cut] = []
+
+    def send(key: str, node: torch.fx.Node | None, weight: Weight | None, source: str, kind: str) -> None:
+        version = versions.of(Read(key, node, weight, kind)) if versions.counts else 0
+        if (key, destination, version) not in sent:
+            sent.add((key, destination, version))
+            nbytes = weight.nbytes if weight is not None else costs.value_nbytes.get(key)
+            cuts.append(Cut(key, source, destination, nbytes, kind))
+
+    def read_weights(weights: Sequence[Weight], node: torch.fx.Node | None) -> None:
+        for weight in weights:
+            key = weight.names[0]
+            if streamed and key in streamed:
+                if key not in streams:
+                    streams.add(key)
+                    cuts.append(Cut(key, streamed[key], destination, weight.nbytes, "stream"))
+            elif (source := weight_home[key]) != destination:
+                send(key, node, weight, source, "parameter")
+
+    # What reads_of(node) lists, in its order, without a Read per read: a value read where it lives is no cut.
     for node in graph_module.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             continue
         destination = placement[node.name]
         streams: set[str] = set()
-        for read in reads_of(node, by_node):
-            nbytes: int | None
-            if read.weight is not None and streamed and read.key in streamed:
-                if read.key not in streams:
-                    streams.add(read.key)
-                    cuts.append(Cut(read.key, streamed[read.key], destination, read.weight.nbytes, "stream"))
-                continue
-            if read.weight is not None:
-                source, nbytes = weight_home[read.key], read.weight.nbytes
-            else:
-                source, nbytes = placement[read.key], costs.value_nbytes.get(read.key)
-            version = versions.of(read)
-            if source != destination and (read.key, destination, version) not in sent:
-                sent.add((read.key, destination, version))
-                cuts.append(Cut(read.key, source, destination, nbytes, read.kind))
+        if not is_guard(node):
+            for arg in node.all_input_nodes:
+                if arg.op == "get_attr":
+                    read_weights(by_node.get(arg.name, ()), arg)
+                    continue
+                source = placement.get(arg.name)
+                if source == destination or value_kind(arg) == NONTENSOR:
+                    continue
+                kind = "output" if node.op == "output" else "input" if arg.op == "placeholder" else "activation"
+                send(arg.name, arg, None, placement[arg.name] if source is None else source, kind)
+            if node.op == "call_module":
+                read_weights(by_node.get(node.name, ()), None)
         versions.written(node)
     return cuts

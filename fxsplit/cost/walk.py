@@ -1,0 +1,87 @@
+"""One walk of a module tree: its modules by path, and its parameters and buffers by name.
+
+torch's ``named_modules`` / ``named_parameters`` are nested generators that
+cost about ten times as much as a plain loop on models of 100k modules, and
+one ``fxsplit.plan()`` call needs the model's tensors in three places (the
+cost model, the memory model, the fingerprint). :func:`named_tensors` walks
+once per call inside :func:`one_walk` and hands the same list to each.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
+
+import torch
+
+__all__ = ["module_table", "named_tensors", "one_walk"]
+
+_WALKS: ContextVar[dict[int, tuple[torch.nn.Module, list[tuple[str, torch.Tensor, bool]]]] | None] = ContextVar(
+    "fxsplit_walks", default=None
+)
+
+
+@contextmanager
+def one_walk() -> Iterator[None]:
+    """Inside the block, :func:`named_tensors` walks each module once and returns the same list after.
+
+    For a block that does not add, remove or replace the parameters and buffers of the modules it walks
+    (planning reads the model; it changes nothing).
+    """
+    token = _WALKS.set({})
+    try:
+        yield
+    finally:
+        _WALKS.reset(token)
+
+
+def _modules(root: torch.nn.Module, remove_duplicate: bool) -> list[tuple[str, torch.nn.Module]]:
+    """``list(root.named_modules(remove_duplicate=...))``: pre-order, children in registration order."""
+    found: list[tuple[str, torch.nn.Module]] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, torch.nn.Module]] = [("", root)]
+    while stack:
+        prefix, module = stack.pop()
+        if remove_duplicate:
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+        found.append((prefix, module))
+        children = [
+            (f"{prefix}.{name}" if prefix else name, child)
+            for name, child in module._modules.items()
+            if child is not None
+        ]
+        stack.extend(reversed(children))
+    return found
+
+
+def module_table(root: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``dict(root.named_modules())`` (each module once, under its first path), from one plain walk."""
+    return dict(_modules(root, remove_duplicate=True))
+
+
+def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """``(qualified name, tensor, is_buffer)``: what ``named_parameters`` then ``named_buffers`` yield.
+
+    Both with ``remove_duplicate=False`` (a tied tensor under each of its
+    names), in the same order, from one walk of the module tree. Inside
+    :func:`one_walk`, the list made by the first call for ``model`` (do not
+    change it).
+    """
+    walks = _WALKS.get()
+    if walks is not None:
+        hit = walks.get(id(model))
+        if hit is not None and hit[0] is model:
+            return hit[1]
+    modules = _modules(model, remove_duplicate=False)
+    found: list[tuple[str, torch.Tensor, bool]] = []
+    for attribute, is_buffer in (("_parameters", False), ("_buffers", True)):
+        for prefix, module in modules:
+            for name, tensor in getattr(module, attribute).items():
+                if tensor is not None:
+                    found.append((f"{prefix}.{name}" if prefix else name, tensor, is_buffer))
+    if walks is not None:
+        walks[id(model)] = (model, found)
+    return found
