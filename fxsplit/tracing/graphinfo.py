@@ -16,6 +16,7 @@ import torch.fx
 
 from fxsplit.attrpath import attr_at
 from fxsplit.tracing.gradmode import is_grad_mode_node
+from fxsplit.tracing.nnmodules import TENSOR_MODULES
 
 __all__ = [
     "NONTENSOR",
@@ -142,40 +143,6 @@ def value_kind(node: torch.fx.Node) -> str:
     return UNKNOWN
 
 
-_TENSOR_MODULES = (
-    torch.nn.Linear,
-    torch.nn.Bilinear,
-    torch.nn.modules.conv._ConvNd,
-    torch.nn.modules.batchnorm._NormBase,
-    torch.nn.LayerNorm,
-    torch.nn.GroupNorm,
-    torch.nn.RMSNorm,
-    torch.nn.Embedding,
-    torch.nn.Dropout,
-    torch.nn.Dropout1d,
-    torch.nn.Dropout2d,
-    torch.nn.Dropout3d,
-    torch.nn.Identity,
-    torch.nn.Flatten,
-    torch.nn.Unflatten,
-    torch.nn.ReLU,
-    torch.nn.ReLU6,
-    torch.nn.GELU,
-    torch.nn.SiLU,
-    torch.nn.Tanh,
-    torch.nn.Sigmoid,
-    torch.nn.Softmax,
-    torch.nn.LogSoftmax,
-    torch.nn.LeakyReLU,
-    torch.nn.ELU,
-    torch.nn.Mish,
-    torch.nn.Hardswish,
-    torch.nn.Upsample,
-    torch.nn.modules.pooling._AvgPoolNd,
-    torch.nn.modules.pooling._AdaptiveAvgPoolNd,
-)
-
-
 def _returns_one_tensor(node: torch.fx.Node) -> bool:
     """True for leaf modules from torch.nn whose forward returns a single tensor."""
     root = node.graph.owning_module
@@ -187,7 +154,7 @@ def _returns_one_tensor(node: torch.fx.Node) -> bool:
         return False
     return (
         type(module).forward is not None
-        and isinstance(module, _TENSOR_MODULES)
+        and isinstance(module, TENSOR_MODULES)
         and (type(module).__module__.startswith("torch.nn."))
     )
 
@@ -247,7 +214,7 @@ def module_path(node: torch.fx.Node) -> str:
         return str(node.target).rpartition(".")[0]
     stack = node.meta.get("nn_module_stack")
     if stack:
-        path = str(list(stack.values())[-1][0])
+        path = str(next(reversed(stack.values()))[0])
         # torch.export's placeholder for nodes it made outside any module (a dynamic size's check): no module
         return "" if path.startswith("_empty_nn_module_stack") else path
     return ""
@@ -256,36 +223,52 @@ def module_path(node: torch.fx.Node) -> str:
 def mutated_inputs(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> list[torch.fx.Node]:
     """Input nodes that ``node`` writes to in place."""
     mutated: list[torch.fx.Node] = []
-    target = node.target
-    first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
-    if node.op == "call_function" and isinstance(target, torch._ops.HigherOrderOperator):
+    op, target = node.op, node.target
+    if op == "call_function" and isinstance(target, torch._ops.HigherOrderOperator):
         return _subgraph_writes(node, modules)
-    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
-        schema = target._schema
-        for index, argument in enumerate(schema.arguments):
-            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-            if isinstance(value, torch.fx.Node) and argument.alias_info is not None and argument.alias_info.is_write:
+    if op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        positions, stat = _schema_writes(target)
+        args = node.args
+        for index, name in positions:
+            value = args[index] if index < len(args) else node.kwargs.get(name)
+            if isinstance(value, torch.fx.Node):
                 mutated.append(value)
-        name = schema.name.split("::")[-1]
-        if any(stat in name for stat in _STAT_OPS):
+        if stat:
             mutated.extend(n for n in node.all_input_nodes if n.op == "get_attr")
         return mutated
     out = node.kwargs.get("out")
-    mutated.extend(n for n in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(n, torch.fx.Node))
-    if node.op == "call_method" and isinstance(target, str):
+    if out is not None:
+        mutated.extend(n for n in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(n, torch.fx.Node))
+    first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if op == "call_method" and isinstance(target, str):
         if _is_inplace_name(target) and first is not None:
             mutated.append(first)
-    elif node.op == "call_function":
+    elif op == "call_function":
         name = getattr(target, "__name__", "")
         if (_is_inplace_name(name) or _inplace_by_argument(node)) and first is not None:
             mutated.append(first)
         if target is operator.setitem and first is not None:
             mutated.append(first)
-        if any(stat in name for stat in _STAT_OPS):
+        if _is_stat(name):
             mutated.extend(n for n in node.all_input_nodes if n.op == "get_attr")
-    elif node.op == "call_module" and _inplace_by_argument(node, modules) and first is not None:
+    elif op == "call_module" and first is not None and _inplace_flag(modules.get(str(target))):
         mutated.append(first)
     return mutated
+
+
+@functools.cache
+def _schema_writes(target: torch._ops.OpOverload) -> tuple[tuple[tuple[int, str], ...], bool]:
+    """``((position, name) of each argument an ATen op writes, whether it updates running statistics)``."""
+    schema = target._schema
+    writes = tuple(
+        (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    )
+    return writes, _is_stat(schema.name.split("::")[-1])
+
+
+@functools.cache
+def _is_stat(name: str) -> bool:
+    return any(stat in name for stat in _STAT_OPS)
 
 
 def _inplace_by_argument(node: torch.fx.Node, modules: dict[str, torch.nn.Module] | None = None) -> bool:
