@@ -10,8 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from fxsplit.cost.build import GraphCosts, build_problem, model_tensors, named_tensors, path_matches
+from fxsplit.cost import walk
+from fxsplit.cost.build import GraphCosts, Weight, _frozen, build_problem, model_tensors, named_tensors, path_matches
+from fxsplit.cost.walk import module_table, one_walk
 from fxsplit.errors import SpecError
+from fxsplit.partition.problem import Value
 from fxsplit.tracing.capture import trace
 
 
@@ -145,3 +148,29 @@ def test_pins_and_groups_become_op_indices() -> None:
 def test_constraints_that_do_not_resolve(options: dict[str, object], message: str) -> None:
     with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
         costs(**options)
+
+
+def test_module_table_is_named_modules_with_shared_modules() -> None:
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(shared, nn.Sequential(nn.ReLU(), shared), nn.ModuleDict({"a": shared, "b": nn.Tanh()}))
+    assert list(module_table(model).items()) == list(model.named_modules())
+    for dedup in (True, False):
+        assert walk._modules(model, dedup) == list(model.named_modules(remove_duplicate=dedup))
+
+
+def test_one_walk_lists_the_tensors_once_per_model() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    assert named_tensors(model) is not named_tensors(model)
+    with one_walk():
+        first = named_tensors(model)
+        assert named_tensors(model) is first and named_tensors(model[0]) is not first
+    assert named_tensors(model) is not first
+
+
+def test_values_and_weights_made_without_init_equal_constructed_ones() -> None:
+    fields = {"name": "x", "nbytes": 4, "start": 1, "consumers": (1, 3), "weight": 4, "movable": False}
+    made = _frozen(Value, dict(fields))
+    assert made == Value(**fields) and repr(made) == repr(Value(**fields)) and made.last == 3
+    weight = {"names": ("a", "b"), "nbytes": 8, "is_buffer": False, "nodes": ("n",)}
+    assert _frozen(Weight, dict(weight)) == Weight(**weight)
+    assert _frozen(Value, {"name": "y", "nbytes": 1, "start": 0, "consumers": ()}) == Value("y", 1, 0, ())  # defaults

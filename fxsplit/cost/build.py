@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 import torch.fx
@@ -198,26 +198,26 @@ def build_problem(
         if kind is None:
             kind = value_kind(node)
         cost = 0 if kind == NONTENSOR else (nbytes if nbytes is not None else UNKNOWN_VALUE_BYTES)
-        values.append(Value(node.name, cost, consumers[0] if at is None else at, consumers))
+        start = consumers[0] if at is None else at
+        values.append(
+            _frozen(Value, {"name": node.name, "nbytes": cost, "start": start, "consumers": consumers, **_PLAIN})
+        )
 
     weights: list[Weight] = []
     weight_values: list[int] = []
     for key, (names, tensor, is_buffer) in weight_tensor.items():
         readers = sorted(weight_users[key])
-        weight = Weight(tuple(names), _tensor_bytes(tensor, dtype), is_buffer, tuple(weight_nodes[key]))
-        weights.append(weight)
+        nbytes = _tensor_bytes(tensor, dtype)
+        weights.append(
+            _frozen(
+                Weight,
+                {"names": tuple(names), "nbytes": nbytes, "is_buffer": is_buffer, "nodes": tuple(weight_nodes[key])},
+            )
+        )
         if readers:
             weight_values.append(len(values))
-            values.append(
-                Value(
-                    names[0],
-                    weight.nbytes,
-                    readers[0],
-                    tuple(readers),
-                    weight=weight.nbytes,
-                    movable=key not in mutated_weights,
-                )
-            )
+            fields = {"name": names[0], "nbytes": nbytes, "start": readers[0], "consumers": tuple(readers)}
+            values.append(_frozen(Value, {**fields, "weight": nbytes, "movable": key not in mutated_weights}))
             if ("weight", key) in writes:  # a written buffer lives where its first reader runs
                 writes[("weight", key)].add(readers[0])
         else:
@@ -248,6 +248,21 @@ def build_problem(
     }
     writers = frozenset(node.name for node in mutations)
     return GraphCosts(problem, ops, weights, weight_values, unused, value_nbytes, aliases, written, writers)
+
+
+_PLAIN = {"weight": 0, "movable": True}  # Value's defaults
+_Frozen = TypeVar("_Frozen")
+
+
+def _frozen(cls: type[_Frozen], fields: dict[str, Any]) -> _Frozen:
+    """``cls(**fields)`` for a frozen dataclass without ``__post_init__``, ``fields`` in field order: the same
+    object, made without the generated ``__init__``'s ``object.__setattr__`` per field (half the time; the
+    cost model makes one Value and one Weight per op)."""
+    if fields.keys() != cls.__dataclass_fields__.keys():  # type: ignore[attr-defined]  # fields changed since
+        return cls(**fields)
+    made = object.__new__(cls)
+    object.__setattr__(made, "__dict__", fields)
+    return made
 
 
 def _value_facts(node: torch.fx.Node, dtype: torch.dtype | None) -> tuple[int | None, str | None]:

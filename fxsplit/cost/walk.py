@@ -38,22 +38,34 @@ def one_walk() -> Iterator[None]:
 
 def _modules(root: torch.nn.Module, remove_duplicate: bool) -> list[tuple[str, torch.nn.Module]]:
     """``list(root.named_modules(remove_duplicate=...))``: pre-order, children in registration order."""
-    found: list[tuple[str, torch.nn.Module]] = []
-    seen: set[int] = set()
-    stack: list[tuple[str, torch.nn.Module]] = [("", root)]
+    found = _walk(root)
+    if remove_duplicate and len({id(module) for _, module in found}) < len(found):
+        return _walk(root, set())  # a module under two paths: its first only
+    return found
+
+
+def _walk(root: torch.nn.Module, seen: set[int] | None = None) -> list[tuple[str, torch.nn.Module]]:
+    """Pre-order with a stack of children iterators (no recursion limit); ``seen``: skip modules met before."""
+    found: list[tuple[str, torch.nn.Module]] = [("", root)]
+    if seen is not None:
+        seen.add(id(root))
+    stack = [("", iter(root._modules.items()))]
     while stack:
-        prefix, module = stack.pop()
-        if remove_duplicate:
-            if id(module) in seen:
+        prefix, children = stack[-1]
+        for name, child in children:
+            if child is None:
                 continue
-            seen.add(id(module))
-        found.append((prefix, module))
-        children = [
-            (f"{prefix}.{name}" if prefix else name, child)
-            for name, child in module._modules.items()
-            if child is not None
-        ]
-        stack.extend(reversed(children))
+            if seen is not None:
+                if id(child) in seen:
+                    continue
+                seen.add(id(child))
+            path = f"{prefix}.{name}" if prefix else name
+            found.append((path, child))
+            if child._modules:  # go down; this level's iterator resumes after
+                stack.append((path, iter(child._modules.items())))
+                break
+        else:
+            stack.pop()
     return found
 
 
