@@ -199,9 +199,15 @@ def build_problem(
             kind = value_kind(node)
         cost = 0 if kind == NONTENSOR else (nbytes if nbytes is not None else UNKNOWN_VALUE_BYTES)
         start = consumers[0] if at is None else at
-        values.append(
-            _frozen(Value, {"name": node.name, "nbytes": cost, "start": start, "consumers": consumers, **_PLAIN})
-        )
+        fields = {
+            "name": node.name,
+            "nbytes": cost,
+            "start": start,
+            "consumers": consumers,
+            "weight": 0,
+            "movable": True,
+        }
+        values.append(_frozen(Value, fields))
 
     weights: list[Weight] = []
     weight_values: list[int] = []
@@ -250,7 +256,6 @@ def build_problem(
     return GraphCosts(problem, ops, weights, weight_values, unused, value_nbytes, aliases, written, writers)
 
 
-_PLAIN = {"weight": 0, "movable": True}  # Value's defaults
 _Frozen = TypeVar("_Frozen")
 
 

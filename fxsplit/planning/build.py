@@ -212,9 +212,10 @@ def unread_weights(costs: GraphCosts) -> list[Weight]:
 def _read_homes(costs: GraphCosts, devices: Sequence[str], solution: Partition) -> dict[str, str]:
     """Canonical name -> device of every weight some op reads: where its first reader runs."""
     homes: dict[str, str] = {}
+    values, op_devices = costs.problem.values, solution.op_devices
     for weight, value_index in zip(costs.weights, costs.weight_values, strict=True):
         if value_index >= 0:
-            homes[weight.names[0]] = devices[solution.op_devices[costs.problem.values[value_index].start]]
+            homes[weight.names[0]] = devices[op_devices[values[value_index].start]]
     return homes
 
 
@@ -227,12 +228,15 @@ def _pack_unread(
     other tensors when some are read and it fits there, else to the device
     with the least room that holds it (big gaps stay for big tensors).
     """
+    unread = unread_weights(costs)
+    if not unread:
+        return {}
     room = {d: caps[d] - int(load) for d, load in zip(devices, solution.device_weights, strict=True)}
     module_home: dict[str, str] = {}
     for name, device in _read_homes(costs, devices, solution).items():
         module_home.setdefault(name.rpartition(".")[0], device)
     homes: dict[str, str] = {}
-    for weight in sorted(unread_weights(costs), key=lambda w: -w.nbytes):
+    for weight in sorted(unread, key=lambda w: -w.nbytes):
         module = weight.names[0].rpartition(".")[0]
         beside = module_home.get(module)
         fitting = [d for d in devices if room[d] >= weight.nbytes]
