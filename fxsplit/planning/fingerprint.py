@@ -38,16 +38,20 @@ def describe(model: Any) -> tuple[str, dict[str, str], tuple[tuple[str, ...], ..
     from fxsplit.cost.build import named_tensors  # torch: only here, so that a plan's fingerprint checks without it
 
     tensors: dict[str, str] = {}
-    by_id: dict[int, list[str]] = {}
     signatures: dict[tuple[Any, Any], str] = {}  # (dtype, shape) -> signature: models repeat a few shapes
-    for name, tensor, _ in named_tensors(model):
+    named = named_tensors(model)
+    for name, tensor, _ in named:
         key = (tensor.dtype, tensor.shape)
         signature = signatures.get(key)
         if signature is None:
             signature = signatures[key] = tensor_signature(tensor)
         tensors[name] = signature
-        by_id.setdefault(id(tensor), []).append(name)
-    tied = tuple(tuple(names) for names in by_id.values() if len(names) > 1)
+    tied: tuple[tuple[str, ...], ...] = ()
+    if len({id(tensor) for _, tensor, _ in named}) < len(named):  # some tensor has two names
+        by_id: dict[int, list[str]] = {}
+        for name, tensor, _ in named:
+            by_id.setdefault(id(tensor), []).append(name)
+        tied = tuple(tuple(names) for names in by_id.values() if len(names) > 1)
     return fingerprint_of(tensors, tied), tensors, tied
 
 
