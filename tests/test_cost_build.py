@@ -173,4 +173,3 @@ def test_values_and_weights_made_without_init_equal_constructed_ones() -> None:
     assert made == Value(**fields) and repr(made) == repr(Value(**fields)) and made.last == 3
     weight = {"names": ("a", "b"), "nbytes": 8, "is_buffer": False, "nodes": ("n",)}
     assert _frozen(Weight, dict(weight)) == Weight(**weight)
-    assert _frozen(Value, {"name": "y", "nbytes": 1, "start": 0, "consumers": ()}) == Value("y", 1, 0, ())  # defaults

@@ -257,16 +257,26 @@ def build_problem(
 
 
 _Frozen = TypeVar("_Frozen")
+_FILLED: dict[
+    type, bool
+] = {  # the fields the cost model fills, in order; a class whose fields differ is constructed as usual
+    cls: tuple(cls.__dataclass_fields__) == names and not hasattr(cls, "__post_init__")
+    for cls, names in (
+        (Value, ("name", "nbytes", "start", "consumers", "weight", "movable")),
+        (Weight, ("names", "nbytes", "is_buffer", "nodes")),
+    )
+}
+_new, _setattr = object.__new__, object.__setattr__
 
 
 def _frozen(cls: type[_Frozen], fields: dict[str, Any]) -> _Frozen:
-    """``cls(**fields)`` for a frozen dataclass without ``__post_init__``, ``fields`` in field order: the same
+    """``cls(**fields)`` for a frozen dataclass (Value, Weight), ``fields`` all of its fields in order: the same
     object, made without the generated ``__init__``'s ``object.__setattr__`` per field (half the time; the
     cost model makes one Value and one Weight per op)."""
-    if fields.keys() != cls.__dataclass_fields__.keys():  # type: ignore[attr-defined]  # fields changed since
+    if not _FILLED.get(cls, False):
         return cls(**fields)
-    made = object.__new__(cls)
-    object.__setattr__(made, "__dict__", fields)
+    made = _new(cls)
+    _setattr(made, "__dict__", fields)
     return made
 
 

@@ -87,13 +87,16 @@ def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]
         hit = walks.get(id(model))
         if hit is not None and hit[0] is model:
             return hit[1]
-    modules = _modules(model, remove_duplicate=False)
     found: list[tuple[str, torch.Tensor, bool]] = []
-    for attribute, is_buffer in (("_parameters", False), ("_buffers", True)):
-        for prefix, module in modules:
-            for name, tensor in getattr(module, attribute).items():
-                if tensor is not None:
-                    found.append((f"{prefix}.{name}" if prefix else name, tensor, is_buffer))
+    buffers: list[tuple[str, torch.Tensor, bool]] = []
+    for prefix, module in _modules(model, remove_duplicate=False):
+        for name, tensor in module._parameters.items():
+            if tensor is not None:
+                found.append((f"{prefix}.{name}" if prefix else name, tensor, False))
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                buffers.append((f"{prefix}.{name}" if prefix else name, buffer, True))
+    found += buffers  # every parameter first, then every buffer, each in module order
     if walks is not None:
         walks[id(model)] = (model, found)
     return found
