@@ -159,6 +159,7 @@ def trace_and_plan(
         dtype=dtype,
         training=memory.spec.training,
         inputs=(example_inputs, example_kwargs),
+        largest_copy=max((value.nbytes for value in problem.values), default=0),
     )
 
     def split(caps: Sequence[int]) -> Partition:
