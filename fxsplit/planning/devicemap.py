@@ -33,7 +33,16 @@ from fxsplit.partition.result import Partition, transfer_bytes
 from fxsplit.planning.build import cuts_for, reads_of, weights_by_node
 from fxsplit.planning.plan import Plan
 
-__all__ = ["OFFLOAD", "map_devices", "pin_readers", "place_ops", "read_device_map", "with_weight_homes"]
+__all__ = [
+    "OFFLOAD",
+    "free_readers",
+    "map_devices",
+    "pin_readers",
+    "place_ops",
+    "read_device_map",
+    "value_homes",
+    "with_weight_homes",
+]
 
 OFFLOAD = ("disk", "meta")
 """Map values that offload weights instead of placing them on a device (not supported yet)."""
@@ -80,11 +89,13 @@ def read_device_map(
     """Qualified name of every parameter and buffer of ``model`` (tied names too) -> its device.
 
     Each tensor goes where the longest key naming it or a module holding it
-    says (``""``: the whole model). Values are ints (``cuda:N``), strings or
+    says (``""``: the whole model). A buffer no key covers is left out (the
+    plan puts it beside its readers): Accelerate's maps leave out the buffers
+    of the modules they split, such as BERT's ``embeddings.position_ids``. Values are ints (``cuda:N``), strings or
     ``torch.device``; ``devices`` translates values first (``{0: "cpu:0"}``).
 
     Raises:
-        SpecError: listing every tensor no key covers, every key that names
+        SpecError: listing every parameter no key covers, every key that names
             nothing in the model (with the closest names), every offloading
             or unknown value, and every tied tensor whose names the map puts
             on different devices.
@@ -96,14 +107,15 @@ def read_device_map(
     homes: dict[str, str] = {}
     first_name: dict[int, str] = {}
     uncovered: list[str] = []
-    for name, tensor, _ in tensors:
+    for name, tensor, is_buffer in tensors:
         key = _longest_key(name, keyed)
         if key is None:
-            uncovered.append(name)
+            if not is_buffer:  # Accelerate leaves out the buffers of the modules it splits: fxsplit places them
+                uncovered.append(name)
             continue
         homes[name] = keyed[key]
         other = first_name.setdefault(id(tensor), name)
-        if homes[other] != homes[name]:
+        if other in homes and homes[other] != homes[name]:
             problems.append(
                 f"{other!r} and {name!r} are one tensor (tied) but the map puts them on {homes[other]!r} and "
                 f"{homes[name]!r}; map both names to one device"
@@ -189,6 +201,70 @@ def place_ops(problem: PartitionProblem, pins: Mapping[int, int], num_devices: i
         placed = improve(pinned, placed, unlimited)
     loads = device_loads(problem, placed, num_devices)
     return Partition(tuple(placed), transfer_bytes(problem, placed), tuple(loads))
+
+
+def value_homes(costs: GraphCosts, homes: Mapping[str, str], devices: Sequence[str]) -> dict[int, int]:
+    """Value index -> device index of every weight value of ``costs.problem`` that ``homes`` places."""
+    index = {d: i for i, d in enumerate(devices)}
+    return {
+        value: index[homes[weight.names[0]]]
+        for weight, value in zip(costs.weights, costs.weight_values, strict=True)
+        if value >= 0 and weight.names[0] in homes
+    }
+
+
+def free_readers(
+    problem: PartitionProblem, homes: Mapping[int, int], start: Sequence[int], num_devices: int
+) -> Partition:
+    """Place every op around weights with fixed homes, their readers free: a copy of a small weight may
+    replace a copy of a large activation.
+
+    ``homes``: value index -> device index, for the weights whose home is
+    fixed. Each device gets an anchor op pinned to it, and a weight's home is
+    its device's anchor, so reading the weight on another device costs its
+    bytes once per forward, as an activation's copy does. From ``start``
+    (e.g. :func:`place_ops` with every reader pinned), pairwise min-cuts, then
+    single and group moves, take every move that copies less, so the result
+    never copies more than ``start`` by this count. Weights written in place
+    (not movable) keep their readers where ``start`` put them.
+
+    >>> from fxsplit.partition.problem import Value
+    >>> # ops 0 and 2 read big weights on device 0, op 1 a 4-byte one on device 1: copy it, not the activations
+    >>> weights = [Value(n, b, op, (op,), weight=b) for n, b, op in (("x", 1000, 0), ("w", 4, 1), ("y", 1000, 2))]
+    >>> chain = PartitionProblem(("a", "b", "c"), (Value("a", 100, 0, (1,)), Value("b", 100, 1, (2,)), *weights))
+    >>> free_readers(chain, {2: 0, 3: 1, 4: 0}, (0, 1, 0), 2).op_devices
+    (0, 0, 0)
+    """
+    shift = num_devices
+    pinned = {d: d for d in range(num_devices)}
+    pinned.update({op + shift: d for op, d in problem.pinned.items()})
+    values = []
+    for index, value in enumerate(problem.values):
+        consumers = tuple(op + shift for op in value.consumers)
+        if index in homes and value.movable:
+            values.append(dataclasses.replace(value, start=homes[index], consumers=consumers))
+            continue
+        if index in homes:
+            pinned.update({op + shift: start[op] for op in (value.start, *value.consumers)})
+        values.append(dataclasses.replace(value, start=value.start + shift, consumers=consumers))
+    pad = (0,) * num_devices
+    anchored = PartitionProblem(
+        op_names=tuple(f"<weights on device {d}>" for d in range(num_devices)) + problem.op_names,
+        values=tuple(values),
+        pinned=pinned,
+        together=tuple(tuple(op + shift for op in group) for group in problem.together),
+        op_labels=(("",) * num_devices + problem.op_labels) if problem.op_labels else (),
+        op_extra=(pad + problem.op_extra) if problem.op_extra else (),
+        op_transient=(pad + problem.op_transient) if problem.op_transient else (),
+        colocated=tuple(tuple(op + shift for op in group) for group in problem.colocated),
+    )
+    placed = list(range(num_devices)) + list(start)
+    if num_devices > 1 and problem.num_ops:
+        unlimited = [_UNLIMITED] * num_devices
+        placed = exchange(anchored, placed, unlimited, frozen_ops(anchored))
+        placed = improve(anchored, placed, unlimited)
+    ops = placed[shift:]
+    return Partition(tuple(ops), transfer_bytes(problem, ops), tuple(device_loads(problem, ops, num_devices)))
 
 
 def with_weight_homes(
