@@ -109,12 +109,12 @@ def trace_and_plan(
     if runnable:
         require_usable([*devices, *([output_device] if output_device else [])], device_budgets.limits)
     check_concrete_args(model, options.concrete_args)
+    dtype = planning_dtype(options.dtype)
+    locate = locator(spec, explicit)
     homes = None
     if options.device_map is not None:
         refuse_with_map(options)
-        homes = device_map_homes(model, options.device_map, devices)
-    dtype = planning_dtype(options.dtype)
-    locate = locator(spec, explicit)
+        homes = device_map_homes(model, options.device_map, devices, locate)
     leaves = list(options.leaf_modules)
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
@@ -138,7 +138,7 @@ def trace_and_plan(
     except SpecError as error:
         if not pins or homes is not None:
             raise
-        homes, pins = pins_as_device_map(model, pins, devices, error, options), {}
+        homes, pins = pins_as_device_map(model, pins, devices, error, options, locate), {}
     index = {d: i for i, d in enumerate(devices)}
     costs = build_problem(
         traced.graph_module,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -84,7 +84,10 @@ def map_devices(device_map: Mapping[Any, Any], devices: Mapping[Any, Any] | None
 
 
 def read_device_map(
-    model: torch.nn.Module, device_map: Mapping[Any, Any], devices: Mapping[Any, Any] | None = None
+    model: torch.nn.Module,
+    device_map: Mapping[Any, Any],
+    devices: Mapping[Any, Any] | None = None,
+    where: Callable[[str], str] | None = None,
 ) -> dict[str, str]:
     """Qualified name of every parameter and buffer of ``model`` (tied names too) -> its device.
 
@@ -92,7 +95,8 @@ def read_device_map(
     says (``""``: the whole model). A buffer no key covers is left out (the
     plan puts it beside its readers): Accelerate's maps leave out the buffers
     of the modules they split, such as BERT's ``embeddings.position_ids``. Values are ints (``cuda:N``), strings or
-    ``torch.device``; ``devices`` translates values first (``{0: "cpu:0"}``).
+    ``torch.device``; ``devices`` translates values first (``{0: "cpu:0"}``);
+    ``where(key)`` says where a key was written, for messages.
 
     Raises:
         SpecError: listing every parameter no key covers, every key that names
@@ -103,7 +107,7 @@ def read_device_map(
     keyed = map_devices(device_map, devices)
     tensors = named_tensors(model)
     known = {name for name, _ in model.named_modules(remove_duplicate=False)} | {name for name, _, _ in tensors}
-    problems = [_unknown_key(key, known) for key in keyed if key not in known]
+    problems = [(f"{where(key)}: " if where else "") + _unknown_key(key, known) for key in keyed if key not in known]
     homes: dict[str, str] = {}
     first_name: dict[int, str] = {}
     uncovered: list[str] = []

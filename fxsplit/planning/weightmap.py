@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -38,14 +38,21 @@ _UNLIMITED = 1 << 62
 
 
 def device_map_homes(
-    model: torch.nn.Module, device_map: Mapping[Any, Any], devices: Sequence[str], where: str = "device_map"
+    model: torch.nn.Module,
+    device_map: Mapping[Any, Any],
+    devices: Sequence[str],
+    locate: Callable[..., str] | None = None,
+    where: str = "device_map",
 ) -> dict[str, str]:
     """:func:`~fxsplit.planning.devicemap.read_device_map`, and every device it names among ``devices``.
+
+    ``locate(where, key)`` says where an entry was written (a spec's line), for messages.
 
     Raises:
         SpecError: as ``read_device_map``; or the map names a device the budgets lack.
     """
-    homes = read_device_map(model, {str(k): v for k, v in device_map.items()})
+    at = (lambda key: locate(where, key)) if locate is not None else None
+    homes = read_device_map(model, {str(k): v for k, v in device_map.items()}, where=at)
     missing = [d for d in dict.fromkeys(homes.values()) if d not in devices]
     if missing:
         raise SpecError(
@@ -56,13 +63,19 @@ def device_map_homes(
 
 
 def pins_as_device_map(
-    model: torch.nn.Module, pins: Mapping[Any, Any], devices: Sequence[str], error: SpecError, options: Options
+    model: torch.nn.Module,
+    pins: Mapping[Any, Any],
+    devices: Sequence[str],
+    error: SpecError,
+    options: Options,
+    locate: Callable[..., str] | None = None,
 ) -> dict[str, str]:
     """``pins`` that fail as op pins (``error``), read as a device map: tensor name -> device.
 
     Pins are a device map when every key is ``""`` or names a module,
     parameter or buffer of ``model`` (no glob, no graph node), and together
-    they place every parameter and buffer. Then a :class:`FxsplitWarning`
+    they place every parameter (buffers they leave out go beside their
+    readers, as with ``device_map``). Then a :class:`FxsplitWarning`
     says so; otherwise ``error`` is raised, with why the map reading fails
     too when the keys are all names of the model.
     """
@@ -72,7 +85,7 @@ def pins_as_device_map(
     if not all(key in known for key in keys):
         raise error
     try:
-        homes = device_map_homes(model, pins, devices, "pins")
+        homes = device_map_homes(model, pins, devices, locate, "pins")
         refuse_with_map(options, "pins read as a device map")
     except SpecError as map_error:
         raise SpecError(
