@@ -191,7 +191,7 @@ def _offload(flags: dict[str, Any], spec: Any) -> Any:
 def _spec_map(spec: str | None) -> bool:
     from fxsplit.spec import load_spec
 
-    return bool(spec) and load_spec(spec).device_map is not None
+    return spec is not None and load_spec(spec).device_map is not None
 
 
 def _compared(loaded: Any, made: Any, options: dict[str, Any]) -> str:
