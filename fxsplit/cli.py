@@ -148,7 +148,8 @@ def _options(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     if getattr(args, "device_map", None):
         from fxsplit.spec.load import load_device_map
 
-        options["device_map"] = load_device_map(args.device_map).device_map
+        mapped = load_device_map(args.device_map)  # alone, it is the spec: messages name its lines
+        options.update({"device_map": mapped.device_map} if spec else {"spec": mapped})
     offload = {flag: getattr(args, name, None) for flag, name in _OFFLOAD_FLAGS.items()}
     if any(value is not None for value in offload.values()):
         from fxsplit.spec import load_spec

@@ -92,7 +92,8 @@ def read_device_map(
     """Qualified name of every parameter and buffer of ``model`` (tied names too) -> its device.
 
     Each tensor goes where the longest key naming it or a module holding it
-    says (``""``: the whole model). A buffer no key covers is left out (the
+    says (``""``: the whole model); a tied tensor no key covers under one
+    name goes where its other name does. A buffer no key covers is left out (the
     plan puts it beside its readers): Accelerate's maps leave out the buffers
     of the modules they split, such as BERT's ``embeddings.position_ids``. Values are ints (``cuda:N``), strings or
     ``torch.device``; ``devices`` translates values first (``{0: "cpu:0"}``);
@@ -110,12 +111,11 @@ def read_device_map(
     problems = [(f"{where(key)}: " if where else "") + _unknown_key(key, known) for key in keyed if key not in known]
     homes: dict[str, str] = {}
     first_name: dict[int, str] = {}
-    uncovered: list[str] = []
+    left: list[tuple[str, torch.Tensor, bool]] = []
     for name, tensor, is_buffer in tensors:
         key = _longest_key(name, keyed)
         if key is None:
-            if not is_buffer:  # Accelerate leaves out the buffers of the modules it splits: fxsplit places them
-                uncovered.append(name)
+            left.append((name, tensor, is_buffer))
             continue
         homes[name] = keyed[key]
         other = first_name.setdefault(id(tensor), name)
@@ -124,6 +124,12 @@ def read_device_map(
                 f"{other!r} and {name!r} are one tensor (tied) but the map puts them on {homes[other]!r} and "
                 f"{homes[name]!r}; map both names to one device"
             )
+    uncovered: list[str] = []
+    for name, tensor, is_buffer in left:  # a tied tensor goes where its other name does
+        if id(tensor) in first_name:
+            homes[name] = homes[first_name[id(tensor)]]
+        elif not is_buffer:  # Accelerate leaves out the buffers of the modules it splits: fxsplit places them
+            uncovered.append(name)
     if uncovered:
         listed = ", ".join(map(repr, uncovered[:8])) + (f" and {len(uncovered) - 8} more" if len(uncovered) > 8 else "")
         problems.append(
