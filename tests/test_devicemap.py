@@ -271,7 +271,7 @@ def _rule_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from fxsplit.partition.result import Partition, transfer_bytes
     from fxsplit.planning import weightmap
 
-    def start(problem: PartitionProblem, homes: Any, placed: Any, n: int) -> Partition:
+    def start(problem: PartitionProblem, homes: Any, placed: Any, n: int, keep: Any = None) -> Partition:
         return Partition(tuple(placed), transfer_bytes(problem, placed), tuple(device_loads(problem, placed, n)))
 
     monkeypatch.setattr(weightmap, "free_readers", start)
@@ -385,3 +385,31 @@ def test_cli_device_map(tmp_path: Any) -> None:
         err = io.StringIO()
         assert main(["plan", model, *budgets, "--device-map", str(bad)], out=io.StringIO(), err=err) == 2
         assert expected in err.getvalue()
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_buffers_written_in_place_are_written_where_the_map_puts_them(trace: str) -> None:
+    from helpers import WithBatchNorm
+
+    torch.manual_seed(0)
+    model, inputs = WithBatchNorm().train(), (torch.randn(4, 8),)
+    stats = {f"bn1.{name}": "cpu:1" for name in ("running_mean", "running_var", "num_batches_tracked")}
+    device_map = {"": "cpu:0", **stats, "l3": "cpu:1"}
+    reference = copy.deepcopy(model)
+    gm = fxsplit.fxsplit(model, BUDGETS, example_inputs=inputs, device_map=device_map, trace=trace)
+    assert {name: gm.meta["fxsplit_plan"].param_devices[name] for name in stats} == stats
+    for _ in range(2):
+        out, expected = gm(*inputs), reference(*inputs)
+        torch.testing.assert_close(out, expected)
+    default_loss(out).backward()
+    default_loss(expected).backward()
+    assert_same_grads(model, reference)
+    for (name, buffer), (_, original) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
+        torch.testing.assert_close(buffer, original, msg=name)
+    with pytest.raises(fxsplit.SpecError, match=r"writes 'bn1.running_mean' and 'bn1.running_var' in place, but"):
+        fxsplit.plan(
+            WithBatchNorm().train(),
+            BUDGETS,
+            example_inputs=inputs,
+            device_map={"": "cpu:0", "bn1.running_mean": "cpu:1"},
+        )

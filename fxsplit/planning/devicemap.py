@@ -42,6 +42,7 @@ __all__ = [
     "read_device_map",
     "value_homes",
     "with_weight_homes",
+    "writer_pins",
 ]
 
 OFFLOAD = ("disk", "meta")
@@ -163,8 +164,9 @@ def _raise(what: str, problems: list[str]) -> None:
 def pin_readers(costs: GraphCosts, homes: Mapping[str, str], devices: Sequence[str]) -> dict[int, int]:
     """Op index -> device index for every op that reads weights: where most of its weight bytes live.
 
-    Ties go to the earlier device. Weights the map does not name (constants
-    only the traced graph has) do not pin.
+    Ties go to the earlier device. Ops that write buffers in place go where
+    :func:`writer_pins` says. Weights the map does not name (constants only
+    the traced graph has) do not pin.
     """
     index = {d: i for i, d in enumerate(devices)}
     by_node = weights_by_node(costs)
@@ -178,6 +180,39 @@ def pin_readers(costs: GraphCosts, homes: Mapping[str, str], devices: Sequence[s
                 read = True
         if read:
             pins[op_index] = max(range(len(devices)), key=lambda d: (held[d], -d))
+    pins.update(writer_pins(costs, homes, devices))
+    return pins
+
+
+def writer_pins(costs: GraphCosts, homes: Mapping[str, str], devices: Sequence[str]) -> dict[int, int]:
+    """Op index -> device index for every op that reads a buffer the forward writes in place (BatchNorm's
+    running statistics): where that buffer lives, so that the write reaches it.
+
+    Raises:
+        SpecError: one op reads such buffers that the map puts on two devices.
+    """
+    index = {d: i for i, d in enumerate(devices)}
+    by_node = weights_by_node(costs)
+    movable = {
+        w.names[0]: v < 0 or costs.problem.values[v].movable
+        for w, v in zip(costs.weights, costs.weight_values, strict=True)
+    }
+    pins: dict[int, int] = {}
+    for op_index, op in enumerate(costs.ops):
+        forced: dict[str, str] = {}
+        for found in reads_of(op, by_node):
+            weight = found.weight
+            if weight is None or not weight.is_buffer or weight.names[0] not in homes:
+                continue
+            if weight.names[0] in costs.written or not movable.get(weight.names[0], True):
+                forced.setdefault(homes[weight.names[0]], weight.names[0])
+        if len(forced) > 1:
+            raise SpecError(
+                f"op '{op.name}' writes {' and '.join(map(repr, forced.values()))} in place, but the device map puts "
+                f"them on {' and '.join(map(repr, forced))}; map them to one device"
+            )
+        if forced:
+            pins[op_index] = index[next(iter(forced))]
     return pins
 
 
@@ -224,7 +259,11 @@ def value_homes(costs: GraphCosts, homes: Mapping[str, str], devices: Sequence[s
 
 
 def free_readers(
-    problem: PartitionProblem, homes: Mapping[int, int], start: Sequence[int], num_devices: int
+    problem: PartitionProblem,
+    homes: Mapping[int, int],
+    start: Sequence[int],
+    num_devices: int,
+    keep: Mapping[int, int] | None = None,
 ) -> Partition:
     """Place every op around weights with fixed homes, their readers free: a copy of a small weight may
     replace a copy of a large activation.
@@ -236,7 +275,8 @@ def free_readers(
     (e.g. :func:`place_ops` with every reader pinned), pairwise min-cuts, then
     single and group moves, take every move that copies less, so the result
     never copies more than ``start`` by this count. Weights written in place
-    (not movable) keep their readers where ``start`` put them.
+    (not movable) keep their readers where ``start`` put them, and ``keep``
+    (op index -> device index, e.g. :func:`writer_pins`) pins more ops.
 
     >>> from fxsplit.partition.problem import Value
     >>> # ops 0 and 2 read big weights on device 0, op 1 a 4-byte one on device 1: copy it, not the activations
@@ -247,7 +287,7 @@ def free_readers(
     """
     shift = num_devices
     pinned = {d: d for d in range(num_devices)}
-    pinned.update({op + shift: d for op, d in problem.pinned.items()})
+    pinned.update({op + shift: d for op, d in {**problem.pinned, **(keep or {})}.items()})
     values = []
     for index, value in enumerate(problem.values):
         consumers = tuple(op + shift for op in value.consumers)

@@ -28,6 +28,7 @@ from fxsplit.planning.devicemap import (
     read_device_map,
     value_homes,
     with_weight_homes,
+    writer_pins,
 )
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import budget_overruns
@@ -152,7 +153,8 @@ def plan_device_map(
     """
     devices = list(budgets.devices)
     rule = place_ops(costs.problem, pin_readers(costs, homes, devices), len(devices))
-    free = free_readers(costs.problem, value_homes(costs, homes, devices), rule.op_devices, len(devices))
+    writers = writer_pins(costs, homes, devices)
+    free = free_readers(costs.problem, value_homes(costs, homes, devices), rule.op_devices, len(devices), writers)
     unlimited = Budgets(dict.fromkeys(devices, _UNLIMITED))
     plans = []
     for solution in (rule, free):
