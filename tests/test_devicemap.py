@@ -350,6 +350,9 @@ def test_spec_device_map() -> None:
     model, inputs = Straddle(), (torch.randn(3, 16),)
     plan = fxsplit.plan(model, spec=SPEC, example_inputs=inputs)
     assert plan.param_devices == read_device_map(model, {"": "cpu:0", "enc.layer.bias": "cpu:1", "post": "cpu:1"})
+    pinned = SPEC.replace("device_map:", "pin:")
+    with pytest.warns(fxsplit.FxsplitWarning, match=r"<spec>:6: pin\['enc.layer.bias'\]: no module of the model"):
+        assert fxsplit.plan(model, spec=pinned, example_inputs=inputs).param_devices == plan.param_devices
     with pytest.raises(fxsplit.SpecError, match=r"<spec>:7: device_map\['postt'\]: key 'postt' names no module"):
         fxsplit.plan(model, spec=SPEC.replace("post:", "postt:"), example_inputs=inputs)
     with pytest.raises(fxsplit.SpecError) as caught:

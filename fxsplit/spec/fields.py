@@ -176,7 +176,7 @@ def read_pins(check: FieldChecker, value: Any, devices: dict[str, int], field: s
         return pins
     for key, device in value.items():
         path: YamlPath = (field, key)
-        pattern = "" if field == "device_map" and key == "" else module_key(key)
+        pattern = "" if key == "" else module_key(key)  # '': the whole model, in a device map (pins may be one)
         if pattern is None:
             check.problem(
                 path,
