@@ -416,3 +416,32 @@ def test_buffers_written_in_place_are_written_where_the_map_puts_them(trace: str
             example_inputs=inputs,
             device_map={"": "cpu:0", "bn1.running_mean": "cpu:1"},
         )
+
+
+@pytest.mark.slow
+def test_accelerate_map_of_t5_passed_as_pins() -> None:
+    """T5: a tied ``shared`` that runs no op, a decoder block straddling the two devices."""
+    accelerate = pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=16, vocab_size=100, use_cache=False
+    )
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    device_map = accelerate.infer_auto_device_map(model, max_memory={0: int(size / 1.7), 1: size * 2})
+    assert device_map["shared"] == 0 and any(key.startswith("decoder.block.0.") for key in device_map)
+    pins = {key: f"cpu:{value}" for key, value in device_map.items()}
+    ids, decoder_ids = torch.randint(0, 100, (2, 7)), torch.randint(0, 100, (2, 5))
+    reference = copy.deepcopy(model)
+    with pytest.warns(fxsplit.FxsplitWarning, match=r"pins read as a device map"):
+        gm = fxsplit.fxsplit(
+            model, BUDGETS, example_inputs=(ids,), example_kwargs={"decoder_input_ids": decoder_ids}, pins=pins
+        )
+    homes = read_device_map(reference, pins)
+    assert {name: gm.meta["fxsplit_plan"].param_devices[name] for name in homes} == homes
+    out, expected = gm(ids, decoder_input_ids=decoder_ids), reference(ids, decoder_input_ids=decoder_ids)
+    torch.testing.assert_close(out.logits, expected.logits)
+    out.logits.square().mean().backward()
+    expected.logits.square().mean().backward()
+    assert_same_grads(model, reference)
