@@ -35,6 +35,7 @@ from fxsplit.planning.fingerprint import record_origin
 from fxsplit.planning.offload import fit_or_offload
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.timing import timing_for, timing_record
+from fxsplit.planning.weightmap import device_map_homes, pins_as_device_map, plan_device_map, refuse_with_map
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import Traced, trace
@@ -110,6 +111,10 @@ def trace_and_plan(
     check_concrete_args(model, options.concrete_args)
     dtype = planning_dtype(options.dtype)
     locate = locator(spec, explicit)
+    homes = None
+    if options.device_map is not None:
+        refuse_with_map(options)
+        homes = device_map_homes(model, options.device_map, devices, locate)
     leaves = list(options.leaf_modules)
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
@@ -128,7 +133,12 @@ def trace_and_plan(
     refuse_growing_state(traced.graph_module)
     pins = {str(k): device_option(f"pins[{str(k)!r}]", v) for k, v in (options.pins or {}).items()}
     together = together_groups(options.together)
-    check_constraints(traced.graph_module, model, devices, pins, together, locate)
+    try:
+        check_constraints(traced.graph_module, model, devices, pins, together, locate)
+    except SpecError as error:
+        if not pins or homes is not None:
+            raise
+        homes, pins = pins_as_device_map(model, pins, devices, error, options, locate), {}
     index = {d: i for i, d in enumerate(devices)}
     costs = build_problem(
         traced.graph_module,
@@ -188,7 +198,12 @@ def trace_and_plan(
             repartition=split,
         )
 
-    made = fit_or_offload(memory, device_budgets, solve, Offload.coerce(options.offload), traced.graph_module)
+    if homes is not None:
+        made = plan_device_map(
+            costs, traced.graph_module, memory, homes, device_budgets, output_device=output_device, trace=traced.method
+        )
+    else:
+        made = fit_or_offload(memory, device_budgets, solve, Offload.coerce(options.offload), traced.graph_module)
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
     made = record_origin(made, model, dtype, leaves, dynamic, traced.graph_module)
     if uncounted is not None:
@@ -282,8 +297,12 @@ def fxsplit(
             ``concrete_args``, ``output_device`` (default: the device of the
             last op), ``objective`` (``"min_transfer"``, the
             default, or ``"balanced"``), ``pins`` (module path or glob ->
-            device), ``mode`` (``"inference"``, the default: parameters,
-            buffers and the activation peak of a forward; ``"training"``:
+            device; pins that cannot be op pins but place every weight are
+            read as a ``device_map``), ``device_map`` (module or tensor name ->
+            device, as Accelerate writes it: the weights stay where it says,
+            the ops go where they copy least; see docs/ACCELERATE.md),
+            ``mode`` (``"inference"``, the default: parameters, buffers and
+            the activation peak of a forward; ``"training"``:
             also gradients, ``optimizer`` state (``"adam"``, the default,
             ``"adamw"``, ``"sgd_momentum"``, ``"sgd"`` or bytes per parameter
             element) and what autograd saves; ``"weights"``: parameters and

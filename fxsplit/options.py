@@ -324,6 +324,12 @@ class Options:
             (the default): ``"throughput"`` with ``pipeline``, else
             ``"min_transfer"``.
         pins: module path or glob -> the device its ops and tensors must go to.
+            Pins that cannot be op pins but place every parameter and buffer
+            are read as a ``device_map`` (with a warning).
+        device_map: module or tensor name -> device, as Accelerate writes it
+            (``""``: the whole model): where every parameter and buffer
+            lives (the longest key naming it or its module); the ops go
+            where they copy the fewest bytes. None: fxsplit places the weights.
         pipeline: run micro-batches through the stages: a :class:`PipelineConfig`,
             a mapping (``{"chunks": 4}``) or an int (chunks); None: no
             pipeline. Implies ``contiguous``.
@@ -365,6 +371,7 @@ class Options:
     output_device: Any = None
     objective: str | None = None
     pins: Mapping[str, Any] | None = None
+    device_map: Mapping[str, Any] | None = None
     pipeline: PipelineConfig | Mapping[str, Any] | int | None = None
     contiguous: bool = False
     together: Iterable[Iterable[str]] = ()

@@ -7,6 +7,8 @@
 * :mod:`~fxsplit.planning.fingerprint`: a model's structure as a short hash.
 * :mod:`~fxsplit.planning.apply`: use a saved plan: re-trace, check, emit without solving.
 * :mod:`~fxsplit.planning.offload`: plans that store what the devices cannot hold and stream it in.
+* :mod:`~fxsplit.planning.devicemap` reads an Accelerate device map and places ops around fixed weights;
+  :mod:`~fxsplit.planning.weightmap` makes the plan (``device_map=``, or ``pins=`` read as one).
 
 Importing this package, or reading a plan with :meth:`Plan.from_yaml`, does not import torch.
 """

@@ -16,6 +16,7 @@ SPEC_KEYS = (
     "devices",
     "reserve",
     "pin",
+    "device_map",
     "together",
     "leaf_modules",
     "trace",
@@ -48,6 +49,7 @@ class Spec:
         reserve: device -> headroom named under that device.
         default_reserve: headroom for every device without its own.
         pins: module path or glob -> device.
+        device_map: module or tensor name -> device, as Accelerate writes it: where the weights live.
         together: groups of module patterns whose ops must share a device.
         leaf_modules: module paths or class names fx must not trace into.
         trace: ``"auto"``, ``"fx"`` or ``"export"``.
@@ -72,6 +74,7 @@ class Spec:
     reserve: dict[str, Headroom] = field(default_factory=dict)
     default_reserve: Headroom | None = None
     pins: dict[str, str] = field(default_factory=dict)
+    device_map: dict[str, str] | None = None
     together: tuple[tuple[str, ...], ...] = ()
     leaf_modules: tuple[str, ...] = ()
     trace: str | None = None
@@ -103,6 +106,8 @@ class Spec:
         found: dict[str, Any] = {}
         if self.pins:
             found["pins"] = dict(self.pins)
+        if self.device_map is not None:
+            found["device_map"] = dict(self.device_map)
         if self.together:
             found["together"] = self.together
         if self.leaf_modules:
