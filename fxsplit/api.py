@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, overload
+from typing import Any, Callable, Mapping, Sequence, overload
 
 import torch
 import torch.fx
@@ -25,8 +26,9 @@ from fxsplit.devices import require_usable
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.hardware import Hardware
 from fxsplit.memory.charge import memory_model
-from fxsplit.memory.model import MemoryModel, MemorySpec
+from fxsplit.memory.model import MemoryModel, MemorySpec, fit_budgets
 from fxsplit.options import OBJECTIVES, TRACE_MODES, Budgets, Offload, Options, PipelineConfig
+from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.solve import Partition, partition
 from fxsplit.pipeline.gpipe import Pipeline, pipelined
 from fxsplit.pipeline.microbatch import first_microbatch
@@ -34,6 +36,7 @@ from fxsplit.planning.build import make_plan
 from fxsplit.planning.fingerprint import record_origin
 from fxsplit.planning.offload import fit_or_offload
 from fxsplit.planning.plan import Plan
+from fxsplit.planning.replicas import cheaper, replicable, replicated_problem, with_replicas
 from fxsplit.planning.timing import timing_for, timing_record
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
@@ -161,7 +164,7 @@ def trace_and_plan(
         inputs=(example_inputs, example_kwargs),
     )
 
-    def split(caps: Sequence[int]) -> Partition:
+    def split(caps: Sequence[int], problem: PartitionProblem = problem) -> Partition:
         try:
             return partition(
                 problem, caps, objective=objective, device_names=devices, contiguous=contiguous, timing=timing
@@ -174,7 +177,7 @@ def trace_and_plan(
                 raise
             raise better from error
 
-    def solve(caps: Sequence[int]) -> Plan:
+    def solve(caps: Sequence[int], split: Callable[[Sequence[int]], Partition] = split) -> Plan:
         return make_plan(
             costs,
             traced.graph_module,
@@ -188,6 +191,17 @@ def trace_and_plan(
         )
 
     made = fit_or_offload(memory, device_budgets, solve, Offload.coerce(options.offload), traced.graph_module)
+    shared = replicable(costs, training=memory.spec.training)
+    if shared and made.transfer_bytes and not made.streamed and objective == "min_transfer" and not options.pipeline:
+        twin = functools.partial(split, problem=replicated_problem(problem, shared))  # see fxsplit.planning.replicas
+        made = cheaper(
+            made,
+            lambda: fit_budgets(
+                memory,
+                device_budgets,
+                lambda caps: with_replicas(solve(caps, twin), costs, traced.graph_module, shared),
+            ),
+        )
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
     made = record_origin(made, model, dtype, leaves, dynamic, traced.graph_module)
     if uncounted is not None:
