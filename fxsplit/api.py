@@ -26,7 +26,7 @@ from fxsplit.devices import require_usable
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.hardware import Hardware
 from fxsplit.memory.charge import memory_model
-from fxsplit.memory.model import MemoryModel, MemorySpec, fit_budgets
+from fxsplit.memory.model import MemoryModel, MemorySpec
 from fxsplit.options import OBJECTIVES, TRACE_MODES, Budgets, Offload, Options, PipelineConfig
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.solve import Partition, partition
@@ -36,7 +36,7 @@ from fxsplit.planning.build import make_plan
 from fxsplit.planning.fingerprint import record_origin
 from fxsplit.planning.offload import fit_or_offload
 from fxsplit.planning.plan import Plan
-from fxsplit.planning.replicas import cheaper, replicable, replicated_problem, with_replicas
+from fxsplit.planning.replicas import try_replicas
 from fxsplit.planning.timing import timing_for, timing_record
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
@@ -190,18 +190,12 @@ def trace_and_plan(
             repartition=split,
         )
 
+    def solver(problem: PartitionProblem) -> Callable[[Sequence[int]], Plan]:
+        return functools.partial(solve, split=functools.partial(split, problem=problem))
+
     made = fit_or_offload(memory, device_budgets, solve, Offload.coerce(options.offload), traced.graph_module)
-    shared = replicable(costs, training=memory.spec.training)
-    if shared and made.transfer_bytes and not made.streamed and objective == "min_transfer" and not options.pipeline:
-        twin = functools.partial(split, problem=replicated_problem(problem, shared))  # see fxsplit.planning.replicas
-        made = cheaper(
-            made,
-            lambda: fit_budgets(
-                memory,
-                device_budgets,
-                lambda caps: with_replicas(solve(caps, twin), costs, traced.graph_module, shared),
-            ),
-        )
+    if options.replicate and objective == "min_transfer" and not options.pipeline:  # held on several devices when that pays
+        made = try_replicas(made, memory, device_budgets, traced.graph_module, problem, solver)
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
     made = record_origin(made, model, dtype, leaves, dynamic, traced.graph_module)
     if uncounted is not None:

@@ -232,7 +232,9 @@ class _Emitter:
             self.replicas[key] = node
             tensor = weight_tensor(self.source, read.weight)
             if tensor is not None and tensor.device.type != "meta":  # held from now on, not from the first call
-                self.source.get_submodule(REPLICA_STORE).get(read.key, tensor, device)
+                store_module = self.source.get_submodule(REPLICA_STORE)
+                assert isinstance(store_module, runtime.ReplicaStore)
+                store_module.get(read.key, tensor, device)
         return self.replicas[key]
 
     def _write_back(self, placeholder: str) -> None:

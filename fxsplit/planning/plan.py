@@ -262,9 +262,7 @@ class Plan:
             constants=dict(data.get("constants", {})),
             mutated=dict(data.get("mutated", {})),
             timing=dict(data.get("timing", {})),
-            replicas={
-                n: Replica(tuple(r["devices"]), int(r["nbytes"])) for n, r in data.get("replicas", {}).items()
-            },
+            replicas={n: Replica(tuple(r["devices"]), int(r["nbytes"])) for n, r in data.get("replicas", {}).items()},
         )
 
     def to_yaml(self) -> str:

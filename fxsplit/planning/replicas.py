@@ -29,17 +29,28 @@ other than ``"min_transfer"`` (which do not minimise bytes copied).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import functools
+from typing import Callable, Iterable, Sequence
 
 import torch.fx
 
 from fxsplit.cost.build import GraphCosts
 from fxsplit.errors import BudgetError
-from fxsplit.partition.problem import PartitionProblem
+from fxsplit.memory.model import MemoryModel, fit_budgets
+from fxsplit.options import Budgets
+from fxsplit.partition.problem import PartitionProblem, Value
 from fxsplit.planning.build import cuts_for, reads_of, weights_by_node
 from fxsplit.planning.plan import Plan, Replica
 
-__all__ = ["cheaper", "replicable", "replicated_problem", "with_replicas"]
+__all__ = [
+    "MAX_CANDIDATES",
+    "cheaper",
+    "groupings",
+    "replicable",
+    "replicated_problem",
+    "try_replicas",
+    "with_replicas",
+]
 
 
 def replicable(costs: GraphCosts, *, training: bool) -> tuple[int, ...]:
@@ -62,21 +73,41 @@ def replicable(costs: GraphCosts, *, training: bool) -> tuple[int, ...]:
     return tuple(found)
 
 
-def replicated_problem(problem: PartitionProblem, indices: tuple[int, ...]) -> PartitionProblem:
-    """``problem`` with each value of ``indices`` split into one copy per reading op, charged where that op runs."""
-    chosen = set(indices)
-    values = []
+MAX_CANDIDATES = 3
+"""At most this many problems with replicas are partitioned per plan (each costs about one more partition)."""
+
+
+def groupings(problem: PartitionProblem, indices: tuple[int, ...]) -> list[dict[int, tuple[tuple[int, ...], ...]]]:
+    """Ways to split the readers of each weight of ``indices`` into groups, one copy per group, at most
+    :data:`MAX_CANDIDATES`: one copy per reading op; then, for ``j = 1, 2, ...``, the first ``j`` readers
+    share a copy and the rest another (T5's embedding: the encoder's copy, and the decoder's beside its head,
+    each charged once, where one copy per reader would charge the decoder's device twice)."""
+    consumers = {i: problem.values[i].consumers for i in indices}
+    Groups = dict[int, tuple[tuple[int, ...], ...]]
+    each: Groups = {i: tuple((op,) for op in ops) for i, ops in consumers.items()}
+    found = [each]
+    for j in range(1, max(len(ops) for ops in consumers.values())):
+        split: Groups = {
+            i: (ops[:j], ops[j:]) if 2 < len(ops) and j < len(ops) else each[i] for i, ops in consumers.items()
+        }
+        if split not in found:
+            found.append(split)
+    return found[:MAX_CANDIDATES]
+
+
+def replicated_problem(problem: PartitionProblem, groups: dict[int, tuple[tuple[int, ...], ...]]) -> PartitionProblem:
+    """``problem`` with each value of ``groups`` split into one copy per group of its readers, each charged in
+    full where the first of its readers runs (and copied to the others of its group where they run elsewhere)."""
+    values: list[Value] = []
     for index, value in enumerate(problem.values):
-        if index in chosen:
-            values.extend(dataclasses.replace(value, start=op, consumers=(op,)) for op in value.consumers)
+        if index in groups:
+            values.extend(dataclasses.replace(value, start=ops[0], consumers=ops) for ops in groups[index])
         else:
             values.append(value)
     return dataclasses.replace(problem, values=tuple(values))
 
 
-def with_replicas(
-    plan: Plan, costs: GraphCosts, graph_module: torch.fx.GraphModule, indices: tuple[int, ...]
-) -> Plan:
+def with_replicas(plan: Plan, costs: GraphCosts, graph_module: torch.fx.GraphModule, indices: tuple[int, ...]) -> Plan:
     """``plan`` with each weight of ``indices`` held on every device that runs an op reading it.
 
     Its home stays the device of its first reader; the other devices get a
@@ -112,14 +143,48 @@ def replicas_of(replicas: dict[str, Replica]) -> dict[str, tuple[str, ...]]:
     return {name: replica.devices for name, replica in replicas.items()}
 
 
-def cheaper(plain: Plan, candidate: Callable[[], Plan]) -> Plan:
-    """The plan with replicas that ``candidate`` makes when it copies fewer bytes per forward, else ``plain``.
+def try_replicas(
+    plain: Plan,
+    memory: MemoryModel,
+    budgets: Budgets,
+    graph_module: torch.fx.GraphModule,
+    problem: PartitionProblem,
+    solver: Callable[[PartitionProblem], Callable[[Sequence[int]], Plan]],
+) -> Plan:
+    """``plain``, or a plan with replicas that fits ``budgets`` and copies fewer bytes per forward.
 
-    ``candidate`` failing to fit the budgets (a replica is charged on every
-    device that holds it) keeps ``plain``.
+    Args:
+        plain: the plan without replicas.
+        memory: what a device is charged (``memory.costs`` the cost model; no replicas in training).
+        budgets: the devices' budgets.
+        graph_module: the traced graph.
+        problem: the partition problem ``plain`` was made from (``memory.problem()``).
+        solver: a problem -> a function that partitions it under per-device caps and makes the plan.
     """
-    try:
-        made = candidate()
-    except BudgetError:
+    costs = memory.costs
+    shared = replicable(costs, training=memory.spec.training)
+    if not shared or not plain.transfer_bytes or plain.streamed:
         return plain
-    return made if made.replicas and made.transfer_bytes < plain.transfer_bytes else plain
+
+    def candidate(groups: dict[int, tuple[tuple[int, ...], ...]]) -> Plan:
+        solve = solver(replicated_problem(problem, groups))
+        return fit_budgets(memory, budgets, lambda caps: with_replicas(solve(caps), costs, graph_module, shared))
+
+    return cheaper(plain, (functools.partial(candidate, groups) for groups in groupings(problem, shared)))
+
+
+def cheaper(plain: Plan, candidates: Iterable[Callable[[], Plan]]) -> Plan:
+    """The plan with replicas that copies the fewest bytes per forward, if fewer than ``plain``; else ``plain``.
+
+    A candidate that fails to fit the budgets (a replica is charged on every
+    device that holds it) is skipped; ties go to the earlier plan (``plain`` first).
+    """
+    best = plain
+    for candidate in candidates:
+        try:
+            made = candidate()
+        except BudgetError:
+            continue
+        if made.replicas and made.transfer_bytes < best.transfer_bytes:
+            best = made
+    return best

@@ -15,8 +15,8 @@ __all__ = ["memory_table", "offload_lines", "replica_lines", "state_lines"]
 def replica_lines(plan: Plan) -> list[str]:
     """One line per replicated tensor: its size and every device that holds it (no copy each forward)."""
     return [
-        f"replicated: {name} ({format_size(replica.nbytes)}) on {', '.join(plan.holders(name))}: "
-        "read-only, held on each (charged to each), not copied per forward"
+        f"replicated: {name} ({format_size(replica.nbytes)}) on {', '.join(plan.holders(name))} "
+        "(read-only: held on each, no copy per forward)"
         for name, replica in plan.replicas.items()
     ]
 
@@ -35,6 +35,7 @@ def state_lines(plan: Plan) -> list[str]:
         f"(a cache or state, kept on its device between calls): {shares}"
     ]
 
+
 def offload_lines(plan: Plan) -> list[str]:
     """What is stored off the devices and streamed in, when anything is."""
     if not plan.streamed:
@@ -51,6 +52,7 @@ def offload_lines(plan: Plan) -> list[str]:
         f"{format_size(plan.stream_bytes)} in {sum(1 for c in plan.cuts if c.kind == 'stream')} copies, "
         f"prefetch {plan.offload.get('prefetch', 1)}"
     ]
+
 
 def memory_table(plan: Plan) -> list[str]:
     """One row per device: each component of memory, the total and its share of the budget."""
