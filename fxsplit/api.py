@@ -194,7 +194,7 @@ def trace_and_plan(
         return functools.partial(solve, split=functools.partial(split, problem=problem))
 
     made = fit_or_offload(memory, device_budgets, solve, Offload.coerce(options.offload), traced.graph_module)
-    if options.replicate and objective == "min_transfer" and not options.pipeline:  # held on several devices when that pays
+    if options.replicate and objective == "min_transfer" and not options.pipeline:  # replicas, if they pay
         made = try_replicas(made, memory, device_budgets, traced.graph_module, problem, solver)
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
     made = record_origin(made, model, dtype, leaves, dynamic, traced.graph_module)
