@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from typing import Any
 
 import pytest
 import torch
 
 import fxsplit
-from benchmarks.models import Case, case_by_name
+from benchmarks.models import Case, case_by_name, top_level_blocks
+from benchmarks.reference import block_problem, op_blocks
+from benchmarks.replication import replicated_optimum
+from fxsplit.api import trace_and_plan
 from fxsplit.check import DeviceChecker, verify_plan, verify_split
+from fxsplit.partition.solve import transfer_bytes
 from fxsplit.planning.plan import Plan, Replica
 from fxsplit.planning.replicas import cheaper, replicable
 from fxsplit.planning.rules import plan_problems
@@ -47,6 +52,32 @@ def _loose(model: torch.nn.Module, n: int = 2) -> dict[str, int]:
     return {f"cpu:{k}": int(1.5 * total / n) for k in range(n)}
 
 
+def _in_order_optimum(costs: Any, blocks: list[int], budgets: list[int]) -> int | None:
+    """Brute force: every in-order placement of the blocks and, for each replicable weight, replicated or not;
+    a replicated weight is charged once on every device that reads it and never copied."""
+    problem, n = costs.problem, len(budgets)
+    shared = replicable(costs, training=False)
+    bp = block_problem(problem, blocks)
+    best: int | None = None
+    for devices in itertools.combinations_with_replacement(range(n), bp.num_blocks):
+        if any(bp.locked[p] and devices[p - 1] != devices[p] for p in range(1, bp.num_blocks)):
+            continue
+        ops = [devices[b] for b in bp.op_block]
+        for chosen in itertools.product((False, True), repeat=len(shared)):
+            held = {i for i, on in zip(shared, chosen, strict=True) if on}
+            loads = [0] * n
+            for index, value in enumerate(problem.values):
+                where = {ops[c] for c in value.consumers} if index in held else {ops[value.start]}
+                for device in where:
+                    loads[device] += value.weight
+            if any(load > budget for load, budget in zip(loads, budgets, strict=True)):
+                continue
+            rest = dataclasses.replace(problem, values=tuple(v for i, v in enumerate(problem.values) if i not in held))
+            cost = transfer_bytes(rest, ops)
+            best = cost if best is None else min(best, cost)
+    return best
+
+
 def _run_and_count(gm: torch.fx.GraphModule, case: Case) -> tuple[Any, int]:
     """The outputs of a second forward (the first made nothing the second does not) and the bytes it copied."""
     plan = gm.meta["fxsplit_plan"]
@@ -58,6 +89,7 @@ def _run_and_count(gm: torch.fx.GraphModule, case: Case) -> tuple[Any, int]:
     return out, counter.nbytes
 
 
+@pytest.mark.slow  # Hugging Face models (as tests/test_hf_models.py): about 25 s each
 @pytest.mark.parametrize(
     ("name", "replicated", "without", "held"),
     [
@@ -73,8 +105,14 @@ def test_benchmark_lms_at_loose_budgets_hold_the_tied_embedding_on_both_devices(
     model, reference = case.build(), case.build()
     budgets = _loose(model)
     options: dict[str, Any] = {"example_inputs": case.inputs(), "example_kwargs": case.kwargs() or None}
-    plain = fxsplit.plan(model, budgets, mode="weights", replicate=False, **options)
+    raw = {"example_kwargs": case.kwargs() or None, "mode": "weights", "replicate": False}
+    planned = trace_and_plan(model, budgets, case.inputs(), raw)
+    plain = planned.plan
     assert plain.transfer_bytes == without and not plain.replicas
+    # The best in-order placement of the top-level blocks, every one tried, replicas or not: what fxsplit reaches.
+    blocks = op_blocks(planned.costs.ops, top_level_blocks(model, case.block_classes))
+    assert _in_order_optimum(planned.costs, blocks, list(budgets.values())) == replicated
+    assert replicated_optimum(planned.costs, blocks, list(budgets.values()))[1] == replicated  # the benchmark's DP
     gm = fxsplit.fxsplit(model, budgets, mode="weights", check=True, **options)
     plan = gm.meta["fxsplit_plan"]
     assert plan.transfer_bytes == replicated
@@ -152,7 +190,7 @@ def test_training_never_replicates() -> None:
     trained = fxsplit.plan(model, budgets, example_inputs=IDS, pins=pins, mode="training", optimizer="sgd")
     assert not trained.replicas
     assert [(c.producer, c.kind) for c in trained.cuts if c.kind == "parameter"] == [("emb.weight", "parameter")]
-    planned = fxsplit.api.trace_and_plan(model, budgets, IDS, {"mode": "training"})
+    planned = trace_and_plan(model, budgets, IDS, {"mode": "training"})
     assert replicable(planned.costs, training=True) == ()
     assert replicable(planned.costs, training=False)
 
