@@ -281,3 +281,14 @@ def test_where_replicas_do_not_pay_none_are_made() -> None:
     assert cheaper(plain, [lambda: costly]) is plain
     fewer = dataclasses.replace(costly, cuts=())
     assert cheaper(plain, [lambda: costly, lambda: fewer]) is fewer
+
+
+def test_pipeline_stages_refuse_a_plan_with_replicas() -> None:
+    torch.manual_seed(0)
+    model = Tied()
+    plan = fxsplit.plan(model, budgets_for(model, 2), example_inputs=IDS, mode="weights")
+    assert plan.replicas
+    with pytest.raises(fxsplit.FxsplitError, match="only a split run in one process can read"):
+        fxsplit.pipeline_stages(model, plan, example_inputs=IDS)
+    planned = fxsplit.plan(model, budgets_for(model, 2), example_inputs=IDS, mode="weights", pipeline=1)
+    assert not planned.replicas  # pipelines are planned without them
