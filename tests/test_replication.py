@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -292,3 +293,21 @@ def test_pipeline_stages_refuse_a_plan_with_replicas() -> None:
         fxsplit.pipeline_stages(model, plan, example_inputs=IDS)
     planned = fxsplit.plan(model, budgets_for(model, 2), example_inputs=IDS, mode="weights", pipeline=1)
     assert not planned.replicas  # pipelines are planned without them
+
+
+def test_a_spec_or_the_command_line_turns_replicas_off(capsys: pytest.CaptureFixture[str]) -> None:
+    from fxsplit.cli import main
+
+    torch.manual_seed(0)
+    model = Tied()
+    budgets = budgets_for(model, 2)
+    assert not fxsplit.plan(model, budgets, example_inputs=IDS, mode="weights", spec="replicate: false\n").replicas
+    with pytest.raises(fxsplit.SpecError, match=r"replicate.*must be true or false \(got 'no'\)"):
+        fxsplit.plan(model, budgets, example_inputs=IDS, spec="replicate: 'no'\n")
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    model_ref, spec = f"{examples / 'models.py'}:factory", str(examples / "spec_example.yaml")
+    assert main(["plan", model_ref, "--spec", spec]) == 0
+    assert "replicated: model.embed_tokens.weight" in capsys.readouterr().out
+    assert main(["plan", model_ref, "--spec", spec, "--no-replicate"]) == 0
+    out = capsys.readouterr().out
+    assert "replicated:" not in out and "transfer per forward: 24.00 KiB" in out
