@@ -311,3 +311,18 @@ def test_a_spec_or_the_command_line_turns_replicas_off(capsys: pytest.CaptureFix
     assert main(["plan", model_ref, "--spec", spec, "--no-replicate"]) == 0
     out = capsys.readouterr().out
     assert "replicated:" not in out and "transfer per forward: 24.00 KiB" in out
+
+
+def test_measured_activations_hold_no_replica() -> None:
+    """The memory measured per device (fxsplit.memory.measure) counts a replica as a weight, not an activation,
+    as the plan's simulation does: the two agree."""
+    from fxsplit.memory.measure import measure_forward
+
+    torch.manual_seed(0)
+    budgets = {d: b + 4096 for d, b in budgets_for(Tied(), 2).items()}
+    gm = fxsplit.fxsplit(Tied(), budgets, example_inputs=IDS, trace="export")
+    plan = gm.meta["fxsplit_plan"]
+    assert plan.replicas
+    with torch.no_grad():
+        measured = measure_forward(gm, *IDS)
+    assert measured == {d: row["activations_peak"] for d, row in plan.memory.items()}
