@@ -21,9 +21,11 @@ never forced:
 4. :func:`cheaper`: the candidate is kept only when it copies fewer bytes
    per forward than the plan without replicas (ties: no replicas).
 
-Left out: training (a replica would get its own gradient; the weight would
-need the sum), streamed weights (offload plans), pipelines and objectives
-other than ``"min_transfer"`` (which do not minimise bytes copied).
+Left out: training (the optimizer changes the weight every step, so every
+replica would be copied again every step; a split run with autograd anyway
+sends each replica's gradient to the weight: :func:`fxsplit.runtime.replica`),
+streamed weights (offload plans), pipelines, and objectives other than
+``"min_transfer"`` (which do not minimise bytes copied).
 """
 
 from __future__ import annotations
