@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, overload
+from typing import Any, Callable, Mapping, Sequence, overload
 
 import torch
 import torch.fx
@@ -27,6 +28,7 @@ from fxsplit.hardware import Hardware
 from fxsplit.memory.charge import memory_model
 from fxsplit.memory.model import MemoryModel, MemorySpec
 from fxsplit.options import OBJECTIVES, TRACE_MODES, Budgets, Offload, Options, PipelineConfig
+from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.solve import Partition, partition
 from fxsplit.pipeline.gpipe import Pipeline, pipelined
 from fxsplit.pipeline.microbatch import first_microbatch
@@ -34,6 +36,7 @@ from fxsplit.planning.build import make_plan
 from fxsplit.planning.fingerprint import record_origin
 from fxsplit.planning.offload import fit_or_offload
 from fxsplit.planning.plan import Plan
+from fxsplit.planning.replicas import try_replicas
 from fxsplit.planning.timing import timing_for, timing_record
 from fxsplit.planning.weightmap import device_map_homes, pins_as_device_map, plan_device_map, refuse_with_map
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
@@ -172,7 +175,7 @@ def trace_and_plan(
         largest_copy=max((value.nbytes for value in problem.values), default=0),
     )
 
-    def split(caps: Sequence[int]) -> Partition:
+    def split(caps: Sequence[int], problem: PartitionProblem = problem) -> Partition:
         try:
             return partition(
                 problem, caps, objective=objective, device_names=devices, contiguous=contiguous, timing=timing
@@ -185,7 +188,7 @@ def trace_and_plan(
                 raise
             raise better from error
 
-    def solve(caps: Sequence[int]) -> Plan:
+    def solve(caps: Sequence[int], split: Callable[[Sequence[int]], Partition] = split) -> Plan:
         return make_plan(
             costs,
             traced.graph_module,
@@ -198,12 +201,17 @@ def trace_and_plan(
             repartition=split,
         )
 
-    if homes is not None:
+    def solver(problem: PartitionProblem) -> Callable[[Sequence[int]], Plan]:
+        return functools.partial(solve, split=functools.partial(split, problem=problem))
+
+    if homes is not None:  # the map fixes every weight's device: no replicas
         made = plan_device_map(
             costs, traced.graph_module, memory, homes, device_budgets, output_device=output_device, trace=traced.method
         )
     else:
         made = fit_or_offload(memory, device_budgets, solve, Offload.coerce(options.offload), traced.graph_module)
+        if options.replicate and objective == "min_transfer" and not options.pipeline:  # replicas, if they pay
+            made = try_replicas(made, memory, device_budgets, traced.graph_module, problem, solver)
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
     made = record_origin(made, model, dtype, leaves, dynamic, traced.graph_module)
     if uncounted is not None:

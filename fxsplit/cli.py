@@ -67,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="time each op by running it (the time objectives; default: estimate from FLOPs and bytes)",
     )
+    overrides.add_argument(
+        "--no-replicate",
+        dest="replicate",
+        action="store_const",
+        const=False,
+        default=None,
+        help="hold every weight on one device (default: a read-only weight read on several devices may be on each)",
+    )
     offload = overrides.add_argument_group(
         "offload",
         "where weights the devices cannot hold are stored and streamed from (each overrides that field "
@@ -138,7 +146,17 @@ def _options(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if loaded.example_kwargs:
         options["example_kwargs"] = loaded.example_kwargs
-    for name in ("trace", "objective", "dtype", "output_device", "mode", "optimizer", "dynamic_shapes", "profile"):
+    for name in (
+        "trace",
+        "objective",
+        "dtype",
+        "output_device",
+        "mode",
+        "optimizer",
+        "dynamic_shapes",
+        "profile",
+        "replicate",
+    ):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value

@@ -362,6 +362,12 @@ class Options:
         profile: time every op by running it on each kind of device the
             budgets name (a few repeats) instead of estimating from FLOPs and
             bytes; needs real weights and ``example_inputs``.
+        replicate: let a read-only parameter or buffer read on several
+            devices be held on each of them (charged to each) instead of
+            copied, when that copies fewer bytes per forward and the budgets
+            allow (``Plan.replicas``; with ``mode="inference"`` or
+            ``"weights"`` and the ``"min_transfer"`` objective, without a
+            pipeline or offload). False: each tensor on one device.
     """
 
     example_kwargs: Mapping[str, Any] | None = None
@@ -385,6 +391,7 @@ class Options:
     offload: Offload | Mapping[str, Any] | None = None
     hardware: Any = None
     profile: bool = False
+    replicate: bool = True
 
     @property
     def chosen_objective(self) -> str:

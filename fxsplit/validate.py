@@ -93,6 +93,7 @@ _CHECKS: dict[str, Callable[[str, Any], None]] = {
     "contiguous": _bool,
     "check": _bool,
     "profile": _bool,
+    "replicate": _bool,
     "dynamic_shapes": _dynamic_shapes,
 }
 """Options whose type is checked here; the others are checked where they are parsed: sizes, devices, specs,

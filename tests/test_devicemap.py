@@ -373,11 +373,11 @@ def test_cli_device_map(tmp_path: Any) -> None:
     out, err = io.StringIO(), io.StringIO()
     saved = tmp_path / "plan.yaml"
     assert main(["plan", model, *budgets, "--device-map", device_map, "-o", str(saved)], out=out, err=err) == 0
-    assert "device map: 16.50 KiB per forward; fxsplit's plan: 16.00 KiB per forward" in out.getvalue()
+    assert "device map: 16.50 KiB per forward; fxsplit's plan: 8.00 KiB per forward" in out.getvalue()
     assert fxsplit.Plan.from_yaml(saved.read_text()).param_devices["model.layers.4.up.weight"] == "cpu:1"
     out = io.StringIO()
     assert main(["code", model, *budgets, "--device-map", device_map], out=out, err=err) == 0
-    assert out.getvalue().startswith("# device map: 16.50 KiB per forward; fxsplit's plan: 16.00 KiB")
+    assert out.getvalue().startswith("# device map: 16.50 KiB per forward; fxsplit's plan: 8.00 KiB")
     bad = tmp_path / "bad.yaml"
     for text, expected in (
         ('"": cpu:0\nmodel.layrs.0: cpu:1\n', f"{bad}:2: device_map['model.layrs.0']: key 'model.layrs.0' names no"),

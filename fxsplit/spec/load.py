@@ -146,6 +146,10 @@ def _validate(
     if profile is not None and not isinstance(profile, bool):
         check.problem(("profile",), f"must be true or false (got {_short(profile)})")
         profile = None
+    replicate = data.get("replicate")
+    if replicate is not None and not isinstance(replicate, bool):
+        check.problem(("replicate",), f"must be true or false (got {_short(replicate)})")
+        replicate = None
     output = None
     if "output_device" in data:
         output = check.attempt(("output_device",), lambda: spec_device(data["output_device"]))
@@ -171,6 +175,7 @@ def _validate(
         offload=offload,
         hardware=hardware,
         profile=profile,
+        replicate=replicate,
         source=source,
         lines=dict(lines),
     )

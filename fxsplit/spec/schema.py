@@ -31,6 +31,7 @@ SPEC_KEYS = (
     "offload",
     "hardware",
     "profile",
+    "replicate",
 )
 DEVICE_KEYS = ("budget", "reserve")
 OFFLOAD_KEYS = tuple(Offload.__dataclass_fields__)  # host, disk, dir, prefetch
@@ -66,6 +67,8 @@ class Spec:
         hardware: device speeds and links for time estimates (``{devices: {cuda: {flops: 300T}}, links:
             {cuda:0 <-> cuda:1: {bandwidth: 300GB/s}}}``), or None.
         profile: time the ops by running them instead of estimating (None: the default, False).
+        replicate: let read-only weights be held on several devices when that copies less (None: the
+            default, True).
         source: the file name, for messages.
         lines: YAML path -> line number, for messages that come later.
     """
@@ -89,6 +92,7 @@ class Spec:
     offload: Offload | None = None
     hardware: Hardware | None = None
     profile: bool | None = None
+    replicate: bool | None = None
     source: str = "<spec>"
     lines: dict[YamlPath, int] = field(default_factory=dict, compare=False, repr=False)
 
