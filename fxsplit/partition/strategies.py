@@ -29,7 +29,9 @@ only when ``best`` is None (a fallback).
 4. :func:`min_cut_exchanges`: on graphs of up to :data:`~fxsplit.partition.contiguous.EXACT_LIMIT`
    ops, pairs of devices exchange groups of ops along minimum cuts, then single
    ops move again.
-5. :func:`exact_search`: on small graphs (up to :data:`~fxsplit.partition.exact.EXACT_OPS` ops, or 24 on
+5. :func:`module_runs`: when ops carry module labels, whole runs of each module placed in any order by an
+   exact search over the coarsened graph (:mod:`fxsplit.partition.coarse`), then improved as above.
+6. :func:`exact_search`: on small graphs (up to :data:`~fxsplit.partition.exact.EXACT_OPS` ops, or 24 on
    two devices: :func:`~fxsplit.partition.exact.searched`), branch and bound for a strictly cheaper placement.
 
 :data:`CONTIGUOUS_STRATEGIES` (``contiguous=True``) is :func:`contiguous` alone; :func:`local_moves`
@@ -55,6 +57,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from fxsplit.partition.coarse import module_placements
 from fxsplit.partition.context import Context
 from fxsplit.partition.contiguous import (
     EXACT_LIMIT,
@@ -76,6 +79,8 @@ from fxsplit.partition.ring import cheapest_wraps, has_long_reach, wrap_points
 __all__ = [
     "CONTIGUOUS_STRATEGIES",
     "DEFAULT_STRATEGIES",
+    "LARGE_GRAPH_NODES",
+    "LARGE_GRAPH_RUNS",
     "RING_KEEP",
     "Search",
     "Strategy",
@@ -85,11 +90,18 @@ __all__ = [
     "exact_search",
     "local_moves",
     "min_cut_exchanges",
+    "module_runs",
     "packing",
 ]
 
 RING_KEEP = 3
 """How many of the cheapest wrapped placements (by wrap point) are kept and improved."""
+
+LARGE_GRAPH_NODES = 300
+"""Most branches one search of :func:`module_runs` opens on graphs of more than :data:`EXACT_LIMIT` ops."""
+
+LARGE_GRAPH_RUNS = 10
+"""Most runs one search of :func:`module_runs` places on graphs of more than :data:`EXACT_LIMIT` ops."""
 
 
 class Search:
@@ -216,6 +228,29 @@ def min_cut_exchanges(search: Search, best: tuple[int, ...] | None) -> list[int]
     return improve(problem, exchanged, budgets)
 
 
+def module_runs(search: Search, best: tuple[int, ...] | None) -> list[int] | None:
+    """The cheapest placement of whole module runs in any order that copies fewer bytes than ``best``
+    (:func:`~fxsplit.partition.coarse.module_placements`), improved by single-op moves and min-cut exchanges (as
+    :func:`min_cut_exchanges`); None when the ops carry no module labels or no such placement is found.
+
+    Each search opens at most :data:`~fxsplit.partition.exact.NODE_LIMIT` branches on graphs of up to
+    :data:`EXACT_LIMIT` ops; on larger ones at most :data:`LARGE_GRAPH_NODES`, over at most
+    :data:`LARGE_GRAPH_RUNS` runs, and the placement found is returned as it is (so that the strategy
+    stays a few milliseconds there: the moves after it rarely helped on such placements).
+    """
+    problem, budgets = search.problem, search.budgets
+    cost = transfer_bytes(problem, best) if best is not None else None
+    if cost == 0:
+        return None
+    if problem.num_ops > EXACT_LIMIT:
+        return _cheapest(problem, module_placements(search.context, budgets, cost, LARGE_GRAPH_NODES, LARGE_GRAPH_RUNS))
+    found = [improve(problem, p, budgets) for p in module_placements(search.context, budgets, cost)]
+    placed = _cheapest(problem, found)
+    if placed is None or (cost is not None and transfer_bytes(problem, placed) >= cost):
+        return None
+    return min_cut_exchanges(search, tuple(placed)) or placed
+
+
 def exact_search(search: Search, best: tuple[int, ...] | None) -> list[int] | None:
     """A placement strictly cheaper than ``best``, by branch and bound, or ``best`` when there is none.
 
@@ -238,6 +273,7 @@ DEFAULT_STRATEGIES: tuple[Strategy, ...] = (
     packing,
     exact_fallback,
     min_cut_exchanges,
+    module_runs,
     exact_search,
 )
 """What :func:`~fxsplit.partition.solve.partition` runs by default; see the module's docstring."""
