@@ -161,31 +161,43 @@ def module_placements(
     below: float | None = None,
     node_limit: int = NODE_LIMIT,
     max_runs: int | None = None,
+    total_nodes: int | None = None,
 ) -> list[list[int]]:
-    """The placements the exact search finds over the module runs of each depth within ``budgets`` (copying
-    fewer bytes than ``below``, when given; at most ``node_limit`` branches per search); empty when the
-    problem has no ``op_labels`` or nothing fits. See the module's docstring."""
+    """The placements the exact search finds over the module runs of each depth within ``budgets``; empty
+    when the problem has no ``op_labels`` or nothing fits. See the module's docstring.
+
+    Args:
+        ctx: the problem's arrays.
+        budgets: the budgets in use.
+        below: only placements that copy fewer bytes than this are sought (None: any that fits).
+        node_limit: the most branches one search opens.
+        max_runs: the most runs one search places (None: as many as :func:`run_limit` allows).
+        total_nodes: the most branches all searches open together, shared evenly (None: no such limit).
+    """
     problem = ctx.problem
     if not problem.op_labels or problem.num_ops < 2 or len(budgets) < 2:
         return []
     limit = min(run_limit(len(budgets)), max_runs or problem.num_ops)
-    depths = ctx.label_depths
     forbidden = np.asarray(ctx.forbidden[: problem.num_ops], dtype=bool)
-    tried: set[tuple[int, ...]] = set()
-    found: list[list[int]] = []
+    groupings: list[list[int]] = []
     for depth in range(1, MAX_DEPTH + 1):
-        starts = label_runs(problem, depths, forbidden, depth)
+        starts = label_runs(problem, ctx.label_depths, forbidden, depth)
         raw = len(starts)
         if raw > limit:
             starts = merged(problem, starts, limit, ctx.crossing)
-        if 1 < len(starts) <= limit and tuple(starts) not in tried:
-            tried.add(tuple(starts))
-            small, run = coarsened(problem, starts)
-            # a run may hold ops pinned to two devices where constraints allow no cut between them: no search
-            clash = any(small.pinned[run[op]] != device for op, device in problem.pinned.items())
-            placed = None if clash else exact_placement(small, budgets, None, node_limit=node_limit, below=below)
-            if placed is not None:
-                found.append(np.asarray(placed, dtype=np.int64)[run].tolist())
+        if 1 < len(starts) <= limit and starts not in groupings:
+            groupings.append(starts)
         if raw > limit or raw == problem.num_ops:
             break
+    if total_nodes is not None and groupings:
+        node_limit = min(node_limit, total_nodes // len(groupings))
+    found: list[list[int]] = []
+    for starts in groupings:
+        small, run = coarsened(problem, starts)
+        # a run may hold ops pinned to two devices where constraints allow no cut between them: no search
+        if any(small.pinned[run[op]] != device for op, device in problem.pinned.items()):
+            continue
+        placed = exact_placement(small, budgets, None, node_limit=node_limit, below=below)
+        if placed is not None:
+            found.append(np.asarray(placed, dtype=np.int64)[run].tolist())
     return found

@@ -81,6 +81,7 @@ __all__ = [
     "DEFAULT_STRATEGIES",
     "LARGE_GRAPH_NODES",
     "LARGE_GRAPH_RUNS",
+    "MODULE_NODES",
     "RING_KEEP",
     "Search",
     "Strategy",
@@ -96,6 +97,10 @@ __all__ = [
 
 RING_KEEP = 3
 """How many of the cheapest wrapped placements (by wrap point) are kept and improved."""
+
+MODULE_NODES = 12_000
+"""Most branches the searches of one :func:`module_runs` call open together on graphs of up to
+:data:`EXACT_LIMIT` ops (a few tenths of a second at most; module graphs of real models take hundreds)."""
 
 LARGE_GRAPH_NODES = 300
 """Most branches one search of :func:`module_runs` opens on graphs of more than :data:`EXACT_LIMIT` ops."""
@@ -230,21 +235,24 @@ def min_cut_exchanges(search: Search, best: tuple[int, ...] | None) -> list[int]
 
 def module_runs(search: Search, best: tuple[int, ...] | None) -> list[int] | None:
     """The cheapest placement of whole module runs in any order that copies fewer bytes than ``best``
-    (:func:`~fxsplit.partition.coarse.module_placements`), improved by single-op moves and min-cut exchanges (as
-    :func:`min_cut_exchanges`); None when the ops carry no module labels or no such placement is found.
+    (:func:`~fxsplit.partition.coarse.module_placements`), improved by single-op moves and min-cut exchanges
+    (as :func:`min_cut_exchanges`); None when the ops carry no module labels, no such placement is found, or
+    the graph is one :func:`exact_search` searches op by op.
 
-    Each search opens at most :data:`~fxsplit.partition.exact.NODE_LIMIT` branches on graphs of up to
-    :data:`EXACT_LIMIT` ops; on larger ones at most :data:`LARGE_GRAPH_NODES`, over at most
+    On graphs of up to :data:`EXACT_LIMIT` ops the searches open at most :data:`MODULE_NODES` branches
+    together; on larger ones each opens at most :data:`LARGE_GRAPH_NODES`, over at most
     :data:`LARGE_GRAPH_RUNS` runs, and the placement found is returned as it is (so that the strategy
     stays a few milliseconds there: the moves after it rarely helped on such placements).
     """
     problem, budgets = search.problem, search.budgets
     cost = transfer_bytes(problem, best) if best is not None else None
-    if cost == 0:
+    if cost == 0 or searched(problem.num_ops, len(budgets)):  # small graphs: exact_search searches every op
         return None
     if problem.num_ops > EXACT_LIMIT:
         return _cheapest(problem, module_placements(search.context, budgets, cost, LARGE_GRAPH_NODES, LARGE_GRAPH_RUNS))
-    found = [improve(problem, p, budgets) for p in module_placements(search.context, budgets, cost)]
+    found = [
+        improve(problem, p, budgets) for p in module_placements(search.context, budgets, cost, total_nodes=MODULE_NODES)
+    ]
     placed = _cheapest(problem, found)
     if placed is None or (cost is not None and transfer_bytes(problem, placed) >= cost):
         return None
