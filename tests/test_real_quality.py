@@ -127,7 +127,6 @@ def test_the_gemma2_split_computes_what_the_model_does() -> None:
         torch.testing.assert_close(_first(split(*inputs)), _first(model(*inputs)))
 
 
-@pytest.mark.slow  # three traces per case, 15-45 s on two busy cores
 @pytest.mark.parametrize(("name", "n"), [("gemma2", 2), ("clip", 2)])
 def test_plan_against_from_device_map_end_to_end(name: str, n: int) -> None:
     """The public calls: ``fxsplit.plan`` against ``fxsplit.from_device_map`` on the documented map, and
