@@ -81,6 +81,7 @@ __all__ = [
     "DEFAULT_STRATEGIES",
     "LARGE_GRAPH_NODES",
     "LARGE_GRAPH_RUNS",
+    "LARGE_GRAPH_WORK",
     "MODULE_NODES",
     "RING_KEEP",
     "Search",
@@ -107,6 +108,12 @@ LARGE_GRAPH_NODES = 300
 
 LARGE_GRAPH_RUNS = 10
 """Most runs one search of :func:`module_runs` places on graphs of more than :data:`EXACT_LIMIT` ops."""
+
+LARGE_GRAPH_WORK = 500_000
+"""On graphs of more than :data:`EXACT_LIMIT` ops :func:`module_runs` also searches over as many runs as the
+exact search takes, with ``LARGE_GRAPH_WORK // ops`` branches a search, when that is at least
+:data:`LARGE_GRAPH_NODES` (up to 1,666 ops): the budget shrinks as the graph grows, so that the search stays
+a small share of the time the other strategies take on it."""
 
 
 class Search:
@@ -241,15 +248,20 @@ def module_runs(search: Search, best: tuple[int, ...] | None) -> list[int] | Non
 
     On graphs of up to :data:`EXACT_LIMIT` ops the searches open at most :data:`MODULE_NODES` branches
     together; on larger ones each opens at most :data:`LARGE_GRAPH_NODES`, over at most
-    :data:`LARGE_GRAPH_RUNS` runs, and the placement found is returned as it is (so that the strategy
-    stays a few milliseconds there: the moves after it rarely helped on such placements).
+    :data:`LARGE_GRAPH_RUNS` runs (and, up to 1,666 ops, more runs: :data:`LARGE_GRAPH_WORK`), and the
+    placement found is returned as it is (so that the strategy stays a few milliseconds there: the moves
+    after it rarely helped on such placements).
     """
     problem, budgets = search.problem, search.budgets
     cost = transfer_bytes(problem, best) if best is not None else None
     if cost == 0 or searched(problem.num_ops, len(budgets)):  # small graphs: exact_search searches every op
         return None
     if problem.num_ops > EXACT_LIMIT:
-        return _cheapest(problem, module_placements(search.context, budgets, cost, LARGE_GRAPH_NODES, LARGE_GRAPH_RUNS))
+        found = module_placements(search.context, budgets, cost, LARGE_GRAPH_NODES, LARGE_GRAPH_RUNS)
+        nodes = LARGE_GRAPH_WORK // problem.num_ops
+        if nodes >= LARGE_GRAPH_NODES:  # room for a search over as many runs as the exact search takes
+            found += module_placements(search.context, budgets, cost, nodes)
+        return _cheapest(problem, found)
     found = [
         improve(problem, p, budgets) for p in module_placements(search.context, budgets, cost, total_nodes=MODULE_NODES)
     ]
