@@ -22,14 +22,14 @@ transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
 
-def _gemma2() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+def _gemma2(layers: int = 2, hidden: int = 64, seq: int = 8) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     config = transformers.Gemma2Config(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_attention_heads=2,
         num_key_value_heads=1,
-        head_dim=32,
+        head_dim=hidden // 2,
         vocab_size=512,
         max_position_embeddings=64,
         sliding_window=16,
@@ -37,7 +37,12 @@ def _gemma2() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
     model = transformers.Gemma2ForCausalLM(config).eval()
     model.config.use_cache = False
-    return model, (torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(1)),)
+    return model, (torch.randint(0, 512, (2, seq), generator=torch.Generator().manual_seed(1)),)
+
+
+def _gemma2_deeper() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """Four layers: 538 ops, more than the exact contiguous programme takes (479)."""
+    return _gemma2(layers=4, hidden=32, seq=32)
 
 
 def _clip() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -53,7 +58,11 @@ def _clip() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     return model, (torch.randint(0, 128, (4, 16), generator=generator), torch.randn(4, 3, 16, 16, generator=generator))
 
 
-MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]] = {"gemma2": _gemma2, "clip": _clip}
+MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]] = {
+    "gemma2": _gemma2,
+    "gemma2-deeper": _gemma2_deeper,
+    "clip": _clip,
+}
 
 
 def _total(model: torch.nn.Module) -> int:
@@ -85,7 +94,7 @@ def traced(request: pytest.FixtureRequest) -> tuple[str, torch.nn.Module, GraphC
     return request.param, model, build_problem(graph.graph_module, model, device_index={})
 
 
-CASES = {"gemma2": [(2, 1.5), (3, 1.5)], "clip": [(2, 1.5), (3, 1.5)]}
+CASES = {"gemma2": [(2, 1.5), (3, 1.5)], "gemma2-deeper": [(2, 1.5), (3, 1.5)], "clip": [(2, 1.5), (3, 1.5)]}
 
 
 def test_the_free_placement_copies_no_more_than_accelerates_map(
