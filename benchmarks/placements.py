@@ -3,7 +3,7 @@
 A placement says on which device every op of the traced graph runs and where
 every weight lives. Three sources are turned into one:
 
-* an fxsplit :class:`~fxsplit.Plan` (``placement`` and ``param_devices``);
+* an fxsplit :class:`~fxsplit.Plan` (``placement``, ``param_devices`` and ``replicas``);
 * a module -> device map, as Accelerate's ``infer_auto_device_map`` returns
   (:func:`from_device_map`, which follows Accelerate's execution rules);
 * a per-op device list from the block-level reference.
@@ -39,10 +39,15 @@ class Placement:
     Attributes:
         op_devices: device index per op of ``costs.problem``.
         weight_devices: device index per entry of ``costs.weights + costs.unused``.
+        replicas: per entry of ``costs.weights + costs.unused``, the other
+            devices that hold a copy of it (an fxsplit plan's ``replicas``):
+            read there it is not copied, and each of them is charged its bytes.
+            Empty: none anywhere.
     """
 
     op_devices: tuple[int, ...]
     weight_devices: tuple[int, ...]
+    replicas: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,22 +82,26 @@ def score(costs: GraphCosts, placement: Placement, budgets: Sequence[int]) -> Sc
     n = len(budgets)
     problem, ops = costs.problem, placement.op_devices
     home_of_value: dict[int, int] = {}
+    held_by_value: dict[int, tuple[int, ...]] = {}
     for weight_index, value_index in enumerate(costs.weight_values):
         if value_index >= 0:
             home_of_value[value_index] = placement.weight_devices[weight_index]
+            held_by_value[value_index] = placement.replicas[weight_index] if placement.replicas else ()
     between = offload = 0
     for index, value in enumerate(problem.values):
         if not value.consumers or not value.nbytes:
             continue
         home = home_of_value.get(index, ops[value.start])
-        copies = len({ops[c] for c in value.consumers} - {home})
+        copies = len({ops[c] for c in value.consumers} - {home, *held_by_value.get(index, ())})
         if home == n:
             offload += value.nbytes * copies
         else:
             between += value.nbytes * copies
     device_bytes = [0] * (n + 1)
-    for weight, device in zip([*costs.weights, *costs.unused], placement.weight_devices, strict=True):
-        device_bytes[device] += weight.nbytes
+    replicas = placement.replicas or ((),) * len(placement.weight_devices)
+    for weight, device, extra in zip([*costs.weights, *costs.unused], placement.weight_devices, replicas, strict=True):
+        for holder in (device, *extra):
+            device_bytes[holder] += weight.nbytes
     busy = set(ops) | {d for d, b in enumerate(device_bytes) if b}
     fractions = [device_bytes[k] / budgets[k] if budgets[k] else float("inf") * bool(device_bytes[k]) for k in range(n)]
     return Score(
@@ -113,7 +122,11 @@ def from_plan(costs: GraphCosts, plan: Plan) -> Placement:
         raise ValueError(f"the plan does not place ops {missing[:5]} of this graph; trace the same model the same way")
     ops = tuple(index[plan.placement[op.name]] for op in costs.ops)
     weights = tuple(index[plan.param_devices[w.names[0]]] for w in [*costs.weights, *costs.unused])
-    return Placement(ops, weights)
+    replicas = tuple(
+        tuple(index[d] for d in plan.replicas[w.names[0]].devices) if w.names[0] in plan.replicas else ()
+        for w in [*costs.weights, *costs.unused]
+    )
+    return Placement(ops, weights, replicas if plan.replicas else ())
 
 
 def lookup(device_map: Mapping[str, Any], name: str) -> Any:

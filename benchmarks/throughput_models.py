@@ -22,14 +22,14 @@ a quarter of GPT-2's blocks per device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MODELS", "Bottleneck", "LMLogits", "ModelSpec", "ResNet", "hand_pins", "model_spec"]
+__all__ = ["MODELS", "Bottleneck", "LMLogits", "ModelSpec", "ResNet", "batched", "hand_pins", "model_spec"]
 
 
 class Bottleneck(nn.Module):
@@ -210,6 +210,16 @@ MODELS: tuple[ModelSpec, ...] = (
         f"tiny GPT-2 (2 layers, hidden 64, vocabulary 512), {SEQ_TINY} tokens, batch 8",
     ),
 )
+
+
+def batched(spec: ModelSpec, batch: int) -> ModelSpec:
+    """``spec`` training on batches of ``batch`` samples (same model, same kind of data)."""
+    if spec.name == "resnet50":
+        inputs = _images(batch, IMAGE_TINY if spec.tiny else IMAGE, 10 if spec.tiny else 1000)
+    else:
+        inputs = _tokens(batch, SEQ_TINY if spec.tiny else SEQ, 512 if spec.tiny else 50257)
+    describe = spec.describe.replace(f"batch {spec.batch}", f"batch {batch}")
+    return replace(spec, batch=batch, inputs=inputs, describe=describe)
 
 
 def model_spec(name: str, tiny: bool) -> ModelSpec:

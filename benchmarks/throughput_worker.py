@@ -13,6 +13,9 @@ falls on all of them alike):
 
 * ``single``: rank 0 trains the whole model alone (forward, backward and SGD on
   the whole batch) while rank 1 waits: one process, one thread;
+* ``microbatched``: rank 0 trains the whole model alone on the same
+  micro-batches as the pipelines, one after another, accumulating their
+  gradients: the work a two-stage pipeline shares between the ranks;
 * ``ceiling``: both ranks train their own whole copy at once, independently:
   what two processes on this machine get;
 * one phase per pipeline variant.
@@ -45,7 +48,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.throughput_models import ModelSpec, hand_pins, model_spec  # noqa: E402
+from benchmarks.throughput_models import ModelSpec, batched, hand_pins, model_spec  # noqa: E402
 
 __all__ = ["loss_fn", "main", "stage_times", "variant_options"]
 
@@ -78,13 +81,15 @@ def _timed(steps: int, first: int, step: Callable[[int], None]) -> dict[str, Any
     return {"wall_s": wall, "cpu_s": cpu, "steps": steps, "step_s": times, "load_1min": load}
 
 
-def _plain_step(model: nn.Module, spec: ModelSpec) -> Callable[[int], None]:
+def _plain_step(model: nn.Module, spec: ModelSpec, chunks: int = 1) -> Callable[[int], None]:
+    """A training step of ``model`` on the whole batch, in ``chunks`` micro-batches one after another."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
 
     def step(i: int) -> None:
         x, y = spec.inputs(i)
         optimizer.zero_grad()
-        loss_fn(model(x), y).backward()
+        for mx, my in zip(x.chunk(chunks), y.chunk(chunks), strict=True):
+            loss_fn(model(mx), my).backward()
         optimizer.step()
 
     return step
@@ -306,7 +311,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    spec = model_spec(settings["model"], settings["tiny"])
+    spec = batched(model_spec(settings["model"], settings["tiny"]), settings["batch"])
     record: dict[str, Any] = {"rank": rank, "load_start": list(_load())}
 
     model = spec.build()
@@ -319,10 +324,14 @@ def main() -> None:
         pipelines[variant] = _guarded(_pipeline, spec, settings, variant, rank, record["budget_bytes"])
         dist.barrier()
     single = _plain_step(model, spec)
-    phases = {"single": single if rank == 0 else (lambda i: None), "ceiling": single}
+    microbatched = _plain_step(model, spec, settings["chunks"])
+    idle: Callable[[int], None] = lambda i: None  # noqa: E731
+    phases = {"single": single if rank == 0 else idle, "microbatched": microbatched if rank == 0 else idle}
+    phases["ceiling"] = single
     phases.update({variant: p["step"] for variant, p in pipelines.items() if "step" in p})
     timings = _rounds(phases, settings)
     record["single"], record["ceiling"] = timings.pop("single"), timings.pop("ceiling")
+    record["microbatched"] = timings.pop("microbatched")
     record["variants"] = {}
     for variant, pipeline in pipelines.items():
         modules = pipeline.pop("modules", None)

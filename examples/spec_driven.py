@@ -48,9 +48,9 @@ def main() -> None:
     torch.testing.assert_close(again(*inputs), expected)
     print("\nre-applied from the file without solving: same generated code, same outputs")
 
-    print("\n--- the copies in the generated forward ---")
+    print("\n--- the copies in the generated forward, and the reads of replicas (no copy) ---")
     lines = gm.code.strip().splitlines()
-    print("\n".join([lines[0], *(line for line in lines if ".to('cpu:" in line), lines[-1]]))
+    print("\n".join([lines[0], *(line for line in lines if ".to('cpu:" in line or "replica(" in line), lines[-1]]))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ __all__ = [
     "PipelineStages",
     "Plan",
     "PlanMismatchError",
+    "Replica",
     "Spec",
     "SpecError",
     "TraceError",
@@ -61,6 +62,7 @@ _MODULE_OF: dict[str, str] = {
     **dict.fromkeys(_ERRORS, "fxsplit.errors"),
     "Cut": "fxsplit.planning.plan",
     "Plan": "fxsplit.planning.plan",
+    "Replica": "fxsplit.planning.plan",
     "Pipeline": "fxsplit.pipeline.gpipe",
     "PipelineConfig": "fxsplit.options",
     "PipelineStages": "fxsplit.pipeline.distributed",
@@ -120,6 +122,6 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from fxsplit.pipeline.distributed import PipelineStages, pipeline_stages
     from fxsplit.pipeline.gpipe import Pipeline
     from fxsplit.planning.apply import apply, check_plan
-    from fxsplit.planning.plan import Cut, Plan
+    from fxsplit.planning.plan import Cut, Plan, Replica
     from fxsplit.spec import Spec, load_spec
     from fxsplit.units import format_size, parse_size

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, overload
+from typing import Any, Callable, Mapping, Sequence, overload
 
 import torch
 import torch.fx
@@ -28,6 +29,7 @@ from fxsplit.hardware import Hardware
 from fxsplit.memory.charge import memory_model
 from fxsplit.memory.model import MemoryModel, MemorySpec
 from fxsplit.options import OBJECTIVES, TRACE_MODES, Budgets, Offload, Options, PipelineConfig
+from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.solve import Partition, partition
 from fxsplit.pipeline.gpipe import Pipeline, pipelined
 from fxsplit.pipeline.microbatch import first_microbatch
@@ -35,7 +37,9 @@ from fxsplit.planning.build import make_plan
 from fxsplit.planning.fingerprint import record_origin
 from fxsplit.planning.offload import fit_or_offload
 from fxsplit.planning.plan import Plan
+from fxsplit.planning.replicas import try_replicas
 from fxsplit.planning.timing import timing_for, timing_record
+from fxsplit.planning.weightmap import device_map_homes, pins_as_device_map, plan_device_map, refuse_with_map
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import Traced, trace
@@ -118,6 +122,10 @@ def _trace_and_plan(
     check_concrete_args(model, options.concrete_args)
     dtype = planning_dtype(options.dtype)
     locate = locator(spec, explicit)
+    homes = None
+    if options.device_map is not None:
+        refuse_with_map(options)
+        homes = device_map_homes(model, options.device_map, devices, locate)
     leaves = list(options.leaf_modules)
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
@@ -136,7 +144,12 @@ def _trace_and_plan(
     refuse_growing_state(traced.graph_module)
     pins = {str(k): device_option(f"pins[{str(k)!r}]", v) for k, v in (options.pins or {}).items()}
     together = together_groups(options.together)
-    check_constraints(traced.graph_module, model, devices, pins, together, locate)
+    try:
+        check_constraints(traced.graph_module, model, devices, pins, together, locate)
+    except SpecError as error:
+        if not pins or homes is not None:
+            raise
+        homes, pins = pins_as_device_map(model, pins, devices, error, options, locate), {}
     index = {d: i for i, d in enumerate(devices)}
     costs = build_problem(
         traced.graph_module,
@@ -167,9 +180,10 @@ def _trace_and_plan(
         dtype=dtype,
         training=memory.spec.training,
         inputs=(example_inputs, example_kwargs),
+        largest_copy=max((value.nbytes for value in problem.values), default=0),
     )
 
-    def split(caps: Sequence[int]) -> Partition:
+    def split(caps: Sequence[int], problem: PartitionProblem = problem) -> Partition:
         try:
             return partition(
                 problem, caps, objective=objective, device_names=devices, contiguous=contiguous, timing=timing
@@ -182,7 +196,7 @@ def _trace_and_plan(
                 raise
             raise better from error
 
-    def solve(caps: Sequence[int]) -> Plan:
+    def solve(caps: Sequence[int], split: Callable[[Sequence[int]], Partition] = split) -> Plan:
         return make_plan(
             costs,
             traced.graph_module,
@@ -195,7 +209,17 @@ def _trace_and_plan(
             repartition=split,
         )
 
-    made = fit_or_offload(memory, device_budgets, solve, Offload.coerce(options.offload), traced.graph_module)
+    def solver(problem: PartitionProblem) -> Callable[[Sequence[int]], Plan]:
+        return functools.partial(solve, split=functools.partial(split, problem=problem))
+
+    if homes is not None:  # the map fixes every weight's device: no replicas
+        made = plan_device_map(
+            costs, traced.graph_module, memory, homes, device_budgets, output_device=output_device, trace=traced.method
+        )
+    else:
+        made = fit_or_offload(memory, device_budgets, solve, Offload.coerce(options.offload), traced.graph_module)
+        if options.replicate and objective == "min_transfer" and not options.pipeline:  # replicas, if they pay
+            made = try_replicas(made, memory, device_budgets, traced.graph_module, problem, solver)
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
     made = record_origin(made, model, dtype, leaves, dynamic, traced.graph_module)
     if uncounted is not None:
@@ -289,8 +313,12 @@ def fxsplit(
             ``concrete_args``, ``output_device`` (default: the device of the
             last op), ``objective`` (``"min_transfer"``, the
             default, or ``"balanced"``), ``pins`` (module path or glob ->
-            device), ``mode`` (``"inference"``, the default: parameters,
-            buffers and the activation peak of a forward; ``"training"``:
+            device; pins that cannot be op pins but place every weight are
+            read as a ``device_map``), ``device_map`` (module or tensor name ->
+            device, as Accelerate writes it: the weights stay where it says,
+            the ops go where they copy least; see docs/ACCELERATE.md),
+            ``mode`` (``"inference"``, the default: parameters, buffers and
+            the activation peak of a forward; ``"training"``:
             also gradients, ``optimizer`` state (``"adam"``, the default,
             ``"adamw"``, ``"sgd_momentum"``, ``"sgd"`` or bytes per parameter
             element) and what autograd saves; ``"weights"``: parameters and

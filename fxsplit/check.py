@@ -130,7 +130,8 @@ def _param_problems(plan: Plan, model: torch.nn.Module) -> list[str]:
             seen.add(id(tensor))  # stored off the devices: no device holds it
         elif id(tensor) not in seen:
             seen.add(id(tensor))
-            held[device] += tensor.numel() * element_size(tensor.dtype, planned)
+            for holder in plan.holders(name) if name in plan.replicas else (device,):
+                held[holder] += tensor.numel() * element_size(tensor.dtype, planned)
     for device, nbytes in held.items():
         if plan.device_bytes.get(device, 0) < nbytes:
             problems.append(
@@ -171,6 +172,8 @@ def verify_split(gm: torch.fx.GraphModule, plan: Plan | None = None) -> None:
             where[node] = node.meta[COPY_META].destination
         elif node.op == "placeholder":
             where[node] = None
+        elif node.op == "call_function" and node.target is runtime.replica:
+            where[node] = _replica_device(plan, node, problems)
         elif node.op == "get_attr":
             target = str(node.target)
             home = plan.streamed.get(target) or plan.param_devices.get(target)
@@ -219,6 +222,14 @@ def _copy_problems(
     copies[(key, destination)] = "?" if source is None else source
     made.add((key, destination))
     return problems
+
+
+def _replica_device(plan: Plan, node: torch.fx.Node, problems: list[str]) -> str:
+    """The device whose own copy of a replicated weight ``node`` reads; a problem if the plan has no such replica."""
+    name, device = str(node.args[1]), str(node.args[3])
+    if name not in plan.replicas or device not in plan.replicas[name].devices:
+        problems.append(f"'{node.name}' reads a replica of '{name}' on '{device}', which plan.replicas does not hold")
+    return device
 
 
 def _is_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
@@ -334,6 +345,10 @@ class DeviceChecker(TorchDispatchMode):
                 tensor = attr_at(module, name, None)
                 if isinstance(tensor, torch.Tensor):
                     self._tags[tensor] = device
+            for store in module.modules():  # replicas: on the device that holds them
+                if isinstance(store, runtime.ReplicaStore):
+                    for (_, held_on), (_, copy) in store.held.items():
+                        self._tags[copy] = _logical(held_on)
         self.ops_checked = 0
 
     def tag(self, tensor: torch.Tensor, device: str) -> None:

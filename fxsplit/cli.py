@@ -1,6 +1,6 @@
 """The ``fxsplit`` command: plan a split from a spec, print its code, draw it, check a saved plan.
 
-    fxsplit plan  MODEL --spec SPEC [-o plan.yaml]
+    fxsplit plan  MODEL --spec SPEC [--device-map MAP] [-o plan.yaml]
     fxsplit code  MODEL (--spec SPEC | --plan PLAN | --budget DEVICE=SIZE ...) [--raw]
     fxsplit show  MODEL (--spec SPEC | --plan PLAN | --budget DEVICE=SIZE ...) -o split.svg|.png|.dot
     fxsplit check MODEL --plan PLAN [--spec SPEC | --budget DEVICE=SIZE ...]
@@ -56,10 +56,24 @@ def _parser() -> argparse.ArgumentParser:
         "--dynamic-shapes", choices=DYNAMIC_SHAPES, help="input sizes a torch.export split keeps variable"
     )
     overrides.add_argument(
+        "--device-map",
+        metavar="FILE",
+        help="an Accelerate device_map (JSON or YAML: module name -> device): keep the weights where it says, "
+        "place the ops for the fewest copies, and print its bytes per forward beside fxsplit's own plan",
+    )
+    overrides.add_argument(
         "--profile",
         action="store_true",
         default=None,
         help="time each op by running it (the time objectives; default: estimate from FLOPs and bytes)",
+    )
+    overrides.add_argument(
+        "--no-replicate",
+        dest="replicate",
+        action="store_const",
+        const=False,
+        default=None,
+        help="hold every weight on one device (default: a read-only weight read on several devices may be on each)",
     )
     offload = overrides.add_argument_group(
         "offload",
@@ -132,13 +146,28 @@ def _options(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if loaded.example_kwargs:
         options["example_kwargs"] = loaded.example_kwargs
-    for name in ("trace", "objective", "dtype", "output_device", "mode", "optimizer", "dynamic_shapes", "profile"):
+    for name in (
+        "trace",
+        "objective",
+        "dtype",
+        "output_device",
+        "mode",
+        "optimizer",
+        "dynamic_shapes",
+        "profile",
+        "replicate",
+    ):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
     spec = getattr(args, "spec", None)
     if spec:
         options["spec"] = spec
+    if getattr(args, "device_map", None):
+        from fxsplit.spec.load import load_device_map
+
+        mapped = load_device_map(args.device_map)  # alone, it is the spec: messages name its lines
+        options.update({"device_map": mapped.device_map} if spec else {"spec": mapped})
     offload = {flag: getattr(args, name, None) for flag, name in _OFFLOAD_FLAGS.items()}
     if any(value is not None for value in offload.values()):
         from fxsplit.spec import load_spec
@@ -176,6 +205,27 @@ def _offload(flags: dict[str, Any], spec: Any) -> Any:
     if not 0 <= (fields.get("prefetch") or 0) <= MAX_PREFETCH:
         raise SpecError(f"--prefetch must be from 0 to {MAX_PREFETCH} ops ahead (got {fields['prefetch']})")
     return Offload(**fields)
+
+
+def _spec_map(spec: str | None) -> bool:
+    from fxsplit.spec import load_spec
+
+    return spec is not None and load_spec(spec).device_map is not None
+
+
+def _compared(loaded: Any, made: Any, options: dict[str, Any]) -> str:
+    """``device map: X per forward; fxsplit's plan: Y``: ``made`` (the map's plan) beside fxsplit's own plan
+    under the same budgets and options."""
+    from fxsplit.api import plan
+    from fxsplit.units import format_size
+
+    options = {**options, "device_map": None, "reserve": dict(made.reserved)}
+    try:
+        own = plan(loaded.model, dict(made.budgets), example_inputs=loaded.example_inputs, **options)
+        theirs = f"{format_size(own.transfer_bytes)} per forward"
+    except BudgetError as error:
+        theirs = f"does not fit ({error})"
+    return f"device map: {format_size(made.transfer_bytes)} per forward; fxsplit's plan: {theirs}"
 
 
 def _read_plan(path: str) -> Any:
@@ -223,11 +273,13 @@ def _run(args: argparse.Namespace, out: TextIO, progress: StageTimer) -> int:
             raise FxsplitError("fxsplit plan needs --spec SPEC or --budget DEVICE=SIZE (one per device)")
         from fxsplit.api import plan as make_plan
 
+        options = _options(args, loaded)
         with progress.stage("tracing and planning"):
-            made = make_plan(
-                loaded.model, _budgets(args.budget), example_inputs=loaded.example_inputs, **_options(args, loaded)
-            )
+            made = make_plan(loaded.model, _budgets(args.budget), example_inputs=loaded.example_inputs, **options)
         print(made, file=out)
+        if args.device_map or _spec_map(args.spec):
+            with progress.stage("planning without the device map"):
+                print(_compared(loaded, made, options), file=out)
         if args.output:
             Path(args.output).write_text(made.to_yaml(), encoding="utf-8")
             print(f"wrote {args.output}", file=out)
@@ -237,6 +289,9 @@ def _run(args: argparse.Namespace, out: TextIO, progress: StageTimer) -> int:
 
         traced, _, plan = _planned(args, loaded, progress)
         split = emit(traced, plan)
+        if not args.plan and (args.device_map or _spec_map(args.spec)):
+            with progress.stage("planning without the device map"):
+                print(f"# {_compared(loaded, plan, _options(args, loaded))}", file=out)
         print(split.code.strip() if args.raw else show_code(split), file=out)
     elif args.command == "show":
         from fxsplit.viz import auto_depth, render

@@ -324,6 +324,12 @@ class Options:
             (the default): ``"throughput"`` with ``pipeline``, else
             ``"min_transfer"``.
         pins: module path or glob -> the device its ops and tensors must go to.
+            Pins that cannot be op pins but place every parameter and buffer
+            are read as a ``device_map`` (with a warning).
+        device_map: module or tensor name -> device, as Accelerate writes it
+            (``""``: the whole model): where every parameter and buffer
+            lives (the longest key naming it or its module); the ops go
+            where they copy the fewest bytes. None: fxsplit places the weights.
         pipeline: run micro-batches through the stages: a :class:`PipelineConfig`,
             a mapping (``{"chunks": 4}``) or an int (chunks); None: no
             pipeline. Implies ``contiguous``.
@@ -356,6 +362,12 @@ class Options:
         profile: time every op by running it on each kind of device the
             budgets name (a few repeats) instead of estimating from FLOPs and
             bytes; needs real weights and ``example_inputs``.
+        replicate: let a read-only parameter or buffer read on several
+            devices be held on each of them (charged to each) instead of
+            copied, when that copies fewer bytes per forward and the budgets
+            allow (``Plan.replicas``; with ``mode="inference"`` or
+            ``"weights"`` and the ``"min_transfer"`` objective, without a
+            pipeline or offload). False: each tensor on one device.
     """
 
     example_kwargs: Mapping[str, Any] | None = None
@@ -365,6 +377,7 @@ class Options:
     output_device: Any = None
     objective: str | None = None
     pins: Mapping[str, Any] | None = None
+    device_map: Mapping[str, Any] | None = None
     pipeline: PipelineConfig | Mapping[str, Any] | int | None = None
     contiguous: bool = False
     together: Iterable[Iterable[str]] = ()
@@ -378,6 +391,7 @@ class Options:
     offload: Offload | Mapping[str, Any] | None = None
     hardware: Any = None
     profile: bool = False
+    replicate: bool = True
 
     @property
     def chosen_objective(self) -> str:

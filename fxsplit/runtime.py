@@ -6,7 +6,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["Prefetched", "arrive", "call_with_weights", "move", "prefetch", "write_back"]
+__all__ = ["Prefetched", "ReplicaStore", "arrive", "call_with_weights", "move", "prefetch", "replica", "write_back"]
 
 
 def move(value: Any, device: str) -> Any:
@@ -110,3 +110,58 @@ def arrive(fetched: torch.Tensor | Prefetched) -> torch.Tensor:
     current.wait_event(fetched.event)
     fetched.tensor.record_stream(current)  # freed for the side stream only after the op that reads it
     return fetched.tensor
+
+
+class ReplicaStore(torch.nn.Module):
+    """The copies of read-only weights that a split holds on more devices than their home (``Plan.replicas``).
+
+    Kept in a plain dictionary, not as buffers: the split's ``state_dict``
+    stays the model's (it loads strictly into the original model), and
+    ``.to()``, checkpoint loading and parameter listings see only the one
+    weight. Each copy remembers the weight it was made from (storage,
+    version counter, dtype, shape); when the weight changes (loaded, moved,
+    updated in place by an optimizer), the next read makes it again.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[tuple[str, str], tuple[tuple[Any, ...], torch.Tensor]] = {}
+
+    def get(self, name: str, weight: torch.Tensor, device: str) -> torch.Tensor:
+        """The copy of ``weight`` (named ``name``) on ``device``, made (again) if it is missing or stale."""
+        stamp = (weight.data_ptr(), weight._version, weight.dtype, weight.shape)
+        entry = self.held.get((name, device))
+        if entry is not None and entry[0] == stamp:
+            return entry[1]
+        with torch.no_grad():
+            copy = weight.detach().to(device, copy=True)
+        self.held[(name, device)] = (stamp, copy)
+        return copy
+
+
+class _ReadReplica(torch.autograd.Function):
+    """Forward: the replica; backward: its gradient goes to the weight, on the weight's device (and is summed
+    there with the gradients of its other readers, as for one tensor)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.home = weight.device
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.home), None
+
+
+def replica(store: ReplicaStore, name: str, weight: torch.Tensor, device: str) -> torch.Tensor:
+    """Weight ``name`` as held on ``device`` (not its home): the device's own copy, no copy per call.
+
+    The generated code calls this where an op reads a replicated weight on a
+    device that holds a replica. With autograd recording, the gradient that
+    flows into the replica reaches ``weight`` (copied to its device in
+    backward), so gradients are those of the unsplit model.
+    """
+    copy = store.get(name, weight, device)
+    if weight.requires_grad and torch.is_grad_enabled():
+        return _ReadReplica.apply(weight, copy)
+    return copy

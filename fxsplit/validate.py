@@ -56,7 +56,8 @@ def _mapping(example: str) -> Callable[[str, Any], None]:
         if value is not None and not isinstance(value, Mapping):
             raise SpecError(f"'{name}' must be a mapping, like {example}, or None (got {_shown(value)})")
         for key in value or {}:
-            if not isinstance(key, str) and (name != "pins" or isinstance(key, bool) or not isinstance(key, int)):
+            int_ok = name in ("pins", "device_map") and isinstance(key, int) and not isinstance(key, bool)
+            if not isinstance(key, str) and not int_ok:
                 raise SpecError(f"'{name}' keys must be strings, like {example} (got key {_shown(key)})")
 
     return check
@@ -88,9 +89,11 @@ _CHECKS: dict[str, Callable[[str, Any], None]] = {
     "leaf_modules": _leaf_modules,
     "concrete_args": _mapping("{'use_cache': False}"),
     "pins": _mapping("{'lm_head': 'cuda:1'}"),
+    "device_map": _mapping("{'model.embed': 0, 'model.layers': 1}"),
     "contiguous": _bool,
     "check": _bool,
     "profile": _bool,
+    "replicate": _bool,
     "dynamic_shapes": _dynamic_shapes,
 }
 """Options whose type is checked here; the others are checked where they are parsed: sizes, devices, specs,

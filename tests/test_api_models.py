@@ -85,7 +85,8 @@ def test_buffer_updated_in_forward_and_read_later(trace: str) -> None:
 def test_tied_weight_is_one_tensor_placed_once() -> None:
     torch.manual_seed(0)
     model = Tied()
-    gm = split_and_compare(model, budgets_for(model, 2), (torch.randint(0, 40, (3, 7)),), contiguous=True)
+    ids = (torch.randint(0, 40, (3, 7)),)
+    gm = split_and_compare(model, budgets_for(model, 2), ids, contiguous=True, replicate=False)  # no replica
     plan = gm.meta["fxsplit_plan"]
     assert plan.param_devices["emb.weight"] == plan.param_devices["head.weight"]
     assert model.head.weight is model.emb.weight
@@ -102,9 +103,15 @@ def test_tied_head_runs_beside_its_embedding_when_that_copies_less() -> None:
     model = Tied()
     inputs = (torch.randint(0, 40, (3, 7)),)
     contiguous = fxsplit.plan(
-        copy.deepcopy(model), budgets_for(model, 2), example_inputs=inputs, trace="fx", contiguous=True, mode="weights"
+        copy.deepcopy(model),
+        budgets_for(model, 2),
+        example_inputs=inputs,
+        trace="fx",
+        contiguous=True,
+        mode="weights",
+        replicate=False,
     )
-    gm = split_and_compare(model, budgets_for(model, 2), inputs)
+    gm = split_and_compare(model, budgets_for(model, 2), inputs, replicate=False)  # tests/test_replication.py: with
     plan = gm.meta["fxsplit_plan"]
     assert plan.placement["head"] == plan.param_devices["emb.weight"]
     assert not [c for c in plan.cuts if c.kind == "parameter"]

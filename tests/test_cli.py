@@ -181,7 +181,8 @@ def test_spec_driven_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     runpy.run_path(str(ROOT / "examples" / "spec_driven.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "re-applied from the file without solving: same generated code, same outputs" in out
-    assert "to_1 = embedding.to('cpu:0')" in out  # the embedding runs beside its tied head, on cpu:2
+    assert "to_1 = add_2.to('cpu:1')" in out and "embedding.to(" not in out  # the embedding stays on cpu:0
+    assert "fxsplit_runtime_replica(_fxsplit_replicas, 'model.embed_tokens.weight'" in out  # its head reads a replica
 
 
 def test_progress_only_on_a_terminal() -> None:

@@ -24,8 +24,14 @@ def _tied_split() -> tuple[nn.Module, nn.Module, torch.fx.GraphModule, torch.Ten
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 40, (3, 7))
     gm = fxsplit.fxsplit(
-        model, budgets_for(model, 2), example_inputs=(ids,), trace="fx", contiguous=True, mode="weights"
-    )
+        model,
+        budgets_for(model, 2),
+        example_inputs=(ids,),
+        trace="fx",
+        contiguous=True,
+        mode="weights",
+        replicate=False,
+    )  # replicate=False: copied, not held on both (tests/test_replication.py)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is runtime.call_with_weights]
     assert len(calls) == 1 and [c.kind for c in gm.meta["fxsplit_plan"].cuts].count("parameter") == 1
     return model, reference, gm, ids

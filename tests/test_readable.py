@@ -68,6 +68,7 @@ def tiny_lm_split(trace: str) -> torch.fx.GraphModule:
         mode="weights",
         trace=trace,
         pins={"model.embed_tokens": "cpu:0", "lm_head": "cpu:1"},
+        replicate=False,  # the tied weight copied (with replicas, cpu:1 would read its own copy)
     )
 
 

@@ -20,11 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def planned() -> tuple[torch.fx.GraphModule, fxsplit.Plan]:
     loaded = load_model(f"{ROOT / 'examples' / 'models.py'}:factory")
-    # Pinning the embedding away from its tied head forces a copy of the weight (a parameter cut) to draw.
+    # Pinning the embedding away from its tied head forces a copy of the weight (a parameter cut) to draw
+    # (without replicas, which would hold it on both devices instead).
     pins = {"lm_head": "cpu:2", "model.embed_tokens": "cpu:0"}
-    made = trace_and_plan(
-        loaded.model, None, loaded.example_inputs, {"spec": str(ROOT / "examples" / "spec_example.yaml"), "pins": pins}
-    )
+    spec = str(ROOT / "examples" / "spec_example.yaml")
+    made = trace_and_plan(loaded.model, None, loaded.example_inputs, {"spec": spec, "pins": pins, "replicate": False})
     return made.traced.graph_module, made.plan
 
 

@@ -23,7 +23,7 @@ import torch.fx
 from fxsplit import runtime
 from fxsplit.attrpath import attr_at
 from fxsplit.codegen.fastattr import mirror_registries
-from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
+from fxsplit.codegen.meta import COPY_META, DEVICE_META, REPLICA_STORE, CopyRecord
 from fxsplit.codegen.nested import pin_device_arguments, pin_subgraph_devices
 from fxsplit.codegen.splitmodule import ExportedSplit, GradModeSafeSplit, split_module
 from fxsplit.codegen.splitmodule import InputGuard as InputGuard  # splits saved before it moved name it here
@@ -72,6 +72,7 @@ class _Emitter:
         # per device, the emitted ops that read weights, with their grad region: where prefetches go
         self.weight_ops: dict[str, list[tuple[torch.fx.Node, int]]] = {}
         self.prefetch = int(plan.offload.get("prefetch", 1)) if plan.streamed else 0
+        self.replicas: dict[tuple[str, str, int], torch.fx.Node] = {}  # (weight, device, grad region) -> its read
 
     def run(self) -> torch.fx.Graph:
         for node in self.source.graph.nodes:
@@ -161,6 +162,8 @@ class _Emitter:
         """The node that holds ``read`` on ``device``, copying it there on first need."""
         if read.weight is not None:
             home = self.plan.param_devices[read.key]
+            if read.key in self.plan.replicas and device in self.plan.replicas[read.key].devices:
+                return self._replica(read, device)
         else:
             home = self.plan.placement[read.key]
         is_input = read.node is not None and read.node.op == "placeholder"
@@ -214,6 +217,26 @@ class _Emitter:
         arrived.meta[DEVICE_META] = device
         return arrived
 
+    def _replica(self, read: Read, device: str) -> torch.fx.Node:
+        """The device's own copy of a replicated weight (``plan.replicas``): one read per device, no copy."""
+        assert read.weight is not None
+        key = (read.key, device, self.grad_region)
+        if key not in self.replicas:
+            store = self.graph.get_attr(REPLICA_STORE)
+            weight = self._weight_node(read)
+            base = (weight_path(self.source, read.weight) or read.key).replace(".", "_")
+            node = self.graph.create_node(
+                "call_function", runtime.replica, (store, read.key, weight, device), name=f"{base}_replica"
+            )
+            node.meta[DEVICE_META] = device
+            self.replicas[key] = node
+            tensor = weight_tensor(self.source, read.weight)
+            if tensor is not None and tensor.device.type != "meta":  # held from now on, not from the first call
+                store_module = self.source.get_submodule(REPLICA_STORE)
+                assert isinstance(store_module, runtime.ReplicaStore)
+                store_module.get(read.key, tensor, device)
+        return self.replicas[key]
+
     def _write_back(self, placeholder: str) -> None:
         """Copy the home copy of an input written in place back into the caller's tensor (as eager would)."""
         home = self.plan.placement[placeholder]
@@ -259,6 +282,8 @@ def emit(graph_module: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule
     else is needed, so a plan saved and loaded again generates the same code.
     """
     check_input_writes(graph_module, plan)
+    if plan.replicas:  # where the split keeps its replicas (a module, so that get_attr reaches it)
+        graph_module.add_module(REPLICA_STORE, runtime.ReplicaStore())
     graph = _Emitter(graph_module, plan, weights_read(graph_module, plan)).run()
     graph.lint()
     split = split_module(graph_module, graph, plan)

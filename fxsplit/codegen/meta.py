@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["COPY_META", "DEVICE_META", "CopyRecord"]
+__all__ = ["COPY_META", "DEVICE_META", "REPLICA_STORE", "CopyRecord"]
 
 COPY_META = "fxsplit_copy"
 """``node.meta`` key: the :class:`CopyRecord` of a copy the generated code makes (``.to(device)``)."""
 
 DEVICE_META = "fxsplit_device"
 """``node.meta`` key: the device an emitted op, copy or weight read runs on (placeholders have none)."""
+
+REPLICA_STORE = "_fxsplit_replicas"
+"""Attribute of a split that holds its replicas (:class:`fxsplit.runtime.ReplicaStore`), when its plan has any."""
 
 
 class CopyRecord(NamedTuple):

@@ -2,6 +2,9 @@
 
 * :mod:`~fxsplit.cost.build`: :func:`build_problem`, the weights each node reads, pins and together-groups resolved.
 * :mod:`~fxsplit.cost.constraints`: pins, together-groups and leaf modules checked against the model.
+* :mod:`~fxsplit.cost.compute`: each op's FLOPs and bytes, and its seconds on a device (a roofline).
+* :mod:`~fxsplit.cost.profile`: each op's seconds measured on a device (``profile=True``).
+* :mod:`~fxsplit.cost.linkprofile`: each link's copy time measured (``profile=True``).
 """
 
 from fxsplit.cost.build import GraphCosts, Weight, build_problem, model_tensors

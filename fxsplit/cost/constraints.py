@@ -138,7 +138,7 @@ def _no_match(pattern: str, model: torch.nn.Module) -> str:
         return (
             f"module {pattern!r} runs no op of the traced graph (is it called in forward? a module traced "
             "as part of a leaf has no ops of its own); to place its weights as an Accelerate device_map "
-            "does, use fxsplit.from_device_map(model, device_map)"
+            "does, pass the map as device_map= (pins that place every parameter are read as one)"
         )
     tops = sorted({p.split(".")[0] for p in paths})
     hint = _suggest(pattern, _glob_candidates(pattern, paths)) or (

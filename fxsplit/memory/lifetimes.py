@@ -36,7 +36,7 @@ most graphs; the exact simulation checks the final plan).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Sequence
+from typing import Collection, Hashable, Mapping, Sequence
 
 __all__ = ["ActivationProfile", "Simulated", "ValueMemory", "planning_loads", "simulate"]
 
@@ -146,14 +146,16 @@ class Simulated:
 
 
 _MISSING = -2
+_Replicas = Mapping[str, Collection[Hashable]] | None  # weight -> other devices that hold it (Plan.replicas)
 
 
 class _Walk:
     """Follows storages through the ops placed on devices, as the generated code runs them."""
 
-    def __init__(self, profile: ActivationProfile, home: Mapping[str, Hashable]) -> None:
+    def __init__(self, profile: ActivationProfile, home: Mapping[str, Hashable], replicas: _Replicas = None) -> None:
         self.profile = profile
         self.home = home
+        self.replicas = replicas or {}  # weight -> other devices holding their own copy (no copy made)
         self.storages: list[_Storage] = []
         self.on: dict[tuple[str, Hashable], dict[int, int | None]] = {}
         self.weight_reads: dict[str, list[int]] = {}
@@ -177,7 +179,7 @@ class _Walk:
             home = self.home[name]
             if not info.storages:
                 found = {}
-            elif device == home and name in self.profile.weights:
+            elif name in self.profile.weights and (device == home or device in self.replicas.get(name, ())):
                 found = dict.fromkeys(info.storages)
             elif device == home:  # a model input, arriving where it is first read
                 found = dict.fromkeys(info.storages, self._new(device, info.nbytes, position, info.requires_grad))
@@ -284,13 +286,14 @@ def _walk(
     input_homes: Mapping[str, Hashable],
     weight_homes: Mapping[str, Hashable],
     output_device: Hashable,
+    replicas: _Replicas = None,
 ) -> _Walk:
     home: dict[str, Hashable] = dict(zip(profile.op_names, op_devices, strict=True))
     home.update(input_homes)
     home.update(weight_homes)
     for name in profile.values:
         home.setdefault(name, output_device)
-    walk = _Walk(profile, home)
+    walk = _Walk(profile, home, replicas)
     for op, device in enumerate(op_devices):
         walk.run_op(op, device)
     walk.return_outputs(output_device, len(op_devices))
@@ -303,6 +306,7 @@ def simulate(
     input_homes: Mapping[str, Hashable],
     output_device: Hashable,
     weight_homes: Mapping[str, Hashable] | None = None,
+    replicas: _Replicas = None,
 ) -> Simulated:
     """Peak activation bytes per device when op ``i`` runs on ``op_devices[i]``.
 
@@ -312,8 +316,9 @@ def simulate(
         input_homes: model input name -> the device it is first read on.
         output_device: where the outputs are returned.
         weight_homes: weight name -> its device (default: the output device).
+        replicas: weight name -> other devices that hold it too (read there without a copy).
     """
-    walk = _walk(profile, op_devices, input_homes, weight_homes or {}, output_device)
+    walk = _walk(profile, op_devices, input_homes, weight_homes or {}, output_device, replicas)
     n = len(op_devices)
     devices = list(dict.fromkeys([*op_devices, output_device]))
     internal = profile.per_op("internal")

@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
+from fxsplit.runtime import ReplicaStore
 
 __all__ = ["ActivationMeter", "flat_inputs", "measure_forward", "measure_training"]
 
@@ -64,7 +65,8 @@ class ActivationMeter(TorchDispatchMode):
         self.split = split
         plan = split.meta["fxsplit_plan"]
         self._resident: set[StorageWeakRef] = set()
-        for tensor in [*split.parameters(), *split.buffers()]:
+        replicas = [copy for m in split.modules() if isinstance(m, ReplicaStore) for _, copy in m.held.values()]
+        for tensor in [*split.parameters(), *split.buffers(), *replicas]:  # replicas: weights, not activations
             self._resident.add(StorageWeakRef(tensor.untyped_storage()))
         self._live: dict[StorageWeakRef, tuple[str, int]] = {}
         self.events: list[tuple[str, StorageWeakRef, str, int]] = []

@@ -193,6 +193,11 @@ class MemoryModel:
                 grads, state = self.state_bytes(weight.names[0], weight.nbytes)
                 row["grads"] += grads
                 row["optimizer"] += state
+        kinds = {w.names[0]: w.is_buffer for w in self.costs.weights}
+        for name, replica in plan.replicas.items():  # a replica is charged on every device that holds it
+            for device in replica.devices:
+                row = found.get(device) or found.setdefault(device, dict.fromkeys(COMPONENTS[:4], 0))
+                row["buffers" if kinds.get(name) else "params"] += replica.nbytes
         if self.profile is not None:
             peaks = self.activation_peaks(plan)
             for device, row in found.items():
@@ -208,7 +213,8 @@ class MemoryModel:
         op_devices = [plan.placement[name] for name in profile.op_names]
         inputs = {name: plan.placement.get(name, plan.output_device) for name in profile.inputs}
         weights = {name: plan.param_devices[name] for name in profile.weights}
-        simulated = simulate(profile, op_devices, inputs, plan.output_device, weights)
+        replicas = {name: replica.devices for name, replica in plan.replicas.items()}
+        simulated = simulate(profile, op_devices, inputs, plan.output_device, weights, replicas)
         peaks = {str(d): int(v) for d, v in simulated.peak.items()}
         if self._held_per_chunk:
             for device in peaks:

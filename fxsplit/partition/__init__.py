@@ -10,6 +10,7 @@
 * :mod:`~fxsplit.partition.refine`: single-op moves that lower the bytes copied, and packing.
 * :mod:`~fxsplit.partition.mincut`: exchanges between two devices along a minimum cut.
 * :mod:`~fxsplit.partition.exact`: branch and bound on small graphs.
+* :mod:`~fxsplit.partition.coarse`: whole module runs placed in any order, by branch and bound on the coarsened graph.
 * :mod:`~fxsplit.partition.colocate`: ops that write one tensor in place brought onto one device.
 * :mod:`~fxsplit.partition.streaming`: which weights of a device to stream when they do not all fit.
 * :mod:`~fxsplit.partition.infeasible`: the error that says why nothing fits.

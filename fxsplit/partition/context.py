@@ -22,7 +22,13 @@ import numpy as np
 
 from fxsplit.partition.problem import PartitionProblem
 
-__all__ = ["Context"]
+__all__ = ["LABEL_DEPTH", "NEVER_DIFFERS", "Context"]
+
+NEVER_DIFFERS = 1 << 30
+""":attr:`Context.label_depths` where two neighbouring ops' labels are equal."""
+
+LABEL_DEPTH = 8
+"""How many parts of each label :attr:`Context.label_depths` reads."""
 
 
 class Context:
@@ -88,6 +94,29 @@ class Context:
             itertools.chain.from_iterable(v.consumers for v in self._reaching), dtype=np.int64, count=int(offsets[-1])
         )
         return offsets, consumers
+
+    @cached_property
+    def label_depths(self) -> np.ndarray:
+        """``label_depths[t]``: the smallest ``d`` such that the first ``d`` dot-separated parts of the labels
+        of ops ``t - 1`` and ``t`` differ (op ``t`` starts a module at depth ``d`` and deeper), read up to
+        depth :data:`LABEL_DEPTH` (labels that first differ deeper give ``LABEL_DEPTH + 1``);
+        :data:`NEVER_DIFFERS` where they are equal, at ``t = 0`` and everywhere without ``op_labels``."""
+        labels = self.problem.op_labels
+        depths = np.full(self.n, NEVER_DIFFERS, dtype=np.int64)
+        if not labels or self.n < 2:
+            return depths
+        distinct: dict[str, int] = {}
+        label_id = np.fromiter((distinct.setdefault(label, len(distinct)) for label in labels), np.int64, self.n)
+        part_ids: dict[str, int] = {}
+        table = np.full((len(distinct), LABEL_DEPTH), -1, dtype=np.int64)  # the part ids of each distinct label
+        for row, label in enumerate(distinct):
+            for column, part in enumerate(label.split(".")[:LABEL_DEPTH]):
+                table[row, column] = part_ids.setdefault(part, len(part_ids))
+        parts = table[label_id]
+        differ = parts[1:] != parts[:-1]
+        first = np.where(differ.any(axis=1), differ.argmax(axis=1) + 1, LABEL_DEPTH + 1)
+        depths[1:] = np.where(label_id[1:] != label_id[:-1], first, NEVER_DIFFERS)
+        return depths
 
     def weight(self, start: int, stop: int) -> int:
         """Bytes a device needs to run ops ``[start, stop)``: resident plus peak transient."""

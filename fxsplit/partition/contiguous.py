@@ -160,12 +160,9 @@ def candidates(ctx: Context, relay: list[int] | None) -> np.ndarray:
     allowed = np.flatnonzero(~np.asarray(ctx.forbidden[:n], dtype=bool))
     allowed = allowed[allowed > 0]
     chosen = {0, n, *(relay or [])}
-    labels = ctx.problem.op_labels
-    if labels:
+    if ctx.problem.op_labels:
         # op t starts a module at depth d when the first d parts of its label and the previous op's differ
-        parts = [label.split(".") for label in labels]
-        differs = np.array([_first_difference(parts[t - 1], parts[t]) for t in range(1, n)])
-        depth_of = np.concatenate([[_NEVER], differs])[allowed]
+        depth_of = ctx.label_depths[allowed]
         for depth in range(1, 5):
             level = set(allowed[depth_of <= depth].tolist())
             if len(chosen | level) > (EXACT_LIMIT + 1) // 2:
@@ -177,19 +174,6 @@ def candidates(ctx: Context, relay: list[int] | None) -> np.ndarray:
             break
         chosen.add(t)
     return np.array(sorted(chosen))
-
-
-_NEVER = 1 << 30
-
-
-def _first_difference(before: list[str], after: list[str]) -> int:
-    """The smallest ``d`` with ``before[:d] != after[:d]`` (:data:`_NEVER` for equal lists)."""
-    common = 0
-    for a, b in zip(before, after, strict=False):
-        if a != b:
-            break
-        common += 1
-    return _NEVER if common == len(before) == len(after) else common + 1
 
 
 def cut_cost_matrix(ctx: Context, cands: np.ndarray, *, count: bool = False) -> np.ndarray:

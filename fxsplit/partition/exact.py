@@ -48,8 +48,11 @@ NODE_LIMIT = 40_000
 
 
 class _Search:
-    def __init__(self, problem: PartitionProblem, budgets: Sequence[int], best_cost: float) -> None:
+    def __init__(
+        self, problem: PartitionProblem, budgets: Sequence[int], best_cost: float, node_limit: int = NODE_LIMIT
+    ) -> None:
         n = problem.num_ops
+        self.node_limit = node_limit
         self.problem, self.budgets, self.k = problem, list(budgets), len(budgets)
         self.resident = problem.op_weights()
         self.transient = problem.transients()
@@ -125,7 +128,7 @@ class _Search:
             if cost + extra < self.best_cost:
                 options.append((extra, d))
         for extra, d in sorted(options):
-            if self.nodes >= NODE_LIMIT or cost + extra >= self.best_cost:
+            if self.nodes >= self.node_limit or cost + extra >= self.best_cost:
                 return
             self.nodes += 1
             self._descend(op, d, cost + extra)
@@ -178,17 +181,23 @@ def exact_placement(
     budgets: Sequence[int],
     incumbent: Sequence[int] | None,
     incumbent_cost: int | None = None,
+    *,
+    node_limit: int = NODE_LIMIT,
+    below: float | None = None,
 ) -> list[int] | None:
     """The cheapest placement that fits, or ``incumbent`` when none is strictly cheaper (None: none fits).
 
     Only for the graphs :func:`searched` names (else ``incumbent``
-    unchanged); exact unless :data:`NODE_LIMIT` is reached.
+    unchanged); exact unless ``node_limit`` branches are opened. ``below``: without an incumbent, only
+    placements that copy fewer bytes than this are sought (None when there is none).
     """
     late_home = any(v.consumers and v.start > v.consumers[0] for v in problem.values)
     if not searched(problem.num_ops, len(budgets)) or late_home:
         return list(incumbent) if incumbent is not None else None
-    bound = float("inf") if incumbent is None or incumbent_cost is None else incumbent_cost
-    search = _Search(problem, budgets, bound)
+    bound = float("inf") if below is None else below
+    if incumbent is not None and incumbent_cost is not None:
+        bound = incumbent_cost
+    search = _Search(problem, budgets, bound, node_limit)
     search.run()
     if search.best is not None:
         return search.best

@@ -34,6 +34,7 @@ within budgets and :func:`pack` packs first fit; :func:`device_loads` and
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import deque
 from typing import Sequence
 
@@ -78,7 +79,9 @@ class State:
         self.transients: list[list[int]] = [[] for _ in self.budgets]
         for op, device in enumerate(op_devices):
             self.load[device] += self.resident[op]
-            bisect.insort(self.transients[device], self.transient[op])
+            self.transients[device].append(self.transient[op])
+        for peaks in self.transients:
+            peaks.sort()
 
     def total(
         self, device: int, add_resident: int = 0, add_transient: int | None = None, drop_transient: int | None = None
@@ -189,14 +192,20 @@ def improve(
 def _group_moves(state: State, frozen: set[int]) -> bool:
     """Move all readers of a copied value on one device to the value's home when that copies less."""
     improved = False
-    # Only values copied now, or touched by a move made here, can have readers away from home.
+    # Only values copied now, or touched by a move made here, can have readers away from home: they are
+    # visited largest first (by their place in ``values_by_size``), each once, from a heap of those places.
+    order = state.problem.values_by_size
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
     watched = set(_away(state)[0].tolist())
-    for index in state.problem.values_by_size:
+    heap = [int(rank[index]) for index in watched]
+    heapq.heapify(heap)
+    while heap:
+        place = heapq.heappop(heap)
+        index = order[place]
         value = state.problem.values[index]
         if not value.nbytes:
             break
-        if index not in watched:
-            continue
         home = state.devices[value.start]
         for device in sorted({state.devices[c] for c in value.consumers} - {home}):
             readers = [c for c in dict.fromkeys(value.consumers) if state.devices[c] == device]
@@ -212,7 +221,11 @@ def _group_moves(state: State, frozen: set[int]) -> bool:
             if len(done) == len(readers) and delta < 0:
                 improved = True
                 for op in done:
-                    watched.update(state.reads[op], state.starts[op])
+                    for touched in (*state.reads[op], *state.starts[op]):
+                        if touched not in watched:
+                            watched.add(touched)
+                            if rank[touched] > place:
+                                heapq.heappush(heap, int(rank[touched]))
                 continue
             for op in reversed(done):
                 state.apply(op, device)

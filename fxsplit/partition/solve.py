@@ -13,8 +13,10 @@ also runs the last ops so that skip connections and tied embeddings stay home
 (:mod:`fxsplit.partition.ring`), compete over several orders of the devices,
 each improved by single-op moves (:mod:`fxsplit.partition.refine`); when
 nothing in order fits, ops are packed out of order instead; then pairs of
-devices exchange groups of ops along minimum cuts (:mod:`fxsplit.partition.mincut`)
-and small graphs are searched exactly (:mod:`fxsplit.partition.exact`). With
+devices exchange groups of ops along minimum cuts (:mod:`fxsplit.partition.mincut`),
+whole module runs are placed in any order by an exact search over the graph
+coarsened to them (:mod:`fxsplit.partition.coarse`), and small graphs are
+searched exactly (:mod:`fxsplit.partition.exact`). With
 ``contiguous=True`` only the contiguous programme runs: devices, in the order
 given, take consecutive runs of ops, as a pipeline of stages needs.
 

@@ -29,7 +29,9 @@ only when ``best`` is None (a fallback).
 4. :func:`min_cut_exchanges`: on graphs of up to :data:`~fxsplit.partition.contiguous.EXACT_LIMIT`
    ops, pairs of devices exchange groups of ops along minimum cuts, then single
    ops move again.
-5. :func:`exact_search`: on small graphs (up to :data:`~fxsplit.partition.exact.EXACT_OPS` ops, or 24 on
+5. :func:`module_runs`: when ops carry module labels, whole runs of each module placed in any order by an
+   exact search over the coarsened graph (:mod:`fxsplit.partition.coarse`), then improved as above.
+6. :func:`exact_search`: on small graphs (up to :data:`~fxsplit.partition.exact.EXACT_OPS` ops, or 24 on
    two devices: :func:`~fxsplit.partition.exact.searched`), branch and bound for a strictly cheaper placement.
 
 :data:`CONTIGUOUS_STRATEGIES` (``contiguous=True``) is :func:`contiguous` alone; :func:`local_moves`
@@ -55,6 +57,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from fxsplit.partition.coarse import module_placements
 from fxsplit.partition.context import Context
 from fxsplit.partition.contiguous import (
     EXACT_LIMIT,
@@ -76,6 +79,10 @@ from fxsplit.partition.ring import cheapest_wraps, has_long_reach, wrap_points
 __all__ = [
     "CONTIGUOUS_STRATEGIES",
     "DEFAULT_STRATEGIES",
+    "LARGE_GRAPH_NODES",
+    "LARGE_GRAPH_RUNS",
+    "LARGE_GRAPH_WORK",
+    "MODULE_NODES",
     "RING_KEEP",
     "Search",
     "Strategy",
@@ -85,11 +92,28 @@ __all__ = [
     "exact_search",
     "local_moves",
     "min_cut_exchanges",
+    "module_runs",
     "packing",
 ]
 
 RING_KEEP = 3
 """How many of the cheapest wrapped placements (by wrap point) are kept and improved."""
+
+MODULE_NODES = 12_000
+"""Most branches the searches of one :func:`module_runs` call open together on graphs of up to
+:data:`EXACT_LIMIT` ops (a few tenths of a second at most; module graphs of real models take hundreds)."""
+
+LARGE_GRAPH_NODES = 300
+"""Most branches one search of :func:`module_runs` opens on graphs of more than :data:`EXACT_LIMIT` ops."""
+
+LARGE_GRAPH_RUNS = 10
+"""Most runs one search of :func:`module_runs` places on graphs of more than :data:`EXACT_LIMIT` ops."""
+
+LARGE_GRAPH_WORK = 500_000
+"""On graphs of more than :data:`EXACT_LIMIT` ops :func:`module_runs` also searches over as many runs as the
+exact search takes, with ``LARGE_GRAPH_WORK // ops`` branches a search, when that is at least
+:data:`LARGE_GRAPH_NODES` (up to 1,666 ops): the budget shrinks as the graph grows, so that the search stays
+a small share of the time the other strategies take on it."""
 
 
 class Search:
@@ -216,6 +240,37 @@ def min_cut_exchanges(search: Search, best: tuple[int, ...] | None) -> list[int]
     return improve(problem, exchanged, budgets)
 
 
+def module_runs(search: Search, best: tuple[int, ...] | None) -> list[int] | None:
+    """The cheapest placement of whole module runs in any order that copies fewer bytes than ``best``
+    (:func:`~fxsplit.partition.coarse.module_placements`), improved by single-op moves and min-cut exchanges
+    (as :func:`min_cut_exchanges`); None when the ops carry no module labels, no such placement is found, or
+    the graph is one :func:`exact_search` searches op by op.
+
+    On graphs of up to :data:`EXACT_LIMIT` ops the searches open at most :data:`MODULE_NODES` branches
+    together; on larger ones each opens at most :data:`LARGE_GRAPH_NODES`, over at most
+    :data:`LARGE_GRAPH_RUNS` runs (and, up to 1,666 ops, more runs: :data:`LARGE_GRAPH_WORK`), and the
+    placement found is returned as it is (so that the strategy stays a few milliseconds there: the moves
+    after it rarely helped on such placements).
+    """
+    problem, budgets = search.problem, search.budgets
+    cost = transfer_bytes(problem, best) if best is not None else None
+    if cost == 0 or searched(problem.num_ops, len(budgets)):  # small graphs: exact_search searches every op
+        return None
+    if problem.num_ops > EXACT_LIMIT:
+        found = module_placements(search.context, budgets, cost, LARGE_GRAPH_NODES, LARGE_GRAPH_RUNS)
+        nodes = LARGE_GRAPH_WORK // problem.num_ops
+        if nodes >= LARGE_GRAPH_NODES:  # room for a search over as many runs as the exact search takes
+            found += module_placements(search.context, budgets, cost, nodes)
+        return _cheapest(problem, found)
+    found = [
+        improve(problem, p, budgets) for p in module_placements(search.context, budgets, cost, total_nodes=MODULE_NODES)
+    ]
+    placed = _cheapest(problem, found)
+    if placed is None or (cost is not None and transfer_bytes(problem, placed) >= cost):
+        return None
+    return min_cut_exchanges(search, tuple(placed)) or placed
+
+
 def exact_search(search: Search, best: tuple[int, ...] | None) -> list[int] | None:
     """A placement strictly cheaper than ``best``, by branch and bound, or ``best`` when there is none.
 
@@ -238,6 +293,7 @@ DEFAULT_STRATEGIES: tuple[Strategy, ...] = (
     packing,
     exact_fallback,
     min_cut_exchanges,
+    module_runs,
     exact_search,
 )
 """What :func:`~fxsplit.partition.solve.partition` runs by default; see the module's docstring."""

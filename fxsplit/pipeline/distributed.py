@@ -45,7 +45,7 @@ import torch.fx
 from fxsplit.attrpath import attr_at
 from fxsplit.codegen.emitter import emit
 from fxsplit.cost.build import model_tensors
-from fxsplit.errors import SpecError
+from fxsplit.errors import FxsplitError, SpecError
 from fxsplit.pipeline.gpipe import PipelineConfig
 from fxsplit.pipeline.microbatch import first_microbatch
 from fxsplit.pipeline.stages import StageSpec, split_stages
@@ -201,6 +201,12 @@ def pipeline_stages(
             "plan different stages: plan on one rank (fxsplit.plan(model, budgets, example_inputs=..., "
             "pipeline=chunks, profile=True)), share the plan (plan.to_yaml(), or "
             "torch.distributed.broadcast_object_list) and pass it to pipeline_stages on every rank"
+        )
+    if isinstance(plan_or_budgets, Plan) and plan_or_budgets.replicas:
+        raise FxsplitError(
+            f"the plan holds {', '.join(map(repr, plan_or_budgets.replicas))} on several devices (replicas), which "
+            "only a split run in one process can read; pass budgets (pipelines are planned without replicas) or a "
+            "plan made with pipeline=chunks or replicate=False"
         )
     if isinstance(plan_or_budgets, Plan):
         graph_module, plan = _apply(model, plan_or_budgets, example_inputs, chunks, options)

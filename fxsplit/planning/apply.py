@@ -330,8 +330,8 @@ def checked_retrace(
     check_input_writes(traced.graph_module, plan)  # the most specific refusal first
     held = {d: 0 for d in plan.devices}
     for weight in [*costs.weights, *costs.unused]:
-        if weight.names[0] not in plan.streamed:  # stored off the devices
-            held[plan.param_devices[weight.names[0]]] += weight.nbytes
+        for device in () if weight.names[0] in plan.streamed else plan.holders(weight.names[0]):  # replicas too
+            held[device] += weight.nbytes
     _check_budgets(plan, held, given)
     _check_storage(plan, costs)
     notes = [
@@ -385,7 +385,8 @@ def _check_cuts(plan: Plan, traced: Traced, costs: GraphCosts) -> list[str]:
     """Refuse when the plan's cuts are not those its placement implies; notes on sizes that differ."""
     weight_home = {w.names[0]: plan.param_devices[w.names[0]] for w in costs.weights}
     streamed = {w.names[0]: plan.streamed[w.names[0]] for w in costs.weights if w.names[0] in plan.streamed}
-    expected = cuts_for(costs, traced.graph_module, plan.placement, weight_home, streamed)
+    replicas = {name: replica.devices for name, replica in plan.replicas.items()}
+    expected = cuts_for(costs, traced.graph_module, plan.placement, weight_home, streamed, replicas)
     if [_route(c) for c in expected] != [_route(c) for c in plan.cuts]:
         routes = {_route(c) for c in expected}
         stale = [f"plan lists {_cut_text(c)}" for c in plan.cuts if _route(c) not in routes]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Mapping, NoReturn, Sequence
+from typing import Callable, Collection, Mapping, NoReturn, Sequence
 
 import torch.fx
 
@@ -341,11 +341,14 @@ def cuts_for(
     placement: dict[str, str],
     weight_home: dict[str, str],
     streamed: Mapping[str, str] | None = None,
+    replicas: Mapping[str, Collection[str]] | None = None,
 ) -> list[Cut]:
     """The copies a placement implies, in forward order (for a new plan, and for checking a saved one).
 
     ``streamed``: canonical weight name -> its storage tier, for weights
     offloaded off the devices: one ``"stream"`` cut per op that reads one.
+    ``replicas``: canonical weight name -> the other devices that hold a copy
+    of it (:attr:`Plan.replicas`): read there, it is not copied.
     """
     by_node = weights_by_node(costs)
     versions = WriteVersions(graph_module, by_node, costs.writers)
@@ -366,6 +369,8 @@ def cuts_for(
                 if key not in streams:
                     streams.add(key)
                     cuts.append(Cut(key, streamed[key], destination, weight.nbytes, "stream"))
+            elif replicas and destination in replicas.get(key, ()):
+                continue  # the device holds its own copy
             elif (source := weight_home[key]) != destination:
                 send(key, node, weight, source, "parameter")
 

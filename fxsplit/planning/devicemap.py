@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -33,7 +33,17 @@ from fxsplit.partition.result import Partition, transfer_bytes
 from fxsplit.planning.build import cuts_for, reads_of, weights_by_node
 from fxsplit.planning.plan import Plan
 
-__all__ = ["OFFLOAD", "map_devices", "pin_readers", "place_ops", "read_device_map", "with_weight_homes"]
+__all__ = [
+    "OFFLOAD",
+    "free_readers",
+    "map_devices",
+    "pin_readers",
+    "place_ops",
+    "read_device_map",
+    "value_homes",
+    "with_weight_homes",
+    "writer_pins",
+]
 
 OFFLOAD = ("disk", "meta")
 """Map values that offload weights instead of placing them on a device (not supported yet)."""
@@ -75,16 +85,23 @@ def map_devices(device_map: Mapping[Any, Any], devices: Mapping[Any, Any] | None
 
 
 def read_device_map(
-    model: torch.nn.Module, device_map: Mapping[Any, Any], devices: Mapping[Any, Any] | None = None
+    model: torch.nn.Module,
+    device_map: Mapping[Any, Any],
+    devices: Mapping[Any, Any] | None = None,
+    where: Callable[[str], str] | None = None,
 ) -> dict[str, str]:
     """Qualified name of every parameter and buffer of ``model`` (tied names too) -> its device.
 
     Each tensor goes where the longest key naming it or a module holding it
-    says (``""``: the whole model). Values are ints (``cuda:N``), strings or
-    ``torch.device``; ``devices`` translates values first (``{0: "cpu:0"}``).
+    says (``""``: the whole model); a tied tensor no key covers under one
+    name goes where its other name does. A buffer no key covers is left out (the
+    plan puts it beside its readers): Accelerate's maps leave out the buffers
+    of the modules they split, such as BERT's ``embeddings.position_ids``. Values are ints (``cuda:N``), strings or
+    ``torch.device``; ``devices`` translates values first (``{0: "cpu:0"}``);
+    ``where(key)`` says where a key was written, for messages.
 
     Raises:
-        SpecError: listing every tensor no key covers, every key that names
+        SpecError: listing every parameter no key covers, every key that names
             nothing in the model (with the closest names), every offloading
             or unknown value, and every tied tensor whose names the map puts
             on different devices.
@@ -92,22 +109,28 @@ def read_device_map(
     keyed = map_devices(device_map, devices)
     tensors = named_tensors(model)
     known = {name for name, _ in model.named_modules(remove_duplicate=False)} | {name for name, _, _ in tensors}
-    problems = [_unknown_key(key, known) for key in keyed if key not in known]
+    problems = [(f"{where(key)}: " if where else "") + _unknown_key(key, known) for key in keyed if key not in known]
     homes: dict[str, str] = {}
     first_name: dict[int, str] = {}
-    uncovered: list[str] = []
-    for name, tensor, _ in tensors:
+    left: list[tuple[str, torch.Tensor, bool]] = []
+    for name, tensor, is_buffer in tensors:
         key = _longest_key(name, keyed)
         if key is None:
-            uncovered.append(name)
+            left.append((name, tensor, is_buffer))
             continue
         homes[name] = keyed[key]
         other = first_name.setdefault(id(tensor), name)
-        if homes[other] != homes[name]:
+        if other in homes and homes[other] != homes[name]:
             problems.append(
                 f"{other!r} and {name!r} are one tensor (tied) but the map puts them on {homes[other]!r} and "
                 f"{homes[name]!r}; map both names to one device"
             )
+    uncovered: list[str] = []
+    for name, tensor, is_buffer in left:  # a tied tensor goes where its other name does
+        if id(tensor) in first_name:
+            homes[name] = homes[first_name[id(tensor)]]
+        elif not is_buffer:  # Accelerate leaves out the buffers of the modules it splits: fxsplit places them
+            uncovered.append(name)
     if uncovered:
         listed = ", ".join(map(repr, uncovered[:8])) + (f" and {len(uncovered) - 8} more" if len(uncovered) > 8 else "")
         problems.append(
@@ -141,8 +164,9 @@ def _raise(what: str, problems: list[str]) -> None:
 def pin_readers(costs: GraphCosts, homes: Mapping[str, str], devices: Sequence[str]) -> dict[int, int]:
     """Op index -> device index for every op that reads weights: where most of its weight bytes live.
 
-    Ties go to the earlier device. Weights the map does not name (constants
-    only the traced graph has) do not pin.
+    Ties go to the earlier device. Ops that write buffers in place go where
+    :func:`writer_pins` says. Weights the map does not name (constants only
+    the traced graph has) do not pin.
     """
     index = {d: i for i, d in enumerate(devices)}
     by_node = weights_by_node(costs)
@@ -156,6 +180,39 @@ def pin_readers(costs: GraphCosts, homes: Mapping[str, str], devices: Sequence[s
                 read = True
         if read:
             pins[op_index] = max(range(len(devices)), key=lambda d: (held[d], -d))
+    pins.update(writer_pins(costs, homes, devices))
+    return pins
+
+
+def writer_pins(costs: GraphCosts, homes: Mapping[str, str], devices: Sequence[str]) -> dict[int, int]:
+    """Op index -> device index for every op that reads a buffer the forward writes in place (BatchNorm's
+    running statistics): where that buffer lives, so that the write reaches it.
+
+    Raises:
+        SpecError: one op reads such buffers that the map puts on two devices.
+    """
+    index = {d: i for i, d in enumerate(devices)}
+    by_node = weights_by_node(costs)
+    movable = {
+        w.names[0]: v < 0 or costs.problem.values[v].movable
+        for w, v in zip(costs.weights, costs.weight_values, strict=True)
+    }
+    pins: dict[int, int] = {}
+    for op_index, op in enumerate(costs.ops):
+        forced: dict[str, str] = {}
+        for found in reads_of(op, by_node):
+            weight = found.weight
+            if weight is None or not weight.is_buffer or weight.names[0] not in homes:
+                continue
+            if weight.names[0] in costs.written or not movable.get(weight.names[0], True):
+                forced.setdefault(homes[weight.names[0]], weight.names[0])
+        if len(forced) > 1:
+            raise SpecError(
+                f"op '{op.name}' writes {' and '.join(map(repr, forced.values()))} in place, but the device map puts "
+                f"them on {' and '.join(map(repr, forced))}; map them to one device"
+            )
+        if forced:
+            pins[op_index] = index[next(iter(forced))]
     return pins
 
 
@@ -189,6 +246,75 @@ def place_ops(problem: PartitionProblem, pins: Mapping[int, int], num_devices: i
         placed = improve(pinned, placed, unlimited)
     loads = device_loads(problem, placed, num_devices)
     return Partition(tuple(placed), transfer_bytes(problem, placed), tuple(loads))
+
+
+def value_homes(costs: GraphCosts, homes: Mapping[str, str], devices: Sequence[str]) -> dict[int, int]:
+    """Value index -> device index of every weight value of ``costs.problem`` that ``homes`` places."""
+    index = {d: i for i, d in enumerate(devices)}
+    return {
+        value: index[homes[weight.names[0]]]
+        for weight, value in zip(costs.weights, costs.weight_values, strict=True)
+        if value >= 0 and weight.names[0] in homes
+    }
+
+
+def free_readers(
+    problem: PartitionProblem,
+    homes: Mapping[int, int],
+    start: Sequence[int],
+    num_devices: int,
+    keep: Mapping[int, int] | None = None,
+) -> Partition:
+    """Place every op around weights with fixed homes, their readers free: a copy of a small weight may
+    replace a copy of a large activation.
+
+    ``homes``: value index -> device index, for the weights whose home is
+    fixed. Each device gets an anchor op pinned to it, and a weight's home is
+    its device's anchor, so reading the weight on another device costs its
+    bytes once per forward, as an activation's copy does. From ``start``
+    (e.g. :func:`place_ops` with every reader pinned), pairwise min-cuts, then
+    single and group moves, take every move that copies less, so the result
+    never copies more than ``start`` by this count. Weights written in place
+    (not movable) keep their readers where ``start`` put them, and ``keep``
+    (op index -> device index, e.g. :func:`writer_pins`) pins more ops.
+
+    >>> from fxsplit.partition.problem import Value
+    >>> # ops 0 and 2 read big weights on device 0, op 1 a 4-byte one on device 1: copy it, not the activations
+    >>> weights = [Value(n, b, op, (op,), weight=b) for n, b, op in (("x", 1000, 0), ("w", 4, 1), ("y", 1000, 2))]
+    >>> chain = PartitionProblem(("a", "b", "c"), (Value("a", 100, 0, (1,)), Value("b", 100, 1, (2,)), *weights))
+    >>> free_readers(chain, {2: 0, 3: 1, 4: 0}, (0, 1, 0), 2).op_devices
+    (0, 0, 0)
+    """
+    shift = num_devices
+    pinned = {d: d for d in range(num_devices)}
+    pinned.update({op + shift: d for op, d in {**problem.pinned, **(keep or {})}.items()})
+    values = []
+    for index, value in enumerate(problem.values):
+        consumers = tuple(op + shift for op in value.consumers)
+        if index in homes and value.movable:
+            values.append(dataclasses.replace(value, start=homes[index], consumers=consumers))
+            continue
+        if index in homes:
+            pinned.update({op + shift: start[op] for op in (value.start, *value.consumers)})
+        values.append(dataclasses.replace(value, start=value.start + shift, consumers=consumers))
+    pad = (0,) * num_devices
+    anchored = PartitionProblem(
+        op_names=tuple(f"<weights on device {d}>" for d in range(num_devices)) + problem.op_names,
+        values=tuple(values),
+        pinned=pinned,
+        together=tuple(tuple(op + shift for op in group) for group in problem.together),
+        op_labels=(("",) * num_devices + problem.op_labels) if problem.op_labels else (),
+        op_extra=(pad + problem.op_extra) if problem.op_extra else (),
+        op_transient=(pad + problem.op_transient) if problem.op_transient else (),
+        colocated=tuple(tuple(op + shift for op in group) for group in problem.colocated),
+    )
+    placed = list(range(num_devices)) + list(start)
+    if num_devices > 1 and problem.num_ops:
+        unlimited = [_UNLIMITED] * num_devices
+        placed = exchange(anchored, placed, unlimited, frozen_ops(anchored))
+        placed = improve(anchored, placed, unlimited)
+    ops = placed[shift:]
+    return Partition(tuple(ops), transfer_bytes(problem, ops), tuple(device_loads(problem, ops, num_devices)))
 
 
 def with_weight_homes(

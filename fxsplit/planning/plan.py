@@ -13,7 +13,7 @@ from fxsplit.options import usable_bytes
 from fxsplit.planning.ranges import summarize_modules
 from fxsplit.units import format_size
 
-__all__ = ["CUT_KINDS", "Cut", "Plan"]
+__all__ = ["CUT_KINDS", "Cut", "Plan", "Replica"]
 
 CUT_KINDS = ("activation", "input", "parameter", "output", "stream")
 
@@ -41,6 +41,21 @@ class Cut:
     destination: str
     nbytes: int | None
     kind: str = "activation"
+
+
+@dataclass(frozen=True)
+class Replica:
+    """The extra devices that hold their own copy of a read-only weight (inference plans only).
+
+    Attributes:
+        devices: the devices besides the weight's home (``param_devices``)
+            that hold a copy, in device order; ops there read that copy, so
+            the weight is not copied to them each forward.
+        nbytes: bytes of one copy, charged to every device that holds one.
+    """
+
+    devices: tuple[str, ...]
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -110,6 +125,13 @@ class Plan:
             take and the copies it receives, per forward (per micro-batch
             with a pipeline; per training step in training). See
             :mod:`fxsplit.planning.timetable`.
+        replicas: canonical name (the first of a ``tied`` group) -> :class:`Replica`,
+            for each read-only parameter or buffer held on more devices than
+            its home, because that copies fewer bytes per forward than
+            copying it or the activations around it (``mode="inference"`` or
+            ``"weights"`` only; never in training, nor for streamed or
+            written tensors). ``device_bytes`` and ``memory`` count it on
+            every device that holds it. Empty when nothing is replicated.
         activations_not_counted: why the plan does not count activations
             (and, without sizes, cut bytes) although its memory mode does,
             e.g. ``"no example_inputs, so the graph has no sizes"``; None
@@ -141,6 +163,12 @@ class Plan:
     constants: dict[str, str] = field(default_factory=dict)
     mutated: dict[str, int] = field(default_factory=dict)
     timing: dict[str, Any] = field(default_factory=dict)
+    replicas: dict[str, Replica] = field(default_factory=dict)
+
+    def holders(self, name: str) -> tuple[str, ...]:
+        """The devices that hold tensor ``name`` (canonical name): its home, then its replicas' devices."""
+        replica = self.replicas.get(name)
+        return (self.param_devices[name], *(replica.devices if replica else ()))
 
     @property
     def usable(self) -> dict[str, int]:
@@ -202,6 +230,7 @@ class Plan:
             "constants": dict(self.constants),
             "mutated": dict(self.mutated),
             "timing": dict(self.timing),
+            "replicas": {n: {"devices": list(r.devices), "nbytes": r.nbytes} for n, r in self.replicas.items()},
         }
 
     @classmethod
@@ -233,6 +262,7 @@ class Plan:
             constants=dict(data.get("constants", {})),
             mutated=dict(data.get("mutated", {})),
             timing=dict(data.get("timing", {})),
+            replicas={n: Replica(tuple(r["devices"]), int(r["nbytes"])) for n, r in data.get("replicas", {}).items()},
         )
 
     def to_yaml(self) -> str:
@@ -258,6 +288,8 @@ class Plan:
         return plan_from_yaml(text)
 
     def __str__(self) -> str:
+        from fxsplit.planning import summary
+
         reserving = any(self.reserved.values())
         header = (
             "device",
@@ -298,12 +330,13 @@ class Plan:
             f"cuts: {len(copies)}, transfer per forward: {self._transfer_text()}; "
             f"outputs on {self.output_device}" + (f"; planned as {self.dtype}" if self.dtype else "")
         )
-        lines.extend(self._offload_lines())
-        lines.extend(self._state_lines())
+        lines.extend(summary.offload_lines(self))
+        lines.extend(summary.state_lines(self))
+        lines.extend(summary.replica_lines(self))
         lines.extend(self.tied_summary())
         lines.extend(self._empty_devices_note())
         if self.memory:
-            lines.extend(self._memory_table())
+            lines.extend(summary.memory_table(self))
         if self.timing:
             from fxsplit.planning.timetable import time_lines
 
@@ -314,37 +347,6 @@ class Plan:
                 "leave room in the budgets or pass example_inputs"
             )
         return "\n".join(lines)
-
-    def _state_lines(self) -> list[str]:
-        """Where the tensors the forward writes in place (a cache, running statistics) live, when there are any."""
-        if not self.mutated:
-            return []
-        where: dict[str, int] = {}
-        for name, nbytes in self.mutated.items():
-            device = self.param_devices.get(name, "?")
-            where[device] = where.get(device, 0) + nbytes
-        shares = ", ".join(f"{d} {format_size(n)}" for d, n in where.items())
-        return [
-            f"written in place: {len(self.mutated)} tensor(s), {format_size(sum(self.mutated.values()))} "
-            f"(a cache or state, kept on its device between calls): {shares}"
-        ]
-
-    def _offload_lines(self) -> list[str]:
-        """What is stored off the devices and streamed in, when anything is."""
-        if not self.streamed:
-            return []
-        stored = ", ".join(
-            f"{tier} {format_size(nbytes)}"
-            + (f" of {format_size(self.offload[tier])}" if self.offload.get(tier) is not None else "")
-            for tier, nbytes in self.stored_bytes.items()
-            if nbytes
-        )
-        where = f" (dir {self.offload['dir']})" if self.stored_bytes.get("disk") and self.offload.get("dir") else ""
-        return [
-            f"offloaded: {len(self.streamed)} parameter(s) stored in {stored}{where}; streamed per forward: "
-            f"{format_size(self.stream_bytes)} in {sum(1 for c in self.cuts if c.kind == 'stream')} copies, "
-            f"prefetch {self.offload.get('prefetch', 1)}"
-        ]
 
     def _transfer_text(self) -> str:
         unknown = sum(1 for cut in self.cuts if cut.nbytes is None and cut.kind not in ("output", "stream"))
@@ -359,7 +361,10 @@ class Plan:
         for group in self.tied:
             home = self.param_devices.get(group[0], "?")
             copies = [c for c in self.cuts if c.kind == "parameter" and c.producer in group]
-            if copies:
+            replica = self.replicas.get(group[0])
+            if replica is not None:
+                how = f"on {home}, replicated on {', '.join(replica.devices)} (no copy)"
+            elif copies:
                 where = ", ".join(f"{c.destination} ({format_size(c.nbytes)})" for c in copies)
                 how = f"on {home}, copied to {where} each forward"
             else:
@@ -383,33 +388,6 @@ class Plan:
             f"{'it' if len(empty) == 1 else 'them'} empty copies the fewest bytes; objective='balanced' "
             "spreads the model over every device, objective='throughput' makes the fastest pipeline of them"
         ]
-
-    def _memory_table(self) -> list[str]:
-        """One row per device: each component of memory, the total and its share of the budget."""
-        keys = [
-            k
-            for k in ("params", "buffers", "grads", "optimizer", "activations_peak", "streaming")
-            if any(k in row and (row[k] or k in ("params", "activations_peak")) for row in self.memory.values())
-        ]
-        titles = {
-            "params": "params",
-            "buffers": "buffers",
-            "grads": "grads",
-            "optimizer": "optimizer",
-            "activations_peak": "activations",
-            "streaming": "streaming",
-        }
-        reserving = any(self.reserved.values())
-        rows = [("memory", *(titles[k] for k in keys), "total", "% usable" if reserving else "% budget")]
-        usable = self.usable
-        for device in self.devices:
-            row = self.memory.get(device, {})
-            room, total = usable.get(device, 0), row.get("total", 0)
-            percent = f"{100 * total / room:.1f}" if room else "-"
-            cells = (format_size(row[k]) if k in row else "-" for k in keys)
-            rows.append((device, *cells, format_size(total), percent))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
 def _module_summary(paths: tuple[str, ...], limit: int = 48) -> str:

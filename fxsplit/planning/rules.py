@@ -11,6 +11,8 @@ the rules a plan made by fxsplit always meets. Each broken rule is a
 * it uses only its own devices: nodes on a budgeted device or the output
   device, tensors, bytes, modules, memory rows and reserves on budgeted ones;
 * the names of a tied group (one tensor) share one device;
+* a replica (:attr:`~fxsplit.planning.plan.Plan.replicas`) is of a resident tensor the forward does not
+  write, on budgeted devices other than its home;
 * each cut goes from one device to another, once per value and destination,
   with a known kind.
 
@@ -77,6 +79,7 @@ def plan_problems(plan: Plan) -> list[Problem]:
     _tied_problems(plan, problem)
     _cut_problems(plan, problem)
     _streamed_problems(plan, problem)
+    _replica_problems(plan, problem)
     return found
 
 
@@ -183,6 +186,24 @@ def _streamed_problems(plan: Plan, problem: _Report) -> None:
             problem(("streamed", name), f"{short_repr(name)} has no device in param_devices")
     if plan.streamed and plan.stored_bytes.get("disk") and not plan.offload.get("dir"):
         problem(("offload", "dir"), "weights are stored on disk but the plan names no offload dir")
+
+
+def _replica_problems(plan: Plan, problem: _Report) -> None:
+    """Replicas are of resident, read-only tensors of the plan, on other budgeted devices, each once."""
+    for name, replica in plan.replicas.items():
+        where = ("replicas", name)
+        home = plan.param_devices.get(name)
+        if home is None:
+            problem(where, f"{short_repr(name)} has no device in param_devices")
+        if name in plan.streamed or name in plan.mutated:
+            why = "streamed from offload storage" if name in plan.streamed else "written in place by the forward"
+            problem(where, f"{short_repr(name)} is {why}, so it cannot be held on several devices")
+        for device in replica.devices:
+            if device not in plan.devices or device == home:
+                what = "its home" if device == home else "not one of the devices"
+                problem(where, f"replicates {short_repr(name)} on {short_repr(device)}, {what}")
+        if not replica.devices or len(set(replica.devices)) != len(replica.devices) or replica.nbytes < 0:
+            problem(where, f"replica of {short_repr(name)} needs distinct devices and bytes >= 0 (got {replica})")
 
 
 def _cut_problems(plan: Plan, problem: _Report) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from fxsplit.cost.compute import op_seconds, op_work
-from fxsplit.hardware import Hardware
+from fxsplit.hardware import Hardware, Link
 from fxsplit.options import Options, PipelineConfig
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.throughput import Timing, stage_times
@@ -46,11 +46,13 @@ def op_timing(
     dtype: torch.dtype | None = None,
     training: bool = False,
     measured: Mapping[str, Sequence[float]] | None = None,
+    measured_links: Mapping[tuple[str, str], Link] | None = None,
 ) -> Timing:
     """Seconds of every op of ``ops`` on every device of ``devices``, and the links between them.
 
     ``measured``: device -> seconds per op, measured (``profile=True``), used instead of the estimate
-    for the devices it names.
+    for the devices it names; ``measured_links``: (source, destination) -> measured link, used instead
+    of ``hardware``'s for the pairs it names.
     """
     work = op_work(graph_module, ops, dtype=dtype)
     rows = []
@@ -59,7 +61,8 @@ def op_timing(
             rows.append(np.asarray(measured[device], dtype=np.float64))
         else:
             rows.append(op_seconds(work, hardware.speed(device), training=training))
-    links = [[hardware.link(a, b) for b in devices] for a in devices]
+    found = measured_links or {}
+    links = [[found.get((a, b)) or hardware.link(a, b) for b in devices] for a in devices]
     timing = Timing(
         np.stack(rows) if rows else np.zeros((0, len(ops))),
         np.array([[link.bandwidth for link in row] for row in links]),
@@ -77,14 +80,21 @@ def timing_for(
     dtype: str | None,
     training: bool,
     inputs: tuple[tuple[Any, ...] | None, Mapping[str, Any] | None] = (None, None),
+    largest_copy: int = 0,
 ) -> Timing | None:
     """The op times ``options`` plan with (:func:`op_timing`), or None when the plan is not made for time
     (:func:`wants_timing`). With ``profile``, measured on each device (:func:`measure_ops`) fed ``inputs``
-    (positional and keyword example inputs, as traced)."""
+    (positional and keyword example inputs, as traced), and each link measured with a copy of
+    ``largest_copy`` bytes, the largest value the plan may copy (:func:`~fxsplit.cost.linkprofile.profile_links`)."""
     objective = options.chosen_objective
     if not wants_timing(objective, options.pipeline, options.hardware, options.profile):
         return None
     measured = measure_ops(graph_module, ops, devices, *inputs, training=training) if options.profile else None
+    links = None
+    if options.profile:
+        from fxsplit.cost.linkprofile import profile_links
+
+        links = profile_links(devices, largest_copy)
     hardware = Hardware.coerce(options.hardware)
     return op_timing(
         graph_module,
@@ -94,6 +104,7 @@ def timing_for(
         dtype=getattr(torch, dtype) if dtype else None,
         training=training,
         measured=measured,
+        measured_links=links,
     )
 
 

@@ -62,7 +62,7 @@ from typing import Any, Callable, Iterable
 import yaml
 
 from fxsplit.errors import SpecError
-from fxsplit.planning.plan import Cut, Plan
+from fxsplit.planning.plan import Cut, Plan, Replica
 from fxsplit.planning.ranges import summarize_modules
 from fxsplit.planning.rules import validate_plan
 from fxsplit.units import format_size
@@ -155,6 +155,11 @@ def plan_to_yaml(plan: Plan) -> str:
         entry = {"names": list(group), "device": plan.param_devices.get(group[0]), "copied_to": copies}
         note = "copied each forward" if copies else "kept together"
         lines.append(f"- {_flow_map(entry)}  # {note}")
+    if plan.replicas:
+        lines.append("replicas:  # read-only tensors held on more devices than their home (no copy per forward)")
+    for name, replica in plan.replicas.items():
+        entry = {"devices": list(replica.devices), "nbytes": replica.nbytes}
+        lines.append(f"  {k(name)}: {_flow_map(entry)}  # {format_size(replica.nbytes)} on each")
     if plan.offload:
         stored = ", ".join(f"{t} {format_size(n)}" for t, n in plan.stored_bytes.items())
         lines.append(f"offload: {_flow_map(dict(plan.offload))}  # stored: {stored or 'nothing'}")
@@ -303,6 +308,13 @@ class _Reader:
             "stored_bytes": dict(
                 self.optional(data, "stored_bytes", lambda v: _is_map(v, _is_int), "tier -> bytes") or {}
             ),
+            "replicas": {
+                name: Replica(tuple(entry["devices"]), entry["nbytes"])
+                for name, entry in (
+                    self.optional(data, "replicas", lambda v: _is_map(v, _is_replica), "name -> {devices, nbytes}")
+                    or {}
+                ).items()
+            },
             "timing": dict(
                 self.optional(data, "timing", _is_timing, "{source, chunks, training, stages: {device: seconds}}") or {}
             ),
@@ -366,6 +378,15 @@ def _is_timing(value: Any) -> bool:
         and (value["chunks"] is None or _is_int(value["chunks"]))
         and isinstance(value["training"], bool)
         and _is_map(value["stages"], seconds)
+    )
+
+
+def _is_replica(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and set(value) == {"devices", "nbytes"}
+        and _is_str_list(value["devices"])
+        and (_is_int(value["nbytes"]))
     )
 
 

@@ -163,31 +163,37 @@ def read_devices(check: FieldChecker, value: Any, present: bool) -> tuple[dict[s
     return budgets, reserve
 
 
-def read_pins(check: FieldChecker, value: Any, devices: dict[str, int]) -> dict[str, str]:
-    """``pin``: module path or glob -> device, which must be among ``devices`` when those are given."""
+def read_pins(check: FieldChecker, value: Any, devices: dict[str, int], field: str = "pin") -> dict[str, str]:
+    """``pin``: module path or glob -> device, which must be among ``devices`` when those are given.
+
+    ``field="device_map"``: module or tensor name (``""``: the whole model) -> device, as Accelerate writes it.
+    """
     pins: dict[str, str] = {}
+    names = "module paths or globs" if field == "pin" else "module or tensor names"
     if not isinstance(value, dict):
-        check.problem(
-            ("pin",), f"must map module paths or globs to devices, like {{lm_head: cuda:1}} (got {describe(value)})"
-        )
+        example = "{lm_head: cuda:1}" if field == "pin" else "{model.embed: 0, model.layers: 1}"
+        check.problem((field,), f"must map {names} to devices, like {example} (got {describe(value)})")
         return pins
     for key, device in value.items():
-        path: YamlPath = ("pin", key)
-        pattern = module_key(key)
+        path: YamlPath = (field, key)
+        pattern = "" if key == "" else module_key(key)  # '': the whole model, in a device map (pins may be one)
         if pattern is None:
             check.problem(
                 path,
-                f"a pin's key must be a module path or glob; quote paths that look like numbers (got {_short(key)})",
+                f"a {'pin' if field == 'pin' else 'device_map'}'s key must be a "
+                f"{'module path or glob' if field == 'pin' else 'module or tensor name'}; quote paths that look "
+                f"like numbers (got {_short(key)})",
             )
             continue
         name = check.attempt(path, partial(spec_device, device))
         if name is None:
             continue
         if devices and name not in devices:
+            verb = "pins to" if field == "pin" else "puts weights on"
             check.problem(
                 path,
-                f"pins to '{name}', which is not under devices ({', '.join(devices)}); "
-                "add it there or pin to one of those",
+                f"{verb} '{name}', which is not under devices ({', '.join(devices)}); "
+                f"add it there or {'pin to' if field == 'pin' else 'use'} one of those",
             )
             continue
         pins[pattern] = name

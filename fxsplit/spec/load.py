@@ -17,7 +17,7 @@ from fxsplit.spec.schema import SPEC_KEYS, Spec, SpecProblems
 from fxsplit.yamlfile import MAX_SPEC_BYTES, Problem, YamlPath, YamlProblems, format_path, load_yaml, read_limited
 from fxsplit.yamlfile import short_repr as _short
 
-__all__ = ["load_spec"]
+__all__ = ["load_device_map", "load_spec"]
 
 
 def load_spec(source: str | os.PathLike[str] | Mapping[str, Any] | Spec) -> Spec:
@@ -43,6 +43,22 @@ def load_spec(source: str | os.PathLike[str] | Mapping[str, Any] | Spec) -> Spec
     except YamlProblems as error:
         raise SpecProblems(name, list(error.problems)) from None
     return _validate(data, name, lines, problems, folder)
+
+
+def load_device_map(path: str | os.PathLike[str]) -> Spec:
+    """A device map file (JSON or YAML: module or tensor name -> device, as Accelerate writes it), read as
+    a spec holding only ``device_map``: its problems come with the file's lines.
+
+    Raises:
+        SpecProblems: every problem, each with its line.
+    """
+    name = str(Path(path))
+    try:
+        data, lines, problems = load_yaml(read_limited(path, "device map", MAX_SPEC_BYTES), "device map", name)
+    except YamlProblems as error:
+        raise SpecProblems(name, list(error.problems)) from None
+    lines = {("device_map", *key): line for key, line in lines.items()}
+    return _validate({"device_map": data}, name, lines, problems)
 
 
 def _read(source: str | os.PathLike[str]) -> tuple[str, str, str | None]:
@@ -78,6 +94,14 @@ def _validate(
     if "reserve" in data:
         default_reserve = check.attempt(("reserve",), lambda: parse_headroom(data["reserve"]))
     pins = read_pins(check, data.get("pin"), devices) if "pin" in data else {}
+    device_map = read_pins(check, data["device_map"], devices, "device_map") if "device_map" in data else None
+    clashing = [key for key in ("pin", "together", "pipeline", "contiguous", "offload") if data.get(key)]
+    if "device_map" in data and clashing:
+        check.problem(
+            ("device_map",),
+            f"places the weights (the ops go where they copy least), so it does not combine with "
+            f"{', '.join(clashing)}: drop them, or the device_map",
+        )
     together = read_together(check, data["together"]) if "together" in data else ()
     leaves = (
         check.string_list(data["leaf_modules"], ("leaf_modules",), "module path or class name")
@@ -122,6 +146,10 @@ def _validate(
     if profile is not None and not isinstance(profile, bool):
         check.problem(("profile",), f"must be true or false (got {_short(profile)})")
         profile = None
+    replicate = data.get("replicate")
+    if replicate is not None and not isinstance(replicate, bool):
+        check.problem(("replicate",), f"must be true or false (got {_short(replicate)})")
+        replicate = None
     output = None
     if "output_device" in data:
         output = check.attempt(("output_device",), lambda: spec_device(data["output_device"]))
@@ -132,6 +160,7 @@ def _validate(
         reserve=reserve,
         default_reserve=default_reserve,
         pins=pins,
+        device_map=device_map,
         together=together,
         leaf_modules=leaves,
         trace=trace,
@@ -146,6 +175,7 @@ def _validate(
         offload=offload,
         hardware=hardware,
         profile=profile,
+        replicate=replicate,
         source=source,
         lines=dict(lines),
     )

@@ -16,6 +16,7 @@ SPEC_KEYS = (
     "devices",
     "reserve",
     "pin",
+    "device_map",
     "together",
     "leaf_modules",
     "trace",
@@ -30,6 +31,7 @@ SPEC_KEYS = (
     "offload",
     "hardware",
     "profile",
+    "replicate",
 )
 DEVICE_KEYS = ("budget", "reserve")
 OFFLOAD_KEYS = tuple(Offload.__dataclass_fields__)  # host, disk, dir, prefetch
@@ -48,6 +50,7 @@ class Spec:
         reserve: device -> headroom named under that device.
         default_reserve: headroom for every device without its own.
         pins: module path or glob -> device.
+        device_map: module or tensor name -> device, as Accelerate writes it: where the weights live.
         together: groups of module patterns whose ops must share a device.
         leaf_modules: module paths or class names fx must not trace into.
         trace: ``"auto"``, ``"fx"`` or ``"export"``.
@@ -64,6 +67,8 @@ class Spec:
         hardware: device speeds and links for time estimates (``{devices: {cuda: {flops: 300T}}, links:
             {cuda:0 <-> cuda:1: {bandwidth: 300GB/s}}}``), or None.
         profile: time the ops by running them instead of estimating (None: the default, False).
+        replicate: let read-only weights be held on several devices when that copies less (None: the
+            default, True).
         source: the file name, for messages.
         lines: YAML path -> line number, for messages that come later.
     """
@@ -72,6 +77,7 @@ class Spec:
     reserve: dict[str, Headroom] = field(default_factory=dict)
     default_reserve: Headroom | None = None
     pins: dict[str, str] = field(default_factory=dict)
+    device_map: dict[str, str] | None = None
     together: tuple[tuple[str, ...], ...] = ()
     leaf_modules: tuple[str, ...] = ()
     trace: str | None = None
@@ -86,6 +92,7 @@ class Spec:
     offload: Offload | None = None
     hardware: Hardware | None = None
     profile: bool | None = None
+    replicate: bool | None = None
     source: str = "<spec>"
     lines: dict[YamlPath, int] = field(default_factory=dict, compare=False, repr=False)
 
@@ -103,6 +110,8 @@ class Spec:
         found: dict[str, Any] = {}
         if self.pins:
             found["pins"] = dict(self.pins)
+        if self.device_map is not None:
+            found["device_map"] = dict(self.device_map)
         if self.together:
             found["together"] = self.together
         if self.leaf_modules:
