@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
         "--profile",
         action="store_true",
         default=None,
-        help="time each op by running it (the time objectives; default: estimate from FLOPs and bytes)",
+        help="time each op, and each copy between devices, by running them (the time objectives; default: "
+        "estimate from FLOPs and bytes)",
     )
     overrides.add_argument(
         "--no-replicate",
