@@ -30,11 +30,19 @@ What a training step adds per op (``Work.train_flops`` / ``train_nbytes``), from
   An embedding's gradient is dense, the whole table
   (``embedding_dense_backward``: the table written as zeros, then the rows
   added), however few rows the lookup read;
-* batch norm in training reads its input twice more forward (the batch's
-  mean, then its variance, before normalising) and five times over backward
-  (the output's gradient and the input for two reductions, then both again
-  and the input's gradient written);
+* batch norm in training: :data:`BATCH_NORM_PASSES` passes over its input
+  beyond the forward's read and write. By memory traffic it would be 7 (the
+  batch's mean, then its variance, before normalising; the output's gradient
+  and the input read for two reductions, then both again and the input's
+  gradient written), but on a CPU core its loops run below the bandwidth:
+  ResNet-50's 53 batch norms measured 183 ms forward and backward, the time
+  of about 16 passes at the default 10 GB/s;
 * any other op: its forward again (its input's gradient from its output's).
+
+A convolution reaches ``P / (P + CONV_SMALL_MAP)`` of the peak for ``P``
+output positions per image: CPU kernels block over an image's positions, and
+on ResNet-50's 3x3 maps (``layer4``) they ran at 50-57 GFLOP/s against 65-78
+on 6x6 and larger maps (one core, forward; the backward alike).
 
 Which values require a gradient follows the whole graph: those computed from a
 trainable parameter; the model's inputs and buffers do not.
@@ -62,10 +70,11 @@ import torch.fx
 from fxsplit.hardware import DeviceSpeed
 from fxsplit.tracing.graphinfo import element_size, value_bytes
 
-__all__ = ["WEIGHT_GRADIENT_PASSES", "Work", "op_seconds", "op_work"]
+__all__ = ["BATCH_NORM_PASSES", "CONV_SMALL_MAP", "WEIGHT_GRADIENT_PASSES", "Work", "op_seconds", "op_work"]
 
 WEIGHT_GRADIENT_PASSES = 3.0  # adding a weight's gradient to .grad: both read, the sum written
-_BATCH_NORM_PASSES = 7.0  # batch norm's passes over its input in training beyond the forward's read and write
+BATCH_NORM_PASSES = 14.0  # batch norm's passes over its input in training beyond the forward's (see the notes)
+CONV_SMALL_MAP = 2.0  # output positions per image at which a convolution runs at half the peak
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,12 @@ class Work:
     train_flops: np.ndarray
     train_nbytes: np.ndarray
     grad_nbytes: np.ndarray
+    efficiency: np.ndarray | None = None
     known: bool = True
+
+    def rate(self, peak: float) -> np.ndarray:
+        """Per op, the FLOP/s it reaches on a device of ``peak`` FLOP/s (:attr:`efficiency` of the peak)."""
+        return peak * (np.ones(len(self.flops)) if self.efficiency is None else self.efficiency)
 
 
 _MATMULS = {"matmul", "mm", "bmm"}  # first argument times second
@@ -146,7 +160,7 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
     """
     n = len(ops)
     flops, nbytes, free, products = np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
-    train_flops, train_nbytes, grad_nbytes = np.zeros(n), np.zeros(n), np.zeros(n)
+    train_flops, train_nbytes, grad_nbytes, efficiency = np.zeros(n), np.zeros(n), np.zeros(n), np.ones(n)
     if not any("val" in node.meta or "tensor_meta" in node.meta for node in ops):
         return Work(np.ones(n), np.ones(n), free, products, np.ones(n), np.ones(n), np.zeros(n), known=False)
     modules = dict(graph_module.named_modules())
@@ -162,10 +176,11 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
             flops[index] = _numel(_value(node))
         nbytes[index] = _bytes_moved(node, module, dtype)
         products[index] = _is_product(node, module)
+        efficiency[index] = _efficiency(node, module)
         train_flops[index], train_nbytes[index], grad_nbytes[index] = _training_work(
             node, module, grads, (flops[index], nbytes[index]), products[index], dtype
         )
-    return Work(flops, nbytes, free, products, train_flops, train_nbytes, grad_nbytes)
+    return Work(flops, nbytes, free, products, train_flops, train_nbytes, grad_nbytes, efficiency)
 
 
 def op_seconds(work: Work, speed: DeviceSpeed, *, training: bool = False) -> np.ndarray:
@@ -174,11 +189,12 @@ def op_seconds(work: Work, speed: DeviceSpeed, *, training: bool = False) -> np.
     With ``training``, a forward and a backward: the backward a second op, whose roofline is that of
     :attr:`Work.train_flops` and :attr:`Work.train_nbytes`, then :attr:`Work.grad_nbytes` at the bandwidth.
     """
-    roofline = np.maximum(work.flops / speed.flops, work.nbytes / speed.bandwidth)
+    rate = work.rate(speed.flops)
+    roofline = np.maximum(work.flops / rate, work.nbytes / speed.bandwidth)
     forward = np.where(work.free, 0.0, speed.overhead + roofline)
     if not training:
         return forward
-    backward = np.maximum(work.train_flops / speed.flops, work.train_nbytes / speed.bandwidth)
+    backward = np.maximum(work.train_flops / rate, work.train_nbytes / speed.bandwidth)
     reached = ~work.free & ((work.train_flops > 0) | (work.train_nbytes > 0))
     return forward + np.where(reached, speed.overhead + backward, 0.0) + work.grad_nbytes / speed.bandwidth
 
@@ -188,6 +204,18 @@ def _is_product(node: torch.fx.Node, module: torch.nn.Module | None) -> bool:
         return isinstance(module, _PRODUCT_MODULES) or (_has_weights(module) and not isinstance(module, _NOT_PRODUCTS))
     name = _op_name(node)
     return name in _PRODUCTS or name == "convolution"
+
+
+def _efficiency(node: torch.fx.Node, module: torch.nn.Module | None) -> float:
+    """A convolution's share of the peak: ``P / (P + CONV_SMALL_MAP)`` for P output positions per image."""
+    conv = isinstance(module, torch.nn.modules.conv._ConvNd) or (
+        module is None and _op_name(node) in (_CONVS | _TRANSPOSED_CONVS | {"convolution"})
+    )
+    shape = getattr(_value(node), "shape", None)
+    if not conv or shape is None or len(shape) < 3:
+        return 1.0
+    positions = float(math.prod(int(s) for s in shape[2:]))
+    return positions / (positions + CONV_SMALL_MAP)
 
 
 def _has_weights(module: torch.nn.Module) -> bool:
@@ -252,7 +280,7 @@ def _training_work(
     if isinstance(module, _LOOKUP_MODULES) or _op_name(node) in _LOOKUPS:
         return _numel(_value(node)), 2.0 * out, accumulate + weights  # the rows added into a table of zeros
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) or _op_name(node) in _BATCH_NORMS:
-        return flops, _BATCH_NORM_PASSES * out, accumulate
+        return flops, BATCH_NORM_PASSES * out, accumulate
     if not product:
         return flops, nbytes, accumulate
     if module is not None:
