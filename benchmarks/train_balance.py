@@ -15,6 +15,11 @@ the script prints the plan, the planned and the measured forward + backward mill
 Copies between stages are not timed (they are a few percent of a stage on one CPU). It is the
 in-process check of the issue's bar "slowest / mean stage <= 1.10"; the machine's load skews it, so
 compare runs of one session.
+
+``--bound`` instead measures each op's forward and backward alone (``fxsplit.cost.profile``, as
+``profile=True`` does, one micro-batch) and prints the best balance any contiguous split of the op order
+into STAGES non-empty stages can reach with those times (copies left out): the floor under the bar for a
+model with one op heavier than a mean stage, such as GPT-2's tied LM head.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import time
 import torch
 
 import fxsplit
-from benchmarks.throughput_models import batched, model_spec
+from benchmarks.throughput_models import ModelSpec, batched, model_spec
 from fxsplit.pipeline.microbatch import first_microbatch
 from fxsplit.planning.timetable import stage_totals, time_lines
 
@@ -71,17 +76,58 @@ def measure(
     return [statistics.median(stage) for stage in zip(*runs, strict=True)], statistics.median(balances)
 
 
+def contiguous_bound(seconds: list[float], stages: int) -> tuple[float, list[float]]:
+    """The smallest slowest-stage / mean-stage over splits of ``seconds`` into ``stages`` non-empty runs."""
+    count = len(seconds)
+    best: dict[tuple[int, int], tuple[float, list[float]]] = {}  # (first op, stages left) -> (slowest, sums)
+    prefix = [0.0]
+    for s in seconds:
+        prefix.append(prefix[-1] + s)
+    for left in range(1, stages + 1):
+        for first in range(count - left, -1, -1):
+            if left == 1:
+                best[first, 1] = (prefix[count] - prefix[first], [prefix[count] - prefix[first]])
+                continue
+            options = []
+            for end in range(first + 1, count - left + 2):
+                slowest, sums = best[end, left - 1]
+                here = prefix[end] - prefix[first]
+                options.append((max(here, slowest), [here, *sums]))
+            best[first, left] = min(options, key=lambda option: option[0])
+    slowest, sums = best[0, stages]
+    return slowest / (prefix[count] / stages), sums
+
+
+def bound(model: torch.nn.Module, spec: ModelSpec, batch: torch.Tensor, stages: int) -> None:
+    from fxsplit.api import trace_and_plan
+    from fxsplit.cost.profile import profile_op_seconds
+
+    micro, _ = first_microbatch((batch,), None, CHUNKS)
+    planned = trace_and_plan(model, {"cpu:0": "1TiB"}, tuple(micro), {"trace": spec.trace, "mode": "training"})
+    graph, ops = planned.traced.graph_module, planned.costs.ops
+    seconds = profile_op_seconds(graph, ops, tuple(micro), {}, "cpu", repeats=5, backward=True)
+    heaviest = max(range(len(ops)), key=lambda i: seconds[i])
+    balance, sums = contiguous_bound(seconds, stages)
+    total, top = sum(seconds) * 1e3, seconds[heaviest] * 1e3
+    print(f"ops {len(ops)}, fwd+bwd {total:.0f} ms; heaviest {ops[heaviest].name} {top:.0f} ms")
+    print(f"best contiguous {stages} stages: ms", [f"{s * 1e3:.0f}" for s in sums], f"balance {balance:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", choices=sorted(BATCHES))
     parser.add_argument("stages", type=int)
     parser.add_argument("profile", type=int, nargs="?", default=0)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--bound", action="store_true", help="the best contiguous balance from per-op times")
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = batched(model_spec(args.model, False), BATCHES[args.model])
     model = spec.build()
     batch, _ = spec.inputs(0)
+    if args.bound:
+        bound(model, spec, batch, args.stages)
+        return
     whole = fxsplit.plan(
         model, {"cpu:0": "1TiB"}, example_inputs=(batch,), trace=spec.trace, mode="training", pipeline=CHUNKS
     )
