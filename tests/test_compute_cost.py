@@ -253,11 +253,16 @@ def test_batch_norm_is_elementwise_and_heavier_in_training() -> None:
     assert seconds[relu] < seconds[norm] < seconds[names.index("_0")]
 
 
-def test_convolutions_on_small_maps_run_below_peak() -> None:
-    def efficiency(size: int) -> float:
-        model = torch.nn.Conv2d(64, 64, 3, padding=1)
-        _, work, _ = _training(model, (torch.randn(2, 64, size, size),))
+def test_products_with_a_small_dimension_run_below_peak() -> None:
+    def efficiency(size: int, kernel: int = 3, channels: int = 64) -> float:
+        model = torch.nn.Conv2d(channels, 64, kernel, padding=kernel // 2)
+        _, work, _ = _training(model, (torch.randn(2, channels, size, size),))
         return float(work.rate(1.0)[0])
 
-    assert efficiency(3) < efficiency(6) < efficiency(24) < 1.0
-    assert efficiency(24) > 0.99
+    assert efficiency(3) < efficiency(6) < efficiency(24)  # small maps
+    assert efficiency(24) / efficiency(48) > 0.99  # large ones alike
+    assert efficiency(24, kernel=1) < 0.7 * efficiency(24)  # 64 multiply-adds per output against 576
+    assert efficiency(24, kernel=1, channels=1024) > 0.95
+    _, work, _ = _training(torch.nn.Linear(16, 64), (torch.randn(32, 16),))
+    _, wide, _ = _training(torch.nn.Linear(2048, 64), (torch.randn(32, 2048),))
+    assert work.rate(1.0)[0] < 0.5 < 0.95 < wide.rate(1.0)[0]

@@ -39,10 +39,16 @@ What a training step adds per op (``Work.train_flops`` / ``train_nbytes``), from
   of about 16 passes at the default 10 GB/s;
 * any other op: its forward again (its input's gradient from its output's).
 
-A convolution reaches ``P / (P + CONV_SMALL_MAP)`` of the peak for ``P``
-output positions per image: CPU kernels block over an image's positions, and
-on ResNet-50's 3x3 maps (``layer4``) they ran at 50-57 GFLOP/s against 65-78
-on 6x6 and larger maps (one core, forward; the backward alike).
+Products run below the peak when a dimension is small (:attr:`Work.efficiency`):
+
+* a short reduction (``K``: a matrix product's inner size, a convolution's
+  input channels times its kernel) gives each output few multiply-adds for
+  its load and store: ``K / (K + SHORT_REDUCTION)`` of the peak. ResNet-50's
+  1x1 convolutions of 64 input channels ran at 38-55 GFLOP/s on one core,
+  its 3x3 ones (K 576-2304) at 71-79;
+* a convolution's kernels block over an image's output positions ``P``:
+  ``P / (P + CONV_SMALL_MAP)``. ResNet-50's ``layer4`` convolutions, on 3x3
+  maps, ran at 50-57 GFLOP/s against 65-78 on 6x6 and larger maps.
 
 Which values require a gradient follows the whole graph: those computed from a
 trainable parameter; the model's inputs and buffers do not.
@@ -70,10 +76,19 @@ import torch.fx
 from fxsplit.hardware import DeviceSpeed
 from fxsplit.tracing.graphinfo import element_size, value_bytes
 
-__all__ = ["BATCH_NORM_PASSES", "CONV_SMALL_MAP", "WEIGHT_GRADIENT_PASSES", "Work", "op_seconds", "op_work"]
+__all__ = [
+    "BATCH_NORM_PASSES",
+    "CONV_SMALL_MAP",
+    "SHORT_REDUCTION",
+    "WEIGHT_GRADIENT_PASSES",
+    "Work",
+    "op_seconds",
+    "op_work",
+]
 
 WEIGHT_GRADIENT_PASSES = 3.0  # adding a weight's gradient to .grad: both read, the sum written
 BATCH_NORM_PASSES = 14.0  # batch norm's passes over its input in training beyond the forward's (see the notes)
+SHORT_REDUCTION = 40.0  # a product's reduction length at which it runs at half the peak
 CONV_SMALL_MAP = 2.0  # output positions per image at which a convolution runs at half the peak
 
 
@@ -90,6 +105,7 @@ class Work:
         train_flops: FLOPs a training step adds to the forward's (the backward; see the module's notes).
         train_nbytes: bytes a training step adds in the kernels of the backward (and batch statistics).
         grad_nbytes: bytes of adding weight gradients to ``.grad`` (and an embedding's dense gradient's zeros).
+        efficiency: the share of the peak each op's FLOPs run at (None: all of it).
         known: False when the graph had no shapes (every op then counts as one unit of work).
     """
 
@@ -207,15 +223,27 @@ def _is_product(node: torch.fx.Node, module: torch.nn.Module | None) -> bool:
 
 
 def _efficiency(node: torch.fx.Node, module: torch.nn.Module | None) -> float:
-    """A convolution's share of the peak: ``P / (P + CONV_SMALL_MAP)`` for P output positions per image."""
-    conv = isinstance(module, torch.nn.modules.conv._ConvNd) or (
-        module is None and _op_name(node) in (_CONVS | _TRANSPOSED_CONVS | {"convolution"})
-    )
+    """A product's share of the peak for its reduction's length and a convolution's map (see the notes)."""
+    name = _op_name(node) if module is None else ""
+    conv = isinstance(module, torch.nn.modules.conv._ConvNd) or name in (_CONVS | _TRANSPOSED_CONVS | {"convolution"})
     shape = getattr(_value(node), "shape", None)
-    if not conv or shape is None or len(shape) < 3:
+    if shape is None:
         return 1.0
-    positions = float(math.prod(int(s) for s in shape[2:]))
-    return positions / (positions + CONV_SMALL_MAP)
+    if conv and len(shape) >= 3:
+        weight = _shape(node.args[1] if module is None else module.weight)
+        reduction = float(math.prod(weight[1:]))
+        positions = float(math.prod(int(s) for s in shape[2:]))
+        return _short(reduction, SHORT_REDUCTION) * _short(positions, CONV_SMALL_MAP)
+    if isinstance(module, torch.nn.Linear):
+        return _short(float(module.in_features), SHORT_REDUCTION)
+    if name in _MATMULS or name in _ADD_MATMULS or name == "linear":
+        first = node.args[1] if name in _ADD_MATMULS else node.args[0]
+        return _short(float(_shape(first)[-1]), SHORT_REDUCTION)
+    return 1.0
+
+
+def _short(size: float, half: float) -> float:  # the share of the peak with one small dimension
+    return size / (size + half) if size > 0 else 1.0
 
 
 def _has_weights(module: torch.nn.Module) -> bool:
