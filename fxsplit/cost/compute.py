@@ -100,8 +100,7 @@ class Work:
         flops: floating-point operations per op.
         nbytes: bytes each op reads and writes.
         free: True for ops that make no new tensor (views, ``getitem``): they cost no time.
-        products: True for ops whose FLOPs are products (matmuls, convolutions, attention, linear
-            and convolution modules).
+        products: True for ops whose FLOPs are products (matmuls, convolutions, attention, their modules).
         train_flops: FLOPs a training step adds to the forward's (the backward; see the module's notes).
         train_nbytes: bytes a training step adds in the kernels of the backward (and batch statistics).
         grad_nbytes: bytes of adding weight gradients to ``.grad`` (and an embedding's dense gradient's zeros).
