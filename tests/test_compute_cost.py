@@ -196,3 +196,73 @@ def test_profiled_pipeline_stages_across_ranks_must_share_one_plan(monkeypatch: 
             chunks=2,
             profile=True,
         )
+
+
+def _training(model: torch.nn.Module, inputs: tuple, trace: str = "fx") -> tuple[list[str], object, object]:
+    planned = trace_and_plan(model, {"cpu:0": "1GiB"}, inputs, {"trace": trace, "mode": "weights"})
+    ops = planned.costs.ops
+    work = op_work(planned.traced.graph_module, ops)
+    return [op.name for op in ops], work, op_seconds(work, DEFAULT_SPEEDS["cpu"], training=True)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_first_product_computes_only_its_weight_gradient(trace: str) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256, bias=False))
+    names, work, seconds = _training(model, (torch.randn(64, 256),), trace)
+    first, second = [i for i in range(len(names)) if work.products[i]]
+    assert work.flops[first] == work.flops[second]  # the same forward...
+    assert work.train_flops[second] == 2 * work.flops[second]  # ...the second: its input's and its weight's gradients
+    assert work.train_flops[first] == work.flops[first]  # the model's input takes no gradient: the weight's only
+    assert seconds[first] < seconds[second]
+
+
+def test_ops_before_any_weight_have_no_backward() -> None:
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x * 2).relu()
+
+    names, work, _ = _training(Scaled(), (torch.randn(8, 64),))
+    scale, relu = names.index("mul"), names.index("relu")
+    assert work.train_flops[scale] == 0 and work.train_nbytes[scale] == 0  # autograd never reaches it
+    assert work.train_flops[relu] > 0
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_embedding_backward_writes_the_whole_table(trace: str) -> None:
+    table = 60_000 * 64 * 4
+    few, many = (torch.randint(0, 60_000, (2, 4)),), (torch.randint(0, 60_000, (8, 64)),)
+    _, work_few, _ = _training(EmbeddingHeavy(), few, trace)
+    _, work_many, _ = _training(EmbeddingHeavy(), many, trace)
+    lookup = int(work_few.nbytes.argmax())
+    assert work_few.nbytes[lookup] < table / 100  # the forward reads only the rows it returns...
+    assert work_few.grad_nbytes[lookup] >= 3 * table  # ...the gradient is the dense table, added to .grad
+    assert work_many.grad_nbytes[lookup] == work_few.grad_nbytes[lookup]  # however many rows were read
+
+
+def test_batch_norm_is_elementwise_and_heavier_in_training() -> None:
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.BatchNorm2d(64), torch.nn.ReLU())
+    x = torch.randn(4, 64, 16, 16)
+    names, work, seconds = _training(model, (x,))
+    norm, relu = names.index("_1"), names.index("_2")
+    assert not work.products[norm] and work.flops[norm] == x.numel()  # not 2 FLOPs per weight per row
+    assert work.train_nbytes[norm] > 4 * work.train_nbytes[relu]  # batch statistics and two backward passes
+    assert seconds[relu] < seconds[norm] < seconds[names.index("_0")]
+
+
+def test_products_with_a_small_dimension_run_below_peak() -> None:
+    def efficiency(size: int, kernel: int = 3, channels: int = 64) -> float:
+        model = torch.nn.Conv2d(channels, 64, kernel, padding=kernel // 2)
+        _, work, _ = _training(model, (torch.randn(2, channels, size, size),))
+        return float(work.rate(1.0)[0])
+
+    assert efficiency(3) < efficiency(6) < efficiency(24)  # small maps
+    assert efficiency(24) / efficiency(48) > 0.99  # large ones alike
+    assert efficiency(24, kernel=1) < 0.7 * efficiency(24)  # 64 multiply-adds per output against 576
+    assert efficiency(24, kernel=1, channels=1024) > 0.95
+    _, work, _ = _training(torch.nn.Linear(16, 64), (torch.randn(32, 16),))
+    _, wide, _ = _training(torch.nn.Linear(2048, 64), (torch.randn(32, 2048),))
+    assert work.rate(1.0)[0] < 0.5 < 0.95 < wide.rate(1.0)[0]

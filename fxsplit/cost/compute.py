@@ -18,6 +18,41 @@ Views, ``getitem`` and other ops that make no new tensor cost nothing.
 :func:`op_seconds` turns the work into seconds on a device
 (:class:`~fxsplit.hardware.DeviceSpeed`: a roofline plus a cost per op).
 
+What a training step adds per op (``Work.train_flops`` / ``train_nbytes``), from what autograd runs:
+
+* a product computes one gradient per operand that requires one, each about
+  the forward's FLOPs and bytes: a layer's first product, reading the model's
+  input, computes its weight's gradient only; two activations multiplied
+  (attention) both;
+* an op that reads trainable weights adds their gradient to ``.grad`` every
+  micro-batch, a memory-bound kernel of its own (``grad_nbytes``: the weights'
+  bytes read twice and written once), on top of the kernels that compute it.
+  An embedding's gradient is dense, the whole table
+  (``embedding_dense_backward``: the table written as zeros, then the rows
+  added), however few rows the lookup read;
+* batch norm in training: :data:`BATCH_NORM_PASSES` passes over its input
+  beyond the forward's read and write. By memory traffic it would be 7 (the
+  batch's mean, then its variance, before normalising; the output's gradient
+  and the input read for two reductions, then both again and the input's
+  gradient written), but on a CPU core its loops run below the bandwidth:
+  ResNet-50's 53 batch norms measured 183 ms forward and backward, the time
+  of about 16 passes at the default 10 GB/s;
+* any other op: its forward again (its input's gradient from its output's).
+
+Products run below the peak when a dimension is small (:attr:`Work.efficiency`):
+
+* a short reduction (``K``: a matrix product's inner size, a convolution's
+  input channels times its kernel) gives each output few multiply-adds for
+  its load and store: ``K / (K + SHORT_REDUCTION)`` of the peak. ResNet-50's
+  1x1 convolutions of 64 input channels ran at 38-55 GFLOP/s on one core,
+  its 3x3 ones (K 576-2304) at 71-79;
+* a convolution's kernels block over an image's output positions ``P``:
+  ``P / (P + CONV_SMALL_MAP)``. ResNet-50's ``layer4`` convolutions, on 3x3
+  maps, ran at 50-57 GFLOP/s against 65-78 on 6x6 and larger maps.
+
+Which values require a gradient follows the whole graph: those computed from a
+trainable parameter; the model's inputs and buffers do not.
+
 >>> import torch, torch.fx
 >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU()))
 >>> from torch.fx.passes.shape_prop import ShapeProp
@@ -41,9 +76,20 @@ import torch.fx
 from fxsplit.hardware import DeviceSpeed
 from fxsplit.tracing.graphinfo import element_size, value_bytes
 
-__all__ = ["PRODUCT_BACKWARD", "Work", "op_seconds", "op_work"]
+__all__ = [
+    "BATCH_NORM_PASSES",
+    "CONV_SMALL_MAP",
+    "SHORT_REDUCTION",
+    "WEIGHT_GRADIENT_PASSES",
+    "Work",
+    "op_seconds",
+    "op_work",
+]
 
-PRODUCT_BACKWARD = 2.0  # a product's backward, in forwards: the input's gradient and the weight's
+WEIGHT_GRADIENT_PASSES = 3.0  # adding a weight's gradient to .grad: both read, the sum written
+BATCH_NORM_PASSES = 14.0  # batch norm's passes over its input in training beyond the forward's (see the notes)
+SHORT_REDUCTION = 40.0  # a product's reduction length at which it runs at half the peak
+CONV_SMALL_MAP = 2.0  # output positions per image at which a convolution runs at half the peak
 
 
 @dataclass(frozen=True)
@@ -54,9 +100,11 @@ class Work:
         flops: floating-point operations per op.
         nbytes: bytes each op reads and writes.
         free: True for ops that make no new tensor (views, ``getitem``): they cost no time.
-        products: True for ops whose FLOPs are products (matmuls, convolutions, attention, modules
-            with weights), whose backward does about twice their forward's work (the gradients of
-            the input and of the weight); an elementwise op's backward does about its forward's.
+        products: True for ops whose FLOPs are products (matmuls, convolutions, attention, their modules).
+        train_flops: FLOPs a training step adds to the forward's (the backward; see the module's notes).
+        train_nbytes: bytes a training step adds in the kernels of the backward (and batch statistics).
+        grad_nbytes: bytes of adding weight gradients to ``.grad`` (and an embedding's dense gradient's zeros).
+        efficiency: the share of the peak each op's FLOPs run at (None: all of it).
         known: False when the graph had no shapes (every op then counts as one unit of work).
     """
 
@@ -64,11 +112,15 @@ class Work:
     nbytes: np.ndarray
     free: np.ndarray
     products: np.ndarray
+    train_flops: np.ndarray
+    train_nbytes: np.ndarray
+    grad_nbytes: np.ndarray
+    efficiency: np.ndarray | None = None
     known: bool = True
 
-    def backward_factor(self) -> np.ndarray:
-        """Per op, its backward's work in forwards: :data:`PRODUCT_BACKWARD` for products, else 1 (0 if free)."""
-        return np.where(self.free, 0.0, np.where(self.products, PRODUCT_BACKWARD, 1.0))
+    def rate(self, peak: float) -> np.ndarray:
+        """Per op, the FLOP/s it reaches on a device of ``peak`` FLOP/s (:attr:`efficiency` of the peak)."""
+        return peak * (np.ones(len(self.flops)) if self.efficiency is None else self.efficiency)
 
 
 _MATMULS = {"matmul", "mm", "bmm"}  # first argument times second
@@ -79,6 +131,15 @@ _PRODUCTS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scaled_dot_pr
 _PRODUCTS |= {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
 _LOOKUPS = {"embedding", "embedding_bag"}
 _LOOKUP_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+_PRODUCT_MODULES = (torch.nn.Linear, torch.nn.modules.conv._ConvNd)
+_NORM_MODULES = (
+    torch.nn.modules.batchnorm._NormBase,
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.LocalResponseNorm,
+)
+_NOT_PRODUCTS = (*_LOOKUP_MODULES, *_NORM_MODULES)
+_BATCH_NORMS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"}
 _VIEW_NAMES = {
     "view",
     "reshape",
@@ -114,9 +175,11 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
     """
     n = len(ops)
     flops, nbytes, free, products = np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    train_flops, train_nbytes, grad_nbytes, efficiency = np.zeros(n), np.zeros(n), np.zeros(n), np.ones(n)
     if not any("val" in node.meta or "tensor_meta" in node.meta for node in ops):
-        return Work(np.ones(n), np.ones(n), free, products, known=False)
+        return Work(np.ones(n), np.ones(n), free, products, np.ones(n), np.ones(n), np.zeros(n), known=False)
     modules = dict(graph_module.named_modules())
+    grads = _requires_grad(graph_module, modules)
     for index, node in enumerate(ops):
         if _is_free(node):
             free[index] = True
@@ -128,27 +191,133 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
             flops[index] = _numel(_value(node))
         nbytes[index] = _bytes_moved(node, module, dtype)
         products[index] = _is_product(node, module)
-    return Work(flops, nbytes, free, products)
+        efficiency[index] = _efficiency(node, module)
+        train_flops[index], train_nbytes[index], grad_nbytes[index] = _training_work(
+            node, module, grads, (flops[index], nbytes[index]), products[index], dtype
+        )
+    return Work(flops, nbytes, free, products, train_flops, train_nbytes, grad_nbytes, efficiency)
 
 
 def op_seconds(work: Work, speed: DeviceSpeed, *, training: bool = False) -> np.ndarray:
     """Seconds per op on a device of ``speed``: ``overhead + max(flops / peak, bytes / bandwidth)``; 0 for free ops.
 
-    With ``training``, a forward and a backward: the backward a second op whose roofline is
-    :meth:`Work.backward_factor` times the forward's.
+    With ``training``, a forward and a backward: the backward a second op, whose roofline is that of
+    :attr:`Work.train_flops` and :attr:`Work.train_nbytes`, then :attr:`Work.grad_nbytes` at the bandwidth.
     """
-    roofline = np.maximum(work.flops / speed.flops, work.nbytes / speed.bandwidth)
+    rate = work.rate(speed.flops)
+    roofline = np.maximum(work.flops / rate, work.nbytes / speed.bandwidth)
     forward = np.where(work.free, 0.0, speed.overhead + roofline)
     if not training:
         return forward
-    return forward + np.where(work.free, 0.0, speed.overhead + roofline * work.backward_factor())
+    backward = np.maximum(work.train_flops / rate, work.train_nbytes / speed.bandwidth)
+    reached = ~work.free & ((work.train_flops > 0) | (work.train_nbytes > 0))
+    return forward + np.where(reached, speed.overhead + backward, 0.0) + work.grad_nbytes / speed.bandwidth
 
 
 def _is_product(node: torch.fx.Node, module: torch.nn.Module | None) -> bool:
     if module is not None:
-        return any(True for _ in module.parameters()) and not isinstance(module, _LOOKUP_MODULES)
+        return isinstance(module, _PRODUCT_MODULES) or (_has_weights(module) and not isinstance(module, _NOT_PRODUCTS))
     name = _op_name(node)
     return name in _PRODUCTS or name == "convolution"
+
+
+def _efficiency(node: torch.fx.Node, module: torch.nn.Module | None) -> float:
+    """A product's share of the peak for its reduction's length and a convolution's map (see the notes)."""
+    name = _op_name(node) if module is None else ""
+    conv = isinstance(module, torch.nn.modules.conv._ConvNd) or name in (_CONVS | _TRANSPOSED_CONVS | {"convolution"})
+    shape = getattr(_value(node), "shape", None)
+    if shape is None:
+        return 1.0
+    if conv and len(shape) >= 3:
+        weight = _shape(node.args[1] if module is None else module.weight)
+        reduction = float(math.prod(weight[1:]))
+        positions = float(math.prod(int(s) for s in shape[2:]))
+        return _short(reduction, SHORT_REDUCTION) * _short(positions, CONV_SMALL_MAP)
+    if isinstance(module, torch.nn.Linear):
+        return _short(float(module.in_features), SHORT_REDUCTION)
+    if name in _MATMULS or name in _ADD_MATMULS or name == "linear":
+        first = node.args[1] if name in _ADD_MATMULS else node.args[0]
+        return _short(float(_shape(first)[-1]), SHORT_REDUCTION)
+    return 1.0
+
+
+def _short(size: float, half: float) -> float:  # the share of the peak with one small dimension
+    return size / (size + half) if size > 0 else 1.0
+
+
+def _has_weights(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _requires_grad(graph_module: torch.fx.GraphModule, modules: dict[str, torch.nn.Module]) -> set[torch.fx.Node]:
+    """The nodes whose value takes a gradient in training: floating values computed from a trainable parameter."""
+    trainable = {name for name, p in graph_module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    found: set[torch.fx.Node] = set()
+    for node in graph_module.graph.nodes:
+        if node.op == "get_attr":
+            needs = str(node.target) in trainable
+        elif node.op == "placeholder" or node.op == "output":
+            needs = False
+        else:
+            module = modules.get(str(node.target)) if node.op == "call_module" else None
+            own = module is not None and any(p.requires_grad for p in module.parameters())
+            needs = own or any(source in found for source in node.all_input_nodes)
+            value = _value(node)
+            dtype = getattr(value, "dtype", None)
+            if dtype is not None and not dtype.is_floating_point:
+                needs = False
+        if needs:
+            found.add(node)
+    return found
+
+
+def _operands(node: torch.fx.Node) -> list[Any]:
+    """A product's multiplied operands (not an ``addmm``'s added bias)."""
+    name = _op_name(node)
+    if name in _ADD_MATMULS:
+        return list(node.args[1:3])
+    if name == "scaled_dot_product_attention":
+        return list(node.args[:3])
+    return list(node.args[:2])
+
+
+def _weights_bytes(node: torch.fx.Node, module: torch.nn.Module | None, grads: set[torch.fx.Node], dtype: Any) -> float:
+    """Bytes of the trainable weights ``node`` reads: a module's own, or parameters it takes as inputs."""
+    if module is not None:
+        return float(sum(p.numel() * element_size(p.dtype, dtype) for p in module.parameters() if p.requires_grad))
+    sources = [s for s in dict.fromkeys(node.all_input_nodes) if s.op == "get_attr" and s in grads]
+    return float(sum(value_bytes(s, float_dtype=dtype) or 0 for s in sources))
+
+
+def _training_work(
+    node: torch.fx.Node,
+    module: torch.nn.Module | None,
+    grads: set[torch.fx.Node],
+    forward: tuple[float, float],
+    product: bool,
+    dtype: Any,
+) -> tuple[float, float, float]:
+    """FLOPs and bytes of the backward's kernels for ``node``, and bytes of adding its weights' gradients."""
+    flops, nbytes = forward
+    if node not in grads and not any(s in grads for s in node.all_input_nodes):
+        return 0.0, 0.0, 0.0  # nothing before it or in it takes a gradient: autograd never reaches it
+    weights = _weights_bytes(node, module, grads, dtype)
+    accumulate = WEIGHT_GRADIENT_PASSES * weights
+    out = float(value_bytes(node, float_dtype=dtype) or 0)
+    if isinstance(module, _LOOKUP_MODULES) or _op_name(node) in _LOOKUPS:
+        return _numel(_value(node)), 2.0 * out, accumulate + weights  # the rows added into a table of zeros
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) or _op_name(node) in _BATCH_NORMS:
+        return flops, BATCH_NORM_PASSES * out, accumulate
+    if not product:
+        return flops, nbytes, accumulate
+    if module is not None:
+        first = node.args[0] if node.args else None
+        count = int(isinstance(first, torch.fx.Node) and first in grads) + int(weights > 0)
+    else:
+        count = sum(1 for a in _operands(node) if isinstance(a, torch.fx.Node) and a in grads)
+        if _op_name(node) == "scaled_dot_product_attention":
+            count = 2 * int(count > 0)  # its backward: about two forwards of matrix products
+    return count * flops, count * nbytes, accumulate
 
 
 def _is_free(node: torch.fx.Node) -> bool:
@@ -227,6 +396,8 @@ def _module_flops(module: torch.nn.Module, node: torch.fx.Node, out: Any) -> flo
         return 2.0 * _numel(out) * kernel
     if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
         return 0.0
+    if isinstance(module, _NORM_MODULES):
+        return _numel(out)  # elementwise: normalise, scale and shift each element
     params = sum(p.numel() for p in module.parameters())
     shape = getattr(out, "shape", None)
     if params and shape is not None and len(shape) >= 1 and int(shape[-1]):

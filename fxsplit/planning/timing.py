@@ -3,8 +3,8 @@
 
 Op seconds are estimated from each op's FLOPs and bytes (:mod:`fxsplit.cost.compute`) on the
 device's speed (:class:`~fxsplit.hardware.Hardware`), or measured (``profile=True``). A training
-step adds each op's backward (:meth:`~fxsplit.cost.compute.Work.backward_factor`: twice the forward's
-work for products such as matmuls and convolutions, once for elementwise ops) and counts each copy
+step adds each op's backward (:attr:`~fxsplit.cost.compute.Work.train_flops` and ``train_nbytes``: a
+product's gradients, weight gradients, batch statistics; see :mod:`fxsplit.cost.compute`) and counts each copy
 twice (the value forward, its gradient back).
 """
 
