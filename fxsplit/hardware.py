@@ -42,6 +42,7 @@ __all__ = [
     "DeviceSpeed",
     "Hardware",
     "Link",
+    "SPEED_KEYS",
     "format_seconds",
     "parse_flops",
     "parse_rate",
@@ -57,14 +58,24 @@ class DeviceSpeed:
         flops: peak floating-point operations per second.
         bandwidth: memory bandwidth in bytes per second.
         overhead: seconds every op costs however small (dispatch, kernel launch).
+        half_reduction: a product's reduction length (``K``) at which it runs at half the peak:
+            ``K / (K + half_reduction)`` of it (0: every product at the peak).
+        half_map: a convolution's output positions per image at which it runs at half the peak (0: none).
+        norm_passes: passes over its input a batch norm makes in training beyond its forward's.
     """
 
     flops: float
     bandwidth: float
     overhead: float = 0.0
+    half_reduction: float = 0.0
+    half_map: float = 0.0
+    norm_passes: float = 7.0
 
     def to_dict(self) -> dict[str, float]:
-        return {"flops": self.flops, "bandwidth": self.bandwidth, "overhead": self.overhead}
+        return {key: getattr(self, key) for key in SPEED_KEYS}
+
+
+SPEED_KEYS = ("flops", "bandwidth", "overhead", "half_reduction", "half_map", "norm_passes")
 
 
 @dataclass(frozen=True)
@@ -89,7 +100,8 @@ class Link:
 
 DEFAULT_SPEEDS: dict[str, DeviceSpeed] = {
     "cuda": DeviceSpeed(flops=100e12, bandwidth=2e12, overhead=10e-6),  # a data-centre GPU, 16-bit matmuls
-    "cpu": DeviceSpeed(flops=50e9, bandwidth=10e9, overhead=5e-6),  # one core
+    # one core; products below the peak and batch norm's passes as measured on one here (docs/TIME.md)
+    "cpu": DeviceSpeed(flops=50e9, bandwidth=10e9, overhead=5e-6, half_reduction=40.0, half_map=2.0, norm_passes=14.0),
     "other": DeviceSpeed(flops=10e12, bandwidth=400e9, overhead=10e-6),  # mps, xpu, ...: a laptop-class GPU
 }
 """Device kind -> speed, where :class:`Hardware` names neither the device nor its kind."""
@@ -143,7 +155,8 @@ class Hardware:
         """Hardware from Hardware, None (all defaults) or a mapping ``{"devices": {...}, "links": {...}}``.
 
         Device entries take ``flops`` (``"300T"``, ``"300 TFLOP/s"`` or a number), ``bandwidth``
-        (``"2TB/s"``, ``"25GiB/s"`` or bytes per second) and ``overhead`` (``"10us"`` or seconds);
+        (``"2TB/s"``, ``"25GiB/s"`` or bytes per second), ``overhead`` (``"10us"`` or seconds) and
+        the plain numbers ``half_reduction``, ``half_map`` and ``norm_passes`` (:class:`DeviceSpeed`);
         what an entry leaves out comes from the default for its kind. Link keys are ``"a <-> b"``
         strings or ``(a, b)`` pairs of devices or kinds; entries take ``bandwidth`` and ``latency``.
 
@@ -178,14 +191,27 @@ def _speed(name: str, entry: Any) -> DeviceSpeed:
         return entry
     if not isinstance(entry, Mapping):
         raise SpecError(f"hardware device {name!r} must be a mapping like {{'flops': '300T', 'bandwidth': '2TB/s'}}")
-    _only(entry, ("flops", "bandwidth", "overhead"), f"hardware device {name!r}")
+    _only(entry, SPEED_KEYS, f"hardware device {name!r}")
     base = DEFAULT_SPEEDS.get(_kind(name), DEFAULT_SPEEDS["other"])
     where = f"hardware device {name!r}"
     return DeviceSpeed(
         flops=parse_flops(entry["flops"], what=f"{where} flops") if "flops" in entry else base.flops,
         bandwidth=parse_rate(entry["bandwidth"], what=f"{where} bandwidth") if "bandwidth" in entry else base.bandwidth,
         overhead=parse_seconds(entry["overhead"], what=f"{where} overhead") if "overhead" in entry else base.overhead,
+        half_reduction=_count(entry, "half_reduction", base.half_reduction, where),
+        half_map=_count(entry, "half_map", base.half_map, where),
+        norm_passes=_count(entry, "norm_passes", base.norm_passes, where),
     )
+
+
+def _count(entry: Mapping[str, Any], key: str, default: float, where: str) -> float:
+    """A plain non-negative number under ``key`` (``default`` when absent)."""
+    if key not in entry:
+        return default
+    value = entry[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise SpecError(f"{where} {key} must be a number >= 0 (got {value!r})")
+    return float(value)
 
 
 def _pair(key: Any) -> tuple[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -13,6 +14,8 @@ from fxsplit.cost.compute import op_seconds, op_work
 from fxsplit.errors import SpecError
 from fxsplit.hardware import DEFAULT_SPEEDS, Hardware, parse_flops, parse_rate, parse_seconds
 from fxsplit.planning.plan import Plan
+
+CPU = DEFAULT_SPEEDS["cpu"]
 
 
 def _mlp(blocks: int = 8, width: int = 256) -> torch.nn.Sequential:
@@ -160,6 +163,16 @@ def test_hardware_values_parse_and_bad_ones_say_how() -> None:
         fxsplit.plan(torch.nn.Linear(2, 2), {"cpu:0": "1KiB"}, hardwares={})
 
 
+def test_efficiency_and_norm_passes_are_per_device_kind() -> None:
+    hw = Hardware.coerce({"devices": {"cpu:1": {"half_reduction": 0, "flops": "80G"}, "cuda": {"norm_passes": 9}}})
+    mine, other = hw.speed("cpu:1"), hw.speed("cpu:0")
+    assert (mine.half_reduction, mine.half_map, mine.flops) == (0.0, CPU.half_map, 80e9)  # the rest from cpu's
+    assert other == CPU and hw.speed("cuda:0").norm_passes == 9.0 and hw.speed("cuda:0").half_map == 0.0
+    assert Hardware.coerce(hw.to_dict()) == hw
+    with pytest.raises(SpecError, match="half_map must be a number >= 0"):
+        Hardware.coerce({"devices": {"cpu": {"half_map": "2"}}})
+
+
 def test_profile_plans_with_measured_times_and_refuses_meta() -> None:
     model, x = _mlp(4, 256), torch.randn(64, 256)
     threads = torch.get_num_threads()
@@ -249,15 +262,19 @@ def test_batch_norm_is_elementwise_and_heavier_in_training() -> None:
     names, work, seconds = _training(model, (x,))
     norm, relu = names.index("_1"), names.index("_2")
     assert not work.products[norm] and work.flops[norm] == x.numel()  # not 2 FLOPs per weight per row
-    assert work.train_nbytes[norm] > 4 * work.train_nbytes[relu]  # batch statistics and two backward passes
+    assert work.norm_nbytes[norm] == 4 * x.numel() and not work.norm_nbytes[relu]  # its passes: the device's
     assert seconds[relu] < seconds[norm] < seconds[names.index("_0")]
+    gpu, cpu = DEFAULT_SPEEDS["cuda"], DEFAULT_SPEEDS["cpu"]
+    assert gpu.norm_passes == 7 < cpu.norm_passes  # by memory traffic; on one CPU core as measured
+    fast = dataclasses.replace(cpu, norm_passes=gpu.norm_passes)
+    assert op_seconds(work, fast, training=True)[norm] < seconds[norm]
 
 
 def test_products_with_a_small_dimension_run_below_peak() -> None:
     def efficiency(size: int, kernel: int = 3, channels: int = 64) -> float:
         model = torch.nn.Conv2d(channels, 64, kernel, padding=kernel // 2)
         _, work, _ = _training(model, (torch.randn(2, channels, size, size),))
-        return float(work.rate(1.0)[0])
+        return float(work.rate(CPU)[0]) / CPU.flops
 
     assert efficiency(3) < efficiency(6) < efficiency(24)  # small maps
     assert efficiency(24) / efficiency(48) > 0.99  # large ones alike
@@ -265,4 +282,5 @@ def test_products_with_a_small_dimension_run_below_peak() -> None:
     assert efficiency(24, kernel=1, channels=1024) > 0.95
     _, work, _ = _training(torch.nn.Linear(16, 64), (torch.randn(32, 16),))
     _, wide, _ = _training(torch.nn.Linear(2048, 64), (torch.randn(32, 2048),))
-    assert work.rate(1.0)[0] < 0.5 < 0.95 < wide.rate(1.0)[0]
+    assert work.rate(CPU)[0] < 0.5 * CPU.flops < 0.95 * CPU.flops < wide.rate(CPU)[0]
+    assert (work.rate(DEFAULT_SPEEDS["cuda"]) == DEFAULT_SPEEDS["cuda"].flops).all()  # measured on CPU only

@@ -30,24 +30,22 @@ What a training step adds per op (``Work.train_flops`` / ``train_nbytes``), from
   An embedding's gradient is dense, the whole table
   (``embedding_dense_backward``: the table written as zeros, then the rows
   added), however few rows the lookup read;
-* batch norm in training: :data:`BATCH_NORM_PASSES` passes over its input
-  beyond the forward's read and write. By memory traffic it would be 7 (the
-  batch's mean, then its variance, before normalising; the output's gradient
-  and the input read for two reductions, then both again and the input's
-  gradient written), but on a CPU core its loops run below the bandwidth:
-  ResNet-50's 53 batch norms measured 183 ms forward and backward, the time
-  of about 16 passes at the default 10 GB/s;
+* batch norm in training: the device's ``norm_passes`` passes over its input beyond the forward's
+  read and write: 7 by memory traffic (the batch's mean and variance; the output's gradient and the
+  input read for two reductions, then again, the input's gradient written); 14 on ``cpu``, whose
+  loops run below the bandwidth (ResNet-50's 53 batch norms: 183 ms, about 16 passes at 10 GB/s);
 * any other op: its forward again (its input's gradient from its output's).
 
-Products run below the peak when a dimension is small (:attr:`Work.efficiency`):
+Products run below the peak when a dimension is small (:meth:`Work.rate`, with the device's
+``half_reduction`` and ``half_map``: 0, the peak, except on ``cpu``: 40 and 2, measured on one core):
 
 * a short reduction (``K``: a matrix product's inner size, a convolution's
   input channels times its kernel) gives each output few multiply-adds for
-  its load and store: ``K / (K + SHORT_REDUCTION)`` of the peak. ResNet-50's
+  its load and store: ``K / (K + half_reduction)`` of the peak. ResNet-50's
   1x1 convolutions of 64 input channels ran at 38-55 GFLOP/s on one core,
   its 3x3 ones (K 576-2304) at 71-79;
 * a convolution's kernels block over an image's output positions ``P``:
-  ``P / (P + CONV_SMALL_MAP)``. ResNet-50's ``layer4`` convolutions, on 3x3
+  ``P / (P + half_map)``. ResNet-50's ``layer4`` convolutions, on 3x3
   maps, ran at 50-57 GFLOP/s against 65-78 on 6x6 and larger maps.
 
 Which values require a gradient follows the whole graph: those computed from a
@@ -76,20 +74,9 @@ import torch.fx
 from fxsplit.hardware import DeviceSpeed
 from fxsplit.tracing.graphinfo import element_size, value_bytes
 
-__all__ = [
-    "BATCH_NORM_PASSES",
-    "CONV_SMALL_MAP",
-    "SHORT_REDUCTION",
-    "WEIGHT_GRADIENT_PASSES",
-    "Work",
-    "op_seconds",
-    "op_work",
-]
+__all__ = ["WEIGHT_GRADIENT_PASSES", "Work", "op_seconds", "op_work"]
 
 WEIGHT_GRADIENT_PASSES = 3.0  # adding a weight's gradient to .grad: both read, the sum written
-BATCH_NORM_PASSES = 14.0  # batch norm's passes over its input in training beyond the forward's (see the notes)
-SHORT_REDUCTION = 40.0  # a product's reduction length at which it runs at half the peak
-CONV_SMALL_MAP = 2.0  # output positions per image at which a convolution runs at half the peak
 
 
 @dataclass(frozen=True)
@@ -104,7 +91,9 @@ class Work:
         train_flops: FLOPs a training step adds to the forward's (the backward; see the module's notes).
         train_nbytes: bytes a training step adds in the kernels of the backward (and batch statistics).
         grad_nbytes: bytes of adding weight gradients to ``.grad`` (and an embedding's dense gradient's zeros).
-        efficiency: the share of the peak each op's FLOPs run at (None: all of it).
+        reduction: a product's reduction length ``K`` (0: not a product), for the device's efficiency.
+        positions: a convolution's output positions per image (0: not a convolution).
+        norm_nbytes: a batch norm's output bytes, read and written ``norm_passes`` times more in training.
         known: False when the graph had no shapes (every op then counts as one unit of work).
     """
 
@@ -115,12 +104,18 @@ class Work:
     train_flops: np.ndarray
     train_nbytes: np.ndarray
     grad_nbytes: np.ndarray
-    efficiency: np.ndarray | None = None
+    reduction: np.ndarray | None = None
+    positions: np.ndarray | None = None
+    norm_nbytes: np.ndarray | None = None
     known: bool = True
 
-    def rate(self, peak: float) -> np.ndarray:
-        """Per op, the FLOP/s it reaches on a device of ``peak`` FLOP/s (:attr:`efficiency` of the peak)."""
-        return peak * (np.ones(len(self.flops)) if self.efficiency is None else self.efficiency)
+    def rate(self, speed: DeviceSpeed) -> np.ndarray:
+        """Per op, the FLOP/s it reaches on ``speed``'s device: products with a small dimension below the peak."""
+        rate = np.full(len(self.flops), float(speed.flops))
+        for sizes, half in ((self.reduction, speed.half_reduction), (self.positions, speed.half_map)):
+            if sizes is not None and half > 0:
+                rate *= np.where(sizes > 0, sizes / (sizes + half), 1.0)
+        return rate
 
 
 _MATMULS = {"matmul", "mm", "bmm"}  # first argument times second
@@ -175,7 +170,8 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
     """
     n = len(ops)
     flops, nbytes, free, products = np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
-    train_flops, train_nbytes, grad_nbytes, efficiency = np.zeros(n), np.zeros(n), np.zeros(n), np.ones(n)
+    train_flops, train_nbytes, grad_nbytes = np.zeros(n), np.zeros(n), np.zeros(n)
+    reduction, positions, norm_nbytes = np.zeros(n), np.zeros(n), np.zeros(n)
     if not any("val" in node.meta or "tensor_meta" in node.meta for node in ops):
         return Work(np.ones(n), np.ones(n), free, products, np.ones(n), np.ones(n), np.zeros(n), known=False)
     modules = dict(graph_module.named_modules())
@@ -191,11 +187,15 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
             flops[index] = _numel(_value(node))
         nbytes[index] = _bytes_moved(node, module, dtype)
         products[index] = _is_product(node, module)
-        efficiency[index] = _efficiency(node, module)
+        reduction[index], positions[index] = _product_sizes(node, module)
         train_flops[index], train_nbytes[index], grad_nbytes[index] = _training_work(
             node, module, grads, (flops[index], nbytes[index]), products[index], dtype
         )
-    return Work(flops, nbytes, free, products, train_flops, train_nbytes, grad_nbytes, efficiency)
+        if train_flops[index] and _is_batch_norm(node, module):
+            norm_nbytes[index] = float(value_bytes(node, float_dtype=dtype) or 0)
+    return Work(
+        flops, nbytes, free, products, train_flops, train_nbytes, grad_nbytes, reduction, positions, norm_nbytes
+    )
 
 
 def op_seconds(work: Work, speed: DeviceSpeed, *, training: bool = False) -> np.ndarray:
@@ -204,12 +204,13 @@ def op_seconds(work: Work, speed: DeviceSpeed, *, training: bool = False) -> np.
     With ``training``, a forward and a backward: the backward a second op, whose roofline is that of
     :attr:`Work.train_flops` and :attr:`Work.train_nbytes`, then :attr:`Work.grad_nbytes` at the bandwidth.
     """
-    rate = work.rate(speed.flops)
+    rate = work.rate(speed)
     roofline = np.maximum(work.flops / rate, work.nbytes / speed.bandwidth)
     forward = np.where(work.free, 0.0, speed.overhead + roofline)
     if not training:
         return forward
-    backward = np.maximum(work.train_flops / rate, work.train_nbytes / speed.bandwidth)
+    norms = 0.0 if work.norm_nbytes is None else speed.norm_passes * work.norm_nbytes
+    backward = np.maximum(work.train_flops / rate, (work.train_nbytes + norms) / speed.bandwidth)
     reached = ~work.free & ((work.train_flops > 0) | (work.train_nbytes > 0))
     return forward + np.where(reached, speed.overhead + backward, 0.0) + work.grad_nbytes / speed.bandwidth
 
@@ -221,28 +222,26 @@ def _is_product(node: torch.fx.Node, module: torch.nn.Module | None) -> bool:
     return name in _PRODUCTS or name == "convolution"
 
 
-def _efficiency(node: torch.fx.Node, module: torch.nn.Module | None) -> float:
-    """A product's share of the peak for its reduction's length and a convolution's map (see the notes)."""
+def _product_sizes(node: torch.fx.Node, module: torch.nn.Module | None) -> tuple[float, float]:
+    """A product's reduction length and a convolution's output positions per image (0 where none; see the notes)."""
     name = _op_name(node) if module is None else ""
     conv = isinstance(module, torch.nn.modules.conv._ConvNd) or name in (_CONVS | _TRANSPOSED_CONVS | {"convolution"})
     shape = getattr(_value(node), "shape", None)
     if shape is None:
-        return 1.0
+        return 0.0, 0.0
     if conv and len(shape) >= 3:
         weight = _shape(node.args[1] if module is None else module.weight)
-        reduction = float(math.prod(weight[1:]))
-        positions = float(math.prod(int(s) for s in shape[2:]))
-        return _short(reduction, SHORT_REDUCTION) * _short(positions, CONV_SMALL_MAP)
+        return float(math.prod(weight[1:])), float(math.prod(int(s) for s in shape[2:]))
     if isinstance(module, torch.nn.Linear):
-        return _short(float(module.in_features), SHORT_REDUCTION)
+        return float(module.in_features), 0.0
     if name in _MATMULS or name in _ADD_MATMULS or name == "linear":
         first = node.args[1] if name in _ADD_MATMULS else node.args[0]
-        return _short(float(_shape(first)[-1]), SHORT_REDUCTION)
-    return 1.0
+        return float(_shape(first)[-1]), 0.0
+    return 0.0, 0.0
 
 
-def _short(size: float, half: float) -> float:  # the share of the peak with one small dimension
-    return size / (size + half) if size > 0 else 1.0
+def _is_batch_norm(node: torch.fx.Node, module: torch.nn.Module | None) -> bool:
+    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) or _op_name(node) in _BATCH_NORMS
 
 
 def _has_weights(module: torch.nn.Module) -> bool:
@@ -306,8 +305,8 @@ def _training_work(
     out = float(value_bytes(node, float_dtype=dtype) or 0)
     if isinstance(module, _LOOKUP_MODULES) or _op_name(node) in _LOOKUPS:
         return _numel(_value(node)), 2.0 * out, accumulate + weights  # the rows added into a table of zeros
-    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) or _op_name(node) in _BATCH_NORMS:
-        return flops, BATCH_NORM_PASSES * out, accumulate
+    if _is_batch_norm(node, module):
+        return flops, 0.0, accumulate  # its passes over ``out``: the device's ``norm_passes`` (op_seconds)
     if not product:
         return flops, nbytes, accumulate
     if module is not None:
