@@ -6,11 +6,20 @@ import torch
 from torch import nn
 
 
-def budgets(model: nn.Module, devices: int, slack: float = 1.25) -> dict[str, int]:
-    """Per-device budgets tight enough that ``devices`` devices are all needed."""
+def budgets(model: nn.Module, devices: int, slack: float = 1.25, replicas: bool = False) -> dict[str, int]:
+    """Per-device budgets tight enough that ``devices`` devices are all needed.
+
+    ``replicas``: each device also has room for a copy of every tied weight (``pipeline_stages`` gives each
+    stage that reads one its own copy, which the budgets must hold).
+    """
     total = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
     total += sum(b.numel() * b.element_size() for b in model.buffers())
-    return {f"cpu:{i}": int(total / devices * slack) for i in range(devices)}
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    tied = {id(p): p.numel() * p.element_size() for p in model.parameters() if len(names[id(p)]) > 1}
+    room = sum(tied.values()) if replicas else 0
+    return {f"cpu:{i}": int(total / devices * slack) + room for i in range(devices)}
 
 
 class MLP(nn.Module):

@@ -52,7 +52,7 @@ def train(name: str, kind: str, rank: int, world: int) -> dict[str, Any]:
     model = make(name)
     data = batches(name)
     stages = fxsplit.pipeline_stages(
-        model, budgets(model, world), mode="weights", example_inputs=(data[0][0],), chunks=CHUNKS
+        model, budgets(model, world, replicas=True), mode="weights", example_inputs=(data[0][0],), chunks=CHUNKS
     )
     stage = stages.build_stage(rank)
     schedule_type = ScheduleGPipe if kind == "gpipe" else Schedule1F1B

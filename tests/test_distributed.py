@@ -43,7 +43,8 @@ def test_stages_chained_by_hand_equal_the_model(make: Callable[[], torch.nn.Modu
     model = make()
     reference = copy.deepcopy(model)
     inputs = _inputs(type(model).__name__)
-    stages = fxsplit.pipeline_stages(model, budgets(model, 3), mode="weights", example_inputs=inputs, trace=trace)
+    room = budgets(model, 3, replicas=True)
+    stages = fxsplit.pipeline_stages(model, room, mode="weights", example_inputs=inputs, trace=trace)
     assert len(stages) == 3
     out = stages[0](*inputs)  # stage 0 takes the model's inputs, the others the previous stage's tuple
     for module in stages.modules[1:]:
@@ -71,7 +72,9 @@ def test_skip_connection_is_relayed_through_the_middle_stage() -> None:
 
 def test_tied_weight_is_replicated_on_the_stages_that_read_it() -> None:
     model = Tied()
-    stages = fxsplit.pipeline_stages(model, budgets(model, 3), mode="weights", example_inputs=_inputs("Tied"))
+    stages = fxsplit.pipeline_stages(
+        model, budgets(model, 3, replicas=True), mode="weights", example_inputs=_inputs("Tied")
+    )
     assert stages.tied == {"embed.weight": (0, 2)}
     assert not any(t is model.embed.weight for t in stages[1].parameters())
     assert stages.plan.param_devices["embed.weight"] == "cpu:0"
@@ -249,3 +252,35 @@ def test_two_gloo_ranks_train_like_one_process(tmp_path: Path) -> None:
                 seen.add(id(model.get_parameter(path)))
         assert seen == {id(p) for p in model.parameters()}, case  # every weight was trained somewhere
     assert ranks[0]["Tied-gpipe"]["tied"] == {"embed.weight": (0, 1)}
+
+
+def test_stages_refuse_a_tied_weight_copy_the_budgets_cannot_hold() -> None:
+    """Each rank holds its own copy of a tied weight, which the plan counts once: over budget is an error."""
+    model, x = Tied(), _inputs("Tied")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    tight = budgets(model, 3)  # room for the model once: the head's stage cannot also hold the 1.5 KiB embedding
+    with pytest.raises(fxsplit.BudgetError) as caught:
+        fxsplit.pipeline_stages(model, tight, mode="weights", example_inputs=x)
+    message = str(caught.value)
+    assert "own copy" in message and "cpu:2: embed.weight (1.50 KiB)" in message and "'cpu:2' holds" in message
+    assert "over by" in message
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # the model is untouched
+    stages = fxsplit.pipeline_stages(model, budgets(model, 3, replicas=True), mode="weights", example_inputs=x)
+    assert stages.tied == {"embed.weight": (0, 2)}
+
+
+def test_replicas_in_training_bring_their_gradients_and_optimizer_state() -> None:
+    from fxsplit.pipeline.replicabudget import replica_bytes, replica_overruns
+
+    model, x = Tied(), _inputs("Tied")
+    room, pins = {f"cpu:{i}": "1MiB" for i in range(3)}, {"embed": "cpu:0", "body": "cpu:1", "head": "cpu:2"}
+    plan = fxsplit.plan(model, room, mode="training", optimizer="adam", example_inputs=x, pipeline=1, pins=pins)
+    stages = fxsplit.pipeline_stages(model, plan, example_inputs=x)
+    devices = [spec.device for spec in stages.specs]
+    assert replica_bytes(plan, model, stages.modules, devices) == {"cpu:2": {"embed.weight": 1536}}
+    squeezed = dataclasses.replace(
+        plan, budgets={**plan.budgets, "cpu:2": plan.memory["cpu:2"]["total"] + 4 * 1536 - 1}
+    )
+    overruns, _ = replica_overruns(squeezed, model, stages.modules, devices)
+    assert [o.device for o in overruns] == ["cpu:2"]  # the weight, its gradient and Adam's two moments: 4 x 1536
+    assert overruns[0].weights == plan.device_bytes["cpu:2"] + 4 * 1536

@@ -45,11 +45,13 @@ import torch.fx
 from fxsplit.attrpath import attr_at
 from fxsplit.codegen.emitter import emit
 from fxsplit.cost.build import model_tensors
-from fxsplit.errors import FxsplitError, SpecError
+from fxsplit.errors import BudgetError, FxsplitError, SpecError
 from fxsplit.pipeline.gpipe import PipelineConfig
 from fxsplit.pipeline.microbatch import first_microbatch
+from fxsplit.pipeline.replicabudget import replica_overruns
 from fxsplit.pipeline.stages import StageSpec, split_stages
 from fxsplit.planning.plan import Plan
+from fxsplit.planning.rules import Overrun
 from fxsplit.units import format_size
 
 __all__ = ["PipelineStages", "pipeline_stages"]
@@ -191,6 +193,9 @@ def pipeline_stages(
     Raises:
         FxsplitError: the plan cannot run as a sequence of stages, or a value
             that must cross processes is not a tensor.
+        BudgetError: a device cannot hold its stage with the stage's own copy
+            of each weight it reads that the plan keeps on another device (tied
+            or shared weights: every rank holds one; the plan counts them once).
         PlanMismatchError: a given plan does not describe this model's graph.
     """
     if "pipeline" in options:
@@ -217,10 +222,25 @@ def pipeline_stages(
             model, plan_or_budgets, example_inputs, {**options, "pipeline": PipelineConfig(chunks)}
         )
         graph_module, plan = planned.traced.graph_module, planned.plan
-    split = emit(graph_module, plan)
-    stages = split_stages(split, plan, relay=True)
+    stages = split_stages(emit(graph_module, plan), plan, relay=True)
+    overruns, held = replica_overruns(plan, model, stages.modules, [spec.device for spec in stages.specs])
+    if overruns:
+        _refuse_replicas(plan, overruns, held)
     tied, paths = _replicas(model, stages.modules)
     return PipelineStages(plan, stages.specs, stages.modules, tied, chunks, paths)
+
+
+def _refuse_replicas(plan: Plan, overruns: list[Overrun], held: dict[str, dict[str, int]]) -> None:
+    """Refuse stages whose own copies of the weights they read (tied, shared) overflow a budget the plan kept."""
+    where = "; ".join(
+        f"{device}: " + ", ".join(f"{name} ({format_size(n)})" for name, n in sorted(held[device].items()))
+        for device in sorted(held, key=plan.devices.index)
+    )
+    raise BudgetError(
+        "pipeline_stages gives every stage its own copy of each weight it reads, and the plan keeps these on "
+        f"another stage's device: {where}. With them, " + "; ".join(map(str, overruns)) + ". Give those devices "
+        "that much more budget, or pin the ops that read the weight to one stage (pins=)"
+    )
 
 
 def _ranks() -> int:
