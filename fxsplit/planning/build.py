@@ -152,8 +152,8 @@ def make_plan(
         solution, unread_home = _set_aside_unread(costs, devices, room, repartition, solution)
     if unread_home is None:
         _raise_unread(costs, devices, room, list(solution.device_weights))
-    op_device = {op.name: devices[d] for op, d in zip(costs.ops, solution.op_devices, strict=True)}
-    used = [devices[d] for d in solution.op_devices]
+    used = [devices[d] for d in solution.op_devices]  # the device of each op, in op order
+    op_device = dict(zip([op.name for op in costs.ops], used, strict=True))
     out_device = output_device or (used[-1] if used else devices[0])
 
     # device_bytes counts parameters and buffers only (the partitioner also charged activations,
@@ -164,34 +164,19 @@ def make_plan(
     for weight in [*costs.weights, *costs.unused]:
         device_bytes[weight_home[weight.names[0]]] += weight.nbytes
 
-    placement: dict[str, str] = {}
-    order = {op.name: i for i, op in enumerate(costs.ops)}
     by_node = weights_by_node(costs)
-    for node in graph_module.graph.nodes:
-        if node.op == "output":
-            placement[node.name] = out_device
-        elif node.name in op_device:
-            placement[node.name] = op_device[node.name]
-        elif is_guard(node):  # export's input check runs where the inputs first arrive
-            inputs = [placement[arg.name] for arg in node.all_input_nodes if arg.name in placement]
-            placement[node.name] = inputs[0] if inputs else out_device
-        elif node.op == "get_attr" and node.name in by_node:
-            placement[node.name] = weight_home[by_node[node.name][0].names[0]]
-        else:
-            readers = [order[u.name] for u in node.users if u.name in order]
-            placement[node.name] = op_device[costs.ops[min(readers)].name] if readers else out_device
-
+    placement = _placement(costs, graph_module, op_device, weight_home, by_node, out_device)
     param_devices = {name: weight_home[w.names[0]] for w in [*costs.weights, *costs.unused] for name in w.names}
     modules: dict[str, dict[str, None]] = {d: {} for d in devices}  # ordered sets: first use order
-    for op, label in zip(costs.ops, costs.problem.op_labels, strict=True):
+    for device, label in zip(used, costs.problem.op_labels, strict=True):
         if label:
-            modules[op_device[op.name]].setdefault(label)
-    cuts = cuts_for(costs, graph_module, placement, weight_home)
+            modules[device].setdefault(label)
+    cuts = cuts_for(costs, graph_module, placement, weight_home, by_node=by_node)
     return Plan(
         devices=devices,
         budgets=dict(budgets.limits),
         placement=placement,
-        param_devices=dict(sorted(param_devices.items())),
+        param_devices={name: param_devices[name] for name in sorted(param_devices)},
         device_bytes=device_bytes,
         cuts=tuple(cuts),
         output_device=out_device,
@@ -201,6 +186,36 @@ def make_plan(
         reserved=dict(budgets.reserved),
         mutated=dict(costs.written),
     )
+
+
+def _placement(
+    costs: GraphCosts,
+    graph_module: torch.fx.GraphModule,
+    op_device: dict[str, str],
+    weight_home: dict[str, str],
+    by_node: dict[str, list[Weight]],
+    out_device: str,
+) -> dict[str, str]:
+    """Node name -> device, in graph order: an op's device; the output's; export's input check where the
+    inputs first arrive; a weight read's, its weight's home; any other node's, its first reader's."""
+    placement: dict[str, str] = {}
+    order: dict[str, int] = {}  # op name -> index, made when a node first needs it
+    for node in graph_module.graph.nodes:
+        device = op_device.get(node.name)
+        if node.op == "output":
+            placement[node.name] = out_device
+        elif device is not None:
+            placement[node.name] = device
+        elif is_guard(node):  # export's input check runs where the inputs first arrive
+            inputs = [placement[arg.name] for arg in node.all_input_nodes if arg.name in placement]
+            placement[node.name] = inputs[0] if inputs else out_device
+        elif node.op == "get_attr" and node.name in by_node:
+            placement[node.name] = weight_home[by_node[node.name][0].names[0]]
+        else:
+            order = order or {op.name: i for i, op in enumerate(costs.ops)}
+            readers = [order[u.name] for u in node.users if u.name in order]
+            placement[node.name] = op_device[costs.ops[min(readers)].name] if readers else out_device
+    return placement
 
 
 def unread_weights(costs: GraphCosts) -> list[Weight]:
@@ -342,6 +357,8 @@ def cuts_for(
     weight_home: dict[str, str],
     streamed: Mapping[str, str] | None = None,
     replicas: Mapping[str, Collection[str]] | None = None,
+    *,
+    by_node: dict[str, list[Weight]] | None = None,
 ) -> list[Cut]:
     """The copies a placement implies, in forward order (for a new plan, and for checking a saved one).
 
@@ -349,11 +366,14 @@ def cuts_for(
     offloaded off the devices: one ``"stream"`` cut per op that reads one.
     ``replicas``: canonical weight name -> the other devices that hold a copy
     of it (:attr:`Plan.replicas`): read there, it is not copied.
+    ``by_node``: :func:`weights_by_node` of ``costs``, when the caller has it.
     """
-    by_node = weights_by_node(costs)
+    by_node = weights_by_node(costs) if by_node is None else by_node
     versions = WriteVersions(graph_module, by_node, costs.writers)
+    writers = costs.writers
     sent: set[tuple[str, str, int]] = set()
     cuts: list[Cut] = []
+    streams: set[str] = set()
 
     def send(key: str, node: torch.fx.Node | None, weight: Weight | None, source: str, kind: str) -> None:
         version = versions.of(Read(key, node, weight, kind)) if versions.counts else 0
@@ -376,21 +396,25 @@ def cuts_for(
 
     # What reads_of(node) lists, in its order, without a Read per read: a value read where it lives is no cut.
     for node in graph_module.graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
+        op = node.op
+        if op == "placeholder" or op == "get_attr":
             continue
         destination = placement[node.name]
-        streams: set[str] = set()
-        if not is_guard(node):
+        if streams:
+            streams = set()  # one stream cut per weight per op
+        if op != "call_module" or not is_guard(node):
             for arg in node.all_input_nodes:
                 if arg.op == "get_attr":
-                    read_weights(by_node.get(arg.name, ()), arg)
+                    if arg.name in by_node:
+                        read_weights(by_node[arg.name], arg)
                     continue
                 source = placement.get(arg.name)
                 if source == destination or value_kind(arg) == NONTENSOR:
                     continue
-                kind = "output" if node.op == "output" else "input" if arg.op == "placeholder" else "activation"
+                kind = "output" if op == "output" else "input" if arg.op == "placeholder" else "activation"
                 send(arg.name, arg, None, placement[arg.name] if source is None else source, kind)
-            if node.op == "call_module":
-                read_weights(by_node.get(node.name, ()), None)
-        versions.written(node)
+            if op == "call_module" and node.name in by_node:
+                read_weights(by_node[node.name], None)
+        if writers is None or node.name in writers:
+            versions.written(node)
     return cuts
