@@ -184,7 +184,7 @@ def _trace_and_plan(
         dtype=dtype,
         training=memory.spec.training,
         inputs=(example_inputs, example_kwargs),
-        largest_copy=max((value.nbytes for value in problem.values), default=0),
+        largest_copy=max((value.nbytes for value in problem.values), default=0) if options.profile else 0,
     )
 
     def split(caps: Sequence[int], problem: PartitionProblem = problem) -> Partition:
