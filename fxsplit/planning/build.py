@@ -164,12 +164,15 @@ def make_plan(
     weight_home = {**read_homes(costs, devices, solution), **unread_home}
     weight_home.update({alias: weight_home[target] for alias, target in costs.aliases.items()})
     device_bytes = dict.fromkeys(devices, 0)
+    param_devices: dict[str, str] = {}
     for weight in [*costs.weights, *costs.unused]:
-        device_bytes[weight_home[weight.names[0]]] += weight.nbytes
+        home = weight_home[weight.names[0]]
+        device_bytes[home] += weight.nbytes
+        for name in weight.names:
+            param_devices[name] = home
 
     by_node = weights_by_node(costs)
     placement = _placement(costs, graph_module, op_device, weight_home, by_node, out_device)
-    param_devices = {name: weight_home[w.names[0]] for w in [*costs.weights, *costs.unused] for name in w.names}
     modules: dict[str, dict[str, None]] = {d: {} for d in devices}  # ordered sets: first use order
     for device, label in zip(used, costs.problem.op_labels, strict=True):
         if label:

@@ -20,6 +20,8 @@ __all__ = ["pack_unread", "raise_unread", "read_homes", "set_aside_unread", "unr
 
 def unread_weights(costs: GraphCosts) -> list[Weight]:
     """Parameters and buffers no op of the graph reads, in the model's order."""
+    if min(costs.weight_values, default=0) >= 0:  # the usual case: every weight is read (no loop over them)
+        return list(costs.unused)
     idle = [w for w, v in zip(costs.weights, costs.weight_values, strict=True) if v < 0]
     return idle + costs.unused
 
