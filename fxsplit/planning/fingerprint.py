@@ -62,6 +62,9 @@ def graph_constants(placed: Iterable[str], tensors: dict[str, str], graph_module
     """
     from fxsplit.attrpath import attr_at
 
+    placed = list(placed)
+    if tensors.keys() >= set(placed):  # the usual case: every placed tensor is the model's
+        return {}
     found: dict[str, str] = {}
     for name in placed:
         if name not in tensors:
