@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, overload
+from typing import Any, Callable, Mapping, Sequence, TypeVar, overload
 
 import torch
 import torch.fx
@@ -25,10 +25,11 @@ from fxsplit.cost.constraints import (
 from fxsplit.cost.walk import one_walk
 from fxsplit.devices import require_usable
 from fxsplit.errors import BudgetError, SpecError
-from fxsplit.hardware import Hardware
+from fxsplit.gcpause import gc_paused
 from fxsplit.memory.charge import memory_model
 from fxsplit.memory.model import MemoryModel, MemorySpec
-from fxsplit.options import OBJECTIVES, TRACE_MODES, Budgets, Offload, Options, PipelineConfig
+from fxsplit.optionparse import parse_options
+from fxsplit.options import Budgets, Offload, Options, PipelineConfig
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.solve import Partition, partition
 from fxsplit.pipeline.gpipe import Pipeline, pipelined
@@ -46,7 +47,6 @@ from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.dynamic import describe as describe_dynamic
 from fxsplit.validate import (
     check_concrete_args,
-    check_option_types,
     device_option,
     refuse_growing_state,
     refuse_meta,
@@ -54,32 +54,6 @@ from fxsplit.validate import (
 )
 
 __all__ = ["Planned", "fxsplit", "plan", "trace_and_plan"]
-
-
-_OPTION_NAMES = tuple(Options.__dataclass_fields__)
-
-
-def _options(raw: Mapping[str, Any]) -> Options:
-    for name in raw:
-        if name not in _OPTION_NAMES:
-            close = difflib.get_close_matches(name, (*_OPTION_NAMES, "example_inputs"), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; options are {', '.join(_OPTION_NAMES)}"
-            raise SpecError(f"unknown option {name!r}{hint}")
-    check_option_types(raw)
-    options = Options(**raw)
-    if options.pipeline is not None:
-        options = dataclasses.replace(options, pipeline=PipelineConfig.coerce(options.pipeline))
-    if options.trace not in TRACE_MODES:
-        raise SpecError(f"trace must be one of {', '.join(TRACE_MODES)} (got {options.trace!r})")
-    if options.objective is not None and options.objective not in OBJECTIVES:
-        raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)} (got {options.objective!r})")
-    MemorySpec.coerce(options.mode, options.optimizer)
-    if options.offload is not None:
-        options = dataclasses.replace(options, offload=Offload.coerce(options.offload))
-    if options.hardware is not None:
-        options = dataclasses.replace(options, hardware=Hardware.coerce(options.hardware))
-    describe_dynamic(options.dynamic_shapes)
-    return options
 
 
 @dataclass
@@ -97,19 +71,48 @@ def trace_and_plan(
     model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mapping[str, Any], *, runnable: bool = False
 ) -> Planned:
     """Trace and plan; with ``runnable``, first refuse devices that cannot be used here (the split will run)."""
-    with one_walk():  # the model's tensors, walked once for the cost model, memory model and fingerprint
-        return _trace_and_plan(model, budgets, example_inputs, raw, runnable)
+    return _planned(model, budgets, example_inputs, raw, runnable, keep=lambda planned: planned)
+
+
+_Kept = TypeVar("_Kept")
+
+
+def _planned(
+    model: torch.nn.Module,
+    budgets: Any,
+    example_inputs: Any,
+    raw: Mapping[str, Any],
+    runnable: bool,
+    keep: Callable[[Planned], _Kept],
+) -> _Kept:
+    """``keep`` of what :func:`trace_and_plan` makes.
+
+    The cyclic collector is paused (:mod:`fxsplit.gcpause`) from the end of
+    tracing until the rest of what planning made is dropped: resumed earlier,
+    its next pass would walk every object planning made that is still alive.
+    """
+    with ExitStack() as planning:
+        with one_walk():  # the model's tensors, walked once for the cost model, memory model and fingerprint
+            planned = _trace_and_plan(model, budgets, example_inputs, raw, runnable, planning)
+        kept = keep(planned)
+        del planned
+    return kept
 
 
 def _trace_and_plan(
-    model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mapping[str, Any], runnable: bool
+    model: torch.nn.Module,
+    budgets: Any,
+    example_inputs: Any,
+    raw: Mapping[str, Any],
+    runnable: bool,
+    planning: ExitStack,
 ) -> Planned:
     require_module(model)
     explicit = set(raw) - {"spec"}
     spec = load_spec(raw["spec"]) if raw.get("spec") is not None else None
     if spec is not None:
         budgets, raw = merge_spec(spec, budgets, {k: v for k, v in raw.items() if k != "spec"})
-    options = _options(raw)
+    options = parse_options(raw)
     if budgets is None:
         raise SpecError(
             "no budgets: pass budgets={'cuda:0': '20GiB', 'cuda:1': '20GiB'}, budgets='auto', or a spec with devices"
@@ -141,6 +144,7 @@ def _trace_and_plan(
         concrete_args=options.concrete_args,
         dynamic_shapes=options.dynamic_shapes,
     )
+    planning.enter_context(gc_paused())  # until the caller has dropped what it does not keep
     refuse_growing_state(traced.graph_module)
     pins = {str(k): device_option(f"pins[{str(k)!r}]", v) for k, v in (options.pins or {}).items()}
     together = together_groups(options.together)
@@ -180,7 +184,7 @@ def _trace_and_plan(
         dtype=dtype,
         training=memory.spec.training,
         inputs=(example_inputs, example_kwargs),
-        largest_copy=max((value.nbytes for value in problem.values), default=0),
+        largest_copy=max((value.nbytes for value in problem.values), default=0) if options.profile else 0,
     )
 
     def split(caps: Sequence[int], problem: PartitionProblem = problem) -> Partition:
@@ -246,7 +250,7 @@ def plan(model: torch.nn.Module, budgets: Any = None, *, example_inputs: Any = N
         >>> [(c.producer, c.destination, c.nbytes) for c in p.cuts]
         [('relu', 'cpu:1', 2048)]
     """
-    return trace_and_plan(model, budgets, example_inputs, options).plan
+    return _planned(model, budgets, example_inputs, options, False, keep=lambda planned: planned.plan)
 
 
 @overload

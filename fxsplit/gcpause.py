@@ -8,6 +8,12 @@ depends on the allocation counters, so the time jumped with the size of the
 graph. The steps decorated with :func:`gc_paused` are pure bookkeeping
 (reference counting still frees what they drop); the collector is switched
 back on when they end, whatever happens, unless it was already off.
+
+Switched back on, the collector's next pass walks every object made while it
+was off that is still alive: after the cost model, that is the whole cost
+model. So ``fxsplit.plan()`` keeps it paused from the end of tracing until it
+has dropped all but the plan it returns (:func:`fxsplit.api.trace_and_plan`),
+and the steps' own pauses only matter when they are called alone.
 """
 
 from __future__ import annotations

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import gc
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
+import torch
 
+import fxsplit
+import fxsplit.api as api
 from fxsplit.gcpause import gc_paused
 
 
@@ -59,3 +62,24 @@ def test_as_a_decorator_each_call_is_paused() -> None:
     gc.enable()
     assert [step(1), step(2)] == [2, 4]
     assert seen == [False, False] and gc.isenabled()
+
+
+@pytest.mark.parametrize("was_enabled", [True, False])
+def test_plan_pauses_from_the_end_of_tracing_to_its_return(monkeypatch: pytest.MonkeyPatch, was_enabled: bool) -> None:
+    """Between its steps too: each step's own pause ending would let the next pass walk all the steps made."""
+    seen: dict[str, bool] = {}
+
+    def watched(name: str, step: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen[name] = gc.isenabled()
+            return step(*args, **kwargs)
+
+        return call
+
+    for name in ("trace", "memory_model", "record_origin"):  # called outside any step's own pause
+        monkeypatch.setattr(api, name, watched(name, getattr(api, name)))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    (gc.enable if was_enabled else gc.disable)()
+    fxsplit.plan(model, {"cpu:0": "1KiB", "cpu:1": "1KiB"}, example_inputs=(torch.randn(2, 4),), trace="fx")
+    assert seen == {"trace": was_enabled, "memory_model": False, "record_origin": False}
+    assert gc.isenabled() == was_enabled

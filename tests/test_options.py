@@ -143,9 +143,9 @@ def test_option_defaults_are_the_documented_choices() -> None:
 
 
 def test_options_are_what_plan_takes() -> None:
-    from fxsplit.api import _OPTION_NAMES
+    from fxsplit.optionparse import OPTION_NAMES
 
-    assert _OPTION_NAMES == tuple(f.name for f in dataclasses.fields(Options))
+    assert OPTION_NAMES == tuple(f.name for f in dataclasses.fields(Options))
     with pytest.raises(fxsplit.SpecError, match="unknown option 'objectiv'; did you mean 'objective'"):
         fxsplit.plan(torch.nn.Linear(2, 2), {"cpu:0": "1KiB"}, objectiv="balanced")
 

@@ -16,7 +16,8 @@ from fxsplit.errors import BudgetError
 from fxsplit.options import Budgets
 from fxsplit.partition.refine import device_loads
 from fxsplit.partition.solve import Partition, partition
-from fxsplit.planning.build import make_plan, reads_of, unread_weights, weights_by_node
+from fxsplit.planning.build import make_plan, reads_of, weights_by_node
+from fxsplit.planning.unread import unread_weights
 from fxsplit.tracing.capture import trace
 
 

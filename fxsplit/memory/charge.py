@@ -27,12 +27,7 @@ def memory_model(
 
     Also why the activations are not counted where ``spec`` counts them (warned), else None.
     """
-    named = {name: tensor for name, tensor, is_buffer in named_tensors(model) if not is_buffer}
-    trainable = {
-        w.names[0]: named[w.names[0]].numel()
-        for w in costs.weights
-        if w.names[0] in named and named[w.names[0]].requires_grad
-    }
+    trainable = _trainable(costs, model) if spec.training else {}  # only training charges them
     profile, uncounted = None, None
     if spec.counts_activations and not traced.has_shapes:
         uncounted = traced.shapes_missing or "the traced graph has no sizes"
@@ -55,6 +50,16 @@ def memory_model(
             stacklevel=4,
         )
     return MemoryModel(spec, costs, trainable, profile), uncounted
+
+
+def _trainable(costs: GraphCosts, model: torch.nn.Module) -> dict[str, int]:
+    """Canonical name -> element count of each parameter the graph reads that requires a gradient."""
+    named = {name: tensor for name, tensor, is_buffer in named_tensors(model) if not is_buffer}
+    return {
+        w.names[0]: named[w.names[0]].numel()
+        for w in costs.weights
+        if w.names[0] in named and named[w.names[0]].requires_grad
+    }
 
 
 def _inputs_without_values(graph_module: torch.fx.GraphModule) -> str:

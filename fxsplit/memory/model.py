@@ -134,7 +134,8 @@ class MemoryModel:
         spec: the mode and optimizer.
         costs: the cost model (weights, ops).
         trainable: canonical name -> element count of each trainable
-            parameter the graph reads.
+            parameter the graph reads (empty outside training, which alone
+            charges their gradients and optimizer state).
         profile: the activation profile, or None when activations are not
             counted (mode ``"weights"``, or no shapes).
         chunks: micro-batches of a pipeline (1: none); the profile is then
@@ -168,11 +169,12 @@ class MemoryModel:
         """The partition problem charging everything this mode counts."""
         problem = self.costs.problem
         values = list(problem.values)
+        training = self.spec.training
         for weight, index in zip(self.costs.weights, self.costs.weight_values, strict=True):
             if index >= 0:
-                grads, state = self.state_bytes(weight.names[0], weight.nbytes)
-                if values[index].weight != weight.nbytes + grads + state:  # else the same value as it is
-                    values[index] = dataclasses.replace(values[index], weight=weight.nbytes + grads + state)
+                charged = weight.nbytes + (sum(self.state_bytes(weight.names[0], weight.nbytes)) if training else 0)
+                if values[index].weight != charged:  # else the same value as it is
+                    values[index] = dataclasses.replace(values[index], weight=charged)
         extra: tuple[int, ...] = ()
         transient: tuple[int, ...] = ()
         if self.profile is not None:
@@ -184,20 +186,26 @@ class MemoryModel:
     def usage(self, plan: Plan) -> dict[str, dict[str, int]]:
         """Per device: bytes of each of :data:`COMPONENTS` (activations only when counted) and the total."""
         found = {d: dict.fromkeys(COMPONENTS[:4], 0) for d in plan.devices}
-        read = {w.names[0] for w, index in zip(self.costs.weights, self.costs.weight_values, strict=True) if index >= 0}
+        homes = plan.param_devices
         for weight in [*self.costs.weights, *self.costs.unused]:
-            device = plan.param_devices[weight.names[0]]
+            device = homes[weight.names[0]]
             row = found.get(device) or found.setdefault(device, dict.fromkeys(COMPONENTS[:4], 0))
             row["buffers" if weight.is_buffer else "params"] += weight.nbytes
-            if weight.names[0] in read:
-                grads, state = self.state_bytes(weight.names[0], weight.nbytes)
-                row["grads"] += grads
-                row["optimizer"] += state
-        kinds = {w.names[0]: w.is_buffer for w in self.costs.weights}
-        for name, replica in plan.replicas.items():  # a replica is charged on every device that holds it
-            for device in replica.devices:
-                row = found.get(device) or found.setdefault(device, dict.fromkeys(COMPONENTS[:4], 0))
-                row["buffers" if kinds.get(name) else "params"] += replica.nbytes
+        if self.spec.training:  # outside training a weight has no gradient nor optimizer state
+            weights = self.costs.weights
+            read = {w.names[0] for w, index in zip(weights, self.costs.weight_values, strict=True) if index >= 0}
+            for weight in [*weights, *self.costs.unused]:
+                if weight.names[0] in read:
+                    row = found[homes[weight.names[0]]]
+                    grads, state = self.state_bytes(weight.names[0], weight.nbytes)
+                    row["grads"] += grads
+                    row["optimizer"] += state
+        if plan.replicas:
+            kinds = {w.names[0]: w.is_buffer for w in self.costs.weights}
+            for name, replica in plan.replicas.items():  # a replica is charged on every device that holds it
+                for device in replica.devices:
+                    row = found.get(device) or found.setdefault(device, dict.fromkeys(COMPONENTS[:4], 0))
+                    row["buffers" if kinds.get(name) else "params"] += replica.nbytes
         if self.profile is not None:
             peaks = self.activation_peaks(plan)
             for device, row in found.items():

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Collection, Mapping, NoReturn, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import torch.fx
 
 from fxsplit.cost.build import GraphCosts, Weight
-from fxsplit.errors import BudgetError
 from fxsplit.options import Budgets
 from fxsplit.partition.solve import Partition
 from fxsplit.planning.plan import Cut, Plan
+from fxsplit.planning.unread import pack_unread, raise_unread, read_homes, set_aside_unread
 from fxsplit.tracing.graphinfo import NONTENSOR, alias_root, is_guard, mutated_inputs, value_kind
-from fxsplit.units import format_size
 
-__all__ = ["Read", "WriteVersions", "cuts_for", "make_plan", "reads_of", "unread_weights", "weights_by_node"]
+__all__ = ["Read", "WriteVersions", "cuts_for", "make_plan", "reads_of", "weights_by_node"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,11 @@ def weights_by_node(costs: GraphCosts) -> dict[str, list[Weight]]:
     found: dict[str, list[Weight]] = {}
     for weight in costs.weights:
         for node in weight.nodes:
-            found.setdefault(node, []).append(weight)
+            readers = found.get(node)
+            if readers is None:
+                found[node] = [weight]
+            else:
+                readers.append(weight)
     return found
 
 
@@ -147,51 +150,39 @@ def make_plan(
     """
     devices = budgets.devices
     room = dict(zip(devices, budgets.caps() if caps is None else caps, strict=True))
-    unread_home = _pack_unread(costs, devices, room, solution)
+    unread_home = pack_unread(costs, devices, room, solution)
     if unread_home is None and repartition is not None:
-        solution, unread_home = _set_aside_unread(costs, devices, room, repartition, solution)
+        solution, unread_home = set_aside_unread(costs, devices, room, repartition, solution)
     if unread_home is None:
-        _raise_unread(costs, devices, room, list(solution.device_weights))
-    op_device = {op.name: devices[d] for op, d in zip(costs.ops, solution.op_devices, strict=True)}
-    used = [devices[d] for d in solution.op_devices]
+        raise_unread(costs, devices, room, list(solution.device_weights))
+    used = [devices[d] for d in solution.op_devices]  # the device of each op, in op order
+    op_device = dict(zip([op.name for op in costs.ops], used, strict=True))
     out_device = output_device or (used[-1] if used else devices[0])
 
     # device_bytes counts parameters and buffers only (the partitioner also charged activations,
     # gradients and optimizer state, when the problem carries them).
-    weight_home = {**_read_homes(costs, devices, solution), **unread_home}
+    weight_home = {**read_homes(costs, devices, solution), **unread_home}
     weight_home.update({alias: weight_home[target] for alias, target in costs.aliases.items()})
     device_bytes = dict.fromkeys(devices, 0)
+    param_devices: dict[str, str] = {}
     for weight in [*costs.weights, *costs.unused]:
-        device_bytes[weight_home[weight.names[0]]] += weight.nbytes
+        home = weight_home[weight.names[0]]
+        device_bytes[home] += weight.nbytes
+        for name in weight.names:
+            param_devices[name] = home
 
-    placement: dict[str, str] = {}
-    order = {op.name: i for i, op in enumerate(costs.ops)}
     by_node = weights_by_node(costs)
-    for node in graph_module.graph.nodes:
-        if node.op == "output":
-            placement[node.name] = out_device
-        elif node.name in op_device:
-            placement[node.name] = op_device[node.name]
-        elif is_guard(node):  # export's input check runs where the inputs first arrive
-            inputs = [placement[arg.name] for arg in node.all_input_nodes if arg.name in placement]
-            placement[node.name] = inputs[0] if inputs else out_device
-        elif node.op == "get_attr" and node.name in by_node:
-            placement[node.name] = weight_home[by_node[node.name][0].names[0]]
-        else:
-            readers = [order[u.name] for u in node.users if u.name in order]
-            placement[node.name] = op_device[costs.ops[min(readers)].name] if readers else out_device
-
-    param_devices = {name: weight_home[w.names[0]] for w in [*costs.weights, *costs.unused] for name in w.names}
+    placement = _placement(costs, graph_module, op_device, weight_home, by_node, out_device)
     modules: dict[str, dict[str, None]] = {d: {} for d in devices}  # ordered sets: first use order
-    for op, label in zip(costs.ops, costs.problem.op_labels, strict=True):
+    for device, label in zip(used, costs.problem.op_labels, strict=True):
         if label:
-            modules[op_device[op.name]].setdefault(label)
-    cuts = cuts_for(costs, graph_module, placement, weight_home)
+            modules[device].setdefault(label)
+    cuts = cuts_for(costs, graph_module, placement, weight_home, by_node=by_node)
     return Plan(
         devices=devices,
         budgets=dict(budgets.limits),
         placement=placement,
-        param_devices=dict(sorted(param_devices.items())),
+        param_devices={name: param_devices[name] for name in sorted(param_devices)},
         device_bytes=device_bytes,
         cuts=tuple(cuts),
         output_device=out_device,
@@ -203,136 +194,36 @@ def make_plan(
     )
 
 
-def unread_weights(costs: GraphCosts) -> list[Weight]:
-    """Parameters and buffers no op of the graph reads, in the model's order."""
-    idle = [w for w, v in zip(costs.weights, costs.weight_values, strict=True) if v < 0]
-    return idle + costs.unused
-
-
-def _read_homes(costs: GraphCosts, devices: Sequence[str], solution: Partition) -> dict[str, str]:
-    """Canonical name -> device of every weight some op reads: where its first reader runs."""
-    homes: dict[str, str] = {}
-    values, op_devices = costs.problem.values, solution.op_devices
-    for weight, value_index in zip(costs.weights, costs.weight_values, strict=True):
-        if value_index >= 0:
-            homes[weight.names[0]] = devices[op_devices[values[value_index].start]]
-    return homes
-
-
-def _pack_unread(
-    costs: GraphCosts, devices: Sequence[str], caps: dict[str, int], solution: Partition
-) -> dict[str, str] | None:
-    """Canonical name -> device for the tensors no op reads, in the room ``solution`` leaves, or None.
-
-    Largest first (ties in the model's order); each goes beside its module's
-    other tensors when some are read and it fits there, else to the device
-    with the least room that holds it (big gaps stay for big tensors).
-    """
-    unread = unread_weights(costs)
-    if not unread:
-        return {}
-    room = {d: caps[d] - int(load) for d, load in zip(devices, solution.device_weights, strict=True)}
-    module_home: dict[str, str] = {}
-    for name, device in _read_homes(costs, devices, solution).items():
-        module_home.setdefault(name.rpartition(".")[0], device)
-    homes: dict[str, str] = {}
-    for weight in sorted(unread, key=lambda w: -w.nbytes):
-        module = weight.names[0].rpartition(".")[0]
-        beside = module_home.get(module)
-        fitting = [d for d in devices if room[d] >= weight.nbytes]
-        if not fitting:
-            return None
-        home = beside if beside in fitting else min(fitting, key=lambda d: room[d])
-        homes[weight.names[0]] = home
-        room[home] -= weight.nbytes
-    return homes
-
-
-def _set_aside_unread(
+def _placement(
     costs: GraphCosts,
-    devices: Sequence[str],
-    caps: dict[str, int],
-    repartition: Callable[[Sequence[int]], Partition],
-    first: Partition,
-) -> tuple[Partition, dict[str, str]]:
-    """Set room aside for the unread tensors, partition the ops into what is left, then pack the tensors into
-    the room that leaves; over several ways of setting room aside (:func:`_reservations`), the one that copies
-    fewest bytes (ties: the first). Refuses when none fits."""
-    weights = sorted(unread_weights(costs), key=lambda w: -w.nbytes)
-    reservations = _reservations(weights, devices, caps, first)
-    if not reservations:
-        _raise_unread(costs, devices, caps, [0] * len(devices))
-    best: tuple[Partition, dict[str, str]] | None = None
-    error: BudgetError | None = None
-    for aside in reservations:
-        try:
-            solution = repartition([caps[d] - sum(w.nbytes for w in aside[d]) for d in devices])
-        except BudgetError as refused:
-            error = error or refused
-            continue
-        homes = _pack_unread(costs, devices, caps, solution) or {w.names[0]: d for d in devices for w in aside[d]}
-        if best is None or solution.transfer_bytes < best[0].transfer_bytes:
-            best = (solution, homes)
-    if best is None:
-        unread = sum(w.nbytes for w in weights)
-        raise BudgetError(
-            f"the ops fit the budgets only if the {format_size(unread)} of tensors no op reads "
-            f"({_largest_unread(costs)}) are left out; with room set aside for them first: {error}"
-        ) from None
-    return best
-
-
-def _reservations(
-    weights: list[Weight], devices: Sequence[str], caps: dict[str, int], first: Partition
-) -> list[dict[str, list[Weight]]]:
-    """Ways to pack ``weights`` (largest first) into ``caps``, each as device -> its tensors, distinct by the
-    bytes each device keeps: into the gaps ``first`` leaves (the tightest that holds each, else the device
-    with the most room); each onto the device with the most room (spread); and, for each device, onto it
-    first, then onto the next ones in order (so the ops keep other devices whole)."""
-    gaps = {d: caps[d] - int(load) for d, load in zip(devices, first.device_weights, strict=True)}
-
-    def into_gaps(room: dict[str, int], nbytes: int) -> str:
-        held = [d for d in devices if gaps[d] - (caps[d] - room[d]) >= nbytes]
-        return min(held, key=lambda d: gaps[d] - caps[d] + room[d]) if held else max(devices, key=room.__getitem__)
-
-    def spread(room: dict[str, int], nbytes: int) -> str:
-        return max(devices, key=room.__getitem__)
-
-    def in_order(order: list[str]) -> Callable[[dict[str, int], int], str]:
-        return lambda room, nbytes: next((d for d in order if room[d] >= nbytes), order[0])
-
-    rules = [into_gaps, spread, *(in_order([*devices[k:], *devices[:k]]) for k in range(len(devices)))]
-    found: list[dict[str, list[Weight]]] = []
-    seen: set[tuple[int, ...]] = set()
-    for rule in rules:
-        room, aside = dict(caps), {d: list[Weight]() for d in devices}
-        for weight in weights:
-            home = rule(room, weight.nbytes)
-            room[home] -= weight.nbytes
-            aside[home].append(weight)
-        kept = tuple(room[d] for d in devices)
-        if min(kept) >= 0 and kept not in seen:
-            seen.add(kept)
-            found.append(aside)
-    return found
-
-
-def _largest_unread(costs: GraphCosts) -> str:
-    weights = sorted(unread_weights(costs), key=lambda w: -w.nbytes)
-    listed = ", ".join(f"'{w.names[0]}' {format_size(w.nbytes)}" for w in weights[:3])
-    return listed + (f" and {len(weights) - 3} more" if len(weights) > 3 else "")
-
-
-def _raise_unread(costs: GraphCosts, devices: Sequence[str], caps: dict[str, int], loads: list[int]) -> NoReturn:
-    room = {d: caps[d] - load for d, load in zip(devices, loads, strict=True)}
-    weights = sorted(unread_weights(costs), key=lambda w: -w.nbytes)
-    largest = weights[0]
-    total = sum(w.nbytes for w in weights)
-    raise BudgetError(
-        f"the tensors no op of the graph reads ({format_size(total)}: {_largest_unread(costs)}) do not fit what "
-        f"the budgets leave ({', '.join(f'{d!r} {format_size(max(r, 0))}' for d, r in room.items())}); "
-        f"raise a budget by {format_size(largest.nbytes)} or more, or delete the unused tensors"
-    )
+    graph_module: torch.fx.GraphModule,
+    op_device: dict[str, str],
+    weight_home: dict[str, str],
+    by_node: dict[str, list[Weight]],
+    out_device: str,
+) -> dict[str, str]:
+    """Node name -> device, in graph order: an op's device; the output's; export's input check where the
+    inputs first arrive; a weight read's, its weight's home; any other node's, its first reader's."""
+    placement: dict[str, str] = {}
+    order: dict[str, int] = {}  # op name -> index, made when a node first needs it
+    for node in graph_module.graph.nodes:
+        device = op_device.get(node.name)
+        if node.op == "output":
+            placement[node.name] = out_device
+        elif device is not None:
+            placement[node.name] = device
+        elif is_guard(node):  # export's input check runs where the inputs first arrive
+            inputs = [placement[arg.name] for arg in node.all_input_nodes if arg.name in placement]
+            placement[node.name] = inputs[0] if inputs else out_device
+        elif node.op == "get_attr" and node.name in by_node:
+            placement[node.name] = weight_home[by_node[node.name][0].names[0]]
+        else:
+            readers = [u.name for u in node.users if u.name in op_device]
+            if len(readers) > 1:  # the one that runs first
+                order = order or {op.name: i for i, op in enumerate(costs.ops)}
+                readers = [costs.ops[min(order[name] for name in readers)].name]
+            placement[node.name] = op_device[readers[0]] if readers else out_device
+    return placement
 
 
 def cuts_for(
@@ -342,6 +233,8 @@ def cuts_for(
     weight_home: dict[str, str],
     streamed: Mapping[str, str] | None = None,
     replicas: Mapping[str, Collection[str]] | None = None,
+    *,
+    by_node: dict[str, list[Weight]] | None = None,
 ) -> list[Cut]:
     """The copies a placement implies, in forward order (for a new plan, and for checking a saved one).
 
@@ -349,11 +242,14 @@ def cuts_for(
     offloaded off the devices: one ``"stream"`` cut per op that reads one.
     ``replicas``: canonical weight name -> the other devices that hold a copy
     of it (:attr:`Plan.replicas`): read there, it is not copied.
+    ``by_node``: :func:`weights_by_node` of ``costs``, when the caller has it.
     """
-    by_node = weights_by_node(costs)
+    by_node = weights_by_node(costs) if by_node is None else by_node
     versions = WriteVersions(graph_module, by_node, costs.writers)
+    writers = costs.writers
     sent: set[tuple[str, str, int]] = set()
     cuts: list[Cut] = []
+    streams: set[str] = set()
 
     def send(key: str, node: torch.fx.Node | None, weight: Weight | None, source: str, kind: str) -> None:
         version = versions.of(Read(key, node, weight, kind)) if versions.counts else 0
@@ -376,21 +272,25 @@ def cuts_for(
 
     # What reads_of(node) lists, in its order, without a Read per read: a value read where it lives is no cut.
     for node in graph_module.graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
+        op = node.op
+        if op == "placeholder" or op == "get_attr":
             continue
         destination = placement[node.name]
-        streams: set[str] = set()
-        if not is_guard(node):
+        if streams:
+            streams = set()  # one stream cut per weight per op
+        if op != "call_module" or not is_guard(node):
             for arg in node.all_input_nodes:
                 if arg.op == "get_attr":
-                    read_weights(by_node.get(arg.name, ()), arg)
+                    if arg.name in by_node:
+                        read_weights(by_node[arg.name], arg)
                     continue
                 source = placement.get(arg.name)
                 if source == destination or value_kind(arg) == NONTENSOR:
                     continue
-                kind = "output" if node.op == "output" else "input" if arg.op == "placeholder" else "activation"
+                kind = "output" if op == "output" else "input" if arg.op == "placeholder" else "activation"
                 send(arg.name, arg, None, placement[arg.name] if source is None else source, kind)
-            if node.op == "call_module":
-                read_weights(by_node.get(node.name, ()), None)
-        versions.written(node)
+            if op == "call_module" and node.name in by_node:
+                read_weights(by_node[node.name], None)
+        if writers is None or node.name in writers:
+            versions.written(node)
     return cuts

@@ -47,7 +47,7 @@ def describe(model: Any) -> tuple[str, dict[str, str], tuple[tuple[str, ...], ..
             signature = signatures[key] = tensor_signature(tensor)
         tensors[name] = signature
     tied: tuple[tuple[str, ...], ...] = ()
-    if len({id(tensor) for _, tensor, _ in named}) < len(named):  # some tensor has two names
+    if len(set(map(id, (tensor for _, tensor, _ in named)))) < len(named):  # some tensor has two names
         by_id: dict[int, list[str]] = {}
         for name, tensor, _ in named:
             by_id.setdefault(id(tensor), []).append(name)
@@ -62,6 +62,9 @@ def graph_constants(placed: Iterable[str], tensors: dict[str, str], graph_module
     """
     from fxsplit.attrpath import attr_at
 
+    placed = list(placed)
+    if tensors.keys() >= set(placed):  # the usual case: every placed tensor is the model's
+        return {}
     found: dict[str, str] = {}
     for name in placed:
         if name not in tensors:
@@ -73,7 +76,8 @@ def graph_constants(placed: Iterable[str], tensors: dict[str, str], graph_module
 
 def fingerprint_of(tensors: dict[str, str], tied: tuple[tuple[str, ...], ...]) -> str:
     """``"sha256:<16 hex digits>"`` over the signatures and tied groups."""
-    blob = json.dumps([sorted(tensors.items()), sorted(sorted(g) for g in tied)], separators=(",", ":"))
+    by_name = [(name, tensors[name]) for name in sorted(tensors)]  # names are unique: sort them, not the pairs
+    blob = json.dumps([by_name, sorted(sorted(g) for g in tied)], separators=(",", ":"), check_circular=False)
     return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
