@@ -281,6 +281,45 @@ def test_replicas_in_training_bring_their_gradients_and_optimizer_state() -> Non
     squeezed = dataclasses.replace(
         plan, budgets={**plan.budgets, "cpu:2": plan.memory["cpu:2"]["total"] + 4 * 1536 - 1}
     )
-    overruns, _ = replica_overruns(squeezed, model, stages.modules, devices)
+    overruns, _, charged = replica_overruns(squeezed, model, stages.modules, devices)
     assert [o.device for o in overruns] == ["cpu:2"]  # the weight, its gradient and Adam's two moments: 4 x 1536
-    assert overruns[0].weights == plan.device_bytes["cpu:2"] + 4 * 1536
+    assert overruns[0].weights == plan.device_bytes["cpu:2"] + 4 * 1536 and charged == {"cpu:2": 4 * 1536}
+
+
+class _DeepTied(torch.nn.Module):
+    def __init__(self, vocab: int = 64, width: int = 32, depth: int = 6) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        layers = [m for _ in range(depth) for m in (torch.nn.Linear(width, width), torch.nn.Tanh())]
+        self.body = torch.nn.Sequential(*layers)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(ids)))
+
+
+def test_stages_plan_again_to_make_room_for_a_tied_weight_copy() -> None:
+    """The first plan balances the body over both stages; the head's stage then has no room for its copy of the
+    8 KiB tied embedding, so the stages are planned again with that room held back, with a warning."""
+    torch.manual_seed(0)
+    model, x = _DeepTied(), (torch.randint(0, 64, (4, 8)),)
+    embed, layer = 64 * 32 * 4, (32 * 32 + 32) * 4
+    room = {"cpu:0": embed + 6 * layer, "cpu:1": embed + 1 * layer + 1000}
+    first = fxsplit.plan(model, room, mode="weights", example_inputs=x, pipeline=2)
+    assert first.device_bytes["cpu:1"] + embed > room["cpu:1"]  # the plan alone leaves no room for the copy
+    with pytest.warns(fxsplit.FxsplitWarning, match=r"planned again .*cpu:1: embed.weight.*held back .*cpu:1 8.00 KiB"):
+        stages = fxsplit.pipeline_stages(model, room, mode="weights", example_inputs=x, chunks=2)
+    plan = stages.plan
+    assert plan.reserved["cpu:1"] == embed and plan.device_bytes["cpu:1"] + embed <= room["cpu:1"]
+    assert stages.tied == {"embed.weight": (0, 1)}
+    micro = (x[0][:2],)  # the stages run one micro-batch of the two
+    torch.testing.assert_close(stages[1](*_as_tuple(stages[0](*micro))), model(*micro))
+    again = fxsplit.pipeline_stages(model, fxsplit.Plan.from_yaml(plan.to_yaml()), example_inputs=x, chunks=2)
+    assert again.plan == plan  # a saved plan of the stages is accepted as it is: its reserve holds the copy
+    with pytest.raises(fxsplit.BudgetError, match="own copy"):  # the first plan, given as is, is refused
+        fxsplit.pipeline_stages(model, first, example_inputs=x, chunks=2)
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)

@@ -36,6 +36,7 @@ weights to its device in place, like ``model.to()``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -45,7 +46,7 @@ import torch.fx
 from fxsplit.attrpath import attr_at
 from fxsplit.codegen.emitter import emit
 from fxsplit.cost.build import model_tensors
-from fxsplit.errors import BudgetError, FxsplitError, SpecError
+from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
 from fxsplit.pipeline.gpipe import PipelineConfig
 from fxsplit.pipeline.microbatch import first_microbatch
 from fxsplit.pipeline.replicabudget import replica_overruns
@@ -196,6 +197,9 @@ def pipeline_stages(
         BudgetError: a device cannot hold its stage with the stage's own copy
             of each weight it reads that the plan keeps on another device (tied
             or shared weights: every rank holds one; the plan counts them once).
+            Planned from budgets, the plan is first made again (up to
+            :data:`REPLAN_TRIES` times, with an ``FxsplitWarning``) holding back
+            on each device what it overflowed by, so that other stages take ops.
         PlanMismatchError: a given plan does not describe this model's graph.
     """
     if "pipeline" in options:
@@ -213,21 +217,54 @@ def pipeline_stages(
             "only a split run in one process can read; pass budgets (pipelines are planned without replicas) or a "
             "plan made with pipeline=chunks or replicate=False"
         )
-    if isinstance(plan_or_budgets, Plan):
-        graph_module, plan = _apply(model, plan_or_budgets, example_inputs, chunks, options)
-    else:
-        from fxsplit.api import trace_and_plan
+    first: tuple[list[Overrun], dict[str, dict[str, int]]] | None = None
+    room: dict[str, int] = {}  # held back for the replicas, beyond the plan's own reserve
+    for attempt in range(REPLAN_TRIES + 1):
+        if isinstance(plan_or_budgets, Plan):
+            graph_module, plan = _apply(model, plan_or_budgets, example_inputs, chunks, options)
+        else:
+            from fxsplit.api import trace_and_plan
 
-        planned = trace_and_plan(
-            model, plan_or_budgets, example_inputs, {**options, "pipeline": PipelineConfig(chunks)}
-        )
-        graph_module, plan = planned.traced.graph_module, planned.plan
-    stages = split_stages(emit(graph_module, plan), plan, relay=True)
-    overruns, held = replica_overruns(plan, model, stages.modules, [spec.device for spec in stages.specs])
-    if overruns:
-        _refuse_replicas(plan, overruns, held)
+            try:
+                planned = trace_and_plan(
+                    model, plan_or_budgets, example_inputs, {**options, "pipeline": PipelineConfig(chunks)}
+                )
+            except FxsplitError:
+                if first is None:
+                    raise
+                _refuse_replicas(plan, *first)  # what the first plan overflowed by, not why the re-plan failed
+            graph_module, plan = planned.traced.graph_module, planned.plan
+        stages = split_stages(emit(graph_module, plan), plan, relay=True)
+        if not attempt:
+            reserved = dict(plan.reserved)  # the user's reserve, resolved (a given plan's may hold replicas' room)
+        given = isinstance(plan_or_budgets, Plan)
+        devices = [spec.device for spec in stages.specs]
+        overruns, held, charged = replica_overruns(plan, model, stages.modules, devices, None if given else reserved)
+        first = first or (overruns, held)
+        if not overruns:
+            break
+        if given or attempt == REPLAN_TRIES:
+            _refuse_replicas(plan, *first)
+        room = {d: max(room.get(d, 0), charged.get(d, 0)) for d in plan.devices}
+        options = {**options, "reserve": {d: reserved.get(d, 0) + room[d] for d in plan.devices}}
+    if first is not None and first[0]:
+        _warn_replanned(plan, first[1])
     tied, paths = _replicas(model, stages.modules)
     return PipelineStages(plan, stages.specs, stages.modules, tied, chunks, paths)
+
+
+REPLAN_TRIES = 3  # plans made again, each holding back on a device what its stage's replicas overflowed it by
+
+
+def _warn_replanned(plan: Plan, held: dict[str, dict[str, int]]) -> None:
+    copies = "; ".join(f"{d}: {', '.join(sorted(names))}" for d, names in held.items())
+    room = ", ".join(f"{d} {format_size(n)}" for d, n in plan.reserved.items() if n)
+    warnings.warn(
+        f"pipeline_stages planned again so that each stage can hold its own copy of the tied weights it reads "
+        f"({copies}): held back (plan.reserved) {room}",
+        FxsplitWarning,
+        stacklevel=3,
+    )
 
 
 def _refuse_replicas(plan: Plan, overruns: list[Overrun], held: dict[str, dict[str, int]]) -> None:

@@ -11,11 +11,12 @@ devices that would then exceed their budget.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from fxsplit.cost.build import model_tensors
+from fxsplit.options import Budgets
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import Overrun, budget_overruns
 
@@ -40,15 +41,27 @@ def replica_bytes(
 
 
 def replica_overruns(
-    plan: Plan, model: torch.nn.Module, modules: Sequence[torch.fx.GraphModule], devices: Sequence[str]
-) -> tuple[list[Overrun], dict[str, dict[str, int]]]:
-    """The devices over budget once each stage (on ``devices``) holds its replicas, and the replicas held."""
+    plan: Plan,
+    model: torch.nn.Module,
+    modules: Sequence[torch.fx.GraphModule],
+    devices: Sequence[str],
+    reserved: Mapping[str, int] | None = None,
+) -> tuple[list[Overrun], dict[str, dict[str, int]], dict[str, int]]:
+    """The devices over budget once each stage (on ``devices``) holds its replicas, the replicas held, and the
+    bytes charged for them per device (with their gradients and optimizer state in training).
+
+    ``reserved``: what each device's budget holds back beside the replicas (default: the plan's reserve less
+    the replicas' charge, as :func:`fxsplit.pipeline_stages` holds back room for them when it plans again).
+    """
     held = replica_bytes(plan, model, modules, devices)
     extra = {device: _charged(plan, sum(names.values())) for device, names in held.items()}
     if not extra:
-        return [], {}
+        return [], {}, {}
     weights = {d: plan.device_bytes.get(d, 0) + extra.get(d, 0) for d in plan.devices}
-    return budget_overruns(plan, weights), held
+    if reserved is None:
+        reserved = {d: max(0, n - extra.get(d, 0)) for d, n in plan.reserved.items()}
+    limits = Budgets(plan.budgets, reserved=reserved)
+    return budget_overruns(plan, weights, limits), held, extra
 
 
 def _charged(plan: Plan, nbytes: int) -> int:
