@@ -199,7 +199,8 @@ def pipeline_stages(
             or shared weights: every rank holds one; the plan counts them once).
             Planned from budgets, the plan is first made again (up to
             :data:`REPLAN_TRIES` times, with an ``FxsplitWarning``) holding back
-            on each device what it overflowed by, so that other stages take ops.
+            on each device the copies its stage holds (``plan.reserved``), so
+            that other stages take ops.
         PlanMismatchError: a given plan does not describe this model's graph.
     """
     if "pipeline" in options:
@@ -253,7 +254,7 @@ def pipeline_stages(
     return PipelineStages(plan, stages.specs, stages.modules, tied, chunks, paths)
 
 
-REPLAN_TRIES = 3  # plans made again, each holding back on a device what its stage's replicas overflowed it by
+REPLAN_TRIES = 3  # plans made again, each holding back on a device the copies its stage holds (and what they bring)
 
 
 def _warn_replanned(plan: Plan, held: dict[str, dict[str, int]]) -> None:
