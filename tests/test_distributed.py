@@ -84,6 +84,11 @@ def test_tied_weight_is_replicated_on_the_stages_that_read_it() -> None:
         "reduce_tied_grads (no copy per forward; its " in text
     )
     assert "each forward" not in text and text.startswith("device  budget")
+    for module in stages.modules:  # each stage reads its own copy: no .to(device) of a weight, a real copy on cpu:N
+        weights = {n for n in module.graph.nodes if n.op == "get_attr"}
+        copies = [n for n in module.graph.nodes if n.op == "call_method" and n.target == "to"]
+        assert not [n for n in copies if n.args[0] in weights]
+    assert any(n.op == "get_attr" and n.target == "head.weight" for n in stages[2].graph.nodes)
 
 
 def test_a_given_plan_and_a_plan_that_cannot_be_staged() -> None:

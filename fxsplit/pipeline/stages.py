@@ -170,6 +170,21 @@ class _Cutter:
         """Duplicated into every stage that reads it (attributes that are not homed weights)."""
         return node.op == "get_attr" and node.name not in self.stage
 
+    def _held_weight(self, node: torch.fx.Node) -> torch.fx.Node | None:
+        """The weight a ``.to(device)`` copy reads, where the stage holds the weight itself (relay), else None.
+
+        Each process's stage has its own copy of every weight it reads, moved to its device by
+        ``build_stage``, so the copy the one-process module makes there is dropped: on a GPU ``.to`` of a
+        tensor already there returns it, but on the logical ``cpu:N`` devices it copies every call (GPT-2's
+        tied 147 MiB head weight, every micro-batch, forward and backward).
+        """
+        if not self.relay or COPY_META not in node.meta or node.op != "call_method" or node.target != "to":
+            return None
+        source = node.args[0]
+        if isinstance(source, torch.fx.Node) and self._is_free(source) and self._is_weight(source):
+            return source
+        return None
+
     def _source(self, node: torch.fx.Node) -> torch.fx.Node:
         """What the output really reads: output moves stand for the value they move."""
         if node.name in self.moves:
@@ -311,7 +326,8 @@ class _Cutter:
             return env[node.name]
 
         for name in spec.nodes:
-            env[name] = graph.node_copy(by_name[name], arg)
+            held = self._held_weight(by_name[name])
+            env[name] = arg(held) if held is not None else graph.node_copy(by_name[name], arg)
         if self.relay and is_last:
             graph.output(torch.fx.node.map_arg(self.output.args[0], lambda n: arg(self._source(n))))
         else:
