@@ -125,6 +125,9 @@ def report_section(result: dict[str, Any]) -> str:
     )
 
 
+_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+
+
 def markdown(result: dict[str, Any], context: dict[str, Any]) -> str:
     from benchmarks import pipeline_throughput
     from benchmarks.report import _at_commit, _bars_md
@@ -132,7 +135,8 @@ def markdown(result: dict[str, Any], context: dict[str, Any]) -> str:
     m = context["machine"]
     models = [x for x in result["models"] if "error" not in x]
     setup = "\n".join(
-        f"- {x['model']}: {x['describe']}; {x['settings']['chunks']} micro-batches (GPipe); traced with "
+        f"- {x['model']}: {x['describe']}; {x['settings']['chunks']} micro-batches "
+        f"({_SCHEDULES[x['settings'].get('schedule', 'gpipe')]}); traced with "
         f'`trace="{x["trace"]}"`; budgets 2 x {x["budget_bytes"] / 2**20:.0f} MiB '
         f"({x['settings']['budget_factor']} x "
         f"the {x['one_device_bytes'] / 2**20:.0f} MiB fxsplit plans for the whole model on one device, mode "

@@ -4,7 +4,8 @@
 
 Each rank runs with one torch thread and writes ``OUT_DIR/rank<r>.json``. It
 plans every pipeline variant first (``fxsplit.pipeline_stages`` under the
-variant's options; ``ScheduleGPipe`` with ``chunks`` micro-batches, rank i
+variant's options; ``Schedule1F1B``, or ``ScheduleGPipe`` where ``schedule`` is ``"gpipe"``,
+with ``chunks`` micro-batches, rank i
 running stage i; a one-stage plan runs on rank 0 alone, accumulating the
 micro-batches' gradients as GPipe does, while rank 1 waits), then times these
 phases, each ``warmup`` untimed steps first, then ``rounds`` rounds of
@@ -175,7 +176,7 @@ def stage_times(modules: tuple[nn.Module, ...], spec: ModelSpec, chunks: int, re
 
 def _pipeline(spec: ModelSpec, settings: dict[str, Any], variant: str, rank: int, budget: int) -> dict[str, Any]:
     """The variant's stages on this rank: what the plan holds, and a training step (``"step"``, not saved)."""
-    from torch.distributed.pipelining import ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     import fxsplit
 
@@ -206,7 +207,8 @@ def _pipeline(spec: ModelSpec, settings: dict[str, Any], variant: str, rank: int
     }
     if len(stages) == world:
         stage = stages.build_stage(rank)
-        schedule = ScheduleGPipe(stage, n_microbatches=chunks, loss_fn=loss_fn)
+        kind = ScheduleGPipe if settings.get("schedule") == "gpipe" else Schedule1F1B
+        schedule = kind(stage, n_microbatches=chunks, loss_fn=loss_fn)
         optimizer = torch.optim.SGD(stage.submod.parameters(), lr=LR)
 
         def step(i: int) -> None:
