@@ -47,12 +47,12 @@ from fxsplit.attrpath import attr_at
 from fxsplit.codegen.emitter import emit
 from fxsplit.cost.build import model_tensors
 from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
-from fxsplit.pipeline.gpipe import PipelineConfig
 from fxsplit.pipeline.microbatch import first_microbatch
 from fxsplit.pipeline.replicabudget import replica_overruns
 from fxsplit.pipeline.stages import StageSpec, split_stages
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import Overrun
+from fxsplit.planning.stagecopies import StagesPipeline
 from fxsplit.units import format_size
 
 __all__ = ["PipelineStages", "pipeline_stages"]
@@ -228,7 +228,7 @@ def pipeline_stages(
 
             try:
                 planned = trace_and_plan(
-                    model, plan_or_budgets, example_inputs, {**options, "pipeline": PipelineConfig(chunks)}
+                    model, plan_or_budgets, example_inputs, {**options, "pipeline": StagesPipeline(chunks)}
                 )
             except FxsplitError:
                 if first is None:
