@@ -32,6 +32,7 @@ from fxsplit.optionparse import parse_options
 from fxsplit.options import Budgets, Offload, Options, PipelineConfig
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.solve import Partition, partition
+from fxsplit.partition.throughput import TIME_OBJECTIVES
 from fxsplit.pipeline.gpipe import Pipeline, pipelined
 from fxsplit.pipeline.microbatch import first_microbatch
 from fxsplit.planning.build import make_plan
@@ -39,7 +40,7 @@ from fxsplit.planning.fingerprint import record_origin
 from fxsplit.planning.offload import fit_or_offload
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.replicas import try_replicas
-from fxsplit.planning.timing import timing_for, timing_record
+from fxsplit.planning.timing import timed_problem, timing_for, timing_record
 from fxsplit.planning.weightmap import device_map_homes, pins_as_device_map, plan_device_map, refuse_with_map
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
@@ -189,8 +190,9 @@ def _trace_and_plan(
 
     def split(caps: Sequence[int], problem: PartitionProblem = problem) -> Partition:
         try:
+            seen = timed_problem(options, problem, costs.weight_values) if objective in TIME_OBJECTIVES else problem
             return partition(
-                problem, caps, objective=objective, device_names=devices, contiguous=contiguous, timing=timing
+                seen, caps, objective=objective, device_names=devices, contiguous=contiguous, timing=timing
             )
         except BudgetError as error:
             better = explain_infeasible_pins(
@@ -229,7 +231,8 @@ def _trace_and_plan(
     if uncounted is not None:
         made = dataclasses.replace(made, activations_not_counted=uncounted)
     if timing is not None:
-        made = dataclasses.replace(made, timing=timing_record(made, costs.ops, problem, timing, options))
+        record = timing_record(made, costs, problem, timing, options, memory.trainable)
+        made = dataclasses.replace(made, timing=record)
     if options.check:
         verify_plan(made, traced.graph_module, model)
     return Planned(traced, costs, made, options, memory)

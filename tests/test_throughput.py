@@ -17,6 +17,7 @@ from fxsplit.partition.problem import PartitionProblem, Value
 from fxsplit.partition.result import placement_problems
 from fxsplit.partition.solve import partition
 from fxsplit.partition.throughput import Timing, fastest_boundaries, stage_times, time_of
+from fxsplit.planning.stagecopies import without_weight_copies
 from tests.strategies import draw_dag_values
 
 
@@ -52,13 +53,20 @@ def _random_case(rng: random.Random, n: int, devices: int) -> tuple[PartitionPro
     return problem, budgets, Timing.uniform(seconds, bandwidth=rng.choice([50.0, 200.0, 1e4]), latency=0.05)
 
 
+@pytest.mark.parametrize("stage_copies", [False, True])
 @pytest.mark.parametrize("objective", ["throughput", "latency"])
-def test_programme_equals_brute_force_over_contiguous_placements(objective: str) -> None:
+def test_programme_equals_brute_force_over_contiguous_placements(objective: str, stage_copies: bool) -> None:
+    """``stage_copies``: as pipeline_stages plans, every stage holding the weights it reads (the tied one is
+    never copied)."""
     rng = random.Random(13)
     feasible = 0
     for _ in range(400):
         n, devices = rng.randint(2, 9), rng.randint(2, 4)
         problem, budgets, timing = _random_case(rng, n, devices)
+        if stage_copies:
+            weights = [i for i, value in enumerate(problem.values) if value.weight]
+            problem = without_weight_copies(problem, weights)
+            assert all(not value.nbytes for value in problem.values if value.weight)
         optimum = _brute_force(problem, budgets, timing, objective)
         boundaries = fastest_boundaries(Context(problem, budgets), timing, objective)
         if optimum is None:
@@ -90,6 +98,18 @@ def test_partition_throughput_is_the_contiguous_optimum(data: st.DataObject) -> 
     found = partition(problem, budgets, objective="throughput", timing=timing)
     assert list(found.op_devices) == sorted(found.op_devices)  # contiguous stages, in device order
     assert time_of(stage_times(problem, found.op_devices, timing), "throughput") == pytest.approx(optimum, rel=1e-9)
+
+
+def test_a_weight_each_stage_holds_costs_no_copy_but_activations_still_do() -> None:
+    chain = PartitionProblem(
+        ("a", "b", "c"), (Value("tied", 64, 0, (0, 2), weight=30), Value("a", 8, 0, (1,)), Value("b", 8, 1, (2,)))
+    )
+    timing = Timing.uniform(np.ones((2, 3)), bandwidth=8.0, latency=0.0)
+    assert stage_times(chain, [0, 0, 1], timing) == [(2.0, 0.0), (1.0, 9.0)]  # in one process: b and the weight
+    held = without_weight_copies(chain, [0])
+    assert stage_times(held, [0, 0, 1], timing) == [(2.0, 0.0), (1.0, 1.0)]  # stages holding it: b only
+    assert fastest_boundaries(Context(held, [100, 100]), timing, "throughput") == [0, 2, 3]
+    assert fastest_boundaries(Context(chain, [100, 100]), timing, "throughput") == [0, 3, 3]
 
 
 def test_throughput_balances_equal_ops_and_uses_every_device() -> None:

@@ -47,12 +47,12 @@ from fxsplit.attrpath import attr_at
 from fxsplit.codegen.emitter import emit
 from fxsplit.cost.build import model_tensors
 from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
-from fxsplit.pipeline.gpipe import PipelineConfig
 from fxsplit.pipeline.microbatch import first_microbatch
 from fxsplit.pipeline.replicabudget import replica_overruns
 from fxsplit.pipeline.stages import StageSpec, split_stages
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import Overrun
+from fxsplit.planning.stagecopies import StagesPipeline
 from fxsplit.units import format_size
 
 __all__ = ["PipelineStages", "pipeline_stages"]
@@ -86,7 +86,15 @@ class PipelineStages:
     def __str__(self) -> str:
         """The plan's tables, each tied weight shown as the stages hold it: a replica per stage, no copy per forward."""
         lines = {old: new for old, new in zip(self.plan.tied_summary(), self._tied_lines(), strict=True)}
-        return "\n".join(lines.get(line, line) for line in str(self.plan).splitlines())
+        text = "\n".join(lines.get(line, line) for line in str(self.plan).splitlines())
+        sent = sum(c.nbytes or 0 for c in self.plan.cuts if c.kind == "parameter")
+        if not self.plan.timing or self.plan.timing.get("stage_copies") or not sent:
+            return text
+        return text + (
+            f"\ntime: estimated for a run in one process (a plan made by fxsplit.plan): its copies in include "
+            f"{format_size(sent)} of weights these stages hold instead, and it has no gradient all-reduce; "
+            "pipeline_stages given budgets estimates the stages"
+        )
 
     def _tied_lines(self) -> list[str]:
         lines = []
@@ -228,7 +236,7 @@ def pipeline_stages(
 
             try:
                 planned = trace_and_plan(
-                    model, plan_or_budgets, example_inputs, {**options, "pipeline": PipelineConfig(chunks)}
+                    model, plan_or_budgets, example_inputs, {**options, "pipeline": StagesPipeline(chunks)}
                 )
             except FxsplitError:
                 if first is None:

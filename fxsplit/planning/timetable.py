@@ -6,6 +6,11 @@ expected step time and the share of device time left idle (the bubble): with sta
 over ``S`` stages, ``step = sum(t) + (chunks - 1) * max(t)`` and
 ``bubble = 1 - chunks * sum(t) / (S * step)``, which is ``(S - 1) / (chunks + S - 1)`` for equal stages.
 
+Stages that each hold their own copy of a weight (``fxsplit.pipeline_stages``) sum that copy's gradients
+once per training step (the record's ``"allreduce"``: name -> holders, bytes, seconds; see
+:mod:`fxsplit.planning.stagecopies`): its own line, and ``step`` adds those seconds to the schedule's,
+so the bubble counts the all-reduce as time no stage computes.
+
 >>> record = {"source": "estimate", "chunks": 4, "training": False,
 ...           "stages": {"cpu:0": {"compute": 0.002, "copies": 0.0}, "cpu:1": {"compute": 0.0018, "copies": 0.0002}}}
 >>> step_and_bubble(record)
@@ -22,10 +27,40 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from fxsplit.hardware import format_seconds
+from fxsplit.units import format_size
 
-__all__ = ["stage_totals", "step_and_bubble", "time_lines"]
+__all__ = ["TIME_RECORD_SHAPE", "allreduce_seconds", "is_time_record", "stage_totals", "step_and_bubble", "time_lines"]
 
 _SOURCES = {"estimate": "estimated from FLOPs and bytes", "profile": "measured per op (profile=True)"}
+
+
+TIME_RECORD_SHAPE = "{source, chunks, training, stages: {device: {compute, copies}}, stage_copies, allreduce}"
+_REDUCED = ("devices", "nbytes", "seconds")  # an all-reduce per step: its holders, gradient bytes, seconds
+
+
+def is_time_record(value: Any) -> bool:
+    """Whether ``value`` is a record :func:`time_lines` reads (``Plan.timing``, as a plan file holds it); plans
+    written before ``stage_copies`` and ``allreduce`` lack them."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    table = lambda v, check: isinstance(v, dict) and all(isinstance(k, str) and check(x) for k, x in v.items())  # noqa: E731
+    keys = {"source", "chunks", "training", "stages"}
+    return (
+        isinstance(value, dict)
+        and keys <= set(value) <= keys | {"stage_copies", "allreduce"}
+        and isinstance(value["source"], str)
+        and (value["chunks"] is None or (isinstance(value["chunks"], int) and not isinstance(value["chunks"], bool)))
+        and isinstance(value["training"], bool)
+        and table(value["stages"], lambda row: table(row, number))
+        and isinstance(value.get("stage_copies", True), bool)
+        and table(value.get("allreduce", {}), lambda e: isinstance(e, dict) and tuple(sorted(e)) == _REDUCED)
+        and all(
+            isinstance(e["devices"], list)
+            and all(isinstance(d, str) for d in e["devices"])
+            and isinstance(e["nbytes"], int)
+            and number(e["seconds"])
+            for e in value.get("allreduce", {}).values()
+        )
+    )
 
 
 def stage_totals(record: Mapping[str, Any]) -> dict[str, float]:
@@ -34,13 +69,19 @@ def stage_totals(record: Mapping[str, Any]) -> dict[str, float]:
     return {d: t for d, t in totals.items() if t > 0}
 
 
+def allreduce_seconds(record: Mapping[str, Any]) -> float:
+    """Seconds per step of the all-reduces of the gradients of weights several stages hold (0 when none)."""
+    return float(sum(entry["seconds"] for entry in record.get("allreduce", {}).values()))
+
+
 def step_and_bubble(record: Mapping[str, Any]) -> tuple[float, float]:
-    """A pipeline step's seconds and idle share over ``record["chunks"]`` micro-batches (1 without a pipeline)."""
+    """A pipeline step's seconds and idle share over ``record["chunks"]`` micro-batches (1 without a pipeline),
+    with the step's gradient all-reduces (:func:`allreduce_seconds`)."""
     totals = list(stage_totals(record).values())
     if not totals:
         return 0.0, 0.0
     chunks = record.get("chunks") or 1
-    step = sum(totals) + (chunks - 1) * max(totals)
+    step = sum(totals) + (chunks - 1) * max(totals) + allreduce_seconds(record)
     busy = chunks * sum(totals) / (len(totals) * step)
     return step, round(1.0 - busy, 12)
 
@@ -66,8 +107,13 @@ def time_lines(record: Mapping[str, Any]) -> list[str]:
         f"bottleneck: {slowest} at {format_seconds(totals[slowest])} ({totals[slowest] / mean:.2f}x the mean stage)"
     )
     step, bubble = step_and_bubble(record)
+    reduced = record.get("allreduce", {})
+    if reduced:
+        each = ", ".join(f"{n} {format_size(e['nbytes'])} over {', '.join(e['devices'])}" for n, e in reduced.items())
+        lines.append(f"tied gradients: all-reduce ≈ {format_seconds(allreduce_seconds(record))} per step ({each})")
     if chunks:
-        summary += f"; {chunks} micro-batches: step ≈ {format_seconds(step)}, bubble {100 * bubble:.0f}%"
+        with_reduce = " with the all-reduce" if reduced else ""
+        summary += f"; {chunks} micro-batches: step ≈ {format_seconds(step)}{with_reduce}, bubble {100 * bubble:.0f}%"
     else:
         summary += f"; stages one after another: {format_seconds(step)}"
     return lines + [summary]

@@ -16,12 +16,14 @@ import numpy as np
 import torch
 import torch.fx
 
+from fxsplit.cost.build import GraphCosts
 from fxsplit.cost.compute import op_seconds, op_work
 from fxsplit.hardware import Hardware, Link
 from fxsplit.options import Options, PipelineConfig
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.throughput import Timing, stage_times
 from fxsplit.planning.plan import Plan
+from fxsplit.planning.stagecopies import allreduce_seconds, held_by_stages, reduced_gradients, without_weight_copies
 
 __all__ = [
     "PROFILE_REPEATS",
@@ -29,6 +31,7 @@ __all__ = [
     "measure_ops",
     "op_timing",
     "timing_for",
+    "timed_problem",
     "timing_record",
     "wants_timing",
 ]
@@ -144,20 +147,59 @@ def measure_ops(
     return measured
 
 
+def timed_problem(options: Options, problem: PartitionProblem, weight_values: Sequence[int]) -> PartitionProblem:
+    """The problem the time objectives and estimates see: ``problem``, or, for stages that each hold the weights
+    they read (:func:`fxsplit.pipeline_stages`), ``problem`` without any weight copy
+    (:func:`~fxsplit.planning.stagecopies.without_weight_copies`)."""
+    return without_weight_copies(problem, weight_values) if held_by_stages(options.pipeline) else problem
+
+
 def timing_record(
-    plan: Plan, ops: Sequence[torch.fx.Node], problem: PartitionProblem, timing: Timing, options: Options
+    plan: Plan,
+    costs: GraphCosts,
+    problem: PartitionProblem,
+    timing: Timing,
+    options: Options,
+    trainable: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """What :attr:`Plan.timing` holds for ``plan``: each device's compute and received-copy seconds."""
+    """What :attr:`Plan.timing` holds for ``plan``: each device's compute and received-copy seconds.
+
+    For stages that each hold the weights they read (:func:`fxsplit.pipeline_stages`), no weight copy is
+    charged (``"stage_copies": True``) and, in training, ``"allreduce"`` names each ``trainable`` parameter
+    read on several devices with its holders, gradient bytes and the seconds of its all-reduce per step
+    (:func:`~fxsplit.planning.stagecopies.allreduce_seconds`).
+    """
     index = {device: k for k, device in enumerate(plan.devices)}
-    op_devices = [index[plan.placement[op.name]] for op in ops]
-    stages = stage_times(problem, op_devices, timing)
+    op_devices = [plan.placement[op.name] for op in costs.ops]
+    problem = timed_problem(options, problem, costs.weight_values)
+    stages = stage_times(problem, [index[d] for d in op_devices], timing)
     pipeline = options.pipeline
-    return {
+    training = options.mode == "training"
+    record: dict[str, Any] = {
         "source": "profile" if options.profile else "estimate",
         "chunks": pipeline.chunks if isinstance(pipeline, PipelineConfig) else None,
-        "training": options.mode == "training",
+        "training": training,
         "stages": {d: {"compute": c, "copies": x} for d, (c, x) in zip(plan.devices, stages, strict=True)},
     }
+    if not held_by_stages(pipeline):
+        return record
+    record["stage_copies"] = True
+    if training:
+        weights = [(w.names[0], w.nbytes, i) for w, i in zip(costs.weights, costs.weight_values, strict=True)]
+        reduced = reduced_gradients(problem, weights, trainable or {}, op_devices, plan.devices)
+        for entry in reduced.values():
+            ring = [index[d] for d in entry["devices"]]
+            links = [_untrained_link(timing, a, b) for a, b in zip(ring, ring[1:] + ring[:1], strict=True)]
+            entry["seconds"] = allreduce_seconds(entry["nbytes"], links)
+        record["allreduce"] = reduced
+    return record
+
+
+def _untrained_link(timing: Timing, source: int, destination: int) -> Link:
+    """The link of one copy from device ``source`` to ``destination``: a training step's ``timing`` charges each
+    copy :data:`TRAINING_COPIES` times (:func:`op_timing`), which an all-reduce, once per step, is not."""
+    bandwidth, latency = timing.bandwidth[source, destination], timing.latency[source, destination]
+    return Link(float(bandwidth) * TRAINING_COPIES, float(latency) / TRAINING_COPIES)
 
 
 def wants_timing(objective: str, pipeline: Any, hardware: Any, profile: bool) -> bool:

@@ -65,6 +65,7 @@ from fxsplit.errors import SpecError
 from fxsplit.planning.plan import Cut, Plan, Replica
 from fxsplit.planning.ranges import summarize_modules
 from fxsplit.planning.rules import validate_plan
+from fxsplit.planning.timetable import TIME_RECORD_SHAPE, is_time_record
 from fxsplit.units import format_size
 from fxsplit.yamlfile import Problem, YamlPath, YamlProblems, line_of, load_yaml, short_repr
 
@@ -316,9 +317,7 @@ class _Reader:
                     or {}
                 ).items()
             },
-            "timing": dict(
-                self.optional(data, "timing", _is_timing, "{source, chunks, training, stages: {device: seconds}}") or {}
-            ),
+            "timing": dict(self.optional(data, "timing", is_time_record, TIME_RECORD_SHAPE) or {}),
         }
         if self.problems:
             return None
@@ -367,18 +366,6 @@ def _is_offload(value: Any) -> bool:
         and set(value) <= {"host", "disk", "dir", "prefetch"}
         and all(value.get(t) is None or _is_int(value[t]) for t in ("host", "disk", "prefetch"))
         and (value.get("dir") is None or _is_str(value["dir"]))
-    )
-
-
-def _is_timing(value: Any) -> bool:
-    seconds = lambda row: _is_map(row, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))  # noqa: E731
-    return (
-        isinstance(value, dict)
-        and set(value) == {"source", "chunks", "training", "stages"}
-        and _is_str(value["source"])
-        and (value["chunks"] is None or _is_int(value["chunks"]))
-        and isinstance(value["training"], bool)
-        and _is_map(value["stages"], seconds)
     )
 
 

@@ -1,0 +1,92 @@
+"""Weights that each stage of a multi-process pipeline holds itself, as the time estimate charges them.
+
+:func:`fxsplit.pipeline_stages` hands every rank a stage module holding its own copy of each
+parameter, buffer and constant its ops read (:mod:`fxsplit.pipeline.stages`, ``relay=True``), so no
+weight is sent from stage to stage; fxsplit's in-process pipeline (:mod:`fxsplit.pipeline.gpipe`)
+instead sends a weight to every other stage that reads it, each micro-batch. This module is where the
+planner learns the difference:
+
+* :class:`StagesPipeline`: the pipeline option ``pipeline_stages`` plans with (:func:`held_by_stages`
+  tells it apart); ``fxsplit.plan(pipeline=...)`` plans for the in-process run, whose copies are real.
+* :func:`without_weight_copies`: the problem the time estimate and the time objectives see then: every
+  weight value copies nothing (activations crossing stages are charged as before).
+* :func:`reduced_gradients` and :func:`allreduce_seconds`: in training, each trainable parameter read on
+  several stages has its copies' gradients summed once per step
+  (:meth:`~fxsplit.pipeline.distributed.PipelineStages.reduce_tied_grads`, the same rule: a parameter
+  that requires a gradient, held by more than one stage). A ring all-reduce of ``B`` bytes over ``k``
+  holders sends and receives ``2 (k - 1) / k * B`` per holder in ``2 (k - 1)`` steps, so over the
+  slowest link between holders it takes ``2 (k - 1) * (latency + B / (k * bandwidth))``: for two
+  stages ``2 * latency + B / bandwidth``.
+
+>>> from fxsplit.hardware import Link
+>>> allreduce_seconds(3_000_000, [Link(3e9, 1e-5)] * 2)  # two holders: each sends and receives half twice
+0.00102
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from fxsplit.hardware import Link
+from fxsplit.options import PipelineConfig
+from fxsplit.partition.problem import PartitionProblem
+
+__all__ = ["StagesPipeline", "allreduce_seconds", "held_by_stages", "reduced_gradients", "without_weight_copies"]
+
+ALLREDUCE_PASSES = 2  # a ring all-reduce: reduce-scatter, then all-gather
+
+
+@dataclass(frozen=True)
+class StagesPipeline(PipelineConfig):
+    """A pipeline of one process per stage (:func:`fxsplit.pipeline_stages`): each stage holds the weights it reads."""
+
+
+def held_by_stages(pipeline: Any) -> bool:
+    """Whether ``pipeline`` (an ``Options.pipeline``) runs stages that each hold every weight their ops read."""
+    return isinstance(pipeline, StagesPipeline)
+
+
+def without_weight_copies(problem: PartitionProblem, weight_values: Sequence[int]) -> PartitionProblem:
+    """``problem`` in which no weight (the values at ``weight_values``, -1 for unread ones) is ever copied."""
+    weights = {index for index in weight_values if index >= 0}
+    values = tuple(
+        dataclasses.replace(value, nbytes=0) if index in weights and value.nbytes else value
+        for index, value in enumerate(problem.values)
+    )
+    return dataclasses.replace(problem, values=values)
+
+
+def reduced_gradients(
+    problem: PartitionProblem,
+    weights: Sequence[tuple[str, int, int]],
+    trainable: Mapping[str, int],
+    op_devices: Sequence[str],
+    devices: Sequence[str],
+) -> dict[str, dict[str, Any]]:
+    """Canonical name -> ``{"devices": holders in stage order, "nbytes": gradient bytes}`` of each trainable
+    parameter whose readers run on several devices.
+
+    ``weights``: ``(canonical name, bytes, value index)`` of each weight (index -1: not read);
+    ``trainable``: the names of the parameters that take a gradient; ``op_devices``: each op's device.
+    """
+    found: dict[str, dict[str, Any]] = {}
+    for name, nbytes, index in weights:
+        if index < 0 or name not in trainable:
+            continue
+        readers = {op_devices[op] for op in problem.values[index].consumers}
+        if len(readers) > 1:
+            found[name] = {"devices": [d for d in devices if d in readers], "nbytes": nbytes}
+    return found
+
+
+def allreduce_seconds(nbytes: float, links: Sequence[Link]) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` among ``len(links)`` holders, the ring's ``links`` between them
+    (the slowest sets the pace): ``2 (k - 1) * (latency + nbytes / (k * bandwidth))``."""
+    holders = len(links)
+    if holders < 2:
+        return 0.0
+    bandwidth = min(link.bandwidth for link in links)
+    latency = max(link.latency for link in links)
+    return ALLREDUCE_PASSES * (holders - 1) * (latency + nbytes / (holders * bandwidth))
