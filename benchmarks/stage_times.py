@@ -2,7 +2,8 @@
 
 For ResNet-50 and GPT-2 small (:mod:`benchmarks.throughput_models`) over 2 and 4 logical CPU
 devices, a pipeline of ``CHUNKS`` micro-batches is planned with the throughput objective (the
-default with ``pipeline=``) twice: from the cost model's estimate (default hardware) and with
+default with ``pipeline=``; ``PipelineConfig(processes=True)``, the stages ``pipeline_stages`` runs, one
+per process, each holding the weights it reads) twice: from the cost model's estimate (default hardware) and with
 ``profile=True`` (each op timed on the CPU, one thread). The profiled plan's stages
 (:func:`fxsplit.pipeline_stages`) then run one micro-batch after another, forward, one thread,
 each stage timed alone (median of ``REPEATS`` runs), and their times are compared with the plan's:
@@ -82,7 +83,7 @@ def measure_model(spec: ModelSpec, stages: int) -> dict[str, Any]:
     model = spec.build().eval()
     batch, _ = spec.inputs(0)
     budgets = _budgets(model, stages)
-    options = {"trace": spec.trace, "pipeline": CHUNKS}
+    options = {"trace": spec.trace, "pipeline": fxsplit.PipelineConfig(CHUNKS, processes=True)}  # as pipeline_stages
     estimated = fxsplit.plan(model, budgets, example_inputs=(batch,), **options)
     profiled = fxsplit.plan(model, budgets, example_inputs=(batch,), profile=True, **options)
     micro, _ = first_microbatch((batch,), None, CHUNKS)

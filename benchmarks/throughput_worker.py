@@ -251,7 +251,13 @@ def _rank0_plan(
     if rank == 0:
         try:
             made = fxsplit.plan(
-                model, budgets, example_inputs=(x,), pipeline=chunks, trace=spec.trace, mode="training", profile=True
+                model,
+                budgets,
+                example_inputs=(x,),
+                pipeline=fxsplit.PipelineConfig(chunks, processes=True),  # for pipeline_stages: one process per stage
+                trace=spec.trace,
+                mode="training",
+                profile=True,
             )
             message = [made.to_yaml()]
         except Exception as error:  # noqa: BLE001 - sent on, so every rank fails alike
@@ -273,7 +279,8 @@ def _four_stages(spec: ModelSpec, settings: dict[str, Any], variant: str, budget
     planned: Any = budgets
     options: dict[str, Any] = {"mode": "training", **variant_options(variant, spec, devices)}
     if variant == "profiled":  # planned here, in this process alone (pipeline_stages refuses to across ranks)
-        planned = fxsplit.plan(model, budgets, example_inputs=(x,), pipeline=chunks, trace=spec.trace, **options)
+        pipeline = fxsplit.PipelineConfig(chunks, processes=True)
+        planned = fxsplit.plan(model, budgets, example_inputs=(x,), pipeline=pipeline, trace=spec.trace, **options)
         options = {}
     stages = fxsplit.pipeline_stages(model, planned, example_inputs=(x,), chunks=chunks, trace=spec.trace, **options)
     return {

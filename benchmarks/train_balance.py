@@ -138,7 +138,7 @@ def main() -> None:
         model,
         budgets,
         example_inputs=(batch,),
-        pipeline=CHUNKS,
+        pipeline=fxsplit.PipelineConfig(CHUNKS, processes=True),  # the stages pipeline_stages runs
         trace=spec.trace,
         mode="training",
         profile=bool(args.profile),

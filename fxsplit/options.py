@@ -63,12 +63,22 @@ class PipelineConfig:
             ``"warn"``, ``"error"`` or ``"allow"``.
         broadcast: names of inputs given whole to every micro-batch instead of
             being split along dim 0 (e.g. a mask shared by all samples).
+        processes: True when the stages will run one per process
+            (:func:`fxsplit.pipeline_stages`, ``torch.distributed.pipelining``):
+            each stage then holds its own copy of every weight it reads, so the
+            time estimate charges no copy of a weight per micro-batch and, in
+            training, one all-reduce of the tied gradients per step. False (the
+            default): fxsplit's own pipeline in one process, which copies a
+            weight read on another stage every micro-batch. ``pipeline_stages``
+            plans with True; pass it to ``fxsplit.plan`` for a plan you will give
+            to ``pipeline_stages`` (e.g. one made with ``profile=True`` on one rank).
     """
 
     chunks: int
     checkpoint: Union[bool, str] = "never"
     batch_stats: str = "warn"
     broadcast: tuple[str, ...] = field(default_factory=tuple)
+    processes: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
@@ -87,6 +97,8 @@ class PipelineConfig:
         if isinstance(self.broadcast, str):
             raise SpecError(f"pipeline broadcast must be a tuple of input names (got the string {self.broadcast!r})")
         object.__setattr__(self, "broadcast", tuple(self.broadcast))
+        if not isinstance(self.processes, bool):
+            raise SpecError(f"pipeline processes must be true or false (got {self.processes!r})")
 
     @classmethod
     def coerce(cls, value: Any) -> PipelineConfig:

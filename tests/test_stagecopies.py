@@ -99,6 +99,24 @@ def test_a_given_in_process_plan_says_its_times_are_for_one_process() -> None:
     assert "time: estimated for a run in one process" not in str(_stages(model, pins=PINS))
 
 
+@pytest.mark.parametrize(
+    "pipeline", [fxsplit.PipelineConfig(CHUNKS, processes=True), {"chunks": CHUNKS, "processes": True}]
+)
+def test_a_plan_made_for_processes_estimates_the_stages_pipeline_stages_runs(pipeline: object) -> None:
+    model = _model()  # e.g. planned with profile=True on one rank, then given to pipeline_stages on every rank
+    plan = fxsplit.plan(model, BUDGETS, example_inputs=(_ids(),), pipeline=pipeline, mode="training", pins=PINS)
+    stages = _stages(model, mode="training", pins=PINS)
+    assert plan.timing == stages.plan.timing and plan.timing["stage_copies"] is True and "allreduce" in plan.timing
+    given = fxsplit.pipeline_stages(model, plan, example_inputs=(_ids(),), chunks=CHUNKS)
+    assert "time: estimated for a run in one process" not in str(given)
+    assert fxsplit.Plan.from_yaml(plan.to_yaml()).timing == plan.timing
+
+
+def test_processes_must_be_a_bool() -> None:
+    with pytest.raises(SpecError, match="pipeline processes must be true or false"):
+        fxsplit.PipelineConfig(CHUNKS, processes="yes")  # type: ignore[arg-type]
+
+
 def test_plan_files_keep_the_stage_copies_and_the_all_reduce() -> None:
     plan = _stages(_model(), mode="training", pins=PINS).plan
     loaded = fxsplit.Plan.from_yaml(plan.to_yaml())

@@ -47,12 +47,12 @@ from fxsplit.attrpath import attr_at
 from fxsplit.codegen.emitter import emit
 from fxsplit.cost.build import model_tensors
 from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
+from fxsplit.options import PipelineConfig
 from fxsplit.pipeline.microbatch import first_microbatch
 from fxsplit.pipeline.replicabudget import replica_overruns
 from fxsplit.pipeline.stages import StageSpec, split_stages
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import Overrun
-from fxsplit.planning.stagecopies import StagesPipeline
 from fxsplit.units import format_size
 
 __all__ = ["PipelineStages", "pipeline_stages"]
@@ -93,7 +93,8 @@ class PipelineStages:
         return text + (
             f"\ntime: estimated for a run in one process (a plan made by fxsplit.plan): its copies in include "
             f"{format_size(sent)} of weights these stages hold instead, and it has no gradient all-reduce; "
-            "pipeline_stages given budgets estimates the stages"
+            "plan with pipeline=fxsplit.PipelineConfig(chunks, processes=True), or give pipeline_stages budgets, "
+            "to estimate these stages"
         )
 
     def _tied_lines(self) -> list[str]:
@@ -235,9 +236,8 @@ def pipeline_stages(
             from fxsplit.api import trace_and_plan
 
             try:
-                planned = trace_and_plan(
-                    model, plan_or_budgets, example_inputs, {**options, "pipeline": StagesPipeline(chunks)}
-                )
+                pipeline = PipelineConfig(chunks, processes=True)
+                planned = trace_and_plan(model, plan_or_budgets, example_inputs, {**options, "pipeline": pipeline})
             except FxsplitError:
                 if first is None:
                     raise

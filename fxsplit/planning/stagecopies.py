@@ -6,8 +6,9 @@ weight is sent from stage to stage; fxsplit's in-process pipeline (:mod:`fxsplit
 instead sends a weight to every other stage that reads it, each micro-batch. This module is where the
 planner learns the difference:
 
-* :class:`StagesPipeline`: the pipeline option ``pipeline_stages`` plans with (:func:`held_by_stages`
-  tells it apart); ``fxsplit.plan(pipeline=...)`` plans for the in-process run, whose copies are real.
+* :func:`held_by_stages`: whether the pipeline option says so (``PipelineConfig(processes=True)``, what
+  ``pipeline_stages`` plans with); without it ``fxsplit.plan(pipeline=...)`` plans for the in-process
+  run, whose copies are real.
 * :func:`without_weight_copies`: the problem the time estimate and the time objectives see then: every
   weight value copies nothing (activations crossing stages are charged as before).
 * :func:`reduced_gradients` and :func:`allreduce_seconds`: in training, each trainable parameter read on
@@ -26,26 +27,20 @@ planner learns the difference:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from fxsplit.hardware import Link
 from fxsplit.options import PipelineConfig
 from fxsplit.partition.problem import PartitionProblem
 
-__all__ = ["StagesPipeline", "allreduce_seconds", "held_by_stages", "reduced_gradients", "without_weight_copies"]
+__all__ = ["allreduce_seconds", "held_by_stages", "reduced_gradients", "without_weight_copies"]
 
 ALLREDUCE_PASSES = 2  # a ring all-reduce: reduce-scatter, then all-gather
 
 
-@dataclass(frozen=True)
-class StagesPipeline(PipelineConfig):
-    """A pipeline of one process per stage (:func:`fxsplit.pipeline_stages`): each stage holds the weights it reads."""
-
-
 def held_by_stages(pipeline: Any) -> bool:
     """Whether ``pipeline`` (an ``Options.pipeline``) runs stages that each hold every weight their ops read."""
-    return isinstance(pipeline, StagesPipeline)
+    return isinstance(pipeline, PipelineConfig) and pipeline.processes
 
 
 def without_weight_copies(problem: PartitionProblem, weight_values: Sequence[int]) -> PartitionProblem:
