@@ -68,6 +68,11 @@ def test_skip_connection_is_relayed_through_the_middle_stage() -> None:
     first, middle, last = stages.specs
     skip = [name for name in first.outputs if name in last.inputs]
     assert skip and set(skip) <= set(middle.inputs) and set(skip) <= set(middle.outputs)
+    for module in stages.modules[1:]:  # what a stage receives is on its device already: no .to(device) of it
+        received = {n for n in module.graph.nodes if n.op == "placeholder"}
+        copies = [n for n in module.graph.nodes if n.op == "call_method" and n.target == "to"]
+        assert not [n for n in copies if n.args[0] in received]
+    assert any(n.op == "call_method" and n.target == "to" for n in stages.modules[0].graph.nodes)  # model inputs
 
 
 def test_tied_weight_is_replicated_on_the_stages_that_read_it() -> None:

@@ -178,12 +178,27 @@ class _Cutter:
         tensor already there returns it, but on the logical ``cpu:N`` devices it copies every call (GPT-2's
         tied 147 MiB head weight, every micro-batch, forward and backward).
         """
-        if not self.relay or COPY_META not in node.meta or node.op != "call_method" or node.target != "to":
+        if not self.relay or not self._is_copy(node):
             return None
         source = node.args[0]
         if isinstance(source, torch.fx.Node) and self._is_free(source) and self._is_weight(source):
             return source
         return None
+
+    def _received(self, node: torch.fx.Node, spec: StageSpec) -> torch.fx.Node | None:
+        """The stage input a ``.to(device)`` copy reads, where the input arrives on the stage's device (relay,
+        after the first stage: ``torch.distributed.pipelining`` receives it there), else None: the copy the
+        one-process module makes there is dropped, as :meth:`_held_weight` drops a weight's (on ``cpu:N``
+        ``.to`` copies even a tensor already there)."""
+        if not self.relay or spec.index == 0 or not self._is_copy(node):
+            return None
+        source = node.args[0]
+        return source if isinstance(source, torch.fx.Node) and source.name in spec.inputs else None
+
+    @staticmethod
+    def _is_copy(node: torch.fx.Node) -> bool:
+        """A ``.to(device)`` the code generator inserted (not one of the model's own)."""
+        return COPY_META in node.meta and node.op == "call_method" and node.target == "to"
 
     def _source(self, node: torch.fx.Node) -> torch.fx.Node:
         """What the output really reads: output moves stand for the value they move."""
@@ -326,7 +341,7 @@ class _Cutter:
             return env[node.name]
 
         for name in spec.nodes:
-            held = self._held_weight(by_name[name])
+            held = self._held_weight(by_name[name]) or self._received(by_name[name], spec)
             env[name] = arg(held) if held is not None else graph.node_copy(by_name[name], arg)
         if self.relay and is_last:
             graph.output(torch.fx.node.map_arg(self.output.args[0], lambda n: arg(self._source(n))))
