@@ -66,7 +66,12 @@ class PipelineStages:
         plan: the plan that placed the ops; stage ``i`` runs on ``plan``'s
             ``i``-th device that has ops (``specs[i].device``).
         specs: per stage, the names of the values it takes and returns.
-        modules: per stage, a ``GraphModule`` (``modules[i].code`` shows it).
+        modules: per stage, a ``GraphModule`` (``modules[i].code`` shows it). It
+            reads its weights and, after stage 0, its inputs where they are: on
+            its device once ``build_stage`` has moved it and the schedule has
+            received them there (stage 0 moves the model's inputs itself). To
+            chain them in one process, move each module to its device and each
+            stage's outputs to the next one's.
         tied: qualified name of each weight that several stages hold -> those
             stages (their gradients are summed by :meth:`reduce_tied_grads`).
         chunks: the micro-batches per batch the stages were traced for.
