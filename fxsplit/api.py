@@ -32,7 +32,6 @@ from fxsplit.optionparse import parse_options
 from fxsplit.options import Budgets, Offload, Options, PipelineConfig
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.solve import Partition, partition
-from fxsplit.partition.throughput import TIME_OBJECTIVES
 from fxsplit.pipeline.gpipe import Pipeline, pipelined
 from fxsplit.pipeline.microbatch import first_microbatch
 from fxsplit.planning.build import make_plan
@@ -40,7 +39,8 @@ from fxsplit.planning.fingerprint import record_origin
 from fxsplit.planning.offload import fit_or_offload
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.replicas import try_replicas
-from fxsplit.planning.timing import timed_problem, timing_for, timing_record
+from fxsplit.planning.stagecopies import held_copies_error
+from fxsplit.planning.timing import copied_problem, timing_for, timing_record
 from fxsplit.planning.weightmap import device_map_homes, pins_as_device_map, plan_device_map, refuse_with_map
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
@@ -189,18 +189,19 @@ def _trace_and_plan(
     )
 
     def split(caps: Sequence[int], problem: PartitionProblem = problem) -> Partition:
+        seen = copied_problem(options, problem, costs.weight_values)  # the copies the run will make
         try:
-            seen = timed_problem(options, problem, costs.weight_values) if objective in TIME_OBJECTIVES else problem
-            return partition(
-                seen, caps, objective=objective, device_names=devices, contiguous=contiguous, timing=timing
-            )
+            return place_ops(caps, seen)
         except BudgetError as error:
             better = explain_infeasible_pins(
                 error, problem, list(caps), devices, pins, len(together), locate, contiguous=contiguous
-            )
+            ) or held_copies_error(seen, caps, devices, functools.partial(place_ops, caps))
             if better is None:
                 raise
             raise better from error
+
+    def place_ops(caps: Sequence[int], seen: PartitionProblem) -> Partition:
+        return partition(seen, caps, objective=objective, device_names=devices, contiguous=contiguous, timing=timing)
 
     def solve(caps: Sequence[int], split: Callable[[Sequence[int]], Partition] = split) -> Plan:
         return make_plan(

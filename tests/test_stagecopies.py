@@ -3,6 +3,7 @@ training the gradients of a weight several stages hold are all-reduced once per 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -135,3 +136,123 @@ def test_all_reduce_seconds_follow_the_ring_formula() -> None:
     assert allreduce_seconds(1e6, [link]) == 0.0
     three = allreduce_seconds(3e6, [link] * 3)
     assert three == pytest.approx(4 * (link.latency + 1e6 / link.bandwidth))
+
+
+class _SharedMiddle(torch.nn.Module):
+    """A 1 MiB layer applied twice, with a narrow activation between its two uses; a 1 MiB layer after, and
+    before it one of ``first`` inputs."""
+
+    def __init__(self, first: int = 512) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(first, 512)
+        self.shared = torch.nn.Linear(512, 512)
+        self.narrow = torch.nn.Linear(512, 4)
+        self.widen = torch.nn.Linear(4, 512)
+        self.out = torch.nn.Linear(512, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.shared(self.widen(self.narrow(self.shared(self.pre(x))))))
+
+
+def _shared_plans(
+    objective: str | None, budget: str, first: int = 512
+) -> tuple[fxsplit.Plan, fxsplit.Plan, fxsplit.PipelineStages]:
+    torch.manual_seed(0)
+    model, x = _SharedMiddle(first), torch.randn(2, first)
+    budgets = {"cpu:0": budget, "cpu:1": budget}
+    options = {"example_inputs": (x,), "mode": "weights", **({"objective": objective} if objective else {})}
+    in_process = fxsplit.plan(model, budgets, pipeline=2, **options)
+    held = fxsplit.plan(model, budgets, pipeline=fxsplit.PipelineConfig(2, processes=True), **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # planned once: no re-plan for the stages' copies
+        stages = fxsplit.pipeline_stages(model, budgets, chunks=2, **options)
+    return in_process, held, stages
+
+
+def test_the_bytes_objective_charges_no_copy_of_a_weight_the_stages_hold() -> None:
+    """The whole model (3 MiB) needs two stages. In one process, a cut at the narrow activation copies the shared
+    layer's 1 MiB weight every forward, so that plan cuts where 2 KiB cross; stages that each hold the weight cut
+    at the narrow activation (16 bytes), the second stage holding its own copy within its budget."""
+    in_process, held, stages = _shared_plans("min_transfer", "2200KiB")
+    assert "shared.weight" not in [c.producer for c in in_process.cuts]
+    assert held.modules["cpu:1"] == ("widen", "shared", "out") and stages.plan.modules == held.modules
+    activations = {name: sum(c.nbytes for c in p.cuts if c.kind == "activation") for name, p in
+                   (("one", in_process), ("held", held))}  # fmt: skip
+    assert activations == {"one": 2048, "held": 16}  # per micro-batch of one row
+    assert {c.producer for c in held.cuts if c.kind == "parameter"} == {"shared.weight", "shared.bias"}
+
+
+@pytest.mark.parametrize("objective", ["min_transfer", "balanced", None])
+def test_stages_are_planned_with_their_own_copies_charged_where_they_fit(objective: str | None) -> None:
+    """With a small first layer (2.1 MiB in all), at 1.5 MiB a device cannot hold the shared layer beside the last
+    one: the only split keeps both uses on the first stage. Planned as if the stages' copies were free, the second
+    stage took a copy it cannot hold, and pipeline_stages refused although this split fits."""
+    in_process, held, stages = _shared_plans(objective, "1.5MiB", first=64)
+    assert held.modules == {"cpu:0": ("pre", "shared", "narrow", "widen"), "cpu:1": ("out",)}
+    assert stages.plan.modules == held.modules and not any(stages.plan.reserved.values())
+    assert not [c for c in held.cuts if c.kind == "parameter"]
+
+
+def test_a_held_weight_is_charged_on_every_device_that_reads_it() -> None:
+    """The partitioner's own accounting: contiguous programmes, the load of a placement and its check agree."""
+    from fxsplit.partition import partition
+    from fxsplit.partition.problem import PartitionProblem, Value
+    from fxsplit.partition.refine import device_loads
+    from fxsplit.partition.result import placement_problems
+
+    values = (Value("w", 0, 0, (0, 1), weight=100), Value("a", 1, 0, (1,)), Value("b", 50, 1, (2,)),
+              Value("wc", 0, 2, (2,), weight=30))  # fmt: skip
+    plain = PartitionProblem(("a", "b", "c"), values)
+    held = dataclasses.replace(plain, held=(0,))
+    assert device_loads(plain, [0, 1, 1], 2) == [100, 30] and device_loads(held, [0, 1, 1], 2) == [100, 130]
+    assert placement_problems(held, [0, 1, 1], [100, 129]) == ["device 1 needs 130 bytes, more than its budget of 129"]
+    assert partition(plain, [100, 129], contiguous=True).op_devices == (0, 1, 1)  # the cheap cut, 1 byte
+    assert partition(held, [100, 129]).op_devices == (0, 0, 1)  # b's copy of w does not fit: 50 bytes cross
+    assert partition(held, [100, 130]).op_devices == (1, 1, 1)  # room for both on device 1: nothing crosses
+
+
+def test_runs_charge_held_weights_as_placements_do() -> None:
+    """Every contiguous placement of random problems over three devices: the programmes' bytes per run
+    (:meth:`Context.weight`, :meth:`Context.held_matrix`) equal :func:`device_loads`'."""
+    import itertools
+    import random
+
+    import numpy as np
+
+    from fxsplit.partition.context import Context
+    from fxsplit.partition.contiguous import segment_masks
+    from fxsplit.partition.problem import PartitionProblem, Value
+    from fxsplit.partition.refine import device_loads
+
+    rng = random.Random(3)
+    for _ in range(40):
+        n = rng.randint(1, 7)
+        values = []
+        for op in range(n):
+            readers = sorted(rng.sample(range(n), rng.randint(1, min(3, n))))
+            values.append(Value(f"w{op}", 0, readers[0], tuple(readers), weight=rng.randint(1, 50)))
+        problem = PartitionProblem(tuple(f"op{k}" for k in range(n)), tuple(values), held=tuple(range(0, n, 2)))
+        ctx = Context(problem, [10**6] * 3)
+        cands = np.arange(n + 1)
+        seg_weight, _ = segment_masks(ctx, cands, ctx.budgets)
+        for b1, b2 in itertools.combinations_with_replacement(range(n + 1), 2):
+            bounds = [0, b1, b2, n]
+            placed = [k for k in range(3) for _ in range(bounds[k], bounds[k + 1])]
+            loads = device_loads(problem, placed, 3)
+            for k in range(3):
+                lo, hi = bounds[k], bounds[k + 1]
+                if hi > lo:
+                    assert ctx.weight(lo, hi) == loads[k] == seg_weight[lo, hi], (problem, bounds, k)
+
+
+def test_print_says_a_weight_the_stages_hold_is_not_copied() -> None:
+    model = _model()
+    in_process = fxsplit.plan(model, BUDGETS, example_inputs=(_ids(),), pipeline=CHUNKS, pins=PINS)
+    held = fxsplit.plan(
+        model, BUDGETS, example_inputs=(_ids(),), pipeline=fxsplit.PipelineConfig(CHUNKS, processes=True), pins=PINS
+    )
+    assert "tied: emb.weight = head.weight: on cpu:0, copied to cpu:1 (1000.00 KiB) each forward" in str(in_process)
+    line = "tied: emb.weight = head.weight: on cpu:0, and held by the stages on cpu:1 too (stages one per process"
+    assert line in str(held) and "each forward" not in held.tied_summary()[0]
+    assert "# held by each stage that reads it" in held.to_yaml()
+    assert "# copied each forward" in in_process.to_yaml()

@@ -15,6 +15,7 @@ forbidden and where pins end.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from functools import cached_property
 
@@ -45,6 +46,8 @@ class Context:
         reach: start, last reader and bytes of every copied value (arrays), for the wrapped programme.
         last_bad: ``last_bad[k][t]``: 1 + index of the last op before ``t`` pinned to a device other than ``k``
             (an array per device).
+        held: home op, sorted readers and bytes of every ``held`` value read by more than one op: a run
+            that reads it but does not hold its home op holds a copy too (:meth:`weight`, :meth:`held_matrix`).
     """
 
     def __init__(self, problem: PartitionProblem, budgets: list[int]) -> None:
@@ -74,6 +77,11 @@ class Context:
                 if pin != k and 0 <= op < n:
                     row[op + 1] = op + 1
             self.last_bad.append(np.maximum.accumulate(row))
+        self.held: list[tuple[int, list[int], int]] = []
+        for index in problem.held:
+            value = problem.values[index]
+            if value.weight and len(set(value.consumers)) > 1:
+                self.held.append((min(value.start, max(n - 1, 0)), sorted(set(value.consumers)), value.weight))
 
     def _crossing(self) -> list[int]:
         starts, lasts, _ = self.reach
@@ -119,11 +127,43 @@ class Context:
         return depths
 
     def weight(self, start: int, stop: int) -> int:
-        """Bytes a device needs to run ops ``[start, stop)``: resident plus peak transient."""
+        """Bytes a device needs to run ops ``[start, stop)``: resident (with the copies of the ``held`` values it
+        reads) plus peak transient."""
         resident = int(self.prefix_weight[stop] - self.prefix_weight[start])
+        if self.held and stop > start:
+            resident += self._held_in(start, stop)
         if self._sparse is None or stop <= start:
             return resident
         return resident + self._sparse.max(start, stop)
+
+    def _held_in(self, start: int, stop: int) -> int:
+        """Bytes of the ``held`` values that ops ``[start, stop)`` read and whose home op is outside them."""
+        extra = 0
+        for home, readers, nbytes in self.held:
+            if not start <= home < stop:
+                first = bisect.bisect_left(readers, start)
+                if first < len(readers) and readers[first] < stop:
+                    extra += nbytes
+        return extra
+
+    def held_matrix(self, cands: np.ndarray) -> np.ndarray:
+        """``extra[i, j]``: bytes of the ``held`` values a run ``[cands[i], cands[j])`` reads, its copies of
+        them whose home op is outside it (zeros without ``held`` values)."""
+        m = len(cands)
+        steps = np.zeros((m, m + 1), dtype=np.int64)
+        rows = np.arange(m)
+        for home, readers, nbytes in self.held:
+            ordered = np.asarray(readers, dtype=np.int64)
+            first = np.searchsorted(ordered, cands)  # the first reader at or after each run's start
+            reader = np.where(
+                first < len(ordered), ordered[np.minimum(first, len(ordered) - 1)], np.iinfo(np.int64).max
+            )
+            low = np.searchsorted(cands, reader, side="right")  # runs ending after it read it ...
+            high = np.where(cands > home, m, np.searchsorted(cands, home, side="right"))  # ... unless they hold home
+            reads = low < high
+            np.add.at(steps, (rows[reads], low[reads]), nbytes)
+            np.add.at(steps, (rows[reads], high[reads]), -nbytes)
+        return np.cumsum(steps, axis=1)[:, :m]
 
 
 class _SparseMax:

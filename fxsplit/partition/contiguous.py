@@ -97,7 +97,7 @@ def relay_boundaries(ctx: Context, budgets: Sequence[int]) -> list[int] | None:
 def _run_starts(ctx: Context, budget: int) -> np.ndarray:
     """``left[t]``: the first op a device within ``budget`` can start at and run up to op ``t`` (excluded)."""
     n, prefix = ctx.n, ctx.prefix_weight
-    if not ctx.has_transient and bool(np.all(prefix[1:] >= prefix[:-1])):
+    if not ctx.has_transient and not ctx.held and bool(np.all(prefix[1:] >= prefix[:-1])):
         within = min(budget, int(prefix[n]))  # a larger budget starts every run at 0 too
         return np.searchsorted(prefix, prefix - within, side="left").astype(np.int64)
     left_of = [0] * (n + 1)
@@ -214,6 +214,8 @@ def segment_masks(ctx: Context, cands: np.ndarray, budgets: Sequence[int]) -> tu
     ``k`` may run it (within its budget, not starting at a forbidden cut, no op pinned elsewhere)."""
     weights = ctx.prefix_weight[cands]
     seg_weight = (weights[None, :] - weights[:, None]).astype(np.float64)
+    if ctx.held:
+        seg_weight += ctx.held_matrix(cands)
     m = len(cands)
     if ctx.has_transient:
         transient = np.asarray(ctx.transient, dtype=np.float64)

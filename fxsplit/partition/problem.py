@@ -74,9 +74,15 @@ class PartitionProblem:
             the ops between them may run anywhere: the ops that write one
             tensor in place (and make views of it) and the op that makes it,
             or reads it first, which decides where it lives.
+        held: indices of values (weights) that every device running one of
+            their readers holds a copy of, as pipeline stages run one per
+            process do: its ``weight`` is charged on each such device, not
+            only at home. Only contiguous placements are sought for a
+            problem that holds any (:func:`~fxsplit.partition.solve.partition`).
 
     A device running ops ``[i, j)`` needs the weights whose home is one of
-    those ops, plus ``sum(op_extra[i:j])``, plus ``max(op_transient[i:j])``.
+    those ops, plus ``sum(op_extra[i:j])``, plus ``max(op_transient[i:j])``,
+    plus the ``held`` weights read there whose home is elsewhere.
     """
 
     op_names: tuple[str, ...]
@@ -87,10 +93,24 @@ class PartitionProblem:
     op_extra: tuple[int, ...] = ()
     op_transient: tuple[int, ...] = ()
     colocated: tuple[tuple[int, ...], ...] = ()
+    held: tuple[int, ...] = ()
 
     @property
     def num_ops(self) -> int:
         return len(self.op_names)
+
+    def held_loads(self, op_devices: Sequence[int], num_devices: int) -> list[int]:
+        """Bytes each device holds of the ``held`` values whose home is another device, for a placement."""
+        loads = [0] * num_devices
+        last = self.num_ops - 1
+        for index in self.held:
+            value = self.values[index]
+            if not value.weight or not value.consumers:
+                continue
+            home = op_devices[min(value.start, last)]
+            for device in {op_devices[op] for op in value.consumers} - {home}:
+                loads[device] += value.weight
+        return loads
 
     def op_weights(self) -> list[int]:
         """Resident bytes charged at each op: the weights whose home is that op, plus ``op_extra``."""

@@ -157,12 +157,15 @@ def frozen_ops(problem: PartitionProblem) -> set[int]:
 
 
 def device_loads(problem: PartitionProblem, op_devices: Sequence[int], num_devices: int) -> list[int]:
-    """Bytes each device needs for a placement: resident bytes plus its largest transient."""
+    """Bytes each device needs for a placement: resident bytes (with the ``held`` weights it reads) plus its
+    largest transient."""
     resident, transient = problem.op_weights(), problem.transients()
     loads, peaks = [0] * num_devices, [0] * num_devices
     for op, device in enumerate(op_devices):
         loads[device] += resident[op]
         peaks[device] = max(peaks[device], transient[op])
+    if problem.held:
+        loads = [load + held for load, held in zip(loads, problem.held_loads(op_devices, num_devices), strict=True)]
     return [load + peak for load, peak in zip(loads, peaks, strict=True)]
 
 

@@ -49,9 +49,10 @@ def transfer_bytes(problem: PartitionProblem, op_devices: Sequence[int]) -> int:
 
 
 def placement_problems(problem: PartitionProblem, op_devices: Sequence[int], budgets: Sequence[int]) -> list[str]:
-    """Every rule ``op_devices`` breaks: one device index per op, within ``budgets`` (resident bytes plus the
-    largest transient, as :func:`~fxsplit.partition.refine.device_loads` counts), pins and together-constraints
-    held (ops that no cut may separate share a device). Empty when it is valid."""
+    """Every rule ``op_devices`` breaks: one device index per op, within ``budgets`` (resident bytes with the
+    ``held`` weights read there, plus the largest transient, as :func:`~fxsplit.partition.refine.device_loads`
+    counts), pins and together-constraints held (ops that no cut may separate share a device). Empty when it
+    is valid."""
     if len(op_devices) != problem.num_ops:
         return [f"it places {len(op_devices)} ops, but the problem has {problem.num_ops}"]
     devices = np.asarray(op_devices)
@@ -62,6 +63,8 @@ def placement_problems(problem: PartitionProblem, op_devices: Sequence[int], bud
     peaks = np.zeros(len(budgets), dtype=np.int64)
     np.add.at(loads, devices, np.asarray(problem.op_weights(), dtype=np.int64))
     np.maximum.at(peaks, devices, np.asarray(problem.transients(), dtype=np.int64))
+    if problem.held:
+        loads += np.asarray(problem.held_loads(devices.tolist(), len(budgets)), dtype=np.int64)
     problems = [
         f"device {k} needs {load} bytes, more than its budget of {budget}"
         for k, (load, budget) in enumerate(zip((loads + peaks).tolist(), budgets, strict=True))

@@ -102,6 +102,7 @@ def partition(
     negative = [f"{name}: {budget}" for name, budget in zip(names, budgets, strict=True) if budget < 0]
     if negative:
         raise SpecError(f"budgets must not be negative ({', '.join(negative)}); is a reserve larger than a budget?")
+    contiguous = contiguous or bool(problem.held)  # held weights are pipeline stages' own copies: stages in order
     chosen = _strategy_list(strategies, contiguous)
     _check_pin_order(problem, names)
     if problem.num_ops == 0:

@@ -210,11 +210,13 @@ def pipeline_stages(
             that must cross processes is not a tensor.
         BudgetError: a device cannot hold its stage with the stage's own copy
             of each weight it reads that the plan keeps on another device (tied
-            or shared weights: every rank holds one; the plan counts them once).
-            Planned from budgets, the plan is first made again (up to
-            :data:`REPLAN_TRIES` times, with an ``FxsplitWarning``) holding back
-            on each device the copies its stage holds (``plan.reserved``), so
-            that other stages take ops.
+            or shared weights: every rank holds one). Planned from budgets, the
+            partitioner charges those copies to every stage that reads the weight
+            (``PipelineConfig(processes=True)``), so this is raised when no split
+            fits with them; should a stage's copies still come out over budget
+            (the check charges training state at the plan's average rate), the
+            plan is made again (up to :data:`REPLAN_TRIES` times, with an
+            ``FxsplitWarning``) holding back that room (``plan.reserved``).
         PlanMismatchError: a given plan does not describe this model's graph.
     """
     if "pipeline" in options:

@@ -364,6 +364,9 @@ class Plan:
             replica = self.replicas.get(group[0])
             if replica is not None:
                 how = f"on {home}, replicated on {', '.join(replica.devices)} (no copy)"
+            elif copies and self.timing and self.timing.get("stage_copies"):
+                where = ", ".join(c.destination for c in copies)
+                how = f"on {home}, and held by the stages on {where} too (stages one per process: no copy)"
             elif copies:
                 where = ", ".join(f"{c.destination} ({format_size(c.nbytes)})" for c in copies)
                 how = f"on {home}, copied to {where} each forward"

@@ -9,7 +9,7 @@ planner learns the difference:
 * :func:`held_by_stages`: whether the pipeline option says so (``PipelineConfig(processes=True)``, what
   ``pipeline_stages`` plans with); without it ``fxsplit.plan(pipeline=...)`` plans for the in-process
   run, whose copies are real.
-* :func:`without_weight_copies`: the problem the time estimate and the time objectives see then: every
+* :func:`without_weight_copies`: the problem every objective and the time estimate see then: every
   weight value copies nothing (activations crossing stages are charged as before).
 * :func:`reduced_gradients` and :func:`allreduce_seconds`: in training, each trainable parameter read on
   several stages has its copies' gradients summed once per step
@@ -27,13 +27,17 @@ planner learns the difference:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from fxsplit.errors import BudgetError
 from fxsplit.hardware import Link
 from fxsplit.options import PipelineConfig
 from fxsplit.partition.problem import PartitionProblem
+from fxsplit.partition.refine import device_loads
+from fxsplit.partition.result import Partition
+from fxsplit.units import format_size
 
-__all__ = ["allreduce_seconds", "held_by_stages", "reduced_gradients", "without_weight_copies"]
+__all__ = ["allreduce_seconds", "held_by_stages", "held_copies_error", "reduced_gradients", "without_weight_copies"]
 
 ALLREDUCE_PASSES = 2  # a ring all-reduce: reduce-scatter, then all-gather
 
@@ -44,13 +48,14 @@ def held_by_stages(pipeline: Any) -> bool:
 
 
 def without_weight_copies(problem: PartitionProblem, weight_values: Sequence[int]) -> PartitionProblem:
-    """``problem`` in which no weight (the values at ``weight_values``, -1 for unread ones) is ever copied."""
+    """``problem`` in which no weight (the values at ``weight_values``, -1 for unread ones) is ever copied:
+    each device that reads one holds it (``held``: charged to every such device's budget)."""
     weights = {index for index in weight_values if index >= 0}
     values = tuple(
         dataclasses.replace(value, nbytes=0) if index in weights and value.nbytes else value
         for index, value in enumerate(problem.values)
     )
-    return dataclasses.replace(problem, values=values)
+    return dataclasses.replace(problem, values=values, held=tuple(sorted(weights)))
 
 
 def reduced_gradients(
@@ -85,3 +90,45 @@ def allreduce_seconds(nbytes: float, links: Sequence[Link]) -> float:
     bandwidth = min(link.bandwidth for link in links)
     latency = max(link.latency for link in links)
     return ALLREDUCE_PASSES * (holders - 1) * (latency + nbytes / (holders * bandwidth))
+
+
+def held_copies_error(
+    problem: PartitionProblem,
+    caps: Sequence[int],
+    devices: Sequence[str],
+    split: Callable[[PartitionProblem], Partition],
+) -> BudgetError | None:
+    """Why no split fits when stages hold their own copies (``problem.held``) but one fits without them: the
+    error names the copies the split that fits without them would hold and the devices they overflow; None
+    when nothing fits without them either (the partitioner's own message says why)."""
+    if not problem.held:
+        return None
+    try:
+        placed = split(dataclasses.replace(problem, held=()))
+    except BudgetError:
+        return None
+    op_devices = placed.op_devices
+    last = problem.num_ops - 1
+    copies: dict[int, list[str]] = {}
+    for index in problem.held:
+        value = problem.values[index]
+        if value.weight and value.consumers:
+            home = op_devices[min(value.start, last)]
+            for device in sorted({op_devices[op] for op in value.consumers} - {home}):
+                copies.setdefault(device, []).append(f"{value.name} ({format_size(value.weight)})")
+    loads = device_loads(problem, op_devices, len(caps))
+    over = [
+        f"'{devices[k]}' holds {format_size(load)} but may hold {format_size(caps[k])}: over by "
+        f"{format_size(load - caps[k])} ({load - caps[k]} bytes)"
+        for k, load in enumerate(loads)
+        if load > caps[k]
+    ]
+    if not over:
+        return None
+    where = "; ".join(f"{devices[k]}: {', '.join(names)}" for k, names in sorted(copies.items()))
+    return BudgetError(
+        "stages run one per process (pipeline_stages) each hold their own copy of every weight they read, and no "
+        f"split into stages in order fits with those copies. The split that fits without them gives these stages "
+        f"copies of weights kept on another stage: {where}. With them, {'; '.join(over)}. Give those devices that "
+        "much more budget, or pin the ops that read the weight to one stage (pins=)"
+    )

@@ -31,7 +31,7 @@ __all__ = [
     "measure_ops",
     "op_timing",
     "timing_for",
-    "timed_problem",
+    "copied_problem",
     "timing_record",
     "wants_timing",
 ]
@@ -147,10 +147,10 @@ def measure_ops(
     return measured
 
 
-def timed_problem(options: Options, problem: PartitionProblem, weight_values: Sequence[int]) -> PartitionProblem:
-    """The problem the time objectives and estimates see: ``problem``, or, for stages that each hold the weights
-    they read (:func:`fxsplit.pipeline_stages`), ``problem`` without any weight copy
-    (:func:`~fxsplit.planning.stagecopies.without_weight_copies`)."""
+def copied_problem(options: Options, problem: PartitionProblem, weight_values: Sequence[int]) -> PartitionProblem:
+    """The problem whose copies are those the run makes, as every objective and the time estimate see it:
+    ``problem``, or, for stages that each hold the weights they read (:func:`fxsplit.pipeline_stages`),
+    ``problem`` without any weight copy (:func:`~fxsplit.planning.stagecopies.without_weight_copies`)."""
     return without_weight_copies(problem, weight_values) if held_by_stages(options.pipeline) else problem
 
 
@@ -171,7 +171,7 @@ def timing_record(
     """
     index = {device: k for k, device in enumerate(plan.devices)}
     op_devices = [plan.placement[op.name] for op in costs.ops]
-    problem = timed_problem(options, problem, costs.weight_values)
+    problem = copied_problem(options, problem, costs.weight_values)
     stages = stage_times(problem, [index[d] for d in op_devices], timing)
     pipeline = options.pipeline
     training = options.mode == "training"

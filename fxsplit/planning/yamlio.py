@@ -155,7 +155,16 @@ def plan_to_yaml(plan: Plan) -> str:
         copies = [c.destination for c in plan.cuts if c.kind == "parameter" and c.producer in group]
         entry = {"names": list(group), "device": plan.param_devices.get(group[0]), "copied_to": copies}
         held = sorted({d for name in group if name in plan.replicas for d in plan.replicas[name].devices})
-        note = "copied each forward" if copies else f"replicated on {', '.join(held)}" if held else "kept together"
+        stages = bool(copies) and bool(plan.timing) and bool(plan.timing.get("stage_copies"))
+        note = (
+            "held by each stage that reads it (stages one per process)"
+            if stages
+            else "copied each forward"
+            if copies
+            else f"replicated on {', '.join(held)}"
+            if held
+            else "kept together"
+        )
         lines.append(f"- {_flow_map(entry)}  # {note}")
     if plan.replicas:
         lines.append("replicas:  # read-only tensors held on more devices than their home (no copy per forward)")
