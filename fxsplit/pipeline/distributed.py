@@ -49,7 +49,7 @@ from fxsplit.cost.build import model_tensors
 from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
 from fxsplit.options import PipelineConfig
 from fxsplit.pipeline.microbatch import first_microbatch
-from fxsplit.pipeline.replicabudget import replica_overruns
+from fxsplit.pipeline.replicabudget import replica_overruns, room_to_hold_back
 from fxsplit.pipeline.stages import StageSpec, split_stages
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import Overrun
@@ -213,10 +213,12 @@ def pipeline_stages(
             or shared weights: every rank holds one). Planned from budgets, the
             partitioner charges those copies to every stage that reads the weight
             (``PipelineConfig(processes=True)``), so this is raised when no split
-            fits with them; should a stage's copies still come out over budget
-            (the check charges training state at the plan's average rate), the
-            plan is made again (up to :data:`REPLAN_TRIES` times, with an
-            ``FxsplitWarning``) holding back that room (``plan.reserved``).
+            fits with them. Should a stage still come out over budget with its
+            copies, by the plan's memory table (whose activation estimate can be
+            above the partitioner's, and which charges training state at the
+            plan's average rate), the plan is made again (up to
+            :data:`REPLAN_TRIES` times, with an ``FxsplitWarning``) holding back
+            the excess there (``plan.reserved``).
         PlanMismatchError: a given plan does not describe this model's graph.
     """
     if "pipeline" in options:
@@ -235,7 +237,7 @@ def pipeline_stages(
             "plan made with pipeline=chunks or replicate=False"
         )
     first: tuple[list[Overrun], dict[str, dict[str, int]]] | None = None
-    room: dict[str, int] = {}  # held back for the replicas, beyond the plan's own reserve
+    room: dict[str, int] = {}  # held back beyond the user's reserve, where the stages' copies came out over
     for attempt in range(REPLAN_TRIES + 1):
         if isinstance(plan_or_budgets, Plan):
             graph_module, plan = _apply(model, plan_or_budgets, example_inputs, chunks, options)
@@ -255,13 +257,13 @@ def pipeline_stages(
             reserved = dict(plan.reserved)  # the user's reserve, resolved (a given plan's may hold replicas' room)
         given = isinstance(plan_or_budgets, Plan)
         devices = [spec.device for spec in stages.specs]
-        overruns, held, charged = replica_overruns(plan, model, stages.modules, devices, None if given else reserved)
+        overruns, held, _ = replica_overruns(plan, model, stages.modules, devices, None if given else reserved)
         first = first or (overruns, held)
         if not overruns:
             break
         if given or attempt == REPLAN_TRIES:
             _refuse_replicas(plan, *first)
-        room = {d: max(room.get(d, 0), charged.get(d, 0)) for d in plan.devices}
+        room = room_to_hold_back(planned, overruns, reserved, room)
         options = {**options, "reserve": {d: reserved.get(d, 0) + room[d] for d in plan.devices}}
     if first is not None and first[0]:
         _warn_replanned(plan, first[1])
@@ -269,7 +271,7 @@ def pipeline_stages(
     return PipelineStages(plan, stages.specs, stages.modules, tied, chunks, paths)
 
 
-REPLAN_TRIES = 3  # plans made again, each holding back on a device the copies its stage holds (and what they bring)
+REPLAN_TRIES = 3  # plans made again, each holding back more where a stage with its copies came out over budget
 
 
 def _warn_replanned(plan: Plan, held: dict[str, dict[str, int]]) -> None:

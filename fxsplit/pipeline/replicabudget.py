@@ -11,16 +11,21 @@ devices that would then exceed their budget.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
 from fxsplit.cost.build import model_tensors
-from fxsplit.options import Budgets
+from fxsplit.options import Budgets, usable_bytes
+from fxsplit.partition.refine import device_loads
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import Overrun, budget_overruns
+from fxsplit.planning.timing import copied_problem
 
-__all__ = ["replica_bytes", "replica_overruns"]
+if TYPE_CHECKING:
+    from fxsplit.api import Planned
+
+__all__ = ["charged_loads", "replica_bytes", "replica_overruns", "room_to_hold_back"]
 
 
 def replica_bytes(
@@ -70,3 +75,34 @@ def _charged(plan: Plan, nbytes: int) -> int:
     held = sum(row.get("params", 0) + row.get("buffers", 0) for row in rows)
     beside = sum(row.get("grads", 0) + row.get("optimizer", 0) for row in rows)
     return nbytes + (nbytes * beside // held if held else 0)
+
+
+def charged_loads(planned: Planned) -> dict[str, int]:
+    """Device -> the bytes the partitioner charged it for ``planned``'s placement (its stages' own copies included,
+    as :func:`~fxsplit.planning.timing.copied_problem` sees them)."""
+    plan, costs = planned.plan, planned.costs
+    assert planned.memory is not None and planned.options is not None
+    problem = copied_problem(planned.options, planned.memory.problem(), costs.weight_values)
+    index = {device: k for k, device in enumerate(plan.devices)}
+    loads = device_loads(problem, [index[plan.placement[op.name]] for op in costs.ops], len(plan.devices))
+    return dict(zip(plan.devices, loads, strict=True))
+
+
+def room_to_hold_back(
+    planned: Planned, overruns: Sequence[Overrun], reserved: Mapping[str, int], room: Mapping[str, int]
+) -> dict[str, int]:
+    """Bytes to hold back on each device, beyond ``reserved``, when planning again after ``overruns``.
+
+    The memory table a device overran by ``excess`` can count more than the partitioner charged (activations
+    copied in, training state at the plan's rate), so lowering its cap by the excess alone may leave the same
+    placement within it. The cap becomes what the partitioner charged that device less the excess (or the last
+    room plus the excess, if more), which moves ops off it.
+    """
+    plan = planned.plan
+    loads = charged_loads(planned)
+    held = dict(room)
+    for overrun in overruns:
+        device = overrun.device
+        usable = usable_bytes(plan.budgets.get(device, 0), reserved.get(device, 0))
+        held[device] = max(held.get(device, 0) + overrun.excess, usable - loads[device] + overrun.excess)
+    return {device: held.get(device, 0) for device in plan.devices}
