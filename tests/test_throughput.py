@@ -14,7 +14,8 @@ from fxsplit.errors import BudgetError, SpecError
 from fxsplit.partition.context import Context
 from fxsplit.partition.contiguous import devices_of
 from fxsplit.partition.problem import PartitionProblem, Value
-from fxsplit.partition.result import placement_problems
+from fxsplit.partition.refine import device_loads
+from fxsplit.partition.result import placement_problems, transfer_bytes
 from fxsplit.partition.solve import partition
 from fxsplit.partition.throughput import Timing, fastest_boundaries, stage_times, time_of
 from fxsplit.planning.stagecopies import without_weight_copies
@@ -206,3 +207,32 @@ def test_large_graphs_with_pins_keep_the_boundaries_the_pins_need() -> None:
     timing = Timing.uniform(seconds, bandwidth=1e6, latency=1e-6)
     placed = partition(chain, [10**9] * 4, objective="throughput", timing=timing).op_devices
     assert all(placed[op] == device for op, device in chain.pinned.items())
+
+
+@pytest.mark.parametrize("objective", ["min_transfer", "balanced"])
+def test_bytes_programmes_with_held_weights_equal_brute_force(objective: str) -> None:
+    """Stages that hold the weights they read (each charged on every stage that reads it): the bytes objectives'
+    contiguous optimum, against every contiguous placement within the budgets."""
+    rng = random.Random(29)
+    feasible = 0
+    for _ in range(300):
+        n, devices = rng.randint(2, 9), rng.randint(2, 4)
+        problem, budgets, _ = _random_case(rng, n, devices)
+        problem = without_weight_copies(problem, [i for i, value in enumerate(problem.values) if value.weight])
+        fitting = [p for p in _contiguous_placements(n, devices) if not placement_problems(problem, p, budgets)]
+        if not fitting:
+            with pytest.raises(BudgetError):
+                partition(problem, budgets, objective=objective)
+            continue
+        feasible += 1
+        found = partition(problem, budgets, objective=objective)
+        assert list(found.op_devices) == sorted(found.op_devices)  # held weights: stages in order
+        assert not placement_problems(problem, found.op_devices, budgets)
+        if objective == "min_transfer":
+            assert found.transfer_bytes == min(transfer_bytes(problem, p) for p in fitting)
+        else:  # the smallest largest budget fraction first, to the byte the lowered budgets round up to
+            loads_of = [device_loads(problem, p, devices) for p in fitting]
+            best = min(max(lo / b if b else 0.0 for lo, b in zip(loads, budgets, strict=True)) for loads in loads_of)
+            loads = device_loads(problem, found.op_devices, devices)
+            assert all(load <= int(b * best) + 1 for load, b in zip(loads, budgets, strict=True))
+    assert feasible > 150
