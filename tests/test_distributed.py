@@ -297,6 +297,23 @@ def test_replicas_in_training_bring_their_gradients_and_optimizer_state() -> Non
     assert overruns[0].weights == plan.device_bytes["cpu:2"] + 4 * 1536 and charged == {"cpu:2": 4 * 1536}
 
 
+def test_a_frozen_tied_weight_brings_no_gradient_nor_optimizer_state() -> None:
+    """Fine-tuning with the embedding frozen: each stage's copy of it is its bytes alone, not the bytes at the
+    rate the trainable parameters bring (which would put the head's stage over a budget it fits)."""
+    from fxsplit.pipeline.replicabudget import replica_overruns
+
+    model, x = Tied(), _inputs("Tied")
+    model.embed.weight.requires_grad_(False)
+    room, pins = {f"cpu:{i}": "1MiB" for i in range(3)}, {"embed": "cpu:0", "body": "cpu:1", "head": "cpu:2"}
+    plan = fxsplit.plan(model, room, mode="training", optimizer="adam", example_inputs=x, pipeline=1, pins=pins)
+    assert plan.memory["cpu:1"]["optimizer"] > 0  # the body trains
+    stages = fxsplit.pipeline_stages(model, plan, example_inputs=x)
+    devices = [spec.device for spec in stages.specs]
+    exact = dataclasses.replace(plan, budgets={**plan.budgets, "cpu:2": plan.memory["cpu:2"]["total"] + 1536})
+    overruns, _, charged = replica_overruns(exact, model, stages.modules, devices)
+    assert overruns == [] and charged == {"cpu:2": 1536}
+
+
 class _DeepTied(torch.nn.Module):
     def __init__(self, vocab: int = 64, width: int = 32, depth: int = 6) -> None:
         super().__init__()

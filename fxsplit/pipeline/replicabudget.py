@@ -59,7 +59,11 @@ def replica_overruns(
     the replicas' charge, as :func:`fxsplit.pipeline_stages` holds back room for them when it plans again).
     """
     held = replica_bytes(plan, model, modules, devices)
-    extra = {device: _charged(plan, sum(names.values())) for device, names in held.items()}
+    trainable = {found[0][0] for found in model_tensors(model).values() if found[1].requires_grad and not found[2]}
+    extra = {
+        device: sum(_charged(plan, nbytes, name in trainable) for name, nbytes in names.items())
+        for device, names in held.items()
+    }
     if not extra:
         return [], {}, {}
     weights = {d: plan.device_bytes.get(d, 0) + extra.get(d, 0) for d in plan.devices}
@@ -69,12 +73,16 @@ def replica_overruns(
     return budget_overruns(plan, weights, limits), held, extra
 
 
-def _charged(plan: Plan, nbytes: int) -> int:
-    """``nbytes`` of weights with what training keeps beside them (gradients, optimizer state), at the plan's rate."""
+def _charged(plan: Plan, nbytes: int, trainable: bool) -> int:
+    """``nbytes`` of a weight with what training keeps beside it: for a parameter that takes a gradient, its
+    gradient and optimizer state at the plan's rate per byte of gradient; nothing for a frozen parameter or a
+    buffer (nor outside training, where no memory row holds gradients)."""
+    if not trainable:
+        return nbytes
     rows = plan.memory.values()
-    held = sum(row.get("params", 0) + row.get("buffers", 0) for row in rows)
-    beside = sum(row.get("grads", 0) + row.get("optimizer", 0) for row in rows)
-    return nbytes + (nbytes * beside // held if held else 0)
+    grads = sum(row.get("grads", 0) for row in rows)
+    beside = grads + sum(row.get("optimizer", 0) for row in rows)
+    return nbytes + (nbytes * beside // grads if grads else 0)
 
 
 def charged_loads(planned: Planned) -> dict[str, int]:
