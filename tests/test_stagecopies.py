@@ -255,6 +255,9 @@ def test_print_says_a_weight_the_stages_hold_is_not_copied() -> None:
     line = "tied: emb.weight = head.weight: on cpu:0, and held by the stages on cpu:1 too (stages one per process"
     assert line in str(held) and "each forward" not in held.tied_summary()[0]
     assert "# held by each stage that reads it" in held.to_yaml()
+    cuts = next(line for line in str(held).splitlines() if line.startswith("cuts:"))
+    assert "(of which 1000.00 KiB of weights each stage holds itself: not sent)" in cuts
+    assert "of which" not in str(in_process)
     assert "# copied each forward" in in_process.to_yaml()
 
 

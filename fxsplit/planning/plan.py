@@ -326,9 +326,12 @@ class Plan:
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
         copies = [c for c in self.cuts if c.kind != "stream"]
+        held = sum(c.nbytes or 0 for c in copies if c.kind == "parameter") if self._stage_copies else 0
         lines.append(
-            f"cuts: {len(copies)}, transfer per forward: {self._transfer_text()}; "
-            f"outputs on {self.output_device}" + (f"; planned as {self.dtype}" if self.dtype else "")
+            f"cuts: {len(copies)}, transfer per forward: {self._transfer_text()}"
+            + (f" (of which {format_size(held)} of weights each stage holds itself: not sent)" if held else "")
+            + f"; outputs on {self.output_device}"
+            + (f"; planned as {self.dtype}" if self.dtype else "")
         )
         lines.extend(summary.offload_lines(self))
         lines.extend(summary.state_lines(self))
@@ -348,6 +351,11 @@ class Plan:
             )
         return "\n".join(lines)
 
+    @property
+    def _stage_copies(self) -> bool:
+        """Whether the plan is for stages run one per process, each holding the weights it reads."""
+        return bool(self.timing and self.timing.get("stage_copies"))
+
     def _transfer_text(self) -> str:
         unknown = sum(1 for cut in self.cuts if cut.nbytes is None and cut.kind not in ("output", "stream"))
         sized = format_size(self.transfer_bytes)
@@ -364,7 +372,7 @@ class Plan:
             replica = self.replicas.get(group[0])
             if replica is not None:
                 how = f"on {home}, replicated on {', '.join(replica.devices)} (no copy)"
-            elif copies and self.timing and self.timing.get("stage_copies"):
+            elif copies and self._stage_copies:
                 where = ", ".join(c.destination for c in copies)
                 how = f"on {home}, and held by the stages on {where} too (stages one per process: no copy)"
             elif copies:
