@@ -55,8 +55,10 @@ def replica_overruns(
     """The devices over budget once each stage (on ``devices``) holds its replicas, the replicas held, and the
     bytes charged for them per device (with their gradients and optimizer state in training).
 
-    ``reserved``: what each device's budget holds back beside the replicas (default: the plan's reserve less
-    the replicas' charge, as :func:`fxsplit.pipeline_stages` holds back room for them when it plans again).
+    ``reserved``: what each device's budget holds back beside the replicas (default, for a plan given to
+    :func:`fxsplit.pipeline_stages`: the plan's reserve less the replicas' charge, since plans it made before
+    the partitioner charged each stage's copies held back room for them in the reserve; for a plan with a
+    reserve of the user's own this is lenient by up to that charge).
     """
     held = replica_bytes(plan, model, modules, devices)
     trainable = {found[0][0] for found in model_tensors(model).values() if found[1].requires_grad and not found[2]}
