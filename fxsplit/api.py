@@ -173,7 +173,9 @@ def _trace_and_plan(
     )
     if isinstance(options.pipeline, PipelineConfig):  # the profile is one micro-batch's
         pipeline = options.pipeline
-        memory = dataclasses.replace(memory, chunks=pipeline.chunks, checkpoint=str(pipeline.checkpoint))
+        held = pipeline.processes  # each stage's own weight copies count in its memory row
+        checkpoint = str(pipeline.checkpoint)
+        memory = dataclasses.replace(memory, chunks=pipeline.chunks, checkpoint=checkpoint, stage_copies=held)
     problem = memory.problem()
     contiguous = options.contiguous or options.pipeline is not None
     objective = options.chosen_objective

@@ -53,7 +53,9 @@ _WORDS = {
     "grads": "gradients",
     "optimizer": "optimizer state",
     "activations_peak": "activations peak",
+    "stage_copies": "stages' own weight copies",
 }
+_ROW = ("params", "buffers", "grads", "optimizer", "stage_copies", "activations_peak")  # a plan's row, in order
 MAX_REPLANS = 4
 
 
@@ -145,6 +147,10 @@ class MemoryModel:
             checkpointing (``checkpoint`` other than ``"never"``), of the
             stage's inputs only.
         checkpoint: the pipeline's checkpointing policy.
+        stage_copies: the stages run one per process (``PipelineConfig(processes=True)``), each holding its own
+            copy of every weight its ops read: a device's row then counts the copies of weights the plan keeps
+            elsewhere (``"stage_copies"``, with their gradients and optimizer state in training), and the
+            activations no per-forward copy of them.
     """
 
     spec: MemorySpec
@@ -153,6 +159,7 @@ class MemoryModel:
     profile: ActivationProfile | None = None
     chunks: int = 1
     checkpoint: str = "never"
+    stage_copies: bool = False
 
     @property
     def _held_per_chunk(self) -> bool:
@@ -206,12 +213,28 @@ class MemoryModel:
                 for device in replica.devices:
                     row = found.get(device) or found.setdefault(device, dict.fromkeys(COMPONENTS[:4], 0))
                     row["buffers" if kinds.get(name) else "params"] += replica.nbytes
+        if self.stage_copies:  # on every device, 0 where none: the row says it counts them
+            held = self.stage_copy_bytes(plan)
+            for device, row in found.items():
+                row["stage_copies"] = sum(held.get(device, {}).values())
         if self.profile is not None:
             peaks = self.activation_peaks(plan)
             for device, row in found.items():
                 row["activations_peak"] = peaks.get(device, 0)
         for row in found.values():
             row["total"] = sum(row.values())
+        return found
+
+    def stage_copy_bytes(self, plan: Plan) -> dict[str, dict[str, int]]:
+        """Device -> {weight -> bytes} of the weights its stage holds its own copy of (the plan keeps them on another
+        device; :class:`Plan` cuts of kind ``"parameter"``), each with its gradient and optimizer state in training."""
+        weights = {name: weight for weight in self.costs.weights for name in weight.names}
+        found: dict[str, dict[str, int]] = {}
+        for cut in plan.cuts:
+            weight = weights.get(cut.producer) if cut.kind == "parameter" else None
+            if weight is not None:
+                charged = weight.nbytes + sum(self.state_bytes(weight.names[0], weight.nbytes))
+                found.setdefault(cut.destination, {})[weight.names[0]] = charged
         return found
 
     def activation_peaks(self, plan: Plan) -> dict[str, int]:
@@ -221,7 +244,11 @@ class MemoryModel:
         op_devices = [plan.placement[name] for name in profile.op_names]
         inputs = {name: plan.placement.get(name, plan.output_device) for name in profile.inputs}
         weights = {name: plan.param_devices[name] for name in profile.weights}
-        replicas = {name: replica.devices for name, replica in plan.replicas.items()}
+        replicas = {name: tuple(replica.devices) for name, replica in plan.replicas.items()}
+        if self.stage_copies:  # each stage holds its copy: read there without one per forward
+            for cut in plan.cuts:
+                if cut.kind == "parameter":
+                    replicas[cut.producer] = (*replicas.get(cut.producer, ()), cut.destination)
         simulated = simulate(profile, op_devices, inputs, plan.output_device, weights, replicas)
         peaks = {str(d): int(v) for d, v in simulated.peak.items()}
         if self._held_per_chunk:
@@ -281,7 +308,7 @@ class MemoryModel:
             if budget is None or row["total"] <= budget:
                 continue
             running, culprit = 0, "activations_peak"
-            for name in COMPONENTS:
+            for name in _ROW:
                 running += row.get(name, 0)
                 if running > budget:
                     culprit = name
@@ -304,7 +331,7 @@ def _first_over(component: str, nbytes: int) -> str:
 
 
 def _listing(row: Mapping[str, int]) -> str:
-    return ", ".join(f"{_WORDS[name]} {format_size(row[name])}" for name in COMPONENTS if row.get(name))
+    return ", ".join(f"{_WORDS[name]} {format_size(row[name])}" for name in _ROW if row.get(name))
 
 
 def _sum(row: Mapping[str, int]) -> str:

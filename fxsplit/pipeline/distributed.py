@@ -212,11 +212,10 @@ def pipeline_stages(
             of each weight it reads that the plan keeps on another device (tied
             or shared weights: every rank holds one). Planned from budgets, the
             partitioner charges those copies to every stage that reads the weight
-            (``PipelineConfig(processes=True)``), so this is raised when no split
-            fits with them. Should a stage still come out over budget with its
-            copies, by the plan's memory table (whose activation estimate can be
-            above the partitioner's, and which charges training state at the
-            plan's average rate), the plan is made again (up to
+            (``PipelineConfig(processes=True)``) and each device's memory row
+            counts them (``plan.memory[device]["stage_copies"]``), so this is
+            raised when no split fits with them. Should a stage module still
+            hold more than its row counts, the plan is made again (up to
             :data:`REPLAN_TRIES` times, with an ``FxsplitWarning``) holding back
             the excess there (``plan.reserved``).
         PlanMismatchError: a given plan does not describe this model's graph.

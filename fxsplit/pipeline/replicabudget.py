@@ -55,10 +55,13 @@ def replica_overruns(
     """The devices over budget once each stage (on ``devices``) holds its replicas, the replicas held, and the
     bytes charged for them per device (with their gradients and optimizer state in training).
 
-    ``reserved``: what each device's budget holds back beside the replicas (default, for a plan given to
-    :func:`fxsplit.pipeline_stages`: the plan's reserve less the replicas' charge, since plans it made before
-    the partitioner charged each stage's copies held back room for them in the reserve; for a plan with a
-    reserve of the user's own this is lenient by up to that charge).
+    A plan made for stages (``PipelineConfig(processes=True)``) counts each stage's copies in its memory rows
+    (``"stage_copies"``); only what a stage module holds beyond that is added. A plan whose rows do not (a file
+    written before they did) gets the copies added to its rows.
+
+    ``reserved``: what each device's budget holds back beside the replicas (default: the plan's reserve; for a
+    plan whose rows do not count the copies, the plan's reserve less their charge, since the plans made then held
+    back room for them in the reserve, which is lenient by up to that charge for a reserve of the user's own).
     """
     held = replica_bytes(plan, model, modules, devices)
     trainable = {found[0][0] for found in model_tensors(model).values() if found[1].requires_grad and not found[2]}
@@ -68,9 +71,10 @@ def replica_overruns(
     }
     if not extra:
         return [], {}, {}
-    weights = {d: plan.device_bytes.get(d, 0) + extra.get(d, 0) for d in plan.devices}
+    counted = {d: row["stage_copies"] for d, row in plan.memory.items() if "stage_copies" in row}
+    weights = {d: plan.device_bytes.get(d, 0) + max(0, extra.get(d, 0) - counted.get(d, 0)) for d in plan.devices}
     if reserved is None:
-        reserved = {d: max(0, n - extra.get(d, 0)) for d, n in plan.reserved.items()}
+        reserved = plan.reserved if counted else {d: max(0, n - extra.get(d, 0)) for d, n in plan.reserved.items()}
     limits = Budgets(plan.budgets, reserved=reserved)
     return budget_overruns(plan, weights, limits), held, extra
 

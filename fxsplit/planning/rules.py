@@ -235,6 +235,7 @@ def _cut_problems(plan: Plan, problem: _Report) -> None:
 _REST = {
     "grads": "gradients",
     "optimizer": "optimizer state",
+    "stage_copies": "the stage's own copies of weights kept on other devices",
     "activations_peak": "activations peak",
     "streaming": "streaming buffers",
 }

@@ -58,7 +58,7 @@ def memory_table(plan: Plan) -> list[str]:
     """One row per device: each component of memory, the total and its share of the budget."""
     keys = [
         k
-        for k in ("params", "buffers", "grads", "optimizer", "activations_peak", "streaming")
+        for k in ("params", "buffers", "grads", "optimizer", "stage_copies", "activations_peak", "streaming")
         if any(k in row and (row[k] or k in ("params", "activations_peak")) for row in plan.memory.values())
     ]
     titles = {
@@ -66,6 +66,7 @@ def memory_table(plan: Plan) -> list[str]:
         "buffers": "buffers",
         "grads": "grads",
         "optimizer": "optimizer",
+        "stage_copies": "stage copies",
         "activations_peak": "activations",
         "streaming": "streaming",
     }
