@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 import fxsplit
 from fxsplit.errors import SpecError
@@ -364,3 +366,62 @@ def test_a_stages_plan_is_held_to_its_rows_with_its_copies_counted_once() -> Non
     assert overrun.device == "cpu:1" and overrun.excess == 1
     assert "the stage's own copies of weights kept on other devices" in str(overrun)
     assert fxsplit.Plan.from_yaml(plan.to_yaml()).memory == plan.memory
+
+
+class _Reused(torch.nn.Module):
+    """A chain of Linear + tanh layers drawn from a small pool, so that a layer may be applied at several places."""
+
+    def __init__(self, pool: int, order: list[int], width: int) -> None:
+        super().__init__()
+        self.pool = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(pool))
+        self.order = order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index in self.order:
+            x = torch.tanh(self.pool[index](x))
+        return x
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pool=st.integers(2, 4),
+    order=st.lists(st.integers(0, 3), min_size=3, max_size=8),
+    count=st.integers(2, 3),
+    factor=st.floats(1.1, 3.0),
+    training=st.booleans(),
+)
+def test_random_reused_layers_stages_rows_count_exactly_the_copies_their_modules_hold(
+    pool: int, order: list[int], count: int, factor: float, training: bool
+) -> None:
+    """Random chains that reuse layers, split into 2-3 stages: whenever ``pipeline_stages`` places one, each
+    device's ``stage_copies`` is what its stage module holds of weights kept elsewhere (parameters with their
+    gradient and Adam's two states in training), every row fits its budget, the copies add no overrun, and the
+    stages chained give the model's output."""
+    from fxsplit.pipeline.replicabudget import replica_bytes, replica_overruns
+
+    torch.manual_seed(0)
+    order = [index % pool for index in order]
+    model, x = _Reused(pool, order, 64), torch.randn(4, 64)
+    mode = "training" if training else "inference"
+    whole = fxsplit.plan(model, {"cpu:0": "1GiB"}, example_inputs=(x,), mode=mode, pipeline=2)
+    budgets = {f"cpu:{k}": int(factor * whole.memory["cpu:0"]["total"] / count) for k in range(count)}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stages = fxsplit.pipeline_stages(model, budgets, example_inputs=(x,), chunks=2, mode=mode)
+    except fxsplit.BudgetError:
+        event("refused: does not fit")
+        return
+    plan = stages.plan
+    devices = [spec.device for spec in stages.specs]
+    held = replica_bytes(plan, model, stages.modules, devices)
+    rate = 4 if training else 1  # weight, gradient, exp_avg, exp_avg_sq
+    event(f"copies on {len(held)} stage(s)")
+    for device in plan.devices:
+        assert plan.memory[device]["stage_copies"] == rate * sum(held.get(device, {}).values())
+        assert plan.memory[device]["total"] <= plan.usable[device]
+    assert replica_overruns(plan, model, stages.modules, devices)[0] == []
+    out: Any = x[:2]
+    for stage in stages.modules:
+        out = stage(*_as_tuple(out))
+    torch.testing.assert_close(out, model(x[:2]))
