@@ -173,9 +173,8 @@ def _trace_and_plan(
     )
     if isinstance(options.pipeline, PipelineConfig):  # the profile is one micro-batch's
         pipeline = options.pipeline
-        held = pipeline.processes  # each stage's own weight copies count in its memory row
-        checkpoint = str(pipeline.checkpoint)
-        memory = dataclasses.replace(memory, chunks=pipeline.chunks, checkpoint=checkpoint, stage_copies=held)
+        memory = dataclasses.replace(memory, chunks=pipeline.chunks, checkpoint=str(pipeline.checkpoint))
+        memory = dataclasses.replace(memory, processes=pipeline.processes, return_outputs=pipeline.return_outputs)
     problem = memory.problem()
     contiguous = options.contiguous or options.pipeline is not None
     objective = options.chosen_objective

@@ -72,6 +72,11 @@ class PipelineConfig:
             weight read on another stage every micro-batch. ``pipeline_stages``
             plans with True; pass it to ``fxsplit.plan`` for a plan you will give
             to ``pipeline_stages`` (e.g. one made with ``profile=True`` on one rank).
+        return_outputs: with ``processes``, whether the schedule's ``step`` returns
+            the model's outputs (``torch.distributed.pipelining``'s default,
+            True): the last stage then keeps every micro-batch's outputs until
+            the step ends, and their merged copy, which its memory row counts.
+            False when you call ``schedule.step(..., return_outputs=False)``.
     """
 
     chunks: int
@@ -79,6 +84,7 @@ class PipelineConfig:
     batch_stats: str = "warn"
     broadcast: tuple[str, ...] = field(default_factory=tuple)
     processes: bool = False
+    return_outputs: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
@@ -97,8 +103,9 @@ class PipelineConfig:
         if isinstance(self.broadcast, str):
             raise SpecError(f"pipeline broadcast must be a tuple of input names (got the string {self.broadcast!r})")
         object.__setattr__(self, "broadcast", tuple(self.broadcast))
-        if not isinstance(self.processes, bool):
-            raise SpecError(f"pipeline processes must be true or false (got {self.processes!r})")
+        for name in ("processes", "return_outputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"pipeline {name} must be true or false (got {getattr(self, name)!r})")
 
     @classmethod
     def coerce(cls, value: Any) -> PipelineConfig:

@@ -3,7 +3,9 @@
     torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port PORT tests/pipeline_worker.py OUT_DIR
 
 Each case trains a few SGD steps with a torch.distributed.pipelining schedule
-and saves, per rank, the losses (last rank) and the stage's parameters.
+and saves, per rank, the losses (last rank) and the stage's parameters. One
+more (``memory``) measures the bytes each rank holds over an Adam training
+step of a tied language model, beside the plan's memory row for its device.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import fxsplit
 
@@ -75,12 +80,78 @@ def train(name: str, kind: str, rank: int, world: int) -> dict[str, Any]:
     return {"losses": losses, "params": params, "tied": stages.tied, "stages": len(stages)}
 
 
+class LiveBytes(TorchDispatchMode):
+    """The peak bytes of the storages ATen ops make while it is on and that are still alive (not ``resident``)."""
+
+    def __init__(self, resident: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.resident = {StorageWeakRef(t.untyped_storage()) for t in resident}
+        self.live: dict[StorageWeakRef, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for key in [k for k in self.live if k.expired()]:
+            del self.live[key]
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                key = StorageWeakRef(tensor.untyped_storage())
+                if key not in self.resident and key not in self.live:
+                    self.live[key] = tensor.untyped_storage().nbytes()
+        self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+MEMORY_PINS = {"embed": "cpu:0", "body.0": "cpu:0", "head": "cpu:1"}  # the tied weight is read on both ranks
+
+
+def memory(rank: int, world: int) -> dict[str, Any]:
+    """Adam training steps under 1F1B of a tied model over two ranks; the second measured.
+
+    ``own``: the bytes of the stage's parameters and buffers (its copy of the tied weight included) and of Adam's
+    state, made by the first step; ``step``: the peak of what the second step's schedule and tied-gradient
+    all-reduce make (activations, buffers received, gradients, the outputs kept to be returned); ``update``: the
+    peak while ``optimizer.step()`` runs, beyond the gradients (its temporaries).
+    """
+    torch.manual_seed(0)
+    model = Tied(vocab=2000, width=64)
+    gen = torch.Generator().manual_seed(3)
+    x, y = (torch.randint(0, 2000, (16, 6), generator=gen) for _ in range(2))
+    budgets = {"cpu:0": "16MiB", "cpu:1": "16MiB"}
+    options = {"mode": "training", "optimizer": "adam", "pins": MEMORY_PINS}
+    stages = fxsplit.pipeline_stages(model, budgets, example_inputs=(x,), chunks=CHUNKS, **options)
+    stage = stages.build_stage(rank)
+    schedule = Schedule1F1B(stage, n_microbatches=CHUNKS, loss_fn=loss_fn)
+    optimizer = torch.optim.Adam(stage.submod.parameters(), lr=1e-3, foreach=False)
+    peaks = {}
+    for measured in (False, True):
+        state = [t for entry in optimizer.state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
+        own = [*{id(t): t for t in [*stage.submod.parameters(), *stage.submod.buffers(), *state]}.values()]
+        optimizer.zero_grad()
+        with LiveBytes([*own, x, y]) as meter:
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=[])
+            stages.reduce_tied_grads(rank)
+            peaks["step"], grads = meter.peak, sum(meter.live.values())
+            meter.peak = 0
+            optimizer.step()
+            peaks["update"] = meter.peak - grads
+        if measured:
+            break
+    device = stages.specs[rank].device
+    own_bytes = sum(t.numel() * t.element_size() for t in own)
+    return {"device": device, "own": own_bytes, **peaks, "row": dict(stages.plan.memory[device])}
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    results = {f"{name}-{kind}": train(name, kind, rank, world) for name, kind in CASES}
+    results: dict[str, Any] = {f"{name}-{kind}": train(name, kind, rank, world) for name, kind in CASES}
+    results["memory"] = memory(rank, world)
     torch.save(results, out / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

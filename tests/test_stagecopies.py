@@ -290,14 +290,17 @@ def test_each_stage_row_counts_its_own_copies_and_the_plan_fits_with_them(count:
     """A tiny GPT-2 in training over three and four stages: the head's stage holds its own copy of the tied
     embedding, with its gradient and Adam state. Its memory row counts that copy (``stage_copies``), so the plan is
     fitted with it the first time (no re-plan, nothing reserved) and the stage modules hold nothing the rows leave
-    out. Four stages were refused before the rows counted the copies (three re-plans did not fit them)."""
+    out. Four stages were refused before the rows counted the copies (three re-plans did not fit them). (The
+    schedule returns no outputs here: keeping them would not fit these budgets.)"""
     transformers = pytest.importorskip("transformers")
     from fxsplit.pipeline.replicabudget import replica_bytes, replica_overruns
 
     model, budgets, ids = _gpt2_case(transformers, count)
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxsplit.FxsplitWarning)
-        stages = fxsplit.pipeline_stages(model, budgets, example_inputs=(ids,), chunks=2, mode="training")
+        stages = fxsplit.pipeline_stages(
+            model, budgets, example_inputs=(ids,), chunks=2, mode="training", return_outputs=False
+        )
     plan, last = stages.plan, f"cpu:{count - 1}"
     assert stages.tied == {"m.transformer.wte.weight": (0, count - 1)} and not any(plan.reserved.values())
     wte = model.m.transformer.wte.weight
@@ -329,11 +332,13 @@ def test_stages_over_by_the_memory_table_are_planned_again_until_they_fit(monkey
     from fxsplit.pipeline.replicabudget import replica_overruns
 
     usage = MemoryModel.usage
-    uncounted = lambda self, plan: usage(dataclasses.replace(self, stage_copies=False), plan)  # noqa: E731
+    uncounted = lambda self, plan: usage(dataclasses.replace(self, processes=False), plan)  # noqa: E731
     monkeypatch.setattr(MemoryModel, "usage", uncounted)
     model, budgets, ids = _gpt2_case(transformers)
     with pytest.warns(fxsplit.FxsplitWarning, match=r"planned again .*cpu:2: m.transformer.wte.weight"):
-        stages = fxsplit.pipeline_stages(model, budgets, example_inputs=(ids,), chunks=2, mode="training")
+        stages = fxsplit.pipeline_stages(
+            model, budgets, example_inputs=(ids,), chunks=2, mode="training", return_outputs=False
+        )
     assert stages.tied == {"m.transformer.wte.weight": (0, 2)}
     assert [d for d, room in stages.plan.reserved.items() if room] == ["cpu:2"]
     devices = [spec.device for spec in stages.specs]
@@ -425,3 +430,24 @@ def test_random_reused_layers_stages_rows_count_exactly_the_copies_their_modules
     for stage in stages.modules:
         out = stage(*_as_tuple(out))
     torch.testing.assert_close(out, model(x[:2]))
+
+
+def test_the_last_stage_keeps_every_micro_batchs_outputs_and_their_merged_copy() -> None:
+    """``schedule.step`` returns the outputs by default: the last rank keeps each micro-batch's logits until the step
+    ends, then merges them (measured in tests/pipeline_worker.py). Its row counts them twice over the batch, beside
+    the one micro-batch's output the simulation holds: (2 chunks - 1) x one micro-batch's logits, on the last
+    device alone; planned with ``return_outputs=False`` nothing is kept."""
+    model = _model()
+    ids = _ids()
+    rows = {}
+    for keep in (True, False):
+        pipeline = fxsplit.PipelineConfig(CHUNKS, processes=True, return_outputs=keep)
+        plan = fxsplit.plan(model, BUDGETS, example_inputs=(ids,), pipeline=pipeline, mode="training", pins=PINS)
+        rows[keep] = {d: row["activations_peak"] for d, row in plan.memory.items()}
+    logits = ids.shape[0] // CHUNKS * ids.shape[1] * VOCAB * 4
+    assert rows[True]["cpu:0"] == rows[False]["cpu:0"]
+    assert rows[True]["cpu:1"] - rows[False]["cpu:1"] == (2 * CHUNKS - 1) * logits
+    in_process = fxsplit.plan(model, BUDGETS, example_inputs=(ids,), pipeline=CHUNKS, mode="training", pins=PINS)
+    assert in_process.memory["cpu:0"]["activations_peak"] == rows[False]["cpu:0"]
+    with pytest.raises(SpecError, match="return_outputs must be true or false"):
+        fxsplit.PipelineConfig(2, processes=True, return_outputs="yes")  # type: ignore[arg-type]

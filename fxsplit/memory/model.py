@@ -147,10 +147,14 @@ class MemoryModel:
             checkpointing (``checkpoint`` other than ``"never"``), of the
             stage's inputs only.
         checkpoint: the pipeline's checkpointing policy.
-        stage_copies: the stages run one per process (``PipelineConfig(processes=True)``), each holding its own
-            copy of every weight its ops read: a device's row then counts the copies of weights the plan keeps
-            elsewhere (``"stage_copies"``, with their gradients and optimizer state in training), and the
-            activations no per-forward copy of them.
+        processes: the stages run one per process under ``torch.distributed.pipelining``
+            (``PipelineConfig(processes=True)``, :func:`fxsplit.pipeline_stages`). Each holds its own copy of
+            every weight its ops read: a device's row then counts the copies of weights the plan keeps elsewhere
+            (``"stage_copies"``, with their gradients and optimizer state in training), and its activations no
+            per-forward copy of them. With ``return_outputs``, the last stage keeps every micro-batch's outputs
+            until the step ends and then merges them (what ``schedule.step`` returns): its activations count
+            them, twice.
+        return_outputs: see ``processes``.
     """
 
     spec: MemorySpec
@@ -159,7 +163,12 @@ class MemoryModel:
     profile: ActivationProfile | None = None
     chunks: int = 1
     checkpoint: str = "never"
-    stage_copies: bool = False
+    processes: bool = False
+    return_outputs: bool = True
+
+    @property
+    def _keeps_outputs(self) -> bool:
+        return self.processes and self.return_outputs and self.chunks > 1
 
     @property
     def _held_per_chunk(self) -> bool:
@@ -188,6 +197,13 @@ class MemoryModel:
             extra, transient = planning_loads(self.profile)
             if self._held_per_chunk and self.checkpoint == "never":
                 extra = tuple(e * self.chunks for e in extra)
+            if self._keeps_outputs:  # the last stage keeps every micro-batch's outputs, then merges them
+                at = {name: i for i, name in enumerate(self.profile.op_names)}
+                kept = list(extra)
+                for name, nbytes in self._outputs().items():
+                    if name in at:
+                        kept[at[name]] += (2 * self.chunks - 1) * nbytes
+                extra = tuple(kept)
         return dataclasses.replace(problem, values=tuple(values), op_extra=extra, op_transient=transient)
 
     def usage(self, plan: Plan) -> dict[str, dict[str, int]]:
@@ -213,7 +229,7 @@ class MemoryModel:
                 for device in replica.devices:
                     row = found.get(device) or found.setdefault(device, dict.fromkeys(COMPONENTS[:4], 0))
                     row["buffers" if kinds.get(name) else "params"] += replica.nbytes
-        if self.stage_copies:  # on every device, 0 where none: the row says it counts them
+        if self.processes:  # on every device, 0 where none: the row says it counts them
             held = self.stage_copy_bytes(plan)
             for device, row in found.items():
                 row["stage_copies"] = sum(held.get(device, {}).values())
@@ -245,18 +261,35 @@ class MemoryModel:
         inputs = {name: plan.placement.get(name, plan.output_device) for name in profile.inputs}
         weights = {name: plan.param_devices[name] for name in profile.weights}
         replicas = {name: tuple(replica.devices) for name, replica in plan.replicas.items()}
-        if self.stage_copies:  # each stage holds its copy: read there without one per forward
+        if self.processes:  # each stage holds its copy: read there without one per forward
             for cut in plan.cuts:
                 if cut.kind == "parameter":
                     replicas[cut.producer] = (*replicas.get(cut.producer, ()), cut.destination)
         simulated = simulate(profile, op_devices, inputs, plan.output_device, weights, replicas)
         peaks = {str(d): int(v) for d, v in simulated.peak.items()}
+        if self._keeps_outputs:  # the outputs of every micro-batch, then their merged copy
+            kept = (2 * self.chunks - 1) * sum(self._outputs().values())
+            peaks[plan.output_device] = peaks.get(plan.output_device, 0) + kept
         if self._held_per_chunk:
             for device in peaks:
                 never = self.checkpoint == "never"
                 held = simulated.saved.get(device, 0) if never else self._stage_inputs(plan, device)
                 peaks[device] += (self.chunks - 1) * held
         return peaks
+
+    def _outputs(self) -> dict[str, int]:
+        """Each value the graph returns -> bytes of the storages it holds for one (micro-)batch, each storage once
+        (under the first value that holds it)."""
+        profile = self.profile
+        assert profile is not None
+        seen: set[int] = set()
+        found = {}
+        for name in profile.outputs:
+            info = profile.values.get(name)
+            if info is not None:
+                found[name] = sum(profile.storage_bytes[k] for k in info.storages if k not in seen)
+                seen.update(info.storages)
+        return found
 
     def _stage_inputs(self, plan: Plan, device: str) -> int:
         """Bytes a checkpointed stage keeps per micro-batch: the values it receives and the inputs read there."""

@@ -190,6 +190,7 @@ def pipeline_stages(
     *,
     example_inputs: Any,
     chunks: int = 1,
+    return_outputs: bool = True,
     **options: Any,
 ) -> PipelineStages:
     """Split ``model`` into stages that ``torch.distributed.pipelining`` runs, one rank per stage.
@@ -202,6 +203,11 @@ def pipeline_stages(
         example_inputs: one *batch* of positional inputs, as passed to
             ``schedule.step``; the model is traced on its first micro-batch.
         chunks: micro-batches per batch (the schedule's ``n_microbatches``).
+        return_outputs: whether you call ``schedule.step`` so that it returns
+            the outputs (its default): the last stage then keeps every
+            micro-batch's outputs and their merged copy, which its budget must
+            hold (``PipelineConfig.return_outputs``). Pass False with
+            ``schedule.step(..., return_outputs=False)``.
         **options: as for ``fxsplit.fxsplit`` (``trace``, ``example_kwargs``,
             ``pins`` ...), except ``pipeline``.
 
@@ -244,7 +250,7 @@ def pipeline_stages(
             from fxsplit.api import trace_and_plan
 
             try:
-                pipeline = PipelineConfig(chunks, processes=True)
+                pipeline = PipelineConfig(chunks, processes=True, return_outputs=return_outputs)
                 planned = trace_and_plan(model, plan_or_budgets, example_inputs, {**options, "pipeline": pipeline})
             except FxsplitError:
                 if first is None:
