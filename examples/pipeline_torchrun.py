@@ -65,9 +65,13 @@ def main() -> None:
 
     # Budgets from what the model needs on one device (weights, and a micro-batch's activations), shared out
     # with room to spare (each stage that reads the tied weight holds its own copy), yet so that every rank is needed.
+    # The loop below takes the losses, not the outputs: return_outputs=False here and in schedule.step, so the last
+    # stage keeps no micro-batch's logits and its budget need not hold them.
     alone = fxsplit.plan(model, {f"{kind}:0": "1GiB"}, example_inputs=(batches[0][0],), pipeline={"chunks": chunks})
     budgets = {f"{kind}:{i}": int(alone.memory[f"{kind}:0"]["total"] / world * 2.2) for i in range(world)}
-    stages = fxsplit.pipeline_stages(model, budgets, example_inputs=(batches[0][0],), chunks=chunks)
+    stages = fxsplit.pipeline_stages(
+        model, budgets, example_inputs=(batches[0][0],), chunks=chunks, return_outputs=False
+    )
     if rank == 0:
         print(stages)  # the plan, tied weights as the stages hold them
     stage = stages.build_stage(rank)
@@ -80,12 +84,12 @@ def main() -> None:
         optimizer.zero_grad()
         losses: list[torch.Tensor] = []
         if rank == 0:
-            schedule.step(ids.to(device))
+            schedule.step(ids.to(device), return_outputs=False)
         elif rank == world - 1:
-            schedule.step(target=target.to(device), losses=losses)
+            schedule.step(target=target.to(device), losses=losses, return_outputs=False)
             print(f"step {step}: loss {torch.stack(losses).mean().item():.4f}")
         else:
-            schedule.step()
+            schedule.step(return_outputs=False)
         stages.reduce_tied_grads(rank)
         optimizer.step()
     dist.destroy_process_group()

@@ -72,10 +72,9 @@ class PipelineConfig:
             weight read on another stage every micro-batch. ``pipeline_stages``
             plans with True; pass it to ``fxsplit.plan`` for a plan you will give
             to ``pipeline_stages`` (e.g. one made with ``profile=True`` on one rank).
-        return_outputs: with ``processes``, whether the schedule's ``step`` returns
-            the model's outputs (``torch.distributed.pipelining``'s default,
-            True): the last stage then keeps every micro-batch's outputs until
-            the step ends, and their merged copy, which its memory row counts.
+        return_outputs: with ``processes``, whether ``schedule.step`` returns the
+            outputs (torch's default, True): the last stage then keeps every
+            micro-batch's outputs, and their merged copy, which its row counts.
             False when you call ``schedule.step(..., return_outputs=False)``.
     """
 
@@ -103,9 +102,9 @@ class PipelineConfig:
         if isinstance(self.broadcast, str):
             raise SpecError(f"pipeline broadcast must be a tuple of input names (got the string {self.broadcast!r})")
         object.__setattr__(self, "broadcast", tuple(self.broadcast))
-        for name in ("processes", "return_outputs"):
-            if not isinstance(getattr(self, name), bool):
-                raise SpecError(f"pipeline {name} must be true or false (got {getattr(self, name)!r})")
+        for name, value in (("processes", self.processes), ("return_outputs", self.return_outputs)):
+            if not isinstance(value, bool):
+                raise SpecError(f"pipeline {name} must be true or false (got {value!r})")
 
     @classmethod
     def coerce(cls, value: Any) -> PipelineConfig:

@@ -37,6 +37,7 @@ from fxsplit.cost.build import GraphCosts
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.memory.lifetimes import ActivationProfile, planning_loads, simulate
+from fxsplit.memory.wording import COMPONENTS, ROW, advice, first_over, listing, summed
 from fxsplit.options import MODES, OPTIMIZERS, Budgets
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.planning.plan import Plan
@@ -45,17 +46,6 @@ from fxsplit.units import format_size
 
 __all__ = ["COMPONENTS", "MODES", "OPTIMIZERS", "MemoryModel", "MemorySpec", "fit_budgets"]
 
-"""State tensors per parameter, each the size of the parameter."""
-COMPONENTS = ("params", "buffers", "grads", "optimizer", "activations_peak")
-_WORDS = {
-    "params": "parameters",
-    "buffers": "buffers",
-    "grads": "gradients",
-    "optimizer": "optimizer state",
-    "activations_peak": "activations peak",
-    "stage_copies": "stages' own weight copies",
-}
-_ROW = ("params", "buffers", "grads", "optimizer", "stage_copies", "activations_peak")  # a plan's row, in order
 MAX_REPLANS = 4
 
 
@@ -312,7 +302,8 @@ class MemoryModel:
             totals["optimizer"] += state
         if self.profile is not None:
             extra, transient = planning_loads(self.profile)
-            totals["activations_peak"] = sum(extra) + max(transient, default=0)
+            kept = (2 * self.chunks - 1) * sum(self._outputs().values()) if self._keeps_outputs else 0
+            totals["activations_peak"] = sum(extra) + max(transient, default=0) + kept
         return totals
 
     def explain(self, error: BudgetError, budgets: Mapping[str, int]) -> BudgetError:
@@ -324,13 +315,13 @@ class MemoryModel:
             running += totals[name]
             if totals[name] and running > capacity:
                 return BudgetError(
-                    f"with {self.spec.describe()} the model needs {_sum(totals)} before splitting, but the "
-                    f"budgets add up to {format_size(capacity)}: {_first_over(name, totals[name])}; short by "
-                    f"{format_size(total - capacity)} ({total - capacity} bytes); {_advice(name)}"
+                    f"with {self.spec.describe()} the model needs {summed(totals)} before splitting, but the "
+                    f"budgets add up to {format_size(capacity)}: {first_over(name, totals[name])}; short by "
+                    f"{format_size(total - capacity)} ({total - capacity} bytes); {advice(name)}"
                 )
         return BudgetError(
             f"{error} (with {self.spec.describe()} a budget holds {self.spec.holds()}; the whole model "
-            f"needs {_sum(totals)})"
+            f"needs {summed(totals)})"
         )
 
     def over_budget(self, usage: Mapping[str, Mapping[str, int]], budgets: Mapping[str, int]) -> BudgetError:
@@ -341,48 +332,19 @@ class MemoryModel:
             if budget is None or row["total"] <= budget:
                 continue
             running, culprit = 0, "activations_peak"
-            for name in _ROW:
+            for name in ROW:
                 running += row.get(name, 0)
                 if running > budget:
                     culprit = name
                     break
             problems.append(
-                f"'{device}' needs {format_size(row['total'])} ({_listing(row)}) but its budget is "
-                f"{format_size(budget)}: {_first_over(culprit, row.get(culprit, 0)).replace('them', 'it')}, short by "
+                f"'{device}' needs {format_size(row['total'])} ({listing(row)}) but its budget is "
+                f"{format_size(budget)}: {first_over(culprit, row.get(culprit, 0)).replace('them', 'it')}, short by "
                 f"{format_size(row['total'] - budget)} ({row['total'] - budget} bytes)"
             )
         return BudgetError(
-            f"with {self.spec.describe()} no split fits: " + "; ".join(problems) + f"; {_advice('activations_peak')}"
+            f"with {self.spec.describe()} no split fits: " + "; ".join(problems) + f"; {advice('activations_peak')}"
         )
-
-
-def _first_over(component: str, nbytes: int) -> str:
-    """'the parameters alone exceed them' / 'adding the gradients (1.00 GiB) exceeds them'."""
-    if component == "params":
-        return "the parameters alone exceed them"
-    return f"adding the {_WORDS[component]} ({format_size(nbytes)}) exceeds them"
-
-
-def _listing(row: Mapping[str, int]) -> str:
-    return ", ".join(f"{_WORDS[name]} {format_size(row[name])}" for name in _ROW if row.get(name))
-
-
-def _sum(row: Mapping[str, int]) -> str:
-    """'parameters 1.00 MiB, activations peak 2.00 KiB = 1.00 MiB', without '= total' for one component."""
-    parts = [name for name in COMPONENTS if row.get(name)]
-    total = f" = {format_size(sum(row[name] for name in parts))}" if len(parts) > 1 else ""
-    return _listing(row) + total
-
-
-def _advice(component: str) -> str:
-    if component in ("params", "buffers"):
-        return "raise the budgets or add a device"
-    if component in ("grads", "optimizer"):
-        return (
-            "raise the budgets, add a device, freeze parameters (requires_grad=False) or pick an optimizer "
-            "with less state (optimizer='sgd')"
-        )
-    return "raise the budgets, add a device, or plan with smaller example inputs (batch, sequence length)"
 
 
 @gc_paused()

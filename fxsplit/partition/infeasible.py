@@ -52,8 +52,13 @@ def raise_infeasible(ctx: Context, names: Sequence[str], how: str) -> NoReturn:
     total, capacity = ctx.weight(0, ctx.n), sum(ctx.budgets)
     budget_list = ", ".join(f"'{d}' {format_size(b)}" for d, b in zip(names, ctx.budgets, strict=True))
     if total > capacity:
+        what = (
+            "parameters, buffers and the activations each op keeps"
+            if any(problem.op_extra)
+            else "parameters and buffers"
+        )
         raise BudgetError(
-            f"the model's parameters and buffers need {format_size(total)} ({total} bytes) but the "
+            f"the model's {what} need {format_size(total)} ({total} bytes) but the "
             f"budgets add up to {format_size(capacity)} ({capacity} bytes): short by "
             f"{format_size(total - capacity)} ({total - capacity} bytes) [{budget_list}]; "
             "raise the budgets or add a device"

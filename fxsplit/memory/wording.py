@@ -1,0 +1,51 @@
+"""The words of memory errors: each component of a device's memory row named, listed, summed and advised on."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from fxsplit.units import format_size
+
+__all__ = ["COMPONENTS", "ROW", "WORDS", "advice", "first_over", "listing", "summed"]
+
+COMPONENTS = ("params", "buffers", "grads", "optimizer", "activations_peak")  # model-wide, before splitting
+WORDS = {
+    "params": "parameters",
+    "buffers": "buffers",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "activations_peak": "activations peak",
+    "stage_copies": "stages' own weight copies",
+}
+ROW = ("params", "buffers", "grads", "optimizer", "stage_copies", "activations_peak")  # a plan's row, in order
+
+
+def first_over(component: str, nbytes: int) -> str:
+    """'the parameters alone exceed them' / 'adding the gradients (1.00 GiB) exceeds them'."""
+    if component == "params":
+        return "the parameters alone exceed them"
+    return f"adding the {WORDS[component]} ({format_size(nbytes)}) exceeds them"
+
+
+def listing(row: Mapping[str, int]) -> str:
+    """'parameters 1.00 MiB, gradients 1.00 MiB': each component of ``row`` that holds bytes, in row order."""
+    return ", ".join(f"{WORDS[name]} {format_size(row[name])}" for name in ROW if row.get(name))
+
+
+def summed(row: Mapping[str, int]) -> str:
+    """'parameters 1.00 MiB, activations peak 2.00 KiB = 1.00 MiB', without '= total' for one component."""
+    parts = [name for name in COMPONENTS if row.get(name)]
+    total = f" = {format_size(sum(row[name] for name in parts))}" if len(parts) > 1 else ""
+    return listing(row) + total
+
+
+def advice(component: str) -> str:
+    """What to do when ``component`` is what does not fit."""
+    if component in ("params", "buffers"):
+        return "raise the budgets or add a device"
+    if component in ("grads", "optimizer"):
+        return (
+            "raise the budgets, add a device, freeze parameters (requires_grad=False) or pick an optimizer "
+            "with less state (optimizer='sgd')"
+        )
+    return "raise the budgets, add a device, or plan with smaller example inputs (batch, sequence length)"
