@@ -9,7 +9,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 import fxsplit
 from fxsplit.check import DeviceChecker, verify_plan, verify_split
@@ -373,3 +375,25 @@ class RunningSum(nn.Module):
         h = self.a(x)
         self.total.add_(h.detach().mean(0))
         return self.c(self.b(h)) + self.total
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak bytes of the storages ATen ops make while it is on and that are still alive (not ``resident``)."""
+
+    def __init__(self, resident: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.resident = {StorageWeakRef(t.untyped_storage()) for t in resident}
+        self.live: dict[StorageWeakRef, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for key in [k for k in self.live if k.expired()]:
+            del self.live[key]
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                key = StorageWeakRef(tensor.untyped_storage())
+                if key not in self.resident and key not in self.live:
+                    self.live[key] = tensor.untyped_storage().nbytes()
+        self.peak = max(self.peak, sum(self.live.values()))
+        return out

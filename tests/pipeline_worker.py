@@ -17,13 +17,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import fxsplit
 
 sys.path.insert(0, str(Path(__file__).parent))
+from helpers import LiveBytes  # noqa: E402
 from pipeline_models import MLP, LongSkip, Tied, budgets  # noqa: E402
 
 CHUNKS, STEPS, LR = 4, 3, 0.1
@@ -80,28 +78,6 @@ def train(name: str, kind: str, rank: int, world: int) -> dict[str, Any]:
     return {"losses": losses, "params": params, "tied": stages.tied, "stages": len(stages)}
 
 
-class LiveBytes(TorchDispatchMode):
-    """The peak bytes of the storages ATen ops make while it is on and that are still alive (not ``resident``)."""
-
-    def __init__(self, resident: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.resident = {StorageWeakRef(t.untyped_storage()) for t in resident}
-        self.live: dict[StorageWeakRef, int] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for key in [k for k in self.live if k.expired()]:
-            del self.live[key]
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
-                key = StorageWeakRef(tensor.untyped_storage())
-                if key not in self.resident and key not in self.live:
-                    self.live[key] = tensor.untyped_storage().nbytes()
-        self.peak = max(self.peak, sum(self.live.values()))
-        return out
-
-
 MEMORY_PINS = {"embed": "cpu:0", "body.0": "cpu:0", "head": "cpu:1"}  # the tied weight is read on both ranks
 
 
@@ -110,8 +86,9 @@ def memory(rank: int, world: int) -> dict[str, Any]:
 
     ``own``: the bytes of the stage's parameters and buffers (its copy of the tied weight included) and of Adam's
     state, made by the first step; ``step``: the peak of what the second step's schedule and tied-gradient
-    all-reduce make (activations, buffers received, gradients, the outputs kept to be returned); ``update``: the
-    peak while ``optimizer.step()`` runs, beyond the gradients (its temporaries).
+    all-reduce make (activations, buffers received, gradients, the outputs kept and returned, which the last rank
+    holds on to); ``update``: the peak while ``optimizer.step()`` runs (Adam's ``foreach`` step, as on CUDA), with
+    what was alive before it (gradients, outputs).
     """
     torch.manual_seed(0)
     model = Tied(vocab=2000, width=64)
@@ -122,22 +99,20 @@ def memory(rank: int, world: int) -> dict[str, Any]:
     stages = fxsplit.pipeline_stages(model, budgets, example_inputs=(x,), chunks=CHUNKS, **options)
     stage = stages.build_stage(rank)
     schedule = Schedule1F1B(stage, n_microbatches=CHUNKS, loss_fn=loss_fn)
-    optimizer = torch.optim.Adam(stage.submod.parameters(), lr=1e-3, foreach=False)
+    optimizer = torch.optim.Adam(stage.submod.parameters(), lr=1e-3, foreach=True)
     peaks = {}
     for measured in (False, True):
         state = [t for entry in optimizer.state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
         own = [*{id(t): t for t in [*stage.submod.parameters(), *stage.submod.buffers(), *state]}.values()]
         optimizer.zero_grad()
         with LiveBytes([*own, x, y]) as meter:
-            if rank == 0:
-                schedule.step(x)
-            else:
-                schedule.step(target=y, losses=[])
+            outputs = schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
             stages.reduce_tied_grads(rank)
-            peaks["step"], grads = meter.peak, sum(meter.live.values())
+            peaks["step"] = meter.peak
             meter.peak = 0
             optimizer.step()
-            peaks["update"] = meter.peak - grads
+            peaks["update"] = meter.peak
+            del outputs
         if measured:
             break
     device = stages.specs[rank].device

@@ -21,6 +21,7 @@ from fxsplit.partition.solve import partition
 from fxsplit.planning.build import make_plan
 from fxsplit.planning.plan import Plan
 from fxsplit.tracing.capture import trace
+from tests.helpers import LiveBytes
 
 # -- models -----------------------------------------------------------------------------------------
 
@@ -118,7 +119,38 @@ def test_training_counts_saved_activations_gradients_and_optimizer_state() -> No
     assert all(adam.memory[d]["activations_peak"] > inference.memory[d]["activations_peak"] for d in used)
     for plan in (inference, adam, momentum, eight_bit):
         assert plan.device_bytes == {d: r["params"] + r["buffers"] for d, r in plan.memory.items()}
-        assert all(r["total"] == sum(v for k, v in r.items() if k != "total") for r in plan.memory.values())
+    assert all(r["total"] == sum(v for k, v in r.items() if k != "total") for r in inference.memory.values())
+    assert all("optimizer_step" not in r for r in inference.memory.values())
+    outputs = 16 * 64 * 4  # the batch's output, held by the caller through optimizer.step()
+    for plan, temporaries in ((adam, 1), (momentum, 0), (eight_bit, 0)):  # Adam: one per parameter (foreach)
+        for device, row in plan.memory.items():
+            held = outputs if device == plan.output_device else 0
+            assert row["optimizer_step"] == temporaries * row["grads"] + held, (plan.memory, device)
+            kept = row["params"] + row["buffers"] + row["grads"] + row["optimizer"]
+            assert row["total"] == kept + max(row["activations_peak"], row["optimizer_step"])
+
+
+def test_adams_foreach_step_makes_the_temporaries_the_rows_count() -> None:
+    """Adam's ``foreach`` step (torch's default on CUDA) makes one temporary the size of every parameter at once,
+    after the backward: measured around ``optimizer.step()`` of a split, it is what the rows' ``optimizer_step``
+    hold beyond the batch's output (up to Adam's scalar bias corrections)."""
+    torch.manual_seed(0)
+    model, x = _mlp(), torch.randn(16, 64)
+    gm = fxsplit.fxsplit(model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(x,), mode="training")
+    plan = gm.meta["fxsplit_plan"]
+    optimizer = torch.optim.Adam(gm.parameters(), lr=1e-3, foreach=True)
+    for _ in range(2):  # the second step is measured, once Adam's state exists
+        optimizer.zero_grad()
+        out = gm(x)
+        out.sum().backward()
+        state = [t for entry in optimizer.state.values() for t in entry.values()]
+        grads = [p.grad for p in gm.parameters() if p.grad is not None]
+        with LiveBytes([*gm.parameters(), *state, *grads, out, x]) as meter:
+            optimizer.step()
+    outputs = 16 * 64 * 4
+    temporaries = sum(row["optimizer_step"] for row in plan.memory.values()) - outputs
+    assert temporaries == _weights(model)
+    assert temporaries <= meter.peak <= temporaries + 1024
 
 
 def test_frozen_parameters_get_no_gradient_or_optimizer_state() -> None:
@@ -183,9 +215,11 @@ def test_plan_prints_and_round_trips_the_breakdown() -> None:
         "params",
         "grads",
         "activations",
+        "at step",
         "total",
         "% budget",
     ]
+    assert "at step: optimizer.step()'s temporaries and the outputs still held; a total counts the larger" in text
     assert Plan.from_dict(plan.to_dict()) == plan
     assert Plan.from_dict({k: v for k, v in plan.to_dict().items() if k != "memory"}).memory == {}
 

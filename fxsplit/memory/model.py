@@ -37,7 +37,7 @@ from fxsplit.cost.build import GraphCosts
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.memory.lifetimes import ActivationProfile, planning_loads, simulate
-from fxsplit.memory.wording import COMPONENTS, ROW, advice, first_over, listing, summed
+from fxsplit.memory.wording import COMPONENTS, KEPT, TRANSIENT, advice, first_over, listing, summed
 from fxsplit.options import MODES, OPTIMIZERS, Budgets
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.planning.plan import Plan
@@ -46,6 +46,7 @@ from fxsplit.units import format_size
 
 __all__ = ["COMPONENTS", "MODES", "OPTIMIZERS", "MemoryModel", "MemorySpec", "fit_budgets"]
 
+STEP_TEMPORARIES = {"adam": 1, "adamw": 1, "sgd_momentum": 0, "sgd": 0}  # per trainable byte, in optimizer.step()
 MAX_REPLANS = 4
 
 
@@ -95,6 +96,15 @@ class MemorySpec:
     @property
     def counts_activations(self) -> bool:
         return self.mode != "weights"
+
+    def step_bytes(self, trainable: int) -> int:
+        """Temporaries of ``optimizer.step()`` on a device whose trainable parameters take ``trainable`` bytes:
+        one tensor per parameter for Adam / AdamW (``torch._foreach_sqrt`` of the second moments, in the
+        ``foreach`` step torch uses on CUDA; ``foreach=False`` makes two of the largest parameter at most, and
+        ``fused=True`` none); none for SGD, nor for an optimizer given as bytes per element."""
+        if not self.training or not isinstance(self.optimizer, str):
+            return 0
+        return STEP_TEMPORARIES[self.optimizer] * trainable
 
     def optimizer_bytes(self, nbytes: int, numel: int) -> int:
         """Optimizer state of one trainable parameter of ``nbytes`` bytes and ``numel`` elements."""
@@ -219,28 +229,35 @@ class MemoryModel:
                 for device in replica.devices:
                     row = found.get(device) or found.setdefault(device, dict.fromkeys(COMPONENTS[:4], 0))
                     row["buffers" if kinds.get(name) else "params"] += replica.nbytes
+        held = self.stage_copy_bytes(plan) if self.processes else {}
         if self.processes:  # on every device, 0 where none: the row says it counts them
-            held = self.stage_copy_bytes(plan)
             for device, row in found.items():
-                row["stage_copies"] = sum(held.get(device, {}).values())
+                row["stage_copies"] = sum(charged for charged, _ in held.get(device, {}).values())
+        if self.spec.training:  # every gradient the device holds, its copies' too, is stepped there
+            for device, row in found.items():
+                copied = sum(grads for _, grads in held.get(device, {}).values())
+                outputs = self._outputs_at_step() if device == plan.output_device else 0
+                outputs += self._received_buffers(plan, device)
+                row["optimizer_step"] = self.spec.step_bytes(row["grads"] + copied) + outputs
         if self.profile is not None:
             peaks = self.activation_peaks(plan)
             for device, row in found.items():
                 row["activations_peak"] = peaks.get(device, 0)
         for row in found.values():
-            row["total"] = sum(row.values())
+            row["total"] = row_total(row)
         return found
 
-    def stage_copy_bytes(self, plan: Plan) -> dict[str, dict[str, int]]:
-        """Device -> {weight -> bytes} of the weights its stage holds its own copy of (the plan keeps them on another
-        device; :class:`Plan` cuts of kind ``"parameter"``), each with its gradient and optimizer state in training."""
+    def stage_copy_bytes(self, plan: Plan) -> dict[str, dict[str, tuple[int, int]]]:
+        """Device -> {weight -> (bytes, gradient bytes)} of the weights its stage holds its own copy of (the plan
+        keeps them on another device; :class:`Plan` cuts of kind ``"parameter"``): the bytes with its gradient and
+        optimizer state in training."""
         weights = {name: weight for weight in self.costs.weights for name in weight.names}
-        found: dict[str, dict[str, int]] = {}
+        found: dict[str, dict[str, tuple[int, int]]] = {}
         for cut in plan.cuts:
             weight = weights.get(cut.producer) if cut.kind == "parameter" else None
             if weight is not None:
-                charged = weight.nbytes + sum(self.state_bytes(weight.names[0], weight.nbytes))
-                found.setdefault(cut.destination, {})[weight.names[0]] = charged
+                grads, state = self.state_bytes(weight.names[0], weight.nbytes)
+                found.setdefault(cut.destination, {})[weight.names[0]] = (weight.nbytes + grads + state, grads)
         return found
 
     def activation_peaks(self, plan: Plan) -> dict[str, int]:
@@ -266,6 +283,20 @@ class MemoryModel:
                 held = simulated.saved.get(device, 0) if never else self._stage_inputs(plan, device)
                 peaks[device] += (self.chunks - 1) * held
         return peaks
+
+    def _outputs_at_step(self) -> int:
+        """Bytes of outputs alive while ``optimizer.step()`` runs: the batch's, which the caller holds (and the
+        micro-batches' a multi-process pipeline's last stage keeps, when it returns outputs)."""
+        if self.profile is None or (self.processes and not self.return_outputs):
+            return 0
+        return (2 if self.processes else 1) * self.chunks * sum(self._outputs().values())
+
+    def _received_buffers(self, plan: Plan, device: str) -> int:
+        """Bytes a stage of a multi-process pipeline keeps between steps: the buffers it receives inputs into."""
+        if not self.processes:
+            return 0
+        received = (c.nbytes or 0 for c in plan.cuts if c.destination == device and c.kind in ("activation", "input"))
+        return self.chunks * sum(received)
 
     def _outputs(self) -> dict[str, int]:
         """Each value the graph returns -> bytes of the storages it holds for one (micro-)batch, each storage once
@@ -331,8 +362,8 @@ class MemoryModel:
             budget = budgets.get(device)
             if budget is None or row["total"] <= budget:
                 continue
-            running, culprit = 0, "activations_peak"
-            for name in ROW:
+            running, culprit = 0, max(TRANSIENT, key=lambda name: row.get(name, 0))
+            for name in KEPT:
                 running += row.get(name, 0)
                 if running > budget:
                     culprit = name
@@ -345,6 +376,14 @@ class MemoryModel:
         return BudgetError(
             f"with {self.spec.describe()} no split fits: " + "; ".join(problems) + f"; {advice('activations_peak')}"
         )
+
+
+def row_total(row: Mapping[str, int]) -> int:
+    """A memory row's total: what stays (weights, gradients, optimizer state, stage copies), plus the larger of the
+    activations peak and the optimizer step's temporaries, which are not alive at once (the step runs after the
+    backward)."""
+    transient = max(row.get("activations_peak", 0), row.get("optimizer_step", 0))
+    return sum(n for k, n in row.items() if k not in ("activations_peak", "optimizer_step", "total")) + transient
 
 
 @gc_paused()

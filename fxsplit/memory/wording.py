@@ -6,7 +6,7 @@ from typing import Mapping
 
 from fxsplit.units import format_size
 
-__all__ = ["COMPONENTS", "ROW", "WORDS", "advice", "first_over", "listing", "summed"]
+__all__ = ["COMPONENTS", "KEPT", "ROW", "TRANSIENT", "WORDS", "advice", "first_over", "listing", "summed"]
 
 COMPONENTS = ("params", "buffers", "grads", "optimizer", "activations_peak")  # model-wide, before splitting
 WORDS = {
@@ -16,8 +16,11 @@ WORDS = {
     "optimizer": "optimizer state",
     "activations_peak": "activations peak",
     "stage_copies": "stages' own weight copies",
+    "optimizer_step": "optimizer step (temporaries, outputs held)",
 }
-ROW = ("params", "buffers", "grads", "optimizer", "stage_copies", "activations_peak")  # a plan's row, in order
+KEPT = ("params", "buffers", "grads", "optimizer", "stage_copies")  # alive through the whole step, in row order
+TRANSIENT = ("activations_peak", "optimizer_step")  # not alive at once: a total counts the larger
+ROW = KEPT + TRANSIENT  # a plan's row, in order
 
 
 def first_over(component: str, nbytes: int) -> str:
@@ -28,8 +31,12 @@ def first_over(component: str, nbytes: int) -> str:
 
 
 def listing(row: Mapping[str, int]) -> str:
-    """'parameters 1.00 MiB, gradients 1.00 MiB': each component of ``row`` that holds bytes, in row order."""
-    return ", ".join(f"{WORDS[name]} {format_size(row[name])}" for name in ROW if row.get(name))
+    """'parameters 1.00 MiB, gradients 1.00 MiB': each component of ``row`` that holds bytes, in row order (the
+    larger of the activations and the optimizer step, when both do: they are not alive at once)."""
+    parts = [f"{WORDS[name]} {format_size(row[name])}" for name in KEPT if row.get(name)]
+    transient = [f"{WORDS[name]} {format_size(row[name])}" for name in TRANSIENT if row.get(name)]
+    parts += [f"the larger of {transient[0]} and {transient[1]}"] if len(transient) == 2 else transient
+    return ", ".join(parts)
 
 
 def summed(row: Mapping[str, int]) -> str:

@@ -237,6 +237,7 @@ _REST = {
     "optimizer": "optimizer state",
     "stage_copies": "the stage's own copies of weights kept on other devices",
     "activations_peak": "activations peak",
+    "optimizer_step": "what optimizer.step() adds",
     "streaming": "streaming buffers",
 }
 

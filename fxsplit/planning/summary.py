@@ -58,7 +58,16 @@ def memory_table(plan: Plan) -> list[str]:
     """One row per device: each component of memory, the total and its share of the budget."""
     keys = [
         k
-        for k in ("params", "buffers", "grads", "optimizer", "stage_copies", "activations_peak", "streaming")
+        for k in (
+            "params",
+            "buffers",
+            "grads",
+            "optimizer",
+            "stage_copies",
+            "activations_peak",
+            "optimizer_step",
+            "streaming",
+        )
         if any(k in row and (row[k] or k in ("params", "activations_peak")) for row in plan.memory.values())
     ]
     titles = {
@@ -68,6 +77,7 @@ def memory_table(plan: Plan) -> list[str]:
         "optimizer": "optimizer",
         "stage_copies": "stage copies",
         "activations_peak": "activations",
+        "optimizer_step": "at step",
         "streaming": "streaming",
     }
     reserving = any(plan.reserved.values())
@@ -80,4 +90,10 @@ def memory_table(plan: Plan) -> list[str]:
         cells = (format_size(row[k]) if k in row else "-" for k in keys)
         rows.append((device, *cells, format_size(total), percent))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    if "optimizer_step" in keys:
+        lines.append(
+            "at step: optimizer.step()'s temporaries and the outputs still held; a total counts the larger of it and "
+            "the activations"
+        )
+    return lines
