@@ -13,9 +13,10 @@ from torch import nn
 
 import fxsplit
 from fxsplit.cost.build import build_problem
+from fxsplit.memory.fit import fit_budgets
 from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory, planning_loads, simulate
 from fxsplit.memory.measure import measure_forward, measure_training
-from fxsplit.memory.model import MemoryModel, MemorySpec, fit_budgets
+from fxsplit.memory.model import MemoryModel, MemorySpec
 from fxsplit.options import Budgets
 from fxsplit.partition.solve import partition
 from fxsplit.planning.build import make_plan
@@ -281,6 +282,9 @@ def test_a_plan_that_copies_more_than_the_partitioner_counted_is_planned_again()
         spec = MemorySpec()
         over_budget = MemoryModel.over_budget
 
+        def charged_loads(self, plan: Plan) -> dict[str, int]:
+            return {}  # the partitioner's loads unknown: each cap drops by the excess alone
+
         def usage(self, plan: Plan) -> dict[str, dict[str, int]]:
             return usage[len(calls) - 1]
 
@@ -300,12 +304,41 @@ def test_a_plan_that_copies_more_than_the_partitioner_counted_is_planned_again()
         fit_budgets(Model(), budgets, solve)  # type: ignore[arg-type]
 
 
+def test_a_device_over_is_held_below_what_the_partitioner_charged_it() -> None:
+    """The row of cpu:0 comes out 30 B over its 100 B, and the partitioner had charged it 60 B: lowering its cap by
+    30 B alone (to 70 B) would allow the same placement again; the cap becomes 60 - 30 = 30 B."""
+    calls: list[list[int]] = []
+
+    class Model:
+        spec = MemorySpec()
+        over_budget = MemoryModel.over_budget
+
+        def usage(self, plan: Plan) -> dict[str, dict[str, int]]:
+            total = 130 if len(calls) == 1 else 90
+            return {"cpu:0": {"params": 10, "total": total}, "cpu:1": {"params": 10, "total": 50}}
+
+        def charged_loads(self, plan: Plan) -> dict[str, int]:
+            return {"cpu:0": 60, "cpu:1": 50}
+
+    budgets = Budgets({"cpu:0": 100, "cpu:1": 100})
+
+    def solve(caps: list[int]) -> Plan:
+        calls.append(list(caps))
+        return Plan(("cpu:0", "cpu:1"), dict(budgets.limits), {}, {}, {"cpu:0": 10, "cpu:1": 10}, (), "cpu:1")
+
+    plan = fit_budgets(Model(), budgets, solve)  # type: ignore[arg-type]
+    assert calls == [[100, 100], [30, 100]] and plan.memory["cpu:0"]["total"] == 90
+
+
 def test_the_reserve_is_held_back_while_fitting_and_the_plan_keeps_the_full_budgets() -> None:
     calls: list[list[int]] = []
 
     class Model:
         spec = MemorySpec()
         over_budget = MemoryModel.over_budget
+
+        def charged_loads(self, plan: Plan) -> dict[str, int]:
+            return {}  # the partitioner's loads unknown: each cap drops by the excess alone
 
         def usage(self, plan: Plan) -> dict[str, dict[str, int]]:
             return {"cpu:0": {"params": 10, "total": 85 if len(calls) == 1 else 75}, "cpu:1": {"total": 0}}

@@ -1,6 +1,7 @@
 """Stage 3, memory: what a device holds (weights, gradients, optimizer state, activations) and its budget.
 
-* :mod:`~fxsplit.memory.model`: :class:`MemoryModel` per mode, and :func:`fit_budgets` (plan until it fits).
+* :mod:`~fxsplit.memory.model`: :class:`MemoryModel` per mode: what each device of a plan holds.
+* :mod:`~fxsplit.memory.fit`: :func:`fit_budgets`, plan until every device's row fits.
 * :mod:`~fxsplit.memory.wording`: the words of memory errors (each component of a row named and advised on).
 * :mod:`~fxsplit.memory.activations`: profile a graph's activations once, on fake tensors.
 * :mod:`~fxsplit.memory.charge`: the memory model a traced graph is charged by (warns when activations cannot be).
@@ -9,6 +10,7 @@
 * :mod:`~fxsplit.memory.autobudget`: budgets from the free memory of the visible GPUs.
 """
 
-from fxsplit.memory.model import MemoryModel, MemorySpec, fit_budgets
+from fxsplit.memory.fit import fit_budgets
+from fxsplit.memory.model import MemoryModel, MemorySpec
 
 __all__ = ["MemoryModel", "MemorySpec", "fit_budgets"]

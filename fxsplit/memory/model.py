@@ -31,23 +31,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping
 
 from fxsplit.cost.build import GraphCosts
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.memory.lifetimes import ActivationProfile, planning_loads, simulate
 from fxsplit.memory.wording import COMPONENTS, KEPT, TRANSIENT, advice, first_over, listing, summed
-from fxsplit.options import MODES, OPTIMIZERS, Budgets
+from fxsplit.options import MODES, OPTIMIZERS
 from fxsplit.partition.problem import PartitionProblem
+from fxsplit.partition.refine import device_loads
 from fxsplit.planning.plan import Plan
-from fxsplit.planning.rules import budget_overruns
+from fxsplit.planning.stagecopies import without_weight_copies
 from fxsplit.units import format_size
 
-__all__ = ["COMPONENTS", "MODES", "OPTIMIZERS", "MemoryModel", "MemorySpec", "fit_budgets"]
+__all__ = ["COMPONENTS", "MODES", "OPTIMIZERS", "MemoryModel", "MemorySpec", "row_total"]
 
 STEP_TEMPORARIES = {"adam": 1, "adamw": 1, "sgd_momentum": 0, "sgd": 0}  # per trainable byte, in optimizer.step()
-MAX_REPLANS = 4
 
 
 @dataclass(frozen=True)
@@ -247,6 +247,16 @@ class MemoryModel:
             row["total"] = row_total(row)
         return found
 
+    def charged_loads(self, plan: Plan) -> dict[str, int]:
+        """Device -> the bytes the partitioner charged it for ``plan``'s placement (each stage's own copies of the
+        weights it reads included, for stages run one per process)."""
+        problem = self.problem()
+        if self.processes:
+            problem = without_weight_copies(problem, self.costs.weight_values)
+        index = {device: k for k, device in enumerate(plan.devices)}
+        placed = [index[plan.placement[op.name]] for op in self.costs.ops]
+        return dict(zip(plan.devices, device_loads(problem, placed, len(plan.devices)), strict=True))
+
     def stage_copy_bytes(self, plan: Plan) -> dict[str, dict[str, tuple[int, int]]]:
         """Device -> {weight -> (bytes, gradient bytes)} of the weights its stage holds its own copy of (the plan
         keeps them on another device; :class:`Plan` cuts of kind ``"parameter"``): the bytes with its gradient and
@@ -384,36 +394,3 @@ def row_total(row: Mapping[str, int]) -> int:
     backward)."""
     transient = max(row.get("activations_peak", 0), row.get("optimizer_step", 0))
     return sum(n for k, n in row.items() if k not in ("activations_peak", "optimizer_step", "total")) + transient
-
-
-@gc_paused()
-def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[int]], Plan]) -> Plan:
-    """Plan so that each device's simulated total fits its budget less its reserve; record the breakdown.
-
-    ``solve`` partitions under per-device caps (bytes, in device order) and
-    makes the plan. The caps start at ``budgets.caps()``. The partitioner's
-    per-op loads are close to, but not always above, the exact simulation
-    (copies between devices are only known once ops are placed); when a
-    device's simulated total comes out over its budget less its reserve
-    (:func:`fxsplit.planning.rules.budget_overruns`), its cap is lowered by
-    the excess and the model planned again.
-
-    Raises:
-        BudgetError: nothing fits; says which component does not, where, by how much.
-    """
-    usable = budgets.usable
-    caps = budgets.caps()
-    usage: dict[str, dict[str, int]] = {}
-    for attempt in range(MAX_REPLANS + 1):
-        try:
-            plan = solve(list(caps))
-        except BudgetError as error:
-            raise (model.explain(error, usable) if attempt == 0 else model.over_budget(usage, usable)) from None
-        usage = model.usage(plan)
-        plan = dataclasses.replace(plan, memory=usage)
-        simulated = {d: row.get("params", 0) + row.get("buffers", 0) for d, row in usage.items()}
-        over = {o.device: o.excess for o in budget_overruns(plan, simulated, budgets)}
-        if not over:
-            return plan
-        caps = [max(0, cap - over.get(d, 0)) for d, cap in zip(budgets.devices, caps, strict=True)]
-    raise model.over_budget(usage, usable)

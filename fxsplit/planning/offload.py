@@ -24,7 +24,8 @@ import torch.fx
 
 from fxsplit.cost.build import GraphCosts, Weight
 from fxsplit.errors import BudgetError, FxsplitWarning
-from fxsplit.memory.model import MemoryModel, fit_budgets
+from fxsplit.memory.fit import fit_budgets
+from fxsplit.memory.model import MemoryModel
 from fxsplit.options import Budgets, Offload
 from fxsplit.partition.streaming import StreamChoice, choose_streamed
 from fxsplit.planning.build import cuts_for, reads_of, weights_by_node
@@ -45,7 +46,7 @@ def fit_or_offload(
     offload: Offload | None,
     graph_module: torch.fx.GraphModule,
 ) -> Plan:
-    """The plan within the budgets (:func:`~fxsplit.memory.model.fit_budgets`); when nothing fits and
+    """The plan within the budgets (:func:`~fxsplit.memory.fit.fit_budgets`); when nothing fits and
     ``offload`` is given, one that streams weights (:func:`plan_offloaded`).
 
     Raises:

@@ -38,7 +38,8 @@ import torch.fx
 
 from fxsplit.cost.build import GraphCosts
 from fxsplit.errors import BudgetError
-from fxsplit.memory.model import MemoryModel, fit_budgets
+from fxsplit.memory.fit import fit_budgets
+from fxsplit.memory.model import MemoryModel
 from fxsplit.options import Budgets
 from fxsplit.partition.problem import PartitionProblem, Value
 from fxsplit.planning.build import cuts_for, reads_of, weights_by_node

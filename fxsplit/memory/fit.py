@@ -1,0 +1,58 @@
+"""Plan until every device's memory row fits its budget less its reserve.
+
+The partitioner charges each op and weight what the memory model can tell before ops are placed; a device's row
+(:meth:`~fxsplit.memory.model.MemoryModel.usage`) is exact only once they are (activations copied in, the outputs
+kept, what ``optimizer.step()`` holds after the backward, which the partitioner does not charge). :func:`fit_budgets`
+plans again where a row comes out over, holding that device below what the partitioner charged it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+from fxsplit.errors import BudgetError
+from fxsplit.gcpause import gc_paused
+from fxsplit.memory.model import MemoryModel
+from fxsplit.options import Budgets
+from fxsplit.planning.plan import Plan
+from fxsplit.planning.rules import budget_overruns
+
+__all__ = ["MAX_REPLANS", "fit_budgets"]
+
+MAX_REPLANS = 4
+
+
+@gc_paused()
+def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[int]], Plan]) -> Plan:
+    """Plan so that each device's simulated total fits its budget less its reserve; record the breakdown.
+
+    ``solve`` partitions under per-device caps (bytes, in device order) and makes the plan. The caps start at
+    ``budgets.caps()``. When a device's row comes out over its budget less its reserve
+    (:func:`fxsplit.planning.rules.budget_overruns`) by an excess, its cap becomes what the partitioner charged it
+    for that plan less the excess (or the cap less the excess, if lower), so the next plan moves at least that much
+    off it, and the model is planned again.
+
+    Raises:
+        BudgetError: nothing fits; says which component does not, where, by how much.
+    """
+    usable = budgets.usable
+    caps = budgets.caps()
+    usage: dict[str, dict[str, int]] = {}
+    for attempt in range(MAX_REPLANS + 1):
+        try:
+            plan = solve(list(caps))
+        except BudgetError as error:
+            raise (model.explain(error, usable) if attempt == 0 else model.over_budget(usage, usable)) from None
+        usage = model.usage(plan)
+        plan = dataclasses.replace(plan, memory=usage)
+        simulated = {d: row.get("params", 0) + row.get("buffers", 0) for d, row in usage.items()}
+        over = {o.device: o.excess for o in budget_overruns(plan, simulated, budgets)}
+        if not over:
+            return plan
+        loads = model.charged_loads(plan)
+        caps = [
+            max(0, min(cap, loads.get(d, cap)) - over[d]) if d in over else cap
+            for d, cap in zip(budgets.devices, caps, strict=True)
+        ]
+    raise model.over_budget(usage, usable)
