@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
-from helpers import Tied, assert_same_grads, budgets_for
+from helpers import LiveBytes, Tied, assert_same_grads, budgets_for
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import fxsplit
 from fxsplit import runtime
@@ -70,29 +66,6 @@ class _DeadValue(nn.Module):
         return self.c(self.b(torch.relu(y)))
 
 
-class _LiveBytes(TorchDispatchMode):
-    """An independent meter: bytes of the storages ops create, alive at once, all devices together.
-
-    Storages of ``existing`` tensors (weights, inputs) are not counted.
-    """
-
-    def __init__(self, existing: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.existing = {StorageWeakRef(t.untyped_storage()) for t in existing}
-        self.live: dict[StorageWeakRef, int] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for key in [k for k in self.live if k.expired()]:
-            del self.live[key]
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and StorageWeakRef(tensor.untyped_storage()) not in self.existing:
-                self.live.setdefault(StorageWeakRef(tensor.untyped_storage()), tensor.untyped_storage().nbytes())
-        self.peak = max(self.peak, sum(self.live.values()))
-        return out
-
-
 def test_measured_peak_frees_values_nobody_reads() -> None:
     """Two activations of 32 x 64 floats are alive at once on each device, never three."""
     torch.manual_seed(0)
@@ -110,7 +83,7 @@ def test_measured_peak_matches_an_independent_meter_on_the_real_forward() -> Non
     torch.manual_seed(0)
     model, x = _DeadValue().eval(), torch.randn(32, 64)
     gm = fxsplit.fxsplit(model, {"cpu:0": "1MiB"}, example_inputs=(x,), trace="fx", mode="inference")
-    meter = _LiveBytes([*gm.parameters(), *gm.buffers(), x])
+    meter = LiveBytes([*gm.parameters(), *gm.buffers(), x])
     with torch.no_grad(), meter:
         gm(x)  # the generated code, not an interpreter
     assert meter.peak == 2 * 32 * 64 * 4
