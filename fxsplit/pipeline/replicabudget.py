@@ -17,10 +17,8 @@ import torch
 
 from fxsplit.cost.build import model_tensors
 from fxsplit.options import Budgets, usable_bytes
-from fxsplit.partition.refine import device_loads
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import Overrun, budget_overruns
-from fxsplit.planning.timing import copied_problem
 
 if TYPE_CHECKING:
     from fxsplit.api import Planned
@@ -92,14 +90,10 @@ def _charged(plan: Plan, nbytes: int, trainable: bool) -> int:
 
 
 def charged_loads(planned: Planned) -> dict[str, int]:
-    """Device -> the bytes the partitioner charged it for ``planned``'s placement (its stages' own copies included,
-    as :func:`~fxsplit.planning.timing.copied_problem` sees them)."""
-    plan, costs = planned.plan, planned.costs
-    assert planned.memory is not None and planned.options is not None
-    problem = copied_problem(planned.options, planned.memory.problem(), costs.weight_values)
-    index = {device: k for k, device in enumerate(plan.devices)}
-    loads = device_loads(problem, [index[plan.placement[op.name]] for op in costs.ops], len(plan.devices))
-    return dict(zip(plan.devices, loads, strict=True))
+    """Device -> the bytes the partitioner charged it for ``planned``'s placement (its stages' own copies included:
+    :meth:`~fxsplit.memory.model.MemoryModel.charged_loads`)."""
+    assert planned.memory is not None
+    return planned.memory.charged_loads(planned.plan)
 
 
 def room_to_hold_back(
