@@ -21,6 +21,8 @@ from fxsplit.planning.rules import budget_overruns
 __all__ = ["MAX_REPLANS", "fit_budgets"]
 
 MAX_REPLANS = 4
+"""Re-plans allowed beyond one per device: an over-full run of ops that the default, out-of-order partitioner may
+place on any of several equal devices can move to each in turn before every one of them is held below it."""
 
 
 @gc_paused()
@@ -39,7 +41,7 @@ def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[
     usable = budgets.usable
     caps = budgets.caps()
     usage: dict[str, dict[str, int]] = {}
-    for attempt in range(MAX_REPLANS + 1):
+    for attempt in range(MAX_REPLANS + len(caps) + 1):
         try:
             plan = solve(list(caps))
         except BudgetError as error:
