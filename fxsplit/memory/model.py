@@ -47,7 +47,7 @@ from fxsplit.units import format_size
 
 __all__ = ["COMPONENTS", "MODES", "OPTIMIZERS", "MemoryModel", "MemorySpec", "row_total"]
 
-STEP_TEMPORARIES = {"adam": 1, "adamw": 1, "sgd_momentum": 0, "sgd": 0}  # per trainable byte, in optimizer.step()
+STEP_TEMPORARIES = {"adam": 1, "adamw": 1, "sgd_momentum": 1, "sgd": 1}  # per trainable byte, in optimizer.step()
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,9 @@ class MemorySpec:
         """Temporaries of ``optimizer.step()`` on a device whose trainable parameters take ``trainable`` bytes:
         one tensor per parameter for Adam / AdamW (``torch._foreach_sqrt`` of the second moments, in the
         ``foreach`` step torch uses on CUDA; ``foreach=False`` makes two of the largest parameter at most, and
-        ``fused=True`` none); none for SGD, nor for an optimizer given as bytes per element."""
+        ``fused=True`` none); one for SGD too, what its ``foreach`` step makes when ``weight_decay`` is set (the
+        gradients plus the decay, as new tensors; none without it, but the plan cannot see the optimizer's
+        settings, so it counts them); none for an optimizer given as bytes per element."""
         if not self.training or not isinstance(self.optimizer, str):
             return 0
         return STEP_TEMPORARIES[self.optimizer] * trainable
