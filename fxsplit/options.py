@@ -363,9 +363,8 @@ class Options:
             override its fields.
         check: verify the invariants of the plan and the split (:mod:`fxsplit.check`).
         mode: what the budgets hold, one of :data:`MODES` (see :mod:`fxsplit.memory`).
-        optimizer: optimizer state counted with ``mode="training"``: a name
-            from :data:`OPTIMIZERS` or bytes per parameter element (None:
-            ``"adam"`` in training).
+        optimizer: the optimizer counted with ``mode="training"``: a name from :data:`OPTIMIZERS`, its settings
+            (:mod:`fxsplit.optimizer`) or bytes per parameter element (None: ``"adam"`` in training).
         dynamic_shapes: input sizes a torch.export split keeps variable: one
             of :data:`DYNAMIC_SHAPES` or a torch.export ``dynamic_shapes`` spec.
         offload: where weights the devices cannot hold are stored and
@@ -404,7 +403,7 @@ class Options:
     spec: Any = None
     check: bool = False
     mode: str = "inference"
-    optimizer: str | int | None = None
+    optimizer: Any = None
     dynamic_shapes: Any = None
     offload: Offload | Mapping[str, Any] | None = None
     hardware: Any = None

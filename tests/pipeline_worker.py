@@ -95,7 +95,8 @@ def memory(rank: int, world: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(3)
     x, y = (torch.randint(0, 2000, (16, 6), generator=gen) for _ in range(2))
     budgets = {"cpu:0": "16MiB", "cpu:1": "16MiB"}
-    options = {"mode": "training", "optimizer": "adam", "pins": MEMORY_PINS}
+    adam = {"name": "adam", "foreach": True, "weight_decay": 0.0}  # the optimizer below, as the plan counts it
+    options = {"mode": "training", "optimizer": adam, "pins": MEMORY_PINS}
     stages = fxsplit.pipeline_stages(model, budgets, example_inputs=(x,), chunks=CHUNKS, **options)
     stage = stages.build_stage(rank)
     schedule = Schedule1F1B(stage, n_microbatches=CHUNKS, loss_fn=loss_fn)

@@ -298,8 +298,9 @@ def test_each_stage_row_counts_its_own_copies_and_the_plan_fits_with_them(count:
     model, budgets, ids = _gpt2_case(transformers, count)
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxsplit.FxsplitWarning)
+        adam = {"name": "adam", "foreach": True}  # Adam's foreach step, as on GPUs: a temporary per trainable byte
         stages = fxsplit.pipeline_stages(
-            model, budgets, example_inputs=(ids,), chunks=2, mode="training", return_outputs=False
+            model, budgets, example_inputs=(ids,), chunks=2, mode="training", optimizer=adam, return_outputs=False
         )
     plan, last = stages.plan, f"cpu:{count - 1}"
     assert stages.tied == {"m.transformer.wte.weight": (0, count - 1)} and not any(plan.reserved.values())
@@ -314,7 +315,7 @@ def test_each_stage_row_counts_its_own_copies_and_the_plan_fits_with_them(count:
     table = str(plan).splitlines()
     header = next(line for line in table if line.startswith("memory"))
     assert "stage copies" in header
-    one = fxsplit.plan(model, budgets, example_inputs=(ids[:2],), pipeline=2, mode="training")
+    one = fxsplit.plan(model, budgets, example_inputs=(ids[:2],), pipeline=2, mode="training", optimizer=adam)
     assert all("stage_copies" not in row for row in one.memory.values())  # one process: copies per forward
     out: Any = ids[:2]
     for stage in stages.modules:

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from fxsplit.cost.build import GraphCosts
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.memory.lifetimes import ActivationProfile, planning_loads, simulate
 from fxsplit.memory.wording import COMPONENTS, KEPT, TRANSIENT, advice, first_over, listing, summed
+from fxsplit.optimizer import OptimizerSettings
 from fxsplit.options import MODES, OPTIMIZERS
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.refine import device_loads
@@ -46,8 +47,6 @@ from fxsplit.planning.stagecopies import without_weight_copies
 from fxsplit.units import format_size
 
 __all__ = ["COMPONENTS", "MODES", "OPTIMIZERS", "MemoryModel", "MemorySpec", "row_total"]
-
-STEP_TEMPORARIES = {"adam": 1, "adamw": 1, "sgd_momentum": 1, "sgd": 1}  # per trainable byte, in optimizer.step()
 
 
 @dataclass(frozen=True)
@@ -62,10 +61,11 @@ class MemorySpec:
 
     mode: str = "inference"
     optimizer: str | int | None = None
+    settings: OptimizerSettings | None = None  # given as settings (a mapping or a torch optimizer); else by name
 
     @classmethod
-    def coerce(cls, mode: str = "inference", optimizer: str | int | None = None) -> MemorySpec:
-        """Validate ``mode`` and ``optimizer``; training defaults to ``"adam"``.
+    def coerce(cls, mode: str = "inference", optimizer: Any = None) -> MemorySpec:
+        """Validate ``mode`` and ``optimizer`` (:mod:`fxsplit.optimizer`); training defaults to ``"adam"``.
 
         Raises:
             SpecError: an unknown mode or optimizer, or an optimizer outside training.
@@ -73,21 +73,19 @@ class MemorySpec:
         if mode not in MODES:
             raise SpecError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
         if optimizer is not None and mode != "training":
+            shown = optimizer if isinstance(optimizer, (str, int, Mapping)) else type(optimizer).__name__
             raise SpecError(
-                f"optimizer={optimizer!r} only counts with mode='training' (got mode={mode!r}); "
+                f"optimizer={shown!r} only counts with mode='training' (got mode={mode!r}); "
                 "pass mode='training' or drop the optimizer"
             )
         if isinstance(optimizer, bool) or (isinstance(optimizer, int) and optimizer < 0):
             raise SpecError(f"optimizer bytes per parameter element must be an int >= 0 (got {optimizer!r})")
-        if isinstance(optimizer, str) and optimizer.lower() not in OPTIMIZERS:
-            raise SpecError(
-                f"optimizer must be one of {', '.join(OPTIMIZERS)} or bytes per parameter element (got {optimizer!r})"
-            )
-        if optimizer is not None and not isinstance(optimizer, (str, int)):
-            raise SpecError(f"optimizer must be a name or an int (got {type(optimizer).__name__})")
         if mode == "training" and optimizer is None:
             optimizer = "adam"
-        return cls(mode, optimizer.lower() if isinstance(optimizer, str) else optimizer)
+        if optimizer is None or isinstance(optimizer, int):
+            return cls(mode, optimizer)
+        settings = OptimizerSettings.coerce(optimizer)
+        return cls(mode, settings.name, None if isinstance(optimizer, str) else settings)
 
     @property
     def training(self) -> bool:
@@ -97,29 +95,34 @@ class MemorySpec:
     def counts_activations(self) -> bool:
         return self.mode != "weights"
 
-    def step_bytes(self, trainable: int) -> int:
-        """Temporaries of ``optimizer.step()`` on a device whose trainable parameters take ``trainable`` bytes:
-        one tensor per parameter for Adam / AdamW (``torch._foreach_sqrt`` of the second moments, in the
-        ``foreach`` step torch uses on CUDA; ``foreach=False`` makes two of the largest parameter at most, and
-        ``fused=True`` none); one for SGD too, what its ``foreach`` step makes when ``weight_decay`` is set (the
-        gradients plus the decay, as new tensors; none without it, but the plan cannot see the optimizer's
-        settings, so it counts them); none for an optimizer given as bytes per element."""
+    def step_bytes(self, trainable: int, sizes: Sequence[int] = (), device_types: Iterable[str] = ("cuda",)) -> int:
+        """Temporaries of ``optimizer.step()`` on a device whose trainable parameters take ``trainable`` bytes,
+        ``sizes`` each, when the optimizer's parameters are on devices of ``device_types`` (what torch's default
+        step depends on): :meth:`OptimizerSettings.step_bytes`; none for an optimizer given as bytes per
+        element."""
         if not self.training or not isinstance(self.optimizer, str):
             return 0
-        return STEP_TEMPORARIES[self.optimizer] * trainable
+        settings = self.optimizer_settings
+        return settings.step_bytes(settings.implementation_on(device_types), trainable=trainable, sizes=sizes)
+
+    @property
+    def optimizer_settings(self) -> OptimizerSettings:
+        """The optimizer's settings: as given, or those its name stands for."""
+        assert isinstance(self.optimizer, str)
+        return self.settings or OptimizerSettings.coerce(self.optimizer)
 
     def optimizer_bytes(self, nbytes: int, numel: int) -> int:
         """Optimizer state of one trainable parameter of ``nbytes`` bytes and ``numel`` elements."""
         if not self.training or self.optimizer is None:
             return 0
         if isinstance(self.optimizer, str):
-            return OPTIMIZERS[self.optimizer] * nbytes
+            return self.optimizer_settings.state_tensors * nbytes
         return self.optimizer * numel
 
     def describe(self) -> str:
         if not self.training:
             return f"mode={self.mode!r}"
-        return f"mode='training', optimizer={self.optimizer!r}"
+        return f"mode='training', optimizer={self.settings.given if self.settings else repr(self.optimizer)}"
 
     def holds(self) -> str:
         """What a device's budget must hold under this mode, in words."""
@@ -216,6 +219,7 @@ class MemoryModel:
             device = homes[weight.names[0]]
             row = found.get(device) or found.setdefault(device, dict.fromkeys(COMPONENTS[:4], 0))
             row["buffers" if weight.is_buffer else "params"] += weight.nbytes
+        stepped: dict[str, list[int]] = {}  # device -> the gradient bytes of each tensor stepped there
         if self.spec.training:  # outside training a weight has no gradient nor optimizer state
             weights = self.costs.weights
             read = {w.names[0] for w, index in zip(weights, self.costs.weight_values, strict=True) if index >= 0}
@@ -225,6 +229,8 @@ class MemoryModel:
                     grads, state = self.state_bytes(weight.names[0], weight.nbytes)
                     row["grads"] += grads
                     row["optimizer"] += state
+                    if grads:
+                        stepped.setdefault(homes[weight.names[0]], []).append(grads)
         if plan.replicas:
             kinds = {w.names[0]: w.is_buffer for w in self.costs.weights}
             for name, replica in plan.replicas.items():  # a replica is charged on every device that holds it
@@ -236,11 +242,15 @@ class MemoryModel:
             for device, row in found.items():
                 row["stage_copies"] = sum(charged for charged, _ in held.get(device, {}).values())
         if self.spec.training:  # every gradient the device holds, its copies' too, is stepped there
+            for device, copies in held.items():
+                stepped.setdefault(device, []).extend(grads for _, grads in copies.values() if grads)
+            every = {device.partition(":")[0] for device in stepped}  # one optimizer over the split's parameters
             for device, row in found.items():
-                copied = sum(grads for _, grads in held.get(device, {}).values())
+                sizes = stepped.get(device, [])
+                types = {device.partition(":")[0]} if self.processes else every  # or one per stage's process
                 outputs = self._outputs_at_step() if device == plan.output_device else 0
                 outputs += self._received_buffers(plan, device)
-                row["optimizer_step"] = self.spec.step_bytes(row["grads"] + copied) + outputs
+                row["optimizer_step"] = self.spec.step_bytes(sum(sizes), sizes, types) + outputs
         if self.profile is not None:
             peaks = self.activation_peaks(plan)
             for device, row in found.items():

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 from fxsplit.errors import SpecError
 from fxsplit.hardware import Hardware
+from fxsplit.optimizer import OptimizerSettings
 from fxsplit.options import DYNAMIC_SHAPES, MODES, OBJECTIVES, OPTIMIZERS, TRACE_MODES, PipelineConfig
 from fxsplit.reserve import parse_headroom
 from fxsplit.spec.dtype import DTYPES
@@ -124,10 +125,14 @@ def _validate(
     mode = check.choice(data["mode"], MODES, ("mode",)) if "mode" in data else None
     optimizer = data.get("optimizer")
     if optimizer is not None:
-        if isinstance(optimizer, bool) or not isinstance(optimizer, (str, int)):
+        if isinstance(optimizer, dict):  # settings: {name: adamw, fused: true}
+            valid = check.attempt(("optimizer",), partial(OptimizerSettings.coerce, optimizer))
+            optimizer = optimizer if valid else None
+        elif isinstance(optimizer, bool) or not isinstance(optimizer, (str, int)):
             check.problem(
                 ("optimizer",),
-                f"must be one of {', '.join(OPTIMIZERS)} or bytes per parameter element (got {_short(optimizer)})",
+                f"must be one of {', '.join(OPTIMIZERS)}, settings ({{name: adamw, fused: true}}) or bytes per "
+                f"parameter element (got {_short(optimizer)})",
             )
             optimizer = None
         elif isinstance(optimizer, str):

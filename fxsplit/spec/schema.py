@@ -60,7 +60,8 @@ class Spec:
         pipeline: micro-batch pipelining (``{chunks: 4, checkpoint: except_last}``), or None.
         contiguous: keep each device's ops one consecutive run, in device order (None: the default, False).
         mode: what the budgets must hold: ``"inference"``, ``"training"`` or ``"weights"``.
-        optimizer: optimizer state counted in training (``"adam"``, ``"sgd"``, ... or bytes per parameter).
+        optimizer: the optimizer counted in training (``"adam"``, ``"sgd"``, ..., settings such as
+            ``{name: adamw, fused: true}``, or bytes per parameter).
         dynamic_shapes: input sizes a torch.export split keeps variable: ``"batch"`` or ``"all"``.
         offload: where weights the devices cannot hold are stored (``{host: 16GiB, disk: 100GiB,
             dir: offload/}``), or None. A relative ``dir`` in a spec file is relative to the file's folder.
@@ -87,7 +88,7 @@ class Spec:
     pipeline: PipelineConfig | None = None
     contiguous: bool | None = None
     mode: str | None = None
-    optimizer: str | int | None = None
+    optimizer: str | int | dict[str, Any] | None = None
     dynamic_shapes: str | None = None
     offload: Offload | None = None
     hardware: Hardware | None = None
