@@ -51,7 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     overrides.add_argument(
         "--mode", choices=MODES, help="what the budgets hold (default inference: weights and activations)"
     )
-    overrides.add_argument("--optimizer", help="optimizer state counted with --mode training (adam, sgd, ...)")
+    overrides.add_argument(
+        "--optimizer",
+        type=_optimizer,
+        help="the optimizer counted with --mode training: adam, sgd, ..., settings such as "
+        "'{name: adamw, fused: true}', or bytes of state per parameter element",
+    )
     overrides.add_argument(
         "--dynamic-shapes", choices=DYNAMIC_SHAPES, help="input sizes a torch.export split keeps variable"
     )
@@ -141,6 +146,23 @@ def _budgets(pairs: Sequence[str]) -> dict[str, str] | None:
             )
         budgets[device] = size
     return budgets
+
+
+def _optimizer(text: str) -> Any:
+    """``--optimizer``: a name, bytes per parameter element (digits), or settings (a YAML flow mapping)."""
+    if text.strip().isdigit():
+        return int(text)
+    if text.lstrip().startswith("{"):
+        import yaml
+
+        try:
+            settings = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise argparse.ArgumentTypeError(f"not a mapping of settings: {error}") from None
+        if not isinstance(settings, dict):
+            raise argparse.ArgumentTypeError(f"not a mapping of settings: {text!r}")
+        return settings
+    return text
 
 
 def _options(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:

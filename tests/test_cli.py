@@ -219,6 +219,23 @@ def test_memory_mode_and_dynamic_shapes_flags_override_the_spec(tmp_path: Path) 
     assert code == 2 and "only counts with mode='training'" in err
 
 
+def test_the_optimizer_flag_takes_a_name_bytes_per_element_or_settings(tmp_path: Path) -> None:
+    rows = {}
+    for given in ("sgd", "0", "{name: sgd, weight_decay: 0}"):
+        target = tmp_path / "plan.yaml"
+        code, _, err = run(
+            "plan", MODEL, "--budget", "cpu:0=64MiB", "--mode", "training", "--optimizer", given, "-o", str(target)
+        )
+        assert code == 0, err
+        rows[given] = fxsplit.Plan.from_yaml(target.read_text()).memory["cpu:0"]
+    assert rows["sgd"]["optimizer"] == rows["0"]["optimizer"] == 0  # SGD without momentum keeps no state
+    outputs = rows["0"]["optimizer_step"]  # bytes per element: no step temporaries, only the outputs held
+    assert rows["{name: sgd, weight_decay: 0}"]["optimizer_step"] == outputs  # no decay: none either
+    assert rows["sgd"]["optimizer_step"] > outputs  # a name counts the decay as set
+    code, _, err = run("plan", MODEL, "--budget", "cpu:0=64MiB", "--mode", "training", "--optimizer", "{name: lion}")
+    assert code == 2 and "need 'name', one of adam, adamw, sgd_momentum, sgd" in err
+
+
 def test_a_reader_that_stops_early_is_not_an_error() -> None:
     # `fxsplit code ... | head -1`: the pipe closes while fxsplit still writes: exit 0, nothing on stderr
     class ClosedPipe(io.StringIO):
