@@ -12,8 +12,9 @@ settings: a mapping (``{"name": "adamw", "fused": True}``, in Python or a spec) 
   ``maximize`` (none otherwise); the ``for-loop`` step (torch's default on CPU, or when parameters are on
   more than one kind of device), a few tensors the size of the largest parameter: Adam two, three with
   ``maximize`` or a coupled ``weight_decay`` (Adam's, not AdamW's); SGD one for each of ``weight_decay``,
-  ``nesterov`` and ``maximize``, two at most. With ``maximize`` the for-loop step also keeps the previous
-  parameter's negated gradient a moment longer: one more tensor, the second largest at most.
+  ``nesterov`` and ``maximize``, two at most (with ``maximize``, at least the largest plus the second largest:
+  the previous parameter's gradient being alive when the next is negated). Adam's for-loop step also keeps the
+  previous parameter's denominator until the next one is made: one more tensor, the second largest at most.
 
 These counts were measured with torch 2.13 around ``optimizer.step()`` (``tests/test_optimizer_memory.py``
 checks every combination against the rows). A name alone cannot say whether weight decay is set, so it
@@ -23,7 +24,7 @@ counts it as set (an upper bound: ``"sgd"`` counts one temporary per trainable b
 >>> settings.state_tensors, settings.step_bytes("fused", trainable=4000, sizes=[3000, 1000])
 (2, 0)
 >>> OptimizerSettings.coerce("adam").step_bytes("for-loop", trainable=4000, sizes=[3000, 1000])
-9000
+10000
 """
 
 from __future__ import annotations
@@ -92,15 +93,17 @@ class OptimizerSettings:
             if self.kind == "sgd":
                 return trainable if (self.weight_decay or self.maximize) else 0
             return trainable
-        if self.kind == "sgd":
-            tensors = min(2, int(self.weight_decay) + int(self.nesterov) + int(self.maximize))
-        else:
-            tensors = 3 if self.maximize or (self.kind == "adam" and self.weight_decay) else 2
         largest = sorted(sizes, reverse=True)[:2]
-        held = tensors * largest[0] if largest else 0
-        if self.maximize and len(largest) > 1:  # the previous parameter's negated gradient, still referenced
-            held += largest[1]
-        return held
+        if not largest:
+            return 0
+        second = largest[1] if len(largest) > 1 else 0
+        if self.kind == "sgd":  # each new gradient is made while the one before it is alive: two at most
+            held = min(2, int(self.weight_decay) + int(self.nesterov) + int(self.maximize)) * largest[0]
+            if self.maximize and (self.nesterov or not self.momentum):  # -grad is made while the previous
+                held = max(held, largest[0] + second)  # parameter's last gradient is still referenced
+            return held
+        tensors = 3 if self.maximize or (self.kind == "adam" and self.weight_decay) else 2
+        return tensors * largest[0] + second  # the previous parameter's denominator is referenced until the next
 
     @classmethod
     def coerce(cls, optimizer: Any) -> OptimizerSettings:
