@@ -33,12 +33,13 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from fxsplit.errors import SpecError
+from fxsplit.options import OPTIMIZERS
 
 __all__ = ["FOREACH_DEVICE_TYPES", "IMPLEMENTATIONS", "OptimizerSettings"]
 
 IMPLEMENTATIONS = ("foreach", "for-loop", "fused")
 FOREACH_DEVICE_TYPES = ("cuda", "xpu", "mtia", "privateuseone")  # torch's foreach kernels: its default there
-_NAMES = ("adam", "adamw", "sgd_momentum", "sgd")  # as fxsplit.options.OPTIMIZERS
+_NAMES = tuple(OPTIMIZERS)
 _SETTINGS = ("name", "momentum", "weight_decay", "nesterov", "amsgrad", "maximize", "foreach", "fused")
 
 

@@ -104,6 +104,12 @@ def test_a_name_counts_torchs_default_step_on_the_devices_planned_for() -> None:
     assert mixed.memory["cuda:0"]["optimizer_step"] == 3 * LARGEST + 128 * 8 * 4 + outputs  # its own second largest
 
 
+def test_each_name_keeps_the_state_options_lists_for_it() -> None:
+    from fxsplit.options import OPTIMIZERS
+
+    assert {name: OptimizerSettings.coerce(name).state_tensors for name in OPTIMIZERS} == OPTIMIZERS
+
+
 def test_settings_from_a_mapping_a_spec_and_the_optimizer_agree() -> None:
     model, x = _model(), torch.randn(16, 64)
     given = {"name": "adamw", "amsgrad": True, "fused": True}
