@@ -228,6 +228,8 @@ def _trace_and_plan(
         made = fit_or_offload(memory, device_budgets, solve, Offload.coerce(options.offload), traced.graph_module)
         if options.replicate and objective == "min_transfer" and not options.pipeline:  # replicas, if they pay
             made = try_replicas(made, memory, device_budgets, traced.graph_module, problem, solver)
+    if made.memory:  # what the rows count, in words: the mode, the optimizer and its step
+        made = dataclasses.replace(made, memory_counts=memory.counts(made))
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
     made = record_origin(made, model, dtype, leaves, dynamic, traced.graph_module)
     if uncounted is not None:

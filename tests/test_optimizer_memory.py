@@ -162,3 +162,19 @@ def test_a_budget_error_names_the_optimizer_as_given() -> None:
             mode="training",
             optimizer={"name": "sgd", "momentum": 0.9},
         )
+
+
+def test_a_plan_says_which_optimizer_and_step_its_rows_count() -> None:
+    """``plan.memory_counts``: in the plan file and under the memory table, so that a saved plan says what its
+    rows assumed."""
+    model, x = _model(), torch.randn(16, 64)
+    budgets = {"cuda:0": "1MiB", "cuda:1": "1MiB"}
+    fused = fxsplit.plan(
+        model, budgets, example_inputs=(x,), mode="training", optimizer={"name": "adamw", "fused": True}
+    )
+    assert fused.memory_counts == "mode='training', optimizer={'name': 'adamw', 'fused': True}, fused step"
+    named = fxsplit.plan(model, {"cpu:0": "1MiB"}, example_inputs=(x,), mode="training", optimizer="sgd_momentum")
+    assert named.memory_counts == "mode='training', optimizer='sgd_momentum', for-loop step"
+    assert str(named).splitlines()[-1] == "counted for mode='training', optimizer='sgd_momentum', for-loop step"
+    assert fxsplit.Plan.from_yaml(named.to_yaml()).memory_counts == named.memory_counts
+    assert fxsplit.plan(model, {"cpu:0": "1MiB"}, example_inputs=(x,)).memory_counts == "mode='inference'"

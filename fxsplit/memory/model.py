@@ -259,6 +259,17 @@ class MemoryModel:
             row["total"] = row_total(row)
         return found
 
+    def counts(self, plan: Plan) -> str:
+        """What ``plan``'s memory rows count, in words: the mode, and in training the optimizer and its step."""
+        text = self.spec.describe()
+        if self.spec.training and isinstance(self.spec.optimizer, str):
+            settings = self.spec.optimizer_settings
+            stepped = [d for d, row in plan.memory.items() if row.get("grads") or row.get("stage_copies")]
+            every = {d.partition(":")[0] for d in stepped}  # as usage(): one optimizer, or one per stage's process
+            ways = {settings.implementation_on({d.partition(":")[0]} if self.processes else every) for d in stepped}
+            text += "".join(f", {way} step" for way in sorted(ways))
+        return text
+
     def charged_loads(self, plan: Plan) -> dict[str, int]:
         """Device -> the bytes the partitioner charged it for ``plan``'s placement (each stage's own copies of the
         weights it reads included, for stages run one per process)."""

@@ -136,6 +136,9 @@ class Plan:
             (and, without sizes, cut bytes) although its memory mode does,
             e.g. ``"no example_inputs, so the graph has no sizes"``; None
             when they are counted or the mode does not count them.
+        memory_counts: what ``memory`` counts, in words: the mode and, in training, the optimizer and the step
+            torch runs for it (``"mode='training', optimizer='adamw', for-loop step"``); None in plan files
+            made before it was recorded.
     """
 
     devices: tuple[str, ...]
@@ -164,6 +167,7 @@ class Plan:
     mutated: dict[str, int] = field(default_factory=dict)
     timing: dict[str, Any] = field(default_factory=dict)
     replicas: dict[str, Replica] = field(default_factory=dict)
+    memory_counts: str | None = None
 
     def holders(self, name: str) -> tuple[str, ...]:
         """The devices that hold tensor ``name`` (canonical name): its home, then its replicas' devices."""
@@ -231,6 +235,7 @@ class Plan:
             "mutated": dict(self.mutated),
             "timing": dict(self.timing),
             "replicas": {n: {"devices": list(r.devices), "nbytes": r.nbytes} for n, r in self.replicas.items()},
+            "memory_counts": self.memory_counts,
         }
 
     @classmethod
@@ -263,6 +268,7 @@ class Plan:
             mutated=dict(data.get("mutated", {})),
             timing=dict(data.get("timing", {})),
             replicas={n: Replica(tuple(r["devices"]), int(r["nbytes"])) for n, r in data.get("replicas", {}).items()},
+            memory_counts=data.get("memory_counts"),
         )
 
     def to_yaml(self) -> str:

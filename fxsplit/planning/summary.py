@@ -96,4 +96,6 @@ def memory_table(plan: Plan) -> list[str]:
             "at step: optimizer.step()'s temporaries and the outputs still held; a total counts the larger of it and "
             "the activations"
         )
+        if plan.memory_counts:
+            lines.append(f"counted for {plan.memory_counts}")
     return lines

@@ -124,6 +124,7 @@ def plan_to_yaml(plan: Plan) -> str:
             if plan.activations_not_counted is not None
             else []
         ),
+        *([f"memory_counts: {k(plan.memory_counts)}"] if plan.memory_counts is not None else []),
         "devices:",
     ]
     for device in plan.devices:
@@ -310,6 +311,7 @@ class _Reader:
             "activations_not_counted": self.optional(
                 data, "activations_not_counted", lambda v: v is None or _is_str(v), "a reason (text) or null"
             ),
+            "memory_counts": self.optional(data, "memory_counts", lambda v: v is None or _is_str(v), "text or null"),
             "streamed": dict(self.optional(data, "streamed", lambda v: _is_map(v, _is_str), "name -> tier") or {}),
             "offload": dict(self.optional(data, "offload", _is_offload, "{host, disk, dir, prefetch}") or {}),
             "mutated": dict(self.optional(data, "mutated", lambda v: _is_map(v, _is_int), "name -> bytes") or {}),
