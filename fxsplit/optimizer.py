@@ -35,7 +35,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from fxsplit.errors import SpecError
 from fxsplit.options import OPTIMIZERS
 
-__all__ = ["FOREACH_DEVICE_TYPES", "IMPLEMENTATIONS", "OptimizerSettings"]
+__all__ = ["FOREACH_DEVICE_TYPES", "IMPLEMENTATIONS", "OptimizerSettings", "step_types"]
 
 IMPLEMENTATIONS = ("foreach", "for-loop", "fused")
 FOREACH_DEVICE_TYPES = ("cuda", "xpu", "mtia", "privateuseone")  # torch's foreach kernels: its default there
@@ -214,3 +214,10 @@ def _from_optimizer(optimizer: Any) -> OptimizerSettings:
         implementation=_most_memory(ways),
         given=f"torch.optim.{type(optimizer).__name__}",
     )
+
+
+def step_types(device: str, stepped: Iterable[str], per_process: bool) -> set[str]:
+    """The device types torch's default step looks at for ``device``'s parameters (:meth:`OptimizerSettings.
+    implementation_on`): its own when each stage runs in a process of its own, else those of every device in
+    ``stepped`` (one optimizer over the split's parameters)."""
+    return {device.partition(":")[0]} if per_process else {d.partition(":")[0] for d in stepped}

@@ -10,11 +10,9 @@ Three modes (the ``mode`` option of :func:`fxsplit.fxsplit` and :func:`fxsplit.p
   saves for backward, at the peak of forward and backward.
 * ``"weights"``: parameters and buffers only (budget activations yourself).
 
-``optimizer`` (training only) names the state kept per parameter, each
-tensor the size of the parameter: ``"adam"`` / ``"adamw"`` (default: two,
-``exp_avg`` and ``exp_avg_sq``), ``"sgd_momentum"`` (one), ``"sgd"``
-(none); or an int, the bytes of state per parameter *element* (e.g. ``8``
-for Adam on float32 weights, ``2`` for an 8-bit Adam).
+``optimizer`` (training only): a name or the optimizer's settings (:mod:`fxsplit.optimizer`: its state and
+what its step makes), or an int, the bytes of state per parameter *element* (``8`` for Adam on float32
+weights, ``2`` for an 8-bit Adam).
 
 Activations need shapes: example inputs (real or meta tensors). Without
 them only the weights (and, in training, gradients and optimizer state)
@@ -38,7 +36,7 @@ from fxsplit.errors import BudgetError, SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.memory.lifetimes import ActivationProfile, planning_loads, simulate
 from fxsplit.memory.wording import COMPONENTS, KEPT, TRANSIENT, advice, first_over, listing, summed
-from fxsplit.optimizer import OptimizerSettings
+from fxsplit.optimizer import OptimizerSettings, step_types
 from fxsplit.options import MODES, OPTIMIZERS
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.refine import device_loads
@@ -244,10 +242,9 @@ class MemoryModel:
         if self.spec.training:  # every gradient the device holds, its copies' too, is stepped there
             for device, copies in held.items():
                 stepped.setdefault(device, []).extend(grads for _, grads in copies.values() if grads)
-            every = {device.partition(":")[0] for device in stepped}  # one optimizer over the split's parameters
             for device, row in found.items():
                 sizes = stepped.get(device, [])
-                types = {device.partition(":")[0]} if self.processes else every  # or one per stage's process
+                types = step_types(device, stepped, self.processes)
                 outputs = self._outputs_at_step() if device == plan.output_device else 0
                 outputs += self._received_buffers(plan, device)
                 row["optimizer_step"] = self.spec.step_bytes(sum(sizes), sizes, types) + outputs
@@ -264,9 +261,11 @@ class MemoryModel:
         text = self.spec.describe()
         if self.spec.training and isinstance(self.spec.optimizer, str):
             settings = self.spec.optimizer_settings
-            stepped = [d for d, row in plan.memory.items() if row.get("grads") or row.get("stage_copies")]
-            every = {d.partition(":")[0] for d in stepped}  # as usage(): one optimizer, or one per stage's process
-            ways = {settings.implementation_on({d.partition(":")[0]} if self.processes else every) for d in stepped}
+            held = self.stage_copy_bytes(plan) if self.processes else {}
+            stepped = [
+                d for d, row in plan.memory.items() if row["grads"] or any(g for _, g in held.get(d, {}).values())
+            ]
+            ways = {settings.implementation_on(step_types(d, stepped, self.processes)) for d in stepped}
             text += "".join(f", {way} step" for way in sorted(ways))
         return text
 
