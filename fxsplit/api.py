@@ -13,6 +13,7 @@ import torch.fx
 
 from fxsplit.check import verify_plan, verify_split
 from fxsplit.checkpoint import prepare, remember_non_persistent
+from fxsplit.checkpoint.cast import CastForLoad, warn_uncast
 from fxsplit.codegen.emitter import emit, move_weights
 from fxsplit.cost.build import GraphCosts, build_problem
 from fxsplit.cost.constraints import (
@@ -46,13 +47,7 @@ from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.dynamic import describe as describe_dynamic
-from fxsplit.validate import (
-    check_concrete_args,
-    device_option,
-    refuse_growing_state,
-    refuse_meta,
-    require_module,
-)
+from fxsplit.validate import check_concrete_args, device_option, refuse_growing_state, refuse_meta, require_module
 
 __all__ = ["Planned", "fxsplit", "plan", "trace_and_plan"]
 
@@ -69,10 +64,17 @@ class Planned:
 
 
 def trace_and_plan(
-    model: torch.nn.Module, budgets: Any, example_inputs: Any, raw: Mapping[str, Any], *, runnable: bool = False
+    model: torch.nn.Module,
+    budgets: Any,
+    example_inputs: Any,
+    raw: Mapping[str, Any],
+    *,
+    runnable: bool = False,
+    cast: Callable[[str | None], None] | None = None,
 ) -> Planned:
-    """Trace and plan; with ``runnable``, first refuse devices that cannot be used here (the split will run)."""
-    return _planned(model, budgets, example_inputs, raw, runnable, keep=lambda planned: planned)
+    """Trace and plan; with ``runnable``, first refuse devices that cannot be used here (the split will run);
+    ``cast`` is called with the plan's dtype just before tracing."""
+    return _planned(model, budgets, example_inputs, raw, runnable, keep=lambda planned: planned, cast=cast)
 
 
 _Kept = TypeVar("_Kept")
@@ -85,6 +87,7 @@ def _planned(
     raw: Mapping[str, Any],
     runnable: bool,
     keep: Callable[[Planned], _Kept],
+    cast: Callable[[str | None], None] | None = None,
 ) -> _Kept:
     """``keep`` of what :func:`trace_and_plan` makes.
 
@@ -94,7 +97,7 @@ def _planned(
     """
     with ExitStack() as planning:
         with one_walk():  # the model's tensors, walked once for the cost model, memory model and fingerprint
-            planned = _trace_and_plan(model, budgets, example_inputs, raw, runnable, planning)
+            planned = _trace_and_plan(model, budgets, example_inputs, raw, runnable, planning, cast)
         kept = keep(planned)
         del planned
     return kept
@@ -107,6 +110,7 @@ def _trace_and_plan(
     raw: Mapping[str, Any],
     runnable: bool,
     planning: ExitStack,
+    cast: Callable[[str | None], None] | None = None,
 ) -> Planned:
     require_module(model)
     explicit = set(raw) - {"spec"}
@@ -136,6 +140,8 @@ def _trace_and_plan(
     example_kwargs = options.example_kwargs
     if isinstance(options.pipeline, PipelineConfig):  # trace one micro-batch: export fixes shapes
         example_inputs, example_kwargs = first_microbatch(example_inputs, example_kwargs, options.pipeline.chunks)
+    if cast is not None:
+        cast(dtype)  # the model as the checkpoint will fill it, so that the graph is of that dtype
     traced = trace(
         model,
         example_inputs=example_inputs,
@@ -318,40 +324,29 @@ def fxsplit(
         example_inputs: a tuple of positional inputs (real or meta tensors).
             With them, ``torch.export`` traces the model and every cut knows its
             bytes; without, ``torch.fx.symbolic_trace`` does.
-        **options: ``example_kwargs`` (keyword inputs for tracing),
-            ``trace`` (``"auto"`` | ``"fx"`` | ``"export"``), ``leaf_modules``
-            (module types or qualified names fx must not trace into),
-            ``concrete_args``, ``output_device`` (default: the device of the
-            last op), ``objective`` (``"min_transfer"``, the
-            default, or ``"balanced"``), ``pins`` (module path or glob ->
-            device; pins that cannot be op pins but place every weight are
-            read as a ``device_map``), ``device_map`` (module or tensor name ->
-            device, as Accelerate writes it: the weights stay where it says,
-            the ops go where they copy least; see docs/ACCELERATE.md),
-            ``mode`` (``"inference"``, the default: parameters, buffers and
-            the activation peak of a forward; ``"training"``:
-            also gradients, ``optimizer`` state (``"adam"``, the default,
-            ``"adamw"``, ``"sgd_momentum"``, ``"sgd"`` or bytes per parameter
-            element) and what autograd saves; ``"weights"``: parameters and
-            buffers only; see :mod:`fxsplit.memory`), ``together`` (groups of
-            module patterns that must share a device), ``reserve`` (headroom
-            kept free: a size, ``"10%"`` of the budget, or a mapping device ->
-            either), ``dtype`` (plan as if floating tensors were
-            ``"bfloat16"``/``"float16"``/``"float32"``; the model is not cast,
-            cast it yourself before running), ``pipeline`` (a
-            :class:`~fxsplit.PipelineConfig`, or ``{"chunks": k, ...}``:
-            run micro-batches through the stages in
-            a pipeline; the model is then traced on one micro-batch of the
-            example inputs; implies ``contiguous=True``), ``contiguous``
-            (keep every device's ops one consecutive run of the graph, in
-            device order; by default single ops may then move out of order
-            where that copies fewer bytes, e.g. a tied head beside its
-            embedding) and ``spec`` (a :class:`~fxsplit.spec.Spec`, a spec file or YAML
-            text; its devices are the budgets when ``budgets`` is None, and
-            explicit keyword arguments override its fields). ``check=True``
-            verifies the invariants of the plan and of the generated graph
-            (:mod:`fxsplit.check`), raising :class:`~fxsplit.InvariantError` on a
-            violation; for debugging fxsplit.
+        **options: ``example_kwargs`` (keyword inputs for tracing), ``trace`` (``"auto"`` | ``"fx"`` |
+            ``"export"``), ``leaf_modules`` (module types or qualified names fx must not trace into),
+            ``concrete_args``, ``output_device`` (default: the device of the last op), ``objective``
+            (``"min_transfer"``, the default, or ``"balanced"``), ``pins`` (module path or glob -> device; pins
+            that cannot be op pins but place every weight are read as a ``device_map``), ``device_map`` (module
+            or tensor name -> device, as Accelerate writes it: the weights stay where it says, the ops go where
+            they copy least; see docs/ACCELERATE.md), ``mode`` (``"inference"``, the default: parameters,
+            buffers and the activation peak of a forward; ``"training"``: also gradients, ``optimizer`` state
+            (``"adam"``, the default, ``"adamw"``, ``"sgd_momentum"``, ``"sgd"`` or bytes per parameter element)
+            and what autograd saves; ``"weights"``: parameters and buffers only; see :mod:`fxsplit.memory`),
+            ``together`` (groups of module patterns that must share a device), ``reserve`` (headroom kept free:
+            a size, ``"10%"`` of the budget, or a mapping device -> either), ``dtype`` (plan as if floating
+            tensors were ``"bfloat16"``/``"float16"``/``"float32"``; the model is cast only when a
+            ``checkpoint`` fills it, else cast it yourself before splitting), ``pipeline`` (a
+            :class:`~fxsplit.PipelineConfig`, or ``{"chunks": k, ...}``: run micro-batches through the stages in
+            a pipeline; the model is then traced on one micro-batch of the example inputs; implies
+            ``contiguous=True``), ``contiguous`` (keep every device's ops one consecutive run of the graph, in
+            device order; by default single ops may then move out of order where that copies fewer bytes, e.g. a
+            tied head beside its embedding) and ``spec`` (a :class:`~fxsplit.spec.Spec`, a spec file or YAML
+            text; its devices are the budgets when ``budgets`` is None, and explicit keyword arguments override
+            its fields). ``check=True`` verifies the invariants of the plan and of the generated graph
+            (:mod:`fxsplit.check`), raising :class:`~fxsplit.InvariantError` on a violation; for debugging
+            fxsplit.
         checkpoint: load the weights from this checkpoint (safetensors or
             ``torch.save`` file, index ``.json``, or ``save_pretrained``
             directory) straight onto their planned devices, as the plan's
@@ -397,11 +392,13 @@ def fxsplit(
             return _2
     """
     loading = prepare(model, checkpoint, progress)  # checks the checkpoint before the (long) trace
-    with StageTimer(enabled=progress).stage("fxsplit: tracing and planning"):
-        planned = trace_and_plan(model, budgets, example_inputs, options, runnable=True)
-    with loading.onto(planned.plan, planned.traced.graph_module) as loaded:  # unloaded if what follows fails
+    with CastForLoad(model, checkpoint is not None) as cast:  # cast to the plan's dtype; undone if the call fails
+        with StageTimer(enabled=progress).stage("fxsplit: tracing and planning"):
+            planned = trace_and_plan(model, budgets, example_inputs, options, runnable=True, cast=cast)
+    with cast, loading.onto(planned.plan, planned.traced.graph_module) as loaded:  # undone if what follows fails
         if checkpoint is None:
             refuse_meta(model)
+            warn_uncast(model, planned.plan.dtype)
         moved = move_weights(
             planned.traced.graph_module, planned.plan, loaded.not_loaded(planned.costs.weights + planned.costs.unused)
         )

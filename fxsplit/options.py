@@ -357,7 +357,7 @@ class Options:
         reserve: headroom kept free on each device: a size, ``"10%"`` of the
             budget, or a mapping device -> either (read into :class:`Budgets`).
         dtype: plan as if floating tensors had this dtype (``"bfloat16"``,
-            ``torch.float16``, ...); the model is not cast. None: its own dtypes.
+            ``torch.float16``, ...); the model is cast only when a checkpoint fills it. None: its own dtypes.
         spec: a :class:`~fxsplit.spec.Spec`, a spec file or YAML text; its
             devices are the budgets when none are given, and explicit options
             override its fields.

@@ -140,6 +140,54 @@ def test_sharded_index_and_dtype_of_the_plan(tmp_path: Path) -> None:
     torch.testing.assert_close(out, reference.to(torch.bfloat16)(X.to(torch.bfloat16)))
 
 
+class DtypeMask(nn.Module):
+    """Adds a mask made at its weights' dtype, as Hugging Face models make attention masks: a trace bakes
+    the dtype it saw into the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 16)
+        self.fc2 = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.full((16,), 0.5, dtype=self.fc1.weight.dtype, device=x.device)
+        return self.fc2(self.fc1(x) + mask)
+
+
+@pytest.mark.parametrize("how", ["fxsplit", "apply", "load_checkpoint"])
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_checkpoint_loaded_as_the_plans_dtype_runs_the_graph_of_that_dtype(
+    tmp_path: Path, trace: str, how: str
+) -> None:
+    """With ``dtype=`` and a checkpoint, the model is cast before tracing, so the graph is the bf16 model's."""
+    reference = saved(DtypeMask, tmp_path / "model.safetensors").to(torch.bfloat16)
+    budgets, options = {"cpu:0": "700B", "cpu:1": "700B"}, {"trace": trace, "mode": "weights", "dtype": "bfloat16"}
+    model = on_meta(DtypeMask)
+    if how == "fxsplit":
+        split = fxsplit.fxsplit(model, budgets, example_inputs=(X,), checkpoint=tmp_path, **options)
+    elif how == "apply":
+        plan = fxsplit.plan(on_meta(DtypeMask), budgets, example_inputs=(X,), **options)
+        split = fxsplit.apply(model, plan, example_inputs=(X,), checkpoint=tmp_path)
+    else:
+        split = fxsplit.fxsplit(model, budgets, example_inputs=(X,), checkpoint=False, **options)
+        fxsplit.load_checkpoint(split, tmp_path)
+    assert len(split.meta["fxsplit_plan"].cuts) >= 1
+    assert {p.dtype for p in split.parameters()} == {torch.bfloat16}
+    x = X.to(torch.bfloat16)
+    out = split(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference(x))
+
+
+def test_a_failed_split_with_a_dtype_leaves_the_model_at_its_own_dtype(tmp_path: Path) -> None:
+    saved(DtypeMask, tmp_path / "model.safetensors")
+    model = on_meta(DtypeMask)
+    with pytest.raises(fxsplit.BudgetError):
+        fxsplit.fxsplit(model, {"cpu:0": "100B"}, example_inputs=(X,), dtype="bfloat16", checkpoint=tmp_path)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
 def test_apply_a_saved_plan_with_a_checkpoint(tmp_path: Path) -> None:
     reference = saved(two_layers, tmp_path / "model.safetensors")
     plan = fxsplit.plan(on_meta(two_layers), BUDGETS, example_inputs=(X,), mode="weights")

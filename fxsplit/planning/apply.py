@@ -24,6 +24,7 @@ import torch
 import torch.fx
 
 from fxsplit.checkpoint import prepare, remember_non_persistent
+from fxsplit.checkpoint.cast import CastForLoad, warn_uncast
 from fxsplit.codegen.emitter import check_input_writes, emit, move_weights
 from fxsplit.cost.build import GraphCosts, build_problem
 from fxsplit.cost.constraints import locator, resolve_leaf_modules
@@ -212,11 +213,14 @@ def apply(
         plan = dataclasses.replace(plan, offload={**plan.offload, "dir": os.fspath(offload_dir)})
     require_usable([*plan.devices, plan.output_device], plan.budgets)
     loading = prepare(model, checkpoint, progress)
-    with StageTimer(enabled=progress).stage("fxsplit: tracing and checking the plan"):
-        traced, costs, _ = checked_retrace(model, plan, example_inputs=example_inputs, **options)
-    with loading.onto(plan, traced.graph_module) as loaded:  # unloaded if what follows fails
+    with CastForLoad(model, checkpoint is not None) as cast:  # as the checkpoint fills it; undone if the call fails
+        cast(plan.dtype)
+        with StageTimer(enabled=progress).stage("fxsplit: tracing and checking the plan"):
+            traced, costs, _ = checked_retrace(model, plan, example_inputs=example_inputs, **options)
+    with cast, loading.onto(plan, traced.graph_module) as loaded:  # undone if what follows fails
         if checkpoint is None:
             refuse_meta(model)
+            warn_uncast(model, plan.dtype)
         moved = move_weights(traced.graph_module, plan, loaded.not_loaded(costs.weights + costs.unused))
         try:
             return remember_non_persistent(emit(traced.graph_module, plan), model)
