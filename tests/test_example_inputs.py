@@ -214,3 +214,36 @@ def test_plans_that_count_activations_or_need_not_say_nothing() -> None:
     for plan in (weights, counted):
         assert plan.activations_not_counted is None and "not counted" not in str(plan)
         assert "activations_not_counted" not in plan.to_yaml()
+
+
+class Flagged(nn.Module):
+    """A forward with a tensor keyword and a non-tensor one, like ``T5(ids, use_cache=..., decoder_input_ids=...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, y: Any = None, flag: bool = True, z: Any = None) -> torch.Tensor:
+        out = self.a(x) + y
+        return out * 2 if flag else out + z
+
+
+@pytest.mark.parametrize("order", ["constant first", "constant last", "constant between"])
+def test_constant_keyword_inputs_are_defaults_in_any_order(order: str) -> None:
+    """A non-tensor keyword input of an export trace is a default of the split, wherever it was passed."""
+    y, z = torch.randn(512, 64), torch.randn(512, 64)
+    kwargs = {
+        "constant first": {"flag": False, "y": y, "z": z},
+        "constant last": {"y": y, "z": z, "flag": False},
+        "constant between": {"y": y, "flag": False, "z": z},
+    }[order]
+    model = Flagged()
+    gm = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), example_kwargs=kwargs, trace="export", mode="weights")
+    parameters = inspect.signature(gm.forward).parameters
+    assert parameters["flag"].default is False
+    torch.testing.assert_close(gm(X, y=y, z=z), model(X, y=y, z=z, flag=False))
+    torch.testing.assert_close(gm(X, z=z, y=y, flag=False), model(X, y=y, z=z, flag=False))
+    if order == "constant last":  # trailing defaults: the keyword inputs stay positional too
+        torch.testing.assert_close(gm(X, y, z), model(X, y=y, z=z, flag=False))
+    else:  # a constant before a keyword without default: keyword-only, as they were passed when traced
+        assert all(parameters[name].kind is inspect.Parameter.KEYWORD_ONLY for name in kwargs)
