@@ -14,6 +14,7 @@ import torch.fx
 from fxsplit.check import verify_plan, verify_split
 from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.checkpoint.cast import CastForLoad, warn_uncast
+from fxsplit.checkpoint.unloaded import guard_meta_weights
 from fxsplit.codegen.emitter import emit, move_weights
 from fxsplit.cost.build import GraphCosts, build_problem
 from fxsplit.cost.constraints import (
@@ -403,11 +404,11 @@ def fxsplit(
             planned.traced.graph_module, planned.plan, loaded.not_loaded(planned.costs.weights + planned.costs.unused)
         )
         try:
-            split = remember_non_persistent(emit(planned.traced.graph_module, planned.plan), model)
+            split = guard_meta_weights(remember_non_persistent(emit(planned.traced.graph_module, planned.plan), model))
             if planned.options is not None and planned.options.check:
                 verify_split(split)
             if planned.options is not None and isinstance(planned.options.pipeline, PipelineConfig):
-                return remember_non_persistent(pipelined(split, planned.options.pipeline), model)
+                return guard_meta_weights(remember_non_persistent(pipelined(split, planned.options.pipeline), model))
             return split
         except BaseException:
             moved.undo()  # a failed call leaves the model as it was

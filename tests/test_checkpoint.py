@@ -206,9 +206,12 @@ def test_load_checkpoint_into_a_split_made_with_checkpoint_false(tmp_path: Path)
         fxsplit.fxsplit(model, BUDGETS, trace="fx", mode="weights")
     split = fxsplit.fxsplit(model, BUDGETS, trace="fx", mode="weights", checkpoint=False)
     assert split.get_parameter("fc1.weight").device.type == "meta"
+    with pytest.raises(fxsplit.CheckpointError, match=r"4 tensor\(s\) are on meta .*fxsplit.load_checkpoint"):
+        split(X)  # not loaded yet: said so, not a torch error from inside an op
     # fx copies the buffer into the split as a persistent one; the split remembers it is not in checkpoints
     fxsplit.load_checkpoint(split, tmp_path / "model.safetensors")
     torch.testing.assert_close(split(X), reference(X))
+    assert not split._forward_pre_hooks  # loaded: the check is gone
 
 
 def test_load_checkpoint_into_a_real_split_replaces_values_in_place(tmp_path: Path) -> None:

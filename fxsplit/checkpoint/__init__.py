@@ -6,6 +6,8 @@
 * :mod:`~fxsplit.checkpoint.empty`: build a model with its parameters on meta.
 * :mod:`~fxsplit.checkpoint.progress`: the progress bar while loading.
 * :mod:`~fxsplit.checkpoint.write`: write tensors to a safetensors file and map them back (disk offload).
+* :mod:`~fxsplit.checkpoint.cast`: cast a model to the plan's dtype before tracing, when a checkpoint fills it.
+* :mod:`~fxsplit.checkpoint.unloaded`: a split with weights still on meta refuses calls, saying how to load them.
 
 See docs/CHECKPOINTS.md.
 """

@@ -25,6 +25,7 @@ import torch.fx
 
 from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.checkpoint.cast import CastForLoad, warn_uncast
+from fxsplit.checkpoint.unloaded import guard_meta_weights
 from fxsplit.codegen.emitter import check_input_writes, emit, move_weights
 from fxsplit.cost.build import GraphCosts, build_problem
 from fxsplit.cost.constraints import locator, resolve_leaf_modules
@@ -223,7 +224,7 @@ def apply(
             warn_uncast(model, plan.dtype)
         moved = move_weights(traced.graph_module, plan, loaded.not_loaded(costs.weights + costs.unused))
         try:
-            return remember_non_persistent(emit(traced.graph_module, plan), model)
+            return guard_meta_weights(remember_non_persistent(emit(traced.graph_module, plan), model))
         except BaseException:
             moved.undo()  # a failed call leaves the model as it was
             raise
