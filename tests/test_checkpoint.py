@@ -27,6 +27,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 X = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
 BUDGETS = {"cpu:0": "1.5KiB", "cpu:1": "1.5KiB"}  # one Linear(16, 16) (1088 bytes) on each
+BUDGETS_TIED = {"cpu:0": "4KiB", "cpu:1": "4KiB"}  # helpers.Tied over two devices
 
 
 class WithTable(nn.Module):
@@ -109,6 +110,27 @@ def test_tied_weights_load_once_and_stay_tied(tmp_path: Path, fmt: str) -> None:
     assert model.head.weight is model.emb.weight
     assert split.get_parameter("head.weight") is model.emb.weight  # export keeps one name of a tied tensor
     assert_matches(split, model, reference, (ids,))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_a_checkpoint_whose_tied_names_disagree_is_refused(tmp_path: Path, fmt: str) -> None:
+    """The model holds one tensor for both names: a checkpoint with two different values is not loaded."""
+    state = {name: tensor.clone() for name, tensor in Tied().state_dict().items()}
+    state["head.weight"] = torch.randn_like(state["emb.weight"])  # not the embedding's
+    if fmt == "safetensors":
+        safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
+    else:
+        torch.save(state, tmp_path / "pytorch_model.bin")
+    model = on_meta(Tied)
+    ids = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(fxsplit.CheckpointError, match=r"tied: 'emb.weight' and 'head.weight' are one tensor"):
+        fxsplit.fxsplit(model, BUDGETS_TIED, example_inputs=(ids,), mode="weights", checkpoint=tmp_path)
+    assert model.head.weight is model.emb.weight and model.emb.weight.device.type == "meta"  # nothing loaded
+    state["head.weight"] = state["emb.weight"].clone()  # equal values under both names: loaded
+    (tmp_path / ("model.safetensors" if fmt == "safetensors" else "pytorch_model.bin")).unlink()
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    split = fxsplit.fxsplit(model, BUDGETS_TIED, example_inputs=(ids,), mode="weights", checkpoint=tmp_path)
+    torch.testing.assert_close(split.get_parameter("head.weight"), state["emb.weight"])
 
 
 def test_load_checkpoint_fills_a_tied_weight_the_split_holds_under_its_other_name(tmp_path: Path) -> None:

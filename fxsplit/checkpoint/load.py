@@ -192,6 +192,7 @@ def _load(
     found: list[Match], table: TableOfContents, plan: Plan, holders: list[torch.nn.Module], progress: bool | None
 ) -> Callable[[], None]:
     """Read every matched tensor onto its device (or into its offload storage), then commit; return the undo."""
+    _refuse_tied_conflicts(found, table)
     homes = [_home(m.slot, plan) for m in found]
     bar = Progress("loading checkpoint", items=len(found), nbytes=sum(m.entry.nbytes for m in found), enabled=progress)
     try:
@@ -207,6 +208,32 @@ def _load(
     finally:
         bar.close()
     return _commit(found, [loaded[i] for i in range(len(found))], holders)
+
+
+def _refuse_tied_conflicts(found: list[Match], table: TableOfContents) -> None:
+    """Raise when the checkpoint holds a tied tensor under several of its names with different values: the
+    model holds one tensor, so loading would keep one of them silently (the others read only here)."""
+    problems = []
+    for item in found:
+        present = [name for name in item.slot.names if name in table.entries]
+        if len(present) < 2:
+            continue
+        first = table.read(present[0])
+        for name in present[1:]:
+            other = table.read(name)
+            if other.shape != first.shape or not torch.equal(other.to(first.dtype), first):
+                problems.append(
+                    f"tied: '{present[0]}' and '{name}' are one tensor in the model but hold different values in "
+                    f"'{table.entries[name].file.name}'"
+                )
+    if problems:
+        raise CheckpointError(
+            "the checkpoint does not fit the model's tied weights; nothing was loaded:\n  "
+            + "\n  ".join(problems)
+            + "\nthe model can hold only one of each: untie them in the model to keep both (for Hugging Face "
+            "models, tie_word_embeddings=False in the config), or load a checkpoint saved from the tied model",
+            tuple(problems),
+        )
 
 
 def _home(slot: Slot, plan: Plan) -> str:
