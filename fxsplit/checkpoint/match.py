@@ -147,7 +147,8 @@ def _fixes(kinds: Counter[str], missing: list[str], unexpected: list[str]) -> li
     if kinds.get("meta buffer"):
         fixes.append(
             "fix for meta buffers: build the model inside fxsplit.empty_weights() (parameters on meta, "
-            "buffers computed for real) instead of torch.device('meta')"
+            "buffers computed for real) instead of torch.device('meta'); a buffer made on meta after the model "
+            "was built (a static KV cache allocated on the device of a meta model) must be made on a real device"
         )
     if kinds.get("shape") or kinds.get("missing") or kinds.get("unexpected"):
         fixes.append("check that the model was built from the checkpoint's own config")
