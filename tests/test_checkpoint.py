@@ -393,3 +393,26 @@ def test_a_legacy_torch_save_file_says_how_to_convert_it(tmp_path: Path) -> None
     torch.save(two_layers().state_dict(), tmp_path / "old.bin", _use_new_zipfile_serialization=False)
     with pytest.raises(fxsplit.CheckpointError, match="save it again with torch.save"):
         fxsplit.fxsplit(on_meta(two_layers), BUDGETS, trace="fx", mode="weights", checkpoint=tmp_path / "old.bin")
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_split_and_model_state_dicts_load_strictly_into_each_other(trace: str) -> None:
+    """A non-persistent buffer the split holds (a graph module's copy of it) stays out of its state dict."""
+    model = WithTable().eval()
+    split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace=trace, mode="weights")
+    assert "scale" not in model.state_dict()
+    assert set(split.state_dict()) == set(model.state_dict())
+    split.load_state_dict(model.state_dict())
+    model.load_state_dict(split.state_dict())
+    torch.testing.assert_close(split(X), model(X))
+
+
+def test_a_pipelines_state_dict_leaves_out_the_models_non_persistent_buffers() -> None:
+    model = WithTable().eval()
+    pipeline = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace="fx", mode="weights", pipeline={"chunks": 2})
+    assert sorted(pipeline.state_dict()) == [
+        "stages.0.fc1.bias",
+        "stages.0.fc1.weight",
+        "stages.1.fc2.bias",
+        "stages.1.fc2.weight",
+    ]

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch
 
+from fxsplit.attrpath import attr_at
 from fxsplit.checkpoint.empty import tensor_like
 from fxsplit.checkpoint.formats import TableOfContents, read_table
 from fxsplit.checkpoint.match import Match, Slot, match
@@ -51,8 +52,17 @@ def non_persistent_names(module: torch.nn.Module) -> frozenset[str]:
 
 
 def remember_non_persistent(split: Any, model: torch.nn.Module) -> Any:
-    """Record the model's non-persistent buffer names on ``split`` (a fx copy of a buffer forgets it); return it."""
-    split.meta[NON_PERSISTENT] = non_persistent_names(model)
+    """Record the model's non-persistent buffer names on ``split`` and keep those buffers out of its state
+    dict (a graph module's copy of a buffer forgets it), so that the two state dicts load strictly into
+    each other; return ``split``."""
+    names = non_persistent_names(model)
+    split.meta[NON_PERSISTENT] = names
+    for holder in [split, *getattr(split, "stages", ())]:  # a Pipeline's stages hold them under the model's names
+        for name in names:
+            path, _, leaf = name.rpartition(".")
+            owner = attr_at(holder, path, None) if path else holder
+            if isinstance(owner, torch.nn.Module) and owner._buffers.get(leaf) is not None:
+                owner._non_persistent_buffers_set.add(leaf)
     return split
 
 
