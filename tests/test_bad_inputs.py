@@ -72,6 +72,19 @@ def _alias_bomb(levels: int = 9, top: str = "devices") -> str:
     return "\n".join(lines) + "\n"
 
 
+class Returns(nn.Module):
+    """A model whose output torch.distributed.pipelining's last stage cannot return: a dict, or a number too."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = self.b(torch.relu(self.a(x)))
+        return {"y": y} if self.what == "dict" else (y, x.shape[0])
+
+
 @dataclass(frozen=True)
 class Case:
     """One bad call: ``call(model)`` must raise ``error`` whose message matches ``says`` (a regex)."""
@@ -234,6 +247,20 @@ API_CASES = [
         lambda m: fxsplit.pipeline_stages(m, BUDGETS, example_inputs=X, pipeline=2),
         Spec,
         r"chunks=",
+    ),
+    Case(
+        "pipeline-stages-dict-output",
+        lambda m: fxsplit.pipeline_stages(m, BUDGETS, example_inputs=X, chunks=2).build_stage(0),
+        Any_,
+        r"returns a dict, but torch.distributed.pipelining's last stage must return a tensor",
+        make=lambda: Returns("dict"),
+    ),
+    Case(
+        "pipeline-stages-number-output",
+        lambda m: fxsplit.pipeline_stages(m, BUDGETS, example_inputs=X, chunks=2, trace="fx").build_stage(1),
+        Any_,
+        r"returns 1 value\(s\) that are not tensors",
+        make=lambda: Returns("number"),
     ),
     Case(
         "apply-unknown-option",

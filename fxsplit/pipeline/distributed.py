@@ -130,6 +130,7 @@ class PipelineStages:
         """
         from torch.distributed.pipelining import PipelineStage
 
+        require_tensor_output(self.modules[-1])  # on every rank, before any waits for the last
         target = torch.device(device if device is not None else self.specs[index].device)
         module = self.modules[index].to(target)
         return PipelineStage(module, index, len(self), target, group=group)
@@ -357,3 +358,39 @@ def _replicas(
         paths.append(here)
     tied = {name: tuple(stages) for name, stages in holders.items() if len(stages) > 1}
     return dict(sorted(tied.items())), tuple(paths)
+
+
+def require_tensor_output(graph_module: torch.fx.GraphModule) -> None:
+    """Refuse a model whose output torch.distributed.pipelining's last stage cannot return: it takes a tensor
+    or a flat tuple or list of tensors (what the schedule hands to ``loss_fn``), not a dict, a Hugging Face
+    ``ModelOutput`` or a number; it would fail only in ``schedule.step``, on the last rank. (Stage modules
+    chained by hand may return anything.)"""
+    output = next(n for n in reversed(graph_module.graph.nodes) if n.op == "output")
+    value = output.args[0]
+    spec = getattr(getattr(graph_module.graph._codegen, "pytree_info", None), "out_spec", None)
+    containers = (tuple, list, dict)
+    if spec is not None and not spec.is_leaf():
+        flat = spec.type in (tuple, list) and all(child.is_leaf() for child in spec.children())
+        kind: type = spec.type
+    else:
+        kind = dict if isinstance(value, dict) else list if isinstance(value, list) else type(value)
+        flat = not isinstance(value, containers) or (
+            kind in (tuple, list) and not any(isinstance(v, containers) for v in value)
+        )
+    leaves = list(value) if isinstance(value, (tuple, list)) else [value]
+    numbers = [v for v in leaves if not isinstance(v, torch.fx.Node) or _not_tensor(v)]
+    if flat and not numbers:
+        return
+    what = f"a {kind.__name__}" if not flat else f"{len(numbers)} value(s) that are not tensors"
+    raise FxsplitError(
+        f"build_stage: the model returns {what}, but torch.distributed.pipelining's last stage must return "
+        "a tensor or a flat tuple or list of tensors (what the schedule passes to loss_fn); wrap the model so "
+        "that its forward returns the tensors the loss reads, e.g. `return self.model(ids, use_cache=False).logits`"
+        " for a Hugging Face model"
+    )
+
+
+def _not_tensor(node: torch.fx.Node) -> bool:
+    """Whether the traced value of ``node`` is known not to be a tensor (no recorded value: not known)."""
+    value = node.meta.get("val", node.meta.get("tensor_meta"))
+    return value is not None and not isinstance(value, torch.Tensor) and type(value).__name__ != "TensorMetadata"
