@@ -53,11 +53,22 @@ def test_gather_of_one_micro_batch_returns_its_values() -> None:
     assert merged[0] is y and merged[1] is loss
 
 
-def test_gather_refuses_integer_scalars_and_keeps_the_first_non_tensor() -> None:
+def test_gather_refuses_integer_scalars_and_numbers_that_differ_between_micro_batches() -> None:
     with pytest.raises(fxsplit.FxsplitError, match="output leaf 0 is a 0-dim torch.int64 tensor"):
         gather([torch.tensor(1), torch.tensor(2)], [1, 1])
-    merged = gather([(torch.ones(1, 2), 7), (torch.zeros(2, 2), 8)], [1, 2])
-    assert merged[0].shape == (3, 2) and merged[1] == 7
+    with pytest.raises(
+        fxsplit.FxsplitError, match=r"output leaf 1 is a number .* differs between micro-batches \(7, 8\)"
+    ):
+        gather([(torch.ones(1, 2), 7), (torch.zeros(2, 2), 8)], [1, 2])  # a loss.item(): no whole-batch value
+
+
+def test_gather_warns_for_a_number_that_may_depend_on_the_batch_and_keeps_other_values() -> None:
+    with pytest.warns(UserWarning, match=r"output leaf 1 is a number that is not a tensor \(2 in every micro-batch\)"):
+        merged = gather([(torch.ones(2, 2), 2, "label", None), (torch.zeros(2, 2), 2, "label", None)], [2, 2])
+    assert merged[0].shape == (4, 2) and merged[1:] == (2, "label", None)  # x.shape[0] of a micro-batch, not 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # strings, None and flags are not counts: nothing to warn about
+        assert gather([(torch.ones(1, 2), True, "a"), (torch.ones(1, 2), True, "a")], [1, 1])[1:] == (True, "a")
 
 
 def test_scatter_then_gather_is_the_batch_again() -> None:

@@ -10,8 +10,11 @@ Outputs, leaf by leaf over the output structure (tuples, dicts, Hugging Face
 ``ModelOutput`` ...): tensors with a dimension are concatenated along dim 0;
 floating 0-dim tensors (a loss computed inside the model) are averaged,
 weighted by rows, which equals the full-batch value only when the model
-averages over samples (a warning says so); other values come from the first
-micro-batch.
+averages over samples (a warning says so). A number that is not a tensor
+(``x.shape[0]``, ``loss.item()``) cannot be combined: one that differs between
+micro-batches is an error, one that does not comes from the first micro-batch
+with a warning (it may still depend on the batch, as a row count does); other
+values (strings, ``None``, flags) come from the first micro-batch.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ def gather(outputs: Sequence[Any], rows: Sequence[int]) -> Any:
     for index, values in enumerate(zip(*(leaves for leaves, _ in flat), strict=True)):
         head = values[0]
         if not isinstance(head, torch.Tensor):
-            merged.append(head)
+            merged.append(_same_value(index, values))
         elif len(values) == 1:
             merged.append(head)
         elif head.dim() > 0:
@@ -163,3 +166,24 @@ def first_microbatch(
         tuple(first[: len(args)]) if example_inputs is not None else None,
         dict(zip(kwargs, first[len(args) :], strict=True)) if example_kwargs else None,
     )
+
+
+def _same_value(index: int, values: Sequence[Any]) -> Any:
+    """The value of a non-tensor output leaf, the same in every micro-batch; raise or warn where it may not be
+    the whole batch's."""
+    head = values[0]
+    if len(values) == 1 or not isinstance(head, (int, float, complex)) or isinstance(head, bool):
+        return head
+    if any(v != head for v in values[1:]):
+        raise FxsplitError(
+            f"output leaf {index} is a number that is not a tensor and differs between micro-batches "
+            f"({', '.join(map(repr, values[:4]))}{', ...' if len(values) > 4 else ''}); pipelining cannot combine it "
+            "into the whole batch's value: return it as a tensor (with a batch dimension to concatenate, or 0-dim "
+            "to average), or compute it outside the model"
+        )
+    warnings.warn(
+        f"output leaf {index} is a number that is not a tensor ({head!r} in every micro-batch); pipelining returns "
+        "the first micro-batch's value, which is not the whole batch's if it depends on the batch (a row count)",
+        stacklevel=3,
+    )
+    return head
