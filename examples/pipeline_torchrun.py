@@ -63,14 +63,18 @@ def main() -> None:
     inputs = [torch.randint(0, 128, (16, 12)) for _ in range(args.steps)]
     batches = [(ids, (ids + 1) % 128) for ids in inputs]  # learn to predict the next token id
 
-    # Budgets from what the model needs on one device (weights, and a micro-batch's activations), shared out
+    # Budgets from what the model needs on one device (for training with SGD), shared out
     # with room to spare (each stage that reads the tied weight holds its own copy), yet so that every rank is needed.
     # The loop below takes the losses, not the outputs: return_outputs=False here and in schedule.step, so the last
     # stage keeps no micro-batch's logits and its budget need not hold them.
-    alone = fxsplit.plan(model, {f"{kind}:0": "1GiB"}, example_inputs=(batches[0][0],), pipeline={"chunks": chunks})
+    # mode="training": a budget holds the gradients, the optimizer's state and what autograd saves, too.
+    training = {"mode": "training", "optimizer": "sgd"}
+    alone = fxsplit.plan(
+        model, {f"{kind}:0": "1GiB"}, example_inputs=(batches[0][0],), pipeline={"chunks": chunks}, **training
+    )
     budgets = {f"{kind}:{i}": int(alone.memory[f"{kind}:0"]["total"] / world * 2.2) for i in range(world)}
     stages = fxsplit.pipeline_stages(
-        model, budgets, example_inputs=(batches[0][0],), chunks=chunks, return_outputs=False
+        model, budgets, example_inputs=(batches[0][0],), chunks=chunks, return_outputs=False, **training
     )
     if rank == 0:
         print(stages)  # the plan, tied weights as the stages hold them
