@@ -31,7 +31,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import checkpoint
 
-from fxsplit.errors import FxsplitError
+from fxsplit.errors import FxsplitError, FxsplitWarning
 from fxsplit.options import PipelineConfig
 from fxsplit.pipeline.batchstats import batch_stat_ops
 from fxsplit.pipeline.microbatch import gather, scatter
@@ -137,7 +137,7 @@ class Pipeline(torch.nn.Module):
         )
         if self.config.batch_stats == "error":
             raise FxsplitError(message)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(FxsplitWarning(message), stacklevel=5)  # the caller's line: forward, __call__ x2, caller
 
     def _check_rows(self, rows: list[int]) -> None:
         expected = self._traced_rows

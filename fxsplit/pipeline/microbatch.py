@@ -25,7 +25,7 @@ from typing import Any, Collection, Mapping, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from fxsplit.errors import FxsplitError, SpecError
+from fxsplit.errors import FxsplitError, FxsplitWarning, SpecError
 
 __all__ = ["first_microbatch", "gather", "scatter"]
 
@@ -123,7 +123,8 @@ def gather(outputs: Sequence[Any], rows: Sequence[int]) -> Any:
                 f"output leaf {index} is a 0-dim tensor (a loss computed in the model?); pipelining averages "
                 "it over micro-batches weighted by rows, which equals the full-batch value only when the model "
                 "averages over samples",
-                stacklevel=3,
+                FxsplitWarning,
+                stacklevel=5,  # the line that called the pipeline: gather, forward, __call__ x2
             )
             merged.append(sum(v * (n / total) for v, n in zip(values, rows, strict=True)))
         else:
@@ -184,6 +185,7 @@ def _same_value(index: int, values: Sequence[Any]) -> Any:
     warnings.warn(
         f"output leaf {index} is a number that is not a tensor ({head!r} in every micro-batch); pipelining returns "
         "the first micro-batch's value, which is not the whole batch's if it depends on the batch (a row count)",
-        stacklevel=3,
+        FxsplitWarning,
+        stacklevel=6,
     )
     return head
