@@ -35,7 +35,9 @@ EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory")
-    common.add_argument("--debug", action="store_true", help="show the traceback of errors")
+    common.add_argument(  # SUPPRESS: unset here leaves the top-level --debug as given
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of errors"
+    )
     common.add_argument(
         "--budget",
         action="append",
@@ -113,7 +115,9 @@ def _parser() -> argparse.ArgumentParser:
         help="print gm.code exactly (default: arranged for reading, one section per device)",
     )
     show = commands.add_parser("show", parents=[common, overrides], help="draw the split (needs graphviz)")
+    planning = tuple(action.dest for action in overrides._actions if action.dest != "help")
     for sub in (code, show):
+        sub.set_defaults(planning_flags=planning)  # what --plan cannot honour: checked in _planned
         source = sub.add_mutually_exclusive_group()  # or --budget alone: checked in _planned
         source.add_argument("--spec", help="plan from this spec (YAML)")
         source.add_argument("--plan", help="use this saved plan (YAML) without solving")
@@ -130,21 +134,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _budgets(pairs: Sequence[str]) -> dict[str, str] | None:
+def _budgets(pairs: Sequence[str]) -> dict[str | int, str] | None:
     if not pairs:
         return None
-    budgets: dict[str, str] = {}
+    budgets: dict[str | int, str] = {}
     for pair in pairs:
         device, equals, size = pair.partition("=")
         if not equals or not device or not size:
             raise FxsplitError(f"--budget {pair!r} must look like DEVICE=SIZE, e.g. cuda:0=20GiB")
         device = device.strip()
-        if device in budgets:
+        key: str | int = int(device) if device.isdigit() else device  # an int is a CUDA index, as in the API
+        if key in budgets:
             raise SpecError(
-                f"--budget names '{device}' twice ({device}={budgets[device]} and {pair}); give each "
+                f"--budget names '{device}' twice ({device}={budgets[key]} and {pair}); give each "
                 "device one --budget, in stage order"
             )
-        budgets[device] = size
+        budgets[key] = size
     return budgets
 
 
@@ -270,6 +275,13 @@ def _planned(args: argparse.Namespace, loaded: Any, progress: StageTimer) -> tup
                 f"fxsplit {args.command}: --budget plans anew, --plan uses a saved plan with its own "
                 "budgets; give one of them (fxsplit check --plan PLAN --budget ... checks a plan "
                 "against other budgets)"
+            )
+        given = [name for name in args.planning_flags if getattr(args, name, None) is not None]
+        if given:
+            flags = ", ".join("--" + ("no-replicate" if n == "replicate" else n.replace("_", "-")) for n in given)
+            raise FxsplitError(
+                f"fxsplit {args.command}: {flags} change how a plan is made, but --plan uses a saved plan as it "
+                "was made; drop them, or plan again with them (fxsplit plan ... -o plan.yaml)"
             )
         plan = _read_plan(args.plan)
         with progress.stage("tracing and checking"):

@@ -163,6 +163,12 @@ def test_show_writes_a_dot_file(tmp_path: Path) -> None:
         (("code", MODEL, "--plan", SPEC), "format: must be 'fxsplit-plan/1'"),
         (("show", MODEL, "--spec", SPEC, "-o", "split.gif"), "cannot tell the picture format"),
         (("plan", MODEL, "--spec", SPEC, "--budget", "gpu:0=1GiB"), "is not a device"),
+        (("plan", MODEL, "--budget", "0=1GiB", "--budget", "cuda:0=1GiB"), "budgets name device 'cuda:0' twice (as 0 and 'cuda:0')"),
+        (
+            ("code", MODEL, "--plan", SPEC, "--output-device", "cpu:0", "--dtype", "bf16", "--no-replicate"),
+            "--dtype, --output-device, --no-replicate change how a plan is made, but --plan uses a saved plan",
+        ),
+        (("show", MODEL, "--plan", SPEC, "-o", "x.dot", "--mode", "training"), "--mode change how a plan is made"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(args: tuple[str, ...], fragment: str) -> None:
@@ -170,6 +176,23 @@ def test_bad_input_exits_2_with_a_clear_message(args: tuple[str, ...], fragment:
     assert code == 2
     assert err.startswith("fxsplit: error: ") and fragment in err, err
     assert "Traceback" not in err
+
+
+def test_int_budget_devices_are_cuda_indices_as_in_the_api() -> None:
+    code, out, err = run("plan", MODEL, "--budget", "0=1MiB", "--budget", "1=1MiB")
+    assert code == 0, err
+    assert out.splitlines()[1].startswith("cuda:0 ") and "cuda:1 " in out
+
+
+def test_debug_before_the_command_shows_the_traceback_too() -> None:
+    for args in (
+        ("--debug", "plan", f"{MODEL[:-8]}:nope", "--budget", "cpu:0=1MiB"),
+        ("plan", f"{MODEL[:-8]}:nope", "--budget", "cpu:0=1MiB", "--debug"),
+    ):
+        code, _, err = run(*args)
+        assert code == 2 and "Traceback (most recent call last)" in err, args
+    code, _, err = run("plan", f"{MODEL[:-8]}:nope", "--budget", "cpu:0=1MiB")
+    assert code == 2 and "Traceback" not in err
 
 
 def test_argument_errors_exit_2() -> None:
