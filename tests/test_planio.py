@@ -286,6 +286,11 @@ def test_check_plan_validates_budgets_and_consistency() -> None:
     elsewhere = dataclasses.replace(plan, placement={**plan.placement, last_op: "cuda:7"})
     with pytest.raises(fxsplit.PlanMismatchError, match=f"'{last_op}' is placed on 'cuda:7', which is neither"):
         fxsplit.check_plan(model, elsewhere, example_inputs=(X,))
+    other = next(d for d in plan.devices if d != plan.output_device)
+    assert plan.output_device == plan.placement["output"]
+    moved_output = dataclasses.replace(plan, output_device=other)  # the output node still placed elsewhere
+    with pytest.raises(fxsplit.PlanMismatchError, match=f"output_device is '{other}' but placement puts the output"):
+        fxsplit.check_plan(model, moved_output, example_inputs=(X,))
 
 
 def test_plans_are_deterministic() -> None:

@@ -30,12 +30,12 @@ from fxsplit.codegen.emitter import check_input_writes, emit, move_weights
 from fxsplit.cost.build import GraphCosts, build_problem
 from fxsplit.cost.constraints import locator, resolve_leaf_modules
 from fxsplit.devices import require_usable
-from fxsplit.errors import BudgetError, FxsplitError, PlanMismatchError, SpecError
+from fxsplit.errors import FxsplitError, PlanMismatchError, SpecError
 from fxsplit.options import Budgets
-from fxsplit.planning.build import cuts_for
 from fxsplit.planning.fingerprint import describe, differences
-from fxsplit.planning.plan import Cut, Plan
-from fxsplit.planning.rules import budget_overruns, device_needs, validate_plan
+from fxsplit.planning.graphcheck import check_budgets, check_cuts, check_storage, listing
+from fxsplit.planning.plan import Plan
+from fxsplit.planning.rules import device_needs, validate_plan
 from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.dynamic import dynamic_shapes_for
@@ -44,20 +44,13 @@ from fxsplit.validate import check_concrete_args, check_option_types, refuse_met
 
 __all__ = ["PlanCheck", "apply", "check_plan", "checked_retrace", "retrace"]
 
-_SHOWN = 12
-
-
-def _listing(title: str, lines: list[str]) -> str:
-    shown = lines[:_SHOWN] + ([f"... and {len(lines) - _SHOWN} more"] if len(lines) > _SHOWN else [])
-    return title + "\n  " + "\n  ".join(shown)
-
 
 def _check_structure(model: torch.nn.Module, plan: Plan) -> None:
     found = differences(plan.tensors, plan.tied, model, dtype=plan.dtype)
     if found:
         ours = describe(model)[0]
         raise PlanMismatchError(
-            _listing(
+            listing(
                 f"the plan was made for another model (fingerprint {plan.fingerprint} in the plan, {ours} for this "
                 f"model); {len(found)} difference(s):",
                 found,
@@ -124,7 +117,7 @@ def retrace(
     costs = build_problem(traced.graph_module, model, device_index=index, dtype=dtype)
     missing = [n for w in [*costs.weights, *costs.unused] for n in w.names if n not in plan.param_devices]
     if missing:
-        raise PlanMismatchError(_listing("the plan does not say where these tensors of the graph go:", missing))
+        raise PlanMismatchError(listing("the plan does not say where these tensors of the graph go:", missing))
     return traced, costs
 
 
@@ -136,7 +129,7 @@ def _check_nodes(graph_module: torch.fx.GraphModule, plan: Plan) -> None:
         lines = [f"not in the plan: node '{n}'" for n in extra] + [f"not in the graph: node '{n}'" for n in missing]
         how = f"trace={plan.trace!r}" + (f", leaf_modules={list(plan.leaf_modules)}" if plan.leaf_modules else "")
         raise PlanMismatchError(
-            _listing(
+            listing(
                 f"the traced graph has {len(extra)} node(s) the plan does not place and the plan places {len(missing)} "
                 f"node(s) the graph does not have; was the model's code changed? (the plan was made with {how})",
                 lines,
@@ -252,10 +245,6 @@ def _known_options(options: Mapping[str, Any], caller: str) -> None:
         )
 
 
-def _cut_text(cut: Cut) -> str:
-    return f"{cut.producer}: {cut.source} -> {cut.destination} ({format_size(cut.nbytes)}, {cut.kind})"
-
-
 @dataclasses.dataclass(frozen=True)
 class PlanCheck:
     """What :func:`check_plan` verified: per device ``(device, usable bytes, bytes needed)``, and notes.
@@ -337,78 +326,16 @@ def checked_retrace(
     for weight in [*costs.weights, *costs.unused]:
         for device in () if weight.names[0] in plan.streamed else plan.holders(weight.names[0]):  # replicas too
             held[device] += weight.nbytes
-    _check_budgets(plan, held, given)
-    _check_storage(plan, costs)
+    check_budgets(plan, held, given)
+    check_storage(plan, costs)
     notes = [
         f"plan.device_bytes says {format_size(plan.device_bytes.get(d))} on '{d}', the placement puts "
         f"{format_size(n)} there"
         for d, n in held.items()
         if plan.device_bytes.get(d) != n
     ]
-    notes += _check_cuts(plan, traced, costs)
+    notes += check_cuts(plan, traced, costs)
     usable = plan.usable if given is None else given.usable
     needs = device_needs(plan, held)
     rows = tuple((d, usable.get(d, 0), needs[d]) for d in plan.devices)
     return traced, costs, PlanCheck(rows, len(plan.placement), tuple(notes))
-
-
-def _check_budgets(plan: Plan, held: dict[str, int], budgets: Budgets | None) -> None:
-    """Refuse when a device's memory, with the model's own tensors as placed, exceeds what it may hold."""
-    over = budget_overruns(plan, held, budgets)
-    if over:
-        fix = (
-            "the plan was edited or made for a smaller model: plan again for this model"
-            if budgets is None
-            else "plan again with these budgets"
-        )
-        raise BudgetError("the plan does not fit the budgets: " + "; ".join(map(str, over)) + f"; {fix}")
-
-
-def _check_storage(plan: Plan, costs: GraphCosts) -> None:
-    """Refuse when the weights the plan stores off the devices, as the model has them, exceed a storage budget."""
-    stored: dict[str, int] = {}
-    for weight in [*costs.weights, *costs.unused]:
-        tier = plan.streamed.get(weight.names[0])
-        if tier is not None:
-            stored[tier] = stored.get(tier, 0) + weight.nbytes
-    over = [
-        f"{tier} storage holds {format_size(nbytes)} ({nbytes} bytes) of streamed weights but its offload budget is "
-        f"{format_size(plan.offload.get(tier))}"
-        for tier, nbytes in stored.items()
-        if plan.offload.get(tier) is None or nbytes > plan.offload[tier]
-    ]
-    if stored != {t: n for t, n in plan.stored_bytes.items() if n}:
-        over.append(f"stored_bytes says {plan.stored_bytes}, the streamed weights add up to {stored}")
-    if over:
-        raise BudgetError(
-            "the plan's offload storage does not fit: " + "; ".join(over) + "; the plan was edited or made for "
-            "another model: plan again"
-        )
-
-
-def _check_cuts(plan: Plan, traced: Traced, costs: GraphCosts) -> list[str]:
-    """Refuse when the plan's cuts are not those its placement implies; notes on sizes that differ."""
-    weight_home = {w.names[0]: plan.param_devices[w.names[0]] for w in costs.weights}
-    streamed = {w.names[0]: plan.streamed[w.names[0]] for w in costs.weights if w.names[0] in plan.streamed}
-    replicas = {name: replica.devices for name, replica in plan.replicas.items()}
-    expected = cuts_for(costs, traced.graph_module, plan.placement, weight_home, streamed, replicas)
-    if [_route(c) for c in expected] != [_route(c) for c in plan.cuts]:
-        routes = {_route(c) for c in expected}
-        stale = [f"plan lists {_cut_text(c)}" for c in plan.cuts if _route(c) not in routes]
-        listed = {_route(c) for c in plan.cuts}
-        stale += [f"placement implies {_cut_text(c)}" for c in expected if _route(c) not in listed]
-        raise PlanMismatchError(
-            _listing(
-                "the plan's cuts are not those its placement implies (was it edited?):",
-                stale or ["same cuts, different order"],
-            )
-        )
-    return [
-        f"cut {_cut_text(c)} is {format_size(e.nbytes)} with these inputs"
-        for c, e in zip(plan.cuts, expected, strict=True)
-        if c.nbytes != e.nbytes
-    ]
-
-
-def _route(cut: Cut) -> tuple[str, str, str, str]:
-    return cut.producer, cut.source, cut.destination, cut.kind

@@ -290,18 +290,7 @@ class _Reader:
             "tensors": dict(get(data, "tensors", lambda v: _is_map(v, _is_str), "name -> 'dtype[shape]'") or {}),
             "dtype": get(data, "dtype", lambda v: v is None or _is_str(v), "a dtype name or null"),
             "leaf_modules": tuple(get(data, "leaf_modules", _is_str_list, "a list of strings") or ()),
-            "memory": {
-                d: dict(row)
-                for d, row in (
-                    get(
-                        data,
-                        "memory",
-                        lambda v: _is_map(v, lambda r: _is_map(r, _is_int)),
-                        "device -> {component: bytes}",
-                    )
-                    or {}
-                ).items()
-            },
+            "memory": {d: dict(row) for d, row in (get(data, "memory", _is_memory, MEMORY_SHAPE) or {}).items()},
             "dynamic_shapes": self.optional(
                 data,
                 "dynamic_shapes",
@@ -323,13 +312,20 @@ class _Reader:
             ),
             "replicas": {
                 name: Replica(tuple(entry["devices"]), entry["nbytes"])
-                for name, entry in (
-                    self.optional(data, "replicas", lambda v: _is_map(v, _is_replica), "name -> {devices, nbytes}")
-                    or {}
-                ).items()
+                for name, entry in (self.optional(data, "replicas", _is_replicas, REPLICAS_SHAPE) or {}).items()
             },
             "timing": dict(self.optional(data, "timing", is_time_record, TIME_RECORD_SHAPE) or {}),
         }
+        known = {"format", "devices", "cuts", "tied", "modules", *fields}
+        for key in [key for key in data if key not in known]:
+            self.problem((key,), f"unknown key; a plan file has {', '.join(sorted(known))}")
+        groups: list[Any] = data["tied"] if isinstance(data.get("tied"), list) else []
+        for i, group in enumerate(groups):  # the summary's device of a tied group is its tensor's
+            names: Any = group.get("names") if isinstance(group, dict) else None
+            device, first = (group.get("device"), names[0]) if isinstance(names, list) and names else (None, None)
+            home = fields["param_devices"].get(first)
+            if device is not None and home is not None and device != home:
+                self.problem(("tied", i, "device"), f"is {device!r} but param_devices puts {first!r} on {home!r}")
         if self.problems:
             return None
         return Plan(
@@ -378,6 +374,17 @@ def _is_offload(value: Any) -> bool:
         and all(value.get(t) is None or _is_int(value[t]) for t in ("host", "disk", "prefetch"))
         and (value.get("dir") is None or _is_str(value["dir"]))
     )
+
+
+MEMORY_SHAPE, REPLICAS_SHAPE = "device -> {component: bytes}", "name -> {devices, nbytes}"
+
+
+def _is_memory(value: Any) -> bool:
+    return _is_map(value, lambda row: _is_map(row, _is_int))
+
+
+def _is_replicas(value: Any) -> bool:
+    return _is_map(value, _is_replica)
 
 
 def _is_replica(value: Any) -> bool:
