@@ -157,3 +157,31 @@ def test_a_model_on_meta_traces_with_real_example_inputs(route: str, tmp_path: P
     assert plan.activations_not_counted is None and all(row["activations_peak"] > 0 for row in plan.memory.values())
     assert x.device.type == "cpu"  # the caller's inputs were not moved
     torch.testing.assert_close(gm(x), reference(x))
+
+
+class Counter(nn.Module):
+    """``self.steps += 1`` on a buffer: fx runs it as an assignment of a Proxy to the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return self.lin(x) * self.steps
+
+
+@pytest.mark.parametrize("call", ["plan", "fxsplit"])
+def test_fx_assigning_to_a_buffer_is_refused_and_the_model_kept(call: str) -> None:
+    model = Counter()
+    steps, x = model.steps, torch.randn(2, 4)
+    with pytest.raises(TraceError, match=r"assigns to 'steps' .*self.steps.add_\(1\).*trace='export'"):
+        getattr(fxsplit, call)(model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(x,), trace="fx")
+    assert model.steps is steps and float(model.steps) == 0.0  # not a Proxy left behind
+    split = fxsplit.fxsplit(model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(x,), trace="export")
+    reference = Counter()
+    reference.load_state_dict(model.state_dict())
+    for _ in range(2):
+        torch.testing.assert_close(split(x), reference(x))
+    assert float(model.steps) == 2.0

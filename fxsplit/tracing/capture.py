@@ -239,6 +239,7 @@ def _symbolic(
     leaf_types = tuple(leaf for leaf in leaves if isinstance(leaf, type))
     leaf_names = frozenset(leaf for leaf in leaves if isinstance(leaf, str))
     tracer = _LeafTracer(leaf_types, leaf_names)
+    held = [(path, m, dict(m._parameters), dict(m._buffers)) for path, m in model.named_modules(remove_duplicate=False)]
     try:
         with recording_grad_mode(tracer):
             graph = tracer.trace(model, concrete_args=dict(concrete_args) if concrete_args else None)
@@ -246,6 +247,15 @@ def _symbolic(
         raise  # ours: names the construct fx cannot keep
     except Exception as error:  # noqa: BLE001 - tracing user code raises anything
         raise TraceError(_fx_message(error)) from error
+    finally:
+        assigned = _put_back(held)
+    if assigned:
+        raise TraceError(
+            f"the forward assigns to {', '.join(map(repr, assigned))} (like `self.steps += 1` on a buffer), which "
+            "torch.fx records as a new value, not as a change of the model's tensor; write it in place "
+            "(`self.steps.add_(1)`), or trace with torch.export (example_inputs=(...), trace='export'), which "
+            "keeps such updates (the model is as it was)"
+        )
     name = type(model).__name__
     graph_module = torch.fx.GraphModule(tracer.root, graph, name)
     if example_inputs is None and not example_kwargs:
@@ -262,6 +272,19 @@ def _symbolic(
     if not checked:
         check_example_inputs(model, args, kwargs)
     return Traced(graph_module, "fx", False, shapes_missing=f"running the fx graph on fake tensors failed: {failure}")
+
+
+def _put_back(held: list[tuple[str, torch.nn.Module, dict[str, Any], dict[str, Any]]]) -> list[str]:
+    """Restore every parameter and buffer that tracing replaced (fx runs ``self.steps += 1`` by setting the
+    buffer to a Proxy); returns their qualified names."""
+    assigned = []
+    for path, module, parameters, buffers in held:
+        for table, kept in ((module._parameters, parameters), (module._buffers, buffers)):
+            for name, tensor in kept.items():
+                if table.get(name) is not tensor:
+                    table[name] = tensor
+                    assigned.append(f"{path}.{name}" if path else name)
+    return assigned
 
 
 def _propagate_shapes(
