@@ -163,7 +163,10 @@ def test_show_writes_a_dot_file(tmp_path: Path) -> None:
         (("code", MODEL, "--plan", SPEC), "format: must be 'fxsplit-plan/1'"),
         (("show", MODEL, "--spec", SPEC, "-o", "split.gif"), "cannot tell the picture format"),
         (("plan", MODEL, "--spec", SPEC, "--budget", "gpu:0=1GiB"), "is not a device"),
-        (("plan", MODEL, "--budget", "0=1GiB", "--budget", "cuda:0=1GiB"), "budgets name device 'cuda:0' twice (as 0 and 'cuda:0')"),
+        (
+            ("plan", MODEL, "--budget", "0=1GiB", "--budget", "cuda:0=1GiB"),
+            "budgets name device 'cuda:0' twice (as 0 and 'cuda:0')",
+        ),
         (
             ("code", MODEL, "--plan", SPEC, "--output-device", "cpu:0", "--dtype", "bf16", "--no-replicate"),
             "--dtype, --output-device, --no-replicate change how a plan is made, but --plan uses a saved plan",

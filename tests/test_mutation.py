@@ -232,3 +232,63 @@ def test_state_that_grows_per_call_is_refused_naming_the_buffer_and_the_static_a
     # torch.export writes the longer tensor back into the buffer as traced: a split would drop what grows
     with pytest.raises(fxsplit.FxsplitError, match=r"buffer 'cache' is replaced on every call .*\[1, 0, 64\] -> "):
         fxsplit.fxsplit(GrowingState(), BUDGETS, example_inputs=(torch.randn(1, 1, WIDTH),), mode="weights")
+
+
+ALIASES = {  # a write through each of these changes the tensor it came from (or may: contiguous, float, to)
+    "contiguous": lambda h: h.contiguous(),
+    "float": lambda h: h.float(),
+    "to_float32": lambda h: h.to(torch.float32),
+    "type_as": lambda h: h.type_as(h),
+    "ravel": lambda h: torch.ravel(h),
+    "diagonal": lambda h: torch.diagonal(h),
+    "swapaxes": lambda h: torch.swapaxes(h, 0, 1),
+    "broadcast_to": lambda h: torch.broadcast_to(h, h.shape),
+    "as_strided": lambda h: torch.as_strided(h, (2,), (1,)),
+    "atleast_2d": lambda h: torch.atleast_2d(h),
+    "tensor_split": lambda h: h.tensor_split(2, 1)[0],
+    "split_with_sizes": lambda h: h.split_with_sizes([1, 3], 1)[1],
+    "setitem_method": lambda h: (h.__setitem__(0, 5.0), None)[1],  # writes h itself: nothing more to write
+}
+
+
+class Through(nn.Module):
+    def __init__(self, write: object) -> None:
+        super().__init__()
+        self.write = write
+
+    def forward(self, h: torch.Tensor) -> None:
+        out = self.write(h)  # type: ignore[operator]
+        if out is not None:
+            out.mul_(-2)
+
+
+class WriteThroughAlias(nn.Module):
+    """``a`` makes h; ``b`` writes it through an alias; ``c`` reads it after."""
+
+    def __init__(self, alias: str) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), Through(ALIASES[alias]), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).detach()
+        self.b(h)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("trace", TRACES)
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_a_write_through_an_alias_is_never_made_on_a_copy(alias: str, trace: str) -> None:
+    """Pinned apart, the writer would write a copy: refused, or (where the trace drops a no-op alias) right;
+    free, the split equals the model."""
+    torch.manual_seed(0)
+    x, budgets = torch.randn(3, 4), {"cpu:0": "1MiB", "cpu:1": "1MiB", "cpu:2": "1MiB"}
+    reference = WriteThroughAlias(alias)
+    for pins in ({"a": "cpu:0", "b": "cpu:1", "c": "cpu:2"}, {"a": "cpu:0", "c": "cpu:2"}):
+        model = copy.deepcopy(reference)
+        try:
+            split = fxsplit.fxsplit(model, budgets, example_inputs=(x,), trace=trace, pins=pins)
+        except fxsplit.FxsplitError:
+            assert "b" in pins  # only the writer pinned away from the tensor may be refused
+            continue
+        with torch.no_grad():
+            torch.testing.assert_close(split(x), reference(x))

@@ -4,7 +4,8 @@
 * :mod:`~fxsplit.tracing.example_inputs`: can the model run its example inputs?
 * :mod:`~fxsplit.tracing.dynamic`: which input sizes an export graph keeps variable.
 * :mod:`~fxsplit.tracing.gradmode`: ``torch.no_grad()`` regions kept in the graph.
-* :mod:`~fxsplit.tracing.graphinfo`: facts about nodes that later stages share.
+* :mod:`~fxsplit.tracing.graphinfo`: facts about nodes that later stages share;
+  :mod:`~fxsplit.tracing.viewops`, the ops whose result shares its input's storage.
 """
 
 from fxsplit.tracing.capture import Traced, trace

@@ -17,6 +17,7 @@ import torch.fx
 from fxsplit.attrpath import attr_at
 from fxsplit.tracing.gradmode import is_grad_mode_node
 from fxsplit.tracing.nnmodules import TENSOR_MODULES
+from fxsplit.tracing.viewops import VIEW_ATTRS, VIEW_FUNCTIONS, VIEW_METHODS
 
 __all__ = [
     "NONTENSOR",
@@ -53,54 +54,6 @@ _NONTENSOR_METHODS = frozenset(
     }
 )
 _NONTENSOR_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_sparse"})
-_VIEW_METHODS = frozenset(
-    {
-        "view",
-        "view_as",
-        "reshape",
-        "reshape_as",
-        "transpose",
-        "permute",
-        "squeeze",
-        "unsqueeze",
-        "expand",
-        "expand_as",
-        "narrow",
-        "select",
-        "t",
-        "flatten",
-        "unflatten",
-        "as_strided",
-        "split",
-        "chunk",
-        "unbind",
-        "detach",
-        "movedim",
-        "swapaxes",
-        "diagonal",
-        "unfold",
-        "__getitem__",
-        "T",
-        "mT",
-    }
-)
-_VIEW_FUNCTIONS = {
-    torch.reshape,
-    torch.transpose,
-    torch.permute,
-    torch.squeeze,
-    torch.unsqueeze,
-    torch.flatten,
-    torch.narrow,
-    torch.select,
-    torch.split,
-    torch.chunk,
-    torch.unbind,
-    torch.movedim,
-    torch.t,
-    torch.detach,
-    operator.getitem,
-}
 _STAT_OPS = ("batch_norm", "instance_norm")
 
 
@@ -241,7 +194,7 @@ def mutated_inputs(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> 
         mutated.extend(n for n in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(n, torch.fx.Node))
     first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
     if op == "call_method" and isinstance(target, str):
-        if _is_inplace_name(target) and first is not None:
+        if (_is_inplace_name(target) or target == "__setitem__") and first is not None:
             mutated.append(first)
     elif op == "call_function":
         name = getattr(target, "__name__", "")
@@ -371,19 +324,16 @@ def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
         return base
     if node.op == "call_method" and isinstance(node.target, str):
         # In-place methods return the tensor they wrote: ``x.add_(1).mul_(2)`` writes x twice.
-        return base if node.target in _VIEW_METHODS or _is_inplace_name(node.target) else None
+        return base if node.target in VIEW_METHODS or _is_inplace_name(node.target) else None
     if node.op == "call_function":
         target = node.target
         if isinstance(target, torch._ops.OpOverload):
             return _aliased_argument(node, target)
-        if target is getattr and len(node.args) > 1 and node.args[1] in _VIEW_ATTRS:
+        if target is getattr and len(node.args) > 1 and node.args[1] in VIEW_ATTRS:
             return base
-        if target in _VIEW_FUNCTIONS or _is_inplace_name(getattr(target, "__name__", "")):
+        if target in VIEW_FUNCTIONS or _is_inplace_name(getattr(target, "__name__", "")):
             return base
     return None
-
-
-_VIEW_ATTRS = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
 
 
 def _aliased_argument(node: torch.fx.Node, target: torch._ops.OpOverload) -> torch.fx.Node | None:
@@ -392,6 +342,13 @@ def _aliased_argument(node: torch.fx.Node, target: torch._ops.OpOverload) -> tor
     if not returns or returns[0].alias_info is None:
         return None
     alias_set = returns[0].alias_info.before_set
+    if not alias_set:  # a list of views (split, unbind, tensor_split: ``Tensor(a)[]``) aliases ``Tensor(a -> *)``
+        alias_set = {
+            a
+            for arg in target._schema.arguments
+            if arg.alias_info and "*" in arg.alias_info.after_set
+            for a in arg.alias_info.before_set
+        }
     for index, argument in enumerate(target._schema.arguments):
         if argument.alias_info is not None and argument.alias_info.before_set & alias_set:
             value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
