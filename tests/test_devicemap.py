@@ -445,3 +445,53 @@ def test_accelerate_map_of_t5_passed_as_pins() -> None:
     out.logits.square().mean().backward()
     expected.logits.square().mean().backward()
     assert_same_grads(model, reference)
+
+
+class TwiceWritten(nn.Module):
+    """A buffer written twice, the second write with a value made where the map puts ``b``; ``a`` read twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("s", torch.ones(4))
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) * self.s
+        self.s.add_(1)
+        h = self.b(h) * self.s
+        self.s.mul_(h.detach().mean(0).tanh())
+        return self.a(h) * self.s
+
+
+class ClampedActivation(nn.Module):
+    """An activation made where the map puts ``a``, written in place after ``b`` runs elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, g = self.a(x), self.b(x)
+        h.clamp_(-0.3, 0.3)
+        return h, g
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+@pytest.mark.parametrize(
+    ("make", "device_map"),
+    [(TwiceWritten, {"a": "cpu:0", "b": "cpu:1", "s": "cpu:0"}), (ClampedActivation, {"a": "cpu:1", "b": "cpu:0"})],
+)
+def test_writes_run_where_the_tensor_lives_under_a_device_map(
+    make: Any, device_map: dict[str, str], trace: str
+) -> None:
+    """Every op that writes a tensor in place runs with it, whatever the map does to the ops around them."""
+    torch.manual_seed(0)
+    model, x = make(), torch.randn(3, 4)
+    reference = copy.deepcopy(model)
+    split = fxsplit.fxsplit(
+        model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(x,), trace=trace, device_map=device_map
+    )
+    with torch.no_grad():
+        for _ in range(3):  # the buffer's state carries over from call to call
+            torch.testing.assert_close(split(x), reference(x))
+    torch.testing.assert_close(dict(model.named_buffers()), dict(reference.named_buffers()))

@@ -239,6 +239,15 @@ def place_ops(problem: PartitionProblem, pins: Mapping[int, int], num_devices: i
         held = [pins[op] for op in range(lo, hi + 1) if op in pins]
         for op in range(lo, hi + 1):
             start[op] = pins.get(op, held[0] if held else start[lo])
+    for group in problem.colocated:  # the ops that write one tensor run where it lives: never moved after this
+        held = sorted({pins[op] for op in group if op in pins})
+        if len(held) > 1:
+            raise SpecError(
+                f"ops {', '.join(repr(problem.op_names[op]) for op in group[:4])} write one tensor in place, but "
+                f"the device map puts what they read on {len(held)} devices; map it so they share one device"
+            )
+        for op in group:
+            start[op] = held[0] if held else start[group[0]]
     unlimited = [_UNLIMITED] * num_devices
     placed = start
     if num_devices > 1 and problem.num_ops:
