@@ -26,6 +26,32 @@ def move(value: Any, device: str) -> Any:
     return value
 
 
+def refuse_shared_inputs(values: tuple[Any, ...], names: tuple[str, ...], written: tuple[str, ...]) -> None:
+    """Raise when an input the split writes in place shares memory with another input (``gm(t, t)``).
+
+    The split copies each input to the devices that read it, so a write to one
+    would not reach the other's copies, as it reaches the other in eager
+    PyTorch: the result would differ silently. Called first, when a graph
+    writes an input in place.
+    """
+    owners: dict[int, list[str]] = {}
+    for name, value in zip(names, values, strict=True):
+        for tensor in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                pointer = tensor.untyped_storage().data_ptr()
+                if pointer:
+                    owners.setdefault(pointer, []).append(name)
+    for sharing in owners.values():
+        if len(sharing) > 1 and set(sharing) & set(written):
+            from fxsplit.errors import FxsplitError
+
+            raise FxsplitError(
+                f"inputs {', '.join(map(repr, sharing))} share memory, and the split writes "
+                f"{', '.join(repr(n) for n in sharing if n in written)} in place: its copies on other devices "
+                "would not see the write as the model does; pass separate tensors (.clone() one)"
+            )
+
+
 def write_back(original: Any, moved: Any) -> None:
     """Write the values of ``moved`` into the caller's ``original`` (an input the model updates in place).
 

@@ -180,3 +180,17 @@ def test_plan_that_writes_an_input_away_from_its_copy_is_refused() -> None:
     with pytest.raises(FxsplitError, match=r"input 'cache' is updated in place by 'add_' on cpu:0.*pin"):
         fxsplit.apply(model, edited, example_inputs=_inputs())
     assert {n: p.device for n, p in model.named_parameters()} == devices
+
+
+@pytest.mark.parametrize("trace", TRACES)
+def test_one_tensor_passed_as_an_input_written_in_place_and_as_another_is_refused(trace: str) -> None:
+    """``gm(t, t)``: the write to ``cache`` would not reach the copies of ``x``; eager sees it. Refused."""
+    x = torch.randn(4, 8)
+    model = CacheAdd()
+    split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(x, torch.zeros(4, 8)), trace=trace, pins=PINS)
+    shared = torch.randn(4, 8)
+    before = shared.clone()
+    with pytest.raises(FxsplitError, match=r"inputs 'x', 'cache' share memory, and the split writes 'cache'"):
+        split(shared, shared)
+    assert torch.equal(shared, before)  # refused before anything ran
+    torch.testing.assert_close(split(x, torch.zeros(4, 8)), copy.deepcopy(model)(x, torch.zeros(4, 8)))

@@ -111,6 +111,12 @@ class _Emitter:
                 self.grad_region += 1
         for node in [n for n in self.graph.nodes if n.op == "get_attr" and not n.users]:
             self.graph.erase_node(node)  # a tied weight read through its other name: no dead line in the code
+        inputs = [n for n in self.graph.nodes if n.op == "placeholder"]
+        if self.writers and len(inputs) > 1:  # an input written in place must not be another input too
+            with self.graph.inserting_after(inputs[-1]):
+                names, written = tuple(n.name for n in inputs), tuple(self.writers)
+                check = self.graph.call_function(runtime.refuse_shared_inputs, (tuple(inputs), names, written))
+                check.meta[DEVICE_META] = self.plan.placement[next(iter(self.writers))]
         for node in self.graph.nodes:
             if isinstance(node.type, str):
                 node.type = _annotation(node.type)
