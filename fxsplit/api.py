@@ -21,6 +21,7 @@ from fxsplit.cost.constraints import (
     check_constraints,
     explain_infeasible_pins,
     locator,
+    refuse_split_writes,
     resolve_leaf_modules,
     together_groups,
 )
@@ -171,6 +172,7 @@ def _trace_and_plan(
         together=together,
         dtype=getattr(torch, dtype) if dtype else None,
     )
+    refuse_split_writes(costs.problem, devices)
     memory, uncounted = memory_model(
         MemorySpec.coerce(options.mode, options.optimizer),
         traced,

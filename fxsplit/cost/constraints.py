@@ -348,3 +348,25 @@ def _forced_spans(problem: PartitionProblem, budgets: Sequence[int], devices: Se
                 f"'{device}' and the devices after it have {format_size(room_after)} left. "
             )
     return ""
+
+
+def refuse_split_writes(problem: PartitionProblem, devices: Sequence[str]) -> None:
+    """Refuse pins that put ops writing one tensor in place on two devices: a write made on a copy of the
+    tensor would not reach it (the partitioner could only say that nothing fits).
+
+    Raises:
+        SpecError: naming the ops, their modules and the devices they are pinned to.
+    """
+    labels = list(problem.op_labels) or [""] * problem.num_ops
+    for group in problem.colocated:
+        pinned = {op: problem.pinned[op] for op in group if op in problem.pinned}
+        if len(set(pinned.values())) > 1:
+            where = ", ".join(
+                f"'{problem.op_names[op]}'" + (f" (in '{labels[op]}')" if labels[op] else "") + f" on '{devices[d]}'"
+                for op, d in pinned.items()
+            )
+            raise SpecError(
+                f"pins put ops that write one tensor in place (or make a view of it that is written) on two "
+                f"devices: {where}; a write on another device would change a copy, not the tensor: pin them to "
+                "one device, or drop one of those pins"
+            )
