@@ -109,6 +109,7 @@ def test_a_given_plan_and_a_plan_that_cannot_be_staged() -> None:
         placement={k: swap[v] for k, v in plan.placement.items()},
         param_devices={k: swap[v] for k, v in plan.param_devices.items()},
         cuts=tuple(dataclasses.replace(c, source=swap[c.source], destination=swap[c.destination]) for c in plan.cuts),
+        output_device=swap[plan.output_device],
     )
     with pytest.raises(fxsplit.FxsplitError, match="cannot run as a pipeline.*list cpu:1 before cpu:0"):
         fxsplit.pipeline_stages(model, backwards, example_inputs=x, chunks=2)

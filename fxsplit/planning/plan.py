@@ -337,6 +337,7 @@ class Plan:
             f"cuts: {len(copies)}, transfer per forward: {self._transfer_text()}"
             + (f" (of which {format_size(held)} of weights each stage holds itself: not sent)" if held else "")
             + f"; outputs on {self.output_device}"
+            + (f" (copied there: {format_size(out)} more per forward)" if (out := self._output_bytes) else "")
             + (f"; planned as {self.dtype}" if self.dtype else "")
         )
         lines.extend(summary.offload_lines(self))
@@ -356,6 +357,10 @@ class Plan:
                 "leave room in the budgets or pass example_inputs"
             )
         return "\n".join(lines)
+
+    @property
+    def _output_bytes(self) -> int:
+        return sum(c.nbytes or 0 for c in self.cuts if c.kind == "output")
 
     @property
     def _stage_copies(self) -> bool:
