@@ -124,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("-o", "--output", required=True, help="picture to write: .svg, .png, .pdf or .dot")
     show.add_argument(
         "--depth",
-        type=int,
+        type=_depth,
         default=None,
         help="draw one box per module at this depth of the module path (default: automatic)",
     )
@@ -153,17 +153,27 @@ def _budgets(pairs: Sequence[str]) -> dict[str | int, str] | None:
     return budgets
 
 
+def _depth(text: str) -> int:
+    """``--depth``: a whole number >= 0 (0: the whole model in one box per device)."""
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0 (got {text!r})")
+    return int(text)
+
+
 def _optimizer(text: str) -> Any:
     """``--optimizer``: a name, bytes per parameter element (digits), or settings (a YAML flow mapping)."""
     if text.strip().isdigit():
         return int(text)
+    if text.strip().replace(".", "", 1).isdigit():
+        raise argparse.ArgumentTypeError(f"bytes of state per parameter element are a whole number (got {text!r})")
     if text.lstrip().startswith("{"):
         import yaml
 
         try:
             settings = yaml.safe_load(text)
         except yaml.YAMLError as error:
-            raise argparse.ArgumentTypeError(f"not a mapping of settings: {error}") from None
+            first = str(error).splitlines()[0]
+            raise argparse.ArgumentTypeError(f"settings are not valid YAML ({first}): {text!r}") from None
         if not isinstance(settings, dict):
             raise argparse.ArgumentTypeError(f"not a mapping of settings: {text!r}")
         return settings

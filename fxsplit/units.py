@@ -62,6 +62,8 @@ def parse_size(value: object, *, what: str = "size") -> int:
         return _at_most_largest(int(value), value, what)
     if isinstance(value, str):
         match = _SIZE.match(value)
+        if match is None and value.strip().startswith("-") and _SIZE.match(value.strip()[1:]):
+            raise SpecError(f"{what} must not be negative (got {_clipped(value)})")
         if match is None:
             raise SpecError(
                 f"{what} {_clipped(value)} is not a size; write a number with an optional unit, "

@@ -204,6 +204,22 @@ def test_argument_errors_exit_2() -> None:
     assert caught.value.code == 2
 
 
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("show", MODEL, "--spec", SPEC, "-o", "x.dot", "--depth", "-1"), "--depth: must be a whole number >= 0"),
+        (("plan", MODEL, "--spec", SPEC, "--optimizer", "2.5"), "a whole number (got '2.5')"),
+        (("plan", MODEL, "--spec", SPEC, "--optimizer", "{name: adamw"), "settings are not valid YAML"),
+    ],
+)
+def test_argument_values_are_checked_with_a_reason(
+    args: tuple[str, ...], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(list(args), out=io.StringIO(), err=io.StringIO())
+    assert caught.value.code == 2 and fragment in capsys.readouterr().err
+
+
 def test_spec_driven_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     runpy.run_path(str(ROOT / "examples" / "spec_driven.py"), run_name="__main__")
     out = capsys.readouterr().out

@@ -40,7 +40,8 @@ def test_parse_size(text: object, expected: int) -> None:
     [
         ("10 GiBs", "unknown unit 'GiBs'; use one of B, kB, MB, GB, TB, KiB, MiB, GiB, TiB"),
         ("lots", "is not a size"),
-        ("-1GiB", "is not a size"),
+        ("-1GiB", "must not be negative (got '-1GiB')"),
+        ("--1GiB", "is not a size"),
         (-5, "must not be negative (got -5)"),
         (-0.5, "finite, non-negative"),
         (float("inf"), "finite, non-negative"),
@@ -170,3 +171,19 @@ def test_require_usable_without_cuda_says_why(monkeypatch: pytest.MonkeyPatch) -
         require_usable(["cpu:0", "cuda:0"])
     assert "{'cpu:0': '20GiB', 'cpu:1': '20GiB'}" in str(info.value)  # no budgets given: an example
     assert not any(device.startswith("cuda") for device in visible_devices())
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("gpu:1", "did you mean 'cuda:1'?"),
+        ("cuda:-1", "the index after 'cuda:' must be a whole number >= 0"),
+        ("cpu:x", "the index after 'cpu:' must be a whole number >= 0"),
+    ],
+)
+def test_spec_devices_say_what_is_wrong_with_a_name(value: str, message: str) -> None:
+    from fxsplit.spec.fields import spec_device
+
+    with pytest.raises(SpecError) as info:
+        spec_device(value)
+    assert message in str(info.value) and "did you mean 'cuda:-1'" not in str(info.value)

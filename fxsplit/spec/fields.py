@@ -105,6 +105,8 @@ def spec_device(value: Any) -> str:
             raise
     kind, colon, index = value.strip().partition(":")
     kind = kind.lower()
+    if kind in _DEVICE_TYPES:  # a known type with a bad index: suggesting the same name would not help
+        raise SpecError(f"unknown device {_short(value)}: the index after '{kind}:' must be a whole number >= 0")
     close = ["cuda"] if kind in ("gpu", "nvidia") else difflib.get_close_matches(kind, _DEVICE_TYPES, n=1)
     hint = f"did you mean '{close[0]}{colon}{index}'? " if close else ""
     raise SpecError(f"unknown device {_short(value)}; {hint}(devices look like cuda:0, cpu, cpu:1)") from None
