@@ -279,6 +279,8 @@ def test_check_plan_validates_budgets_and_consistency() -> None:
     assert "budgets held" in str(report)
     with pytest.raises(fxsplit.BudgetError, match="'cpu:0' holds .* but may hold 1.00 KiB: over by"):
         fxsplit.check_plan(model, plan, {"cpu:0": 1024, "cpu:1": 10**6, "cpu:2": 10**6}, example_inputs=(X,))
+    with pytest.raises(fxsplit.BudgetError, match="'cpu:2' holds .* but has no budget in the budgets given"):
+        fxsplit.check_plan(model, plan, {"cpu:0": 10**6, "cpu:1": 10**6}, example_inputs=(X,))
     last_op = [n for n, d in plan.placement.items() if d == "cpu:1"][-1]
     edited = dataclasses.replace(plan, placement={**plan.placement, last_op: "cpu:2"})
     with pytest.raises(fxsplit.PlanMismatchError, match="cuts are not those its placement implies"):

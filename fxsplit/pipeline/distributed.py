@@ -210,7 +210,9 @@ def pipeline_stages(
             hold (``PipelineConfig.return_outputs``). Pass False with
             ``schedule.step(..., return_outputs=False)``.
         **options: as for ``fxsplit.fxsplit`` (``trace``, ``example_kwargs``,
-            ``pins`` ...), except ``pipeline``.
+            ``pins`` ...), except ``pipeline``. As there, ``mode`` defaults to
+            ``"inference"``: pass ``mode="training"`` (and ``optimizer=``) when
+            you train, so that the budgets hold gradients and optimizer state.
 
     Raises:
         FxsplitError: the plan cannot run as a sequence of stages, or a value

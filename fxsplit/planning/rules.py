@@ -285,6 +285,7 @@ class Overrun:
     usable: int
     budget: int
     reserved: int
+    unbudgeted: bool = False  # the budgets it was held to do not name the device
 
     @property
     def needs(self) -> int:
@@ -301,6 +302,11 @@ class Overrun:
         if self.rest:
             held += f" and {format_size(self.rest)} of {self.rest_is}, "
             held += f"{format_size(self.needs)} ({self.needs} bytes) in all,"
+        if self.unbudgeted:
+            return (
+                f"{short_repr(self.device)} holds {held} but has no budget in the budgets given, so it may hold "
+                "nothing: give it a budget, or plan again without it"
+            )
         limit = format_size(self.usable)
         if self.reserved:
             limit += f" (its budget {format_size(self.budget)} less {format_size(self.reserved)} reserved)"
@@ -334,7 +340,8 @@ def budget_overruns(
         usable = usable_bytes(budget, reserved)
         if needs > usable:
             rest = _rest(plan, device)
-            found.append(Overrun(device, needs - rest, rest, _rest_is(plan, device), usable, budget, reserved))
+            missing = budgets is not None and device not in limits
+            found.append(Overrun(device, needs - rest, rest, _rest_is(plan, device), usable, budget, reserved, missing))
     return found
 
 
