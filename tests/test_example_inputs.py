@@ -247,3 +247,21 @@ def test_constant_keyword_inputs_are_defaults_in_any_order(order: str) -> None:
         torch.testing.assert_close(gm(X, y, z), model(X, y=y, z=z, flag=False))
     else:  # a constant before a keyword without default: keyword-only, as they were passed when traced
         assert all(parameters[name].kind is inspect.Parameter.KEYWORD_ONLY for name in kwargs)
+
+
+def test_warnings_point_at_the_line_that_called_fxsplit() -> None:
+    """Not at a line inside fxsplit or torch, however deep the warning was raised (``-W error`` names the call)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxsplit.plan(TwoLayers(), {"cpu:0": "1MiB"}, trace="fx")  # no example inputs: activations not counted
+        pipeline = fxsplit.fxsplit(
+            nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)),
+            {"cpu:0": "1MiB"},
+            example_inputs=(torch.randn(4, 4),),
+            trace="fx",
+            pipeline=2,
+            mode="weights",
+        )
+        pipeline(torch.randn(4, 4))  # batch statistics over micro-batches: warned at this call
+    ours = [w for w in caught if issubclass(w.category, FxsplitWarning)]
+    assert len(ours) >= 2 and all(w.filename == __file__ for w in ours), [(w.filename, w.lineno) for w in ours]

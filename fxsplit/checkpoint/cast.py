@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from fxsplit.callsite import user_stacklevel
 from fxsplit.cost.walk import named_tensors
 from fxsplit.errors import FxsplitWarning
 
@@ -78,5 +79,5 @@ def warn_uncast(model: torch.nn.Module, dtype: str | None) -> None:
                 f"are, so devices hold other bytes than the budgets were checked for; cast the model first "
                 f"(model.to(torch.{dtype})) or pass checkpoint= to load it as {dtype}"
             ),
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )

@@ -8,6 +8,7 @@ import warnings
 import torch
 import torch.fx
 
+from fxsplit.callsite import user_stacklevel
 from fxsplit.cost.build import GraphCosts
 from fxsplit.cost.walk import named_tensors
 from fxsplit.errors import FxsplitWarning
@@ -47,7 +48,7 @@ def memory_model(
                 "leave room for them in the budgets or pass example_inputs the model runs on (mode='weights' plans "
                 "without activations and without this warning)"
             ),
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
     return MemoryModel(spec, costs, trainable, profile), uncounted
 

@@ -44,6 +44,7 @@ import torch
 import torch.fx
 
 from fxsplit.attrpath import attr_at
+from fxsplit.callsite import user_stacklevel
 from fxsplit.codegen.emitter import emit
 from fxsplit.cost.build import model_tensors
 from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
@@ -289,7 +290,7 @@ def _warn_replanned(plan: Plan, held: dict[str, dict[str, int]]) -> None:
         f"pipeline_stages planned again so that each stage can hold its own copy of the tied weights it reads "
         f"({copies}): held back (plan.reserved) {room}",
         FxsplitWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import checkpoint
 
+from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitError, FxsplitWarning
 from fxsplit.options import PipelineConfig
 from fxsplit.pipeline.batchstats import batch_stat_ops
@@ -137,7 +138,7 @@ class Pipeline(torch.nn.Module):
         )
         if self.config.batch_stats == "error":
             raise FxsplitError(message)
-        warnings.warn(FxsplitWarning(message), stacklevel=5)  # the caller's line: forward, __call__ x2, caller
+        warnings.warn(FxsplitWarning(message), stacklevel=user_stacklevel())
 
     def _check_rows(self, rows: list[int]) -> None:
         expected = self._traced_rows

@@ -25,6 +25,7 @@ from typing import Any, Collection, Mapping, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitError, FxsplitWarning, SpecError
 
 __all__ = ["first_microbatch", "gather", "scatter"]
@@ -124,7 +125,7 @@ def gather(outputs: Sequence[Any], rows: Sequence[int]) -> Any:
                 "it over micro-batches weighted by rows, which equals the full-batch value only when the model "
                 "averages over samples",
                 FxsplitWarning,
-                stacklevel=5,  # the line that called the pipeline: gather, forward, __call__ x2
+                stacklevel=user_stacklevel(),
             )
             merged.append(sum(v * (n / total) for v, n in zip(values, rows, strict=True)))
         else:
@@ -186,6 +187,6 @@ def _same_value(index: int, values: Sequence[Any]) -> Any:
         f"output leaf {index} is a number that is not a tensor ({head!r} in every micro-batch); pipelining returns "
         "the first micro-batch's value, which is not the whole batch's if it depends on the batch (a row count)",
         FxsplitWarning,
-        stacklevel=6,
+        stacklevel=user_stacklevel(),
     )
     return head

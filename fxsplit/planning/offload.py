@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import torch.fx
 
+from fxsplit.callsite import user_stacklevel
 from fxsplit.cost.build import GraphCosts, Weight
 from fxsplit.errors import BudgetError, FxsplitWarning
 from fxsplit.memory.fit import fit_budgets
@@ -111,7 +112,7 @@ def plan_offloaded(
                 why = min(asked)[1] if asked else "no partition fits"
                 warnings.warn(
                     FxsplitWarning(f"offload: prefetch lowered from {depth} to {prefetch}: with it, {why}"),
-                    stacklevel=5,
+                    stacklevel=user_stacklevel(),
                 )
             return found
     detail = min(problems)[1] if problems else "no partition of the ops fits even with larger devices"

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx
 
+from fxsplit.callsite import user_stacklevel
 from fxsplit.cost.build import GraphCosts, named_tensors
 from fxsplit.errors import BudgetError, FxsplitWarning, SpecError
 from fxsplit.memory.model import MemoryModel
@@ -98,7 +99,7 @@ def pins_as_device_map(
         "longest key naming it or its module puts it, and the ops go where they copy the fewest bytes; pass the "
         "map as device_map= (or fxsplit.from_device_map, or a spec's device_map:) to say so without this warning",
         FxsplitWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
     return homes
 

@@ -27,6 +27,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.graph import CodeGen, _PyTreeCodeGen
 
+from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitWarning, TraceError
 from fxsplit.options import TRACE_MODES
 from fxsplit.tracing.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_inputs, export_spec
@@ -124,7 +125,7 @@ def trace(
         except TraceError as fx_error:
             raise TraceError(f"{_export_message(export_error)}\n\nfx also failed: {fx_error}") from fx_error
         note = f"torch.export failed, used torch.fx: {_first_line(export_error)}"
-        warnings.warn(FxsplitWarning(_fallback_message(export_error, traced)), stacklevel=4)
+        warnings.warn(FxsplitWarning(_fallback_message(export_error, traced)), stacklevel=user_stacklevel())
         return Traced(traced.graph_module, traced.method, traced.has_shapes, (note,), traced.shapes_missing)
     return _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
 
