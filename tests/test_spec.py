@@ -74,6 +74,11 @@ BAD_SPECS = [
         id="pin-no-budget",
     ),
     pytest.param(
+        "devices: {cpu:0: 1GiB, cpu:1: 1 GiBs}\npin:\n  lm_head: cpu:1",
+        [(1, "devices['cpu:1']", "has unknown unit 'GiBs'")],  # the pin's device is listed: said once, there
+        id="pin-to-a-device-with-a-bad-budget",
+    ),
+    pytest.param(
         "devices: {cpu:0: 1GiB}\npin: [lm_head]", [(2, "pin", "must map module paths or globs")], id="pin-list"
     ),
     pytest.param(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from fxsplit.errors import SpecError
 from fxsplit.options import MAX_PREFETCH, STORAGE_TIERS, Offload
@@ -165,8 +165,11 @@ def read_devices(check: FieldChecker, value: Any, present: bool) -> tuple[dict[s
     return budgets, reserve
 
 
-def read_pins(check: FieldChecker, value: Any, devices: dict[str, int], field: str = "pin") -> dict[str, str]:
-    """``pin``: module path or glob -> device, which must be among ``devices`` when those are given.
+def read_pins(
+    check: FieldChecker, value: Any, devices: dict[str, int], field: str = "pin", listed: Collection[str] = ()
+) -> dict[str, str]:
+    """``pin``: module path or glob -> device, which must be among ``devices`` when those are given
+    (``listed``: devices written under ``devices`` whose entry has a problem of its own, reported there).
 
     ``field="device_map"``: module or tensor name (``""``: the whole model) -> device, as Accelerate writes it.
     """
@@ -190,6 +193,8 @@ def read_pins(check: FieldChecker, value: Any, devices: dict[str, int], field: s
         name = check.attempt(path, partial(spec_device, device))
         if name is None:
             continue
+        if devices and name not in devices and name in listed:
+            continue  # its entry under devices has a problem, reported there
         if devices and name not in devices:
             verb = "pins to" if field == "pin" else "puts weights on"
             check.problem(

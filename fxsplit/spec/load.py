@@ -77,6 +77,17 @@ def _read(source: str | os.PathLike[str]) -> tuple[str, str, str | None]:
     return source, "<spec>", None
 
 
+def _listed_devices(value: Any) -> set[str]:
+    """The device names written under ``devices``, valid entries or not."""
+    listed = set()
+    for key in value if isinstance(value, dict) else ():
+        try:
+            listed.add(spec_device(key))
+        except SpecError:
+            continue
+    return listed
+
+
 def _validate(
     data: Any,
     source: str,
@@ -94,8 +105,9 @@ def _validate(
     default_reserve = None
     if "reserve" in data:
         default_reserve = check.attempt(("reserve",), lambda: parse_headroom(data["reserve"]))
-    pins = read_pins(check, data.get("pin"), devices) if "pin" in data else {}
-    device_map = read_pins(check, data["device_map"], devices, "device_map") if "device_map" in data else None
+    listed = _listed_devices(data.get("devices"))
+    pins = read_pins(check, data.get("pin"), devices, listed=listed) if "pin" in data else {}
+    device_map = read_pins(check, data["device_map"], devices, "device_map", listed) if "device_map" in data else None
     clashing = [key for key in ("pin", "together", "pipeline", "contiguous", "offload") if data.get(key)]
     if "device_map" in data and clashing:
         check.problem(
