@@ -311,6 +311,9 @@ def _planned(args: argparse.Namespace, loaded: Any, progress: StageTimer) -> tup
 def _run(args: argparse.Namespace, out: TextIO, progress: StageTimer) -> int:
     from fxsplit.factory import load_model
 
+    folder = Path(getattr(args, "output", None) or ".").parent
+    if not folder.is_dir():  # say so now, not after a long trace
+        raise FxsplitError(f"cannot write {args.output!r}: the directory '{folder}' does not exist; create it first")
     with progress.stage("loading the model"):
         loaded = load_model(args.model)
     if args.command == "plan":

@@ -172,6 +172,10 @@ def test_show_writes_a_dot_file(tmp_path: Path) -> None:
             "--dtype, --output-device, --no-replicate change how a plan is made, but --plan uses a saved plan",
         ),
         (("show", MODEL, "--plan", SPEC, "-o", "x.dot", "--mode", "training"), "--mode change how a plan is made"),
+        (
+            ("plan", MODEL, "--spec", SPEC, "-o", "/nonexistent/dir/plan.yaml"),
+            "cannot write '/nonexistent/dir/plan.yaml': the directory '/nonexistent/dir' does not exist",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(args: tuple[str, ...], fragment: str) -> None:
