@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 import pytest
 import torch
@@ -180,8 +181,9 @@ def test_profile_plans_with_measured_times_and_refuses_meta() -> None:
     assert torch.get_num_threads() == threads  # profiled on one thread, then put back
     assert plan.timing["source"] == "profile" and "measured per op (profile=True)" in str(plan)
     stages = [row["compute"] for row in plan.timing["stages"].values()]
-    assert len(stages) == 2 and all(s > 0 for s in stages)  # measured; how even is for benchmarks/STAGE_RESULTS.md
-    assert all(plan.modules.get(d) for d in ("cpu:0", "cpu:1"))  # four equal blocks: both stages hold some
+    # measured; whether to spread depends on this machine's copy speed (tests/test_linkprofile.py), how
+    # evenly is for benchmarks/STAGE_RESULTS.md
+    assert len(stages) == 2 and all(s >= 0 for s in stages) and sum(stages) > 0
     with torch.device("meta"):
         on_meta = _mlp(2, 64)
     with pytest.raises(SpecError, match="profile=True runs the model: .* is on the meta device"):
@@ -285,3 +287,20 @@ def test_products_with_a_small_dimension_run_below_peak() -> None:
     _, wide, _ = _training(torch.nn.Linear(2048, 64), (torch.randn(32, 2048),))
     assert work.rate(CPU)[0] < 0.5 * CPU.flops < 0.95 * CPU.flops < wide.rate(CPU)[0]
     assert (work.rate(DEFAULT_SPEEDS["cuda"]) == DEFAULT_SPEEDS["cuda"].flops).all()  # measured on CPU only
+
+
+def test_hardware_for_a_device_no_budget_names_is_a_warning() -> None:
+    """A typo in a device name under hardware would leave its speeds unused without a word: warned, by name."""
+    model, x = _mlp(2, 64), torch.randn(8, 64)
+    hardware = {"devices": {"cpu:7": {"flops": "1 TFLOP/s"}, "cpu": {"flops": "1 TFLOP/s"}}}
+    with pytest.warns(fxsplit.FxsplitWarning, match=r"hardware names 'cpu:7', which no budget names"):
+        fxsplit.plan(model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(x,), pipeline=2, hardware=hardware)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a kind ('cpu') or a budgeted device is used: nothing to say
+        fxsplit.plan(
+            model,
+            {"cpu:0": "1MiB", "cpu:1": "1MiB"},
+            example_inputs=(x,),
+            pipeline=2,
+            hardware={"devices": {"cpu": {"flops": "1 TFLOP/s"}, "cpu:1": {"flops": "2 TFLOP/s"}}},
+        )

@@ -10,14 +10,17 @@ twice (the value forward, its gradient back).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 import torch.fx
 
+from fxsplit.callsite import user_stacklevel
 from fxsplit.cost.build import GraphCosts
 from fxsplit.cost.compute import op_seconds, op_work
+from fxsplit.errors import FxsplitWarning
 from fxsplit.hardware import Hardware, Link
 from fxsplit.options import Options, PipelineConfig
 from fxsplit.partition.problem import PartitionProblem
@@ -99,6 +102,7 @@ def timing_for(
 
         links = profile_links(devices, largest_copy)
     hardware = Hardware.coerce(options.hardware)
+    _warn_unused_hardware(hardware, devices)
     return op_timing(
         graph_module,
         ops,
@@ -109,6 +113,21 @@ def timing_for(
         measured=measured,
         measured_links=links,
     )
+
+
+def _warn_unused_hardware(hardware: Hardware, devices: Sequence[str]) -> None:
+    """Warn about speeds or links given for a device the budgets do not name (a typo: they would not apply)."""
+    kinds = {d.partition(":")[0] for d in devices}
+    names = [*hardware.devices, *(end for pair in hardware.links for end in pair)]
+    unused = sorted({n for n in names if n not in devices and n not in kinds})
+    if unused:
+        warnings.warn(
+            FxsplitWarning(
+                f"hardware names {', '.join(map(repr, unused))}, which no budget names (devices: "
+                f"{', '.join(devices)}): those speeds and links are not used; name a device or a kind (cuda, cpu)"
+            ),
+            stacklevel=user_stacklevel(),
+        )
 
 
 def measure_ops(
