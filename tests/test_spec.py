@@ -412,6 +412,13 @@ def test_spec_pipeline_key_becomes_the_pipeline_option() -> None:
 def test_spec_pipeline_key_is_validated_with_its_line() -> None:
     with pytest.raises(fxsplit.SpecError, match=r"<spec>:2: pipeline: .*chunks"):
         fxsplit.load_spec("devices: {cpu:0: 1MiB}\npipeline: {chunk: 2}\n")
+    with pytest.raises(fxsplit.SpecError) as raised:  # every problem of the block at once
+        fxsplit.load_spec(
+            "devices: {cpu:0: 1MiB}\npipeline: {chunks: 2, checkpoint: sometimes, batch_stats: maybe, x: 1}\n"
+        )
+    assert all(f in str(raised.value) for f in ("unknown pipeline option(s) 'x'", "'sometimes'", "'maybe'")), (
+        raised.value
+    )
 
 
 def test_spec_mode_and_optimizer_set_what_the_budgets_hold() -> None:
