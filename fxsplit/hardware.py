@@ -171,8 +171,19 @@ class Hardware:
                 f"'links': {{'cuda:0 <-> cuda:1': {{'bandwidth': '300GB/s'}}}}}} (got {type(value).__name__})"
             )
         _only(value, ("devices", "links"), "hardware")
-        devices = {str(name): _speed(str(name), entry) for name, entry in (value.get("devices") or {}).items()}
-        links = {_pair(key): _link(key, entry) for key, entry in (value.get("links") or {}).items()}
+        problems: list[str] = []  # every entry's problem at once, as a spec lists them
+
+        def checked(make: Any, *args: Any) -> Any:
+            try:
+                return make(*args)
+            except SpecError as error:
+                problems.append(str(error))
+                return None
+
+        devices = {str(name): checked(_speed, str(name), entry) for name, entry in (value.get("devices") or {}).items()}
+        links = {checked(_pair, key): checked(_link, key, entry) for key, entry in (value.get("links") or {}).items()}
+        if problems:
+            raise SpecError("; ".join(problems))
         return cls(devices, links)
 
 

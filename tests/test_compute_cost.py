@@ -158,6 +158,8 @@ def test_hardware_values_parse_and_bad_ones_say_how() -> None:
         Hardware.coerce({"devices": {"cuda": {"flops": 0}}})
     with pytest.raises(SpecError, match="like 'cuda:0 <-> cuda:1'"):
         Hardware.coerce({"links": {"cuda:0": {"bandwidth": 1}}})
+    with pytest.raises(SpecError, match="flops must be .* \\(got 'fast'\\); hardware link 'cuda:0' must name"):
+        Hardware.coerce({"devices": {"cuda": {"flops": "fast"}}, "links": {"cuda:0": {"bandwidth": 1}}})  # both
     with pytest.raises(SpecError, match="rate like '25GB/s'"):
         Hardware.coerce({"links": {"a <-> b": {"bandwidth": "25GB"}}})
     with pytest.raises(SpecError, match="unknown option 'hardwares'"):
