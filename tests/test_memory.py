@@ -588,3 +588,29 @@ def test_pipelined_training_under_checkpointing_holds_only_stage_inputs() -> Non
     for device in plan.devices:
         assert always[device] == one[device] + 3 * received[device]
         assert always[device] < never[device]
+
+
+def test_a_copy_read_on_another_device_has_its_gradient_counted_there_in_backward() -> None:
+    """Found by an outside check: with activations copied from device to device, the reader's backward makes
+    the copy's gradient on the reader's device before the copy's backward sends it home; the estimate missed
+    that tensor (a whole activation per device) and a training split went 34 KB over its budget."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, 10),
+    ).train()
+    x = torch.randn(4, 3, 16, 16)
+    split = fxsplit.fxsplit(model, {f"cpu:{i}": 1_000_000 for i in range(3)}, example_inputs=(x,), mode="training")
+    plan = split.meta["fxsplit_plan"]
+    assert len(plan.cuts) >= 3 and all(plan.modules[d] for d in plan.devices)  # activations cross devices
+    measured = measure_training(split, x)
+    for device in plan.devices:
+        estimated = plan.memory[device]["activations_peak"]
+        assert measured[device] <= estimated <= 1.15 * measured[device], (device, estimated, measured)

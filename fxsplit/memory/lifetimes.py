@@ -17,8 +17,8 @@ any placement of the ops on devices, the way the generated code runs:
 * outputs are copied to the output device and are held by the caller;
 * training: a saved storage lives until the backward of the earliest op that
   saved it; the gradient of a storage that needs one lives, in backward,
-  from its last reader to the op that made it (the forward lifetime,
-  walked backwards); outputs stay held through the backward.
+  from its last reader to the op that made it (the forward lifetime, walked
+  backwards; a copy's, at its reader); outputs stay held through the backward.
 
 :func:`simulate` gives each device's peak; :func:`planning_loads` gives the
 per-op ``op_extra`` and ``op_transient`` that the partitioner adds up for a
@@ -118,6 +118,7 @@ class _Storage:
     requires_grad: bool
     saved_at: int | None = None
     held: bool = False
+    copied: bool = False  # a copy made for a reader on another device, right before it runs
 
     def touch(self, position: int, is_op: bool) -> None:
         self.last = max(self.last, position)
@@ -162,8 +163,8 @@ class _Walk:
         self.readers: dict[tuple[str, Hashable], set[int]] = {}
         self.device_of: dict[int, Hashable] = {}
 
-    def _new(self, device: Hashable, nbytes: int, position: int, requires_grad: bool) -> int:
-        self.storages.append(_Storage(device, nbytes, position, position, position, requires_grad))
+    def _new(self, device: Hashable, nbytes: int, position: int, requires_grad: bool, copied: bool = False) -> int:
+        self.storages.append(_Storage(device, nbytes, position, position, position, requires_grad, copied=copied))
         return len(self.storages) - 1
 
     def place(self, name: str, device: Hashable, position: int, is_op: bool) -> dict[int, int | None]:
@@ -185,7 +186,7 @@ class _Walk:
                 found = dict.fromkeys(info.storages, self._new(device, info.nbytes, position, info.requires_grad))
             else:  # a copy from the value's home, made right before its first reader here
                 self.place(name, home, position, is_op)
-                found = dict.fromkeys(info.storages, self._new(device, info.nbytes, position, info.requires_grad))
+                found = dict.fromkeys(info.storages, self._new(device, info.nbytes, position, info.requires_grad, True))
             self.on[(name, device)] = found
         for index in set(found.values()):
             if index is not None:
@@ -255,7 +256,7 @@ class _Walk:
                     parent[find(j)] = find(i)
         spans: dict[int, list[int]] = {}
         for index, s in enumerate(self.storages):
-            if s.requires_grad and s.last_op > s.alloc:
+            if s.requires_grad and (s.last_op > s.alloc or s.copied):  # a copy's: made by its reader's backward
                 span = spans.setdefault(find(index), [s.alloc, s.last_op, s.nbytes])
                 span[0], span[1], span[2] = min(span[0], s.alloc), max(span[1], s.last_op), max(span[2], s.nbytes)
         return [(self.storages[root].device, first, last, nbytes) for root, (first, last, nbytes) in spans.items()]
