@@ -278,10 +278,12 @@ def _tiny_gpt2(transformers: Any) -> torch.nn.Module:
     return Logits().eval()
 
 
-def _gpt2_case(transformers: Any, stages: int = 3) -> tuple[torch.nn.Module, dict[str, int], torch.Tensor]:
+def _gpt2_case(
+    transformers: Any, stages: int = 3, factor: float = 9.6
+) -> tuple[torch.nn.Module, dict[str, int], torch.Tensor]:
     model = _tiny_gpt2(transformers)
     total = sum(p.numel() * 4 for p in model.parameters())
-    budgets = {f"cpu:{k}": int(9.6 * total / stages) for k in range(stages)}
+    budgets = {f"cpu:{k}": int(factor * total / stages) for k in range(stages)}
     return model, budgets, torch.randint(0, 2000, (4, 16), generator=torch.Generator().manual_seed(0))
 
 
@@ -325,9 +327,11 @@ def test_each_stage_row_counts_its_own_copies_and_the_plan_fits_with_them(count:
 
 def test_stages_over_by_the_memory_table_are_planned_again_until_they_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     """The re-plan that guards against a stage module holding more than its row counts: with rows made to count no
-    copy (as plans did before they counted them), the head's stage of a tiny GPT-2 comes out 12 KiB over its
-    budget once its copy of the tied embedding is added. Lowering its cap by 12 KiB alone left the same
-    placement; the cap goes below what the partitioner charged it, so one plan more moves an op off it."""
+    copy (as plans did before they counted them), the head's stage of a tiny GPT-2 comes out over its budget
+    once its copy of the tied embedding is added. Lowering its cap by the excess alone left the same placement;
+    the cap goes below what the partitioner charged it, so one plan more moves an op off it. (Budgets of 9.9-10.7
+    x the weights / 3 make this case since training rows count the gradient of each copy on the reader's device;
+    below, no plan fits without the copies counted.)"""
     transformers = pytest.importorskip("transformers")
     from fxsplit.memory.model import MemoryModel
     from fxsplit.pipeline.replicabudget import replica_overruns
@@ -335,7 +339,7 @@ def test_stages_over_by_the_memory_table_are_planned_again_until_they_fit(monkey
     usage = MemoryModel.usage
     uncounted = lambda self, plan: usage(dataclasses.replace(self, processes=False), plan)  # noqa: E731
     monkeypatch.setattr(MemoryModel, "usage", uncounted)
-    model, budgets, ids = _gpt2_case(transformers)
+    model, budgets, ids = _gpt2_case(transformers, factor=10.2)
     with pytest.warns(fxsplit.FxsplitWarning, match=r"planned again .*cpu:2: m.transformer.wte.weight"):
         stages = fxsplit.pipeline_stages(
             model, budgets, example_inputs=(ids,), chunks=2, mode="training", return_outputs=False
