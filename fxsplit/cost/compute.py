@@ -62,8 +62,6 @@ trainable parameter; the model's inputs and buffers do not.
 
 from __future__ import annotations
 
-import math
-import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -71,6 +69,20 @@ import numpy as np
 import torch
 import torch.fx
 
+from fxsplit.cost.opwork import (
+    LOOKUP_MODULES,
+    LOOKUPS,
+    bytes_moved,
+    flops_of,
+    is_batch_norm,
+    is_free,
+    is_product,
+    numel,
+    op_name,
+    operands,
+    product_sizes,
+    value_of,
+)
 from fxsplit.hardware import DeviceSpeed
 from fxsplit.tracing.graphinfo import element_size, value_bytes
 
@@ -118,50 +130,6 @@ class Work:
         return rate
 
 
-_MATMULS = {"matmul", "mm", "bmm"}  # first argument times second
-_ADD_MATMULS = {"addmm", "baddbmm"}  # input plus first times second
-_CONVS = {"conv1d", "conv2d", "conv3d"}
-_TRANSPOSED_CONVS = {"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
-_PRODUCTS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scaled_dot_product_attention"}
-_PRODUCTS |= {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
-_LOOKUPS = {"embedding", "embedding_bag"}
-_LOOKUP_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
-_PRODUCT_MODULES = (torch.nn.Linear, torch.nn.modules.conv._ConvNd)
-_NORM_MODULES = (
-    torch.nn.modules.batchnorm._NormBase,
-    torch.nn.LayerNorm,
-    torch.nn.GroupNorm,
-    torch.nn.LocalResponseNorm,
-)
-_NOT_PRODUCTS = (*_LOOKUP_MODULES, *_NORM_MODULES)
-_BATCH_NORMS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"}
-_VIEW_NAMES = {
-    "view",
-    "reshape",
-    "permute",
-    "transpose",
-    "t",
-    "unsqueeze",
-    "squeeze",
-    "flatten",
-    "unflatten",
-    "expand",
-    "narrow",
-    "select",
-    "split",
-    "chunk",
-    "unbind",
-    "view_as",
-    "expand_as",
-    "size",
-    "dim",
-    "contiguous",
-    "detach",
-    "alias",
-    "getitem",
-}
-
-
 def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *, dtype: Any = None) -> Work:
     """FLOPs and bytes per op of ``ops`` (nodes of ``graph_module``), from their recorded shapes.
 
@@ -177,21 +145,21 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
     modules = dict(graph_module.named_modules())
     grads = _requires_grad(graph_module, modules)
     for index, node in enumerate(ops):
-        if _is_free(node):
+        if is_free(node):
             free[index] = True
             continue
         module = modules.get(str(node.target)) if node.op == "call_module" else None
         try:
-            flops[index] = _flops(node, module)
+            flops[index] = flops_of(node, module)
         except Exception:  # noqa: BLE001 - a formula that cannot read these shapes: count the op as elementwise
-            flops[index] = _numel(_value(node))
-        nbytes[index] = _bytes_moved(node, module, dtype)
-        products[index] = _is_product(node, module)
-        reduction[index], positions[index] = _product_sizes(node, module)
+            flops[index] = numel(value_of(node))
+        nbytes[index] = bytes_moved(node, module, dtype)
+        products[index] = is_product(node, module)
+        reduction[index], positions[index] = product_sizes(node, module)
         train_flops[index], train_nbytes[index], grad_nbytes[index] = _training_work(
             node, module, grads, (flops[index], nbytes[index]), products[index], dtype
         )
-        if train_flops[index] and _is_batch_norm(node, module):
+        if train_flops[index] and is_batch_norm(node, module):
             norm_nbytes[index] = float(value_bytes(node, float_dtype=dtype) or 0)
     return Work(
         flops, nbytes, free, products, train_flops, train_nbytes, grad_nbytes, reduction, positions, norm_nbytes
@@ -215,39 +183,6 @@ def op_seconds(work: Work, speed: DeviceSpeed, *, training: bool = False) -> np.
     return forward + np.where(reached, speed.overhead + backward, 0.0) + work.grad_nbytes / speed.bandwidth
 
 
-def _is_product(node: torch.fx.Node, module: torch.nn.Module | None) -> bool:
-    if module is not None:
-        return isinstance(module, _PRODUCT_MODULES) or (_has_weights(module) and not isinstance(module, _NOT_PRODUCTS))
-    name = _op_name(node)
-    return name in _PRODUCTS or name == "convolution"
-
-
-def _product_sizes(node: torch.fx.Node, module: torch.nn.Module | None) -> tuple[float, float]:
-    """A product's reduction length and a convolution's output positions per image (0 where none; see the notes)."""
-    name = _op_name(node) if module is None else ""
-    conv = isinstance(module, torch.nn.modules.conv._ConvNd) or name in (_CONVS | _TRANSPOSED_CONVS | {"convolution"})
-    shape = getattr(_value(node), "shape", None)
-    if shape is None:
-        return 0.0, 0.0
-    if conv and len(shape) >= 3:
-        weight = _shape(node.args[1] if module is None else module.weight)
-        return float(math.prod(weight[1:])), float(math.prod(int(s) for s in shape[2:]))
-    if isinstance(module, torch.nn.Linear):
-        return float(module.in_features), 0.0
-    if name in _MATMULS or name in _ADD_MATMULS or name == "linear":
-        first = node.args[1] if name in _ADD_MATMULS else node.args[0]
-        return float(_shape(first)[-1]), 0.0
-    return 0.0, 0.0
-
-
-def _is_batch_norm(node: torch.fx.Node, module: torch.nn.Module | None) -> bool:
-    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) or _op_name(node) in _BATCH_NORMS
-
-
-def _has_weights(module: torch.nn.Module) -> bool:
-    return any(True for _ in module.parameters())
-
-
 def _requires_grad(graph_module: torch.fx.GraphModule, modules: dict[str, torch.nn.Module]) -> set[torch.fx.Node]:
     """The nodes whose value takes a gradient in training: floating values computed from a trainable parameter."""
     trainable = {name for name, p in graph_module.named_parameters(remove_duplicate=False) if p.requires_grad}
@@ -261,23 +196,13 @@ def _requires_grad(graph_module: torch.fx.GraphModule, modules: dict[str, torch.
             module = modules.get(str(node.target)) if node.op == "call_module" else None
             own = module is not None and any(p.requires_grad for p in module.parameters())
             needs = own or any(source in found for source in node.all_input_nodes)
-            value = _value(node)
+            value = value_of(node)
             dtype = getattr(value, "dtype", None)
             if dtype is not None and not dtype.is_floating_point:
                 needs = False
         if needs:
             found.add(node)
     return found
-
-
-def _operands(node: torch.fx.Node) -> list[Any]:
-    """A product's multiplied operands (not an ``addmm``'s added bias)."""
-    name = _op_name(node)
-    if name in _ADD_MATMULS:
-        return list(node.args[1:3])
-    if name == "scaled_dot_product_attention":
-        return list(node.args[:3])
-    return list(node.args[:2])
 
 
 def _weights_bytes(node: torch.fx.Node, module: torch.nn.Module | None, grads: set[torch.fx.Node], dtype: Any) -> float:
@@ -303,9 +228,9 @@ def _training_work(
     weights = _weights_bytes(node, module, grads, dtype)
     accumulate = WEIGHT_GRADIENT_PASSES * weights
     out = float(value_bytes(node, float_dtype=dtype) or 0)
-    if isinstance(module, _LOOKUP_MODULES) or _op_name(node) in _LOOKUPS:
-        return _numel(_value(node)), 2.0 * out, accumulate + weights  # the rows added into a table of zeros
-    if _is_batch_norm(node, module):
+    if isinstance(module, LOOKUP_MODULES) or op_name(node) in LOOKUPS:
+        return numel(value_of(node)), 2.0 * out, accumulate + weights  # the rows added into a table of zeros
+    if is_batch_norm(node, module):
         return flops, 0.0, accumulate  # its passes over ``out``: the device's ``norm_passes`` (op_seconds)
     if not product:
         return flops, nbytes, accumulate
@@ -313,106 +238,7 @@ def _training_work(
         first = node.args[0] if node.args else None
         count = int(isinstance(first, torch.fx.Node) and first in grads) + int(weights > 0)
     else:
-        count = sum(1 for a in _operands(node) if isinstance(a, torch.fx.Node) and a in grads)
-        if _op_name(node) == "scaled_dot_product_attention":
+        count = sum(1 for a in operands(node) if isinstance(a, torch.fx.Node) and a in grads)
+        if op_name(node) == "scaled_dot_product_attention":
             count = 2 * int(count > 0)  # its backward: about two forwards of matrix products
     return count * flops, count * nbytes, accumulate
-
-
-def _is_free(node: torch.fx.Node) -> bool:
-    target = node.target
-    if target is operator.getitem:
-        return True
-    if isinstance(target, torch._ops.OpOverload):
-        return bool(target.is_view) or target.overloadpacket.__name__ in ("sym_size", "_assert_tensor_metadata")
-    name = getattr(target, "__name__", target) if node.op == "call_function" else target
-    return node.op in ("call_method", "call_function") and str(name) in _VIEW_NAMES
-
-
-def _value(node: Any) -> Any:
-    if not isinstance(node, torch.fx.Node):
-        return node
-    return node.meta.get("val", node.meta.get("tensor_meta"))
-
-
-def _shape(value: Any) -> tuple[int, ...]:
-    return tuple(int(s) for s in _value(value).shape)
-
-
-def _numel(value: Any) -> float:
-    shape = getattr(value, "shape", None)
-    if shape is None:
-        return 0.0
-    return float(math.prod(int(s) for s in shape))
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    """The op's name: an ATen op's packet name, a torch function's name, or a method's name."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target.overloadpacket.__name__)
-    if node.op == "call_method":
-        return str(target)
-    where = getattr(target, "__module__", None) or ""
-    torch_made = where.startswith("torch") or where in ("_operator", "operator") or where == ""
-    return str(getattr(target, "__name__", "")) if torch_made else ""
-
-
-def _flops(node: torch.fx.Node, module: torch.nn.Module | None) -> float:
-    out = _value(node)
-    if module is not None:
-        return _module_flops(module, node, out)
-    name = _op_name(node)
-    if name in _MATMULS or name in _ADD_MATMULS or name == "linear":
-        first = node.args[1] if name in _ADD_MATMULS else node.args[0]
-        return 2.0 * _numel(out) * _shape(first)[-1]
-    if name in _CONVS:
-        return 2.0 * _numel(out) * math.prod(_shape(node.args[1])[1:])
-    if name in _TRANSPOSED_CONVS:
-        return 2.0 * _numel(_value(node.args[0])) * math.prod(_shape(node.args[1])[1:])
-    if name == "scaled_dot_product_attention":
-        query, key = _shape(node.args[0]), _shape(node.args[1])
-        return 4.0 * math.prod(query[:-1]) * key[-2] * query[-1]
-    if name in _LOOKUPS:
-        return 0.0
-    if isinstance(node.target, torch._ops.OpOverload):
-        from torch.utils.flop_counter import flop_registry
-
-        formula = flop_registry.get(node.target.overloadpacket)
-        if formula is not None:
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _value)
-            return float(formula(*args, **kwargs, out_val=out))
-    return _numel(out)
-
-
-def _module_flops(module: torch.nn.Module, node: torch.fx.Node, out: Any) -> float:
-    if isinstance(module, torch.nn.Linear):
-        return 2.0 * _numel(out) * module.in_features
-    if isinstance(module, torch.nn.modules.conv._ConvNd):
-        kernel = math.prod(module.weight.shape[1:])
-        if module.transposed:
-            return 2.0 * _numel(_value(node.args[0])) * kernel
-        return 2.0 * _numel(out) * kernel
-    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
-        return 0.0
-    if isinstance(module, _NORM_MODULES):
-        return _numel(out)  # elementwise: normalise, scale and shift each element
-    params = sum(p.numel() for p in module.parameters())
-    shape = getattr(out, "shape", None)
-    if params and shape is not None and len(shape) >= 1 and int(shape[-1]):
-        rows = _numel(out) / int(shape[-1])
-        return 2.0 * params * rows
-    return _numel(out)
-
-
-def _bytes_moved(node: torch.fx.Node, module: torch.nn.Module | None, dtype: Any) -> float:
-    out = float(value_bytes(node, float_dtype=dtype) or 0)
-    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) or _op_name(node) in _LOOKUPS:
-        return 2.0 * out  # a lookup reads the rows it returns, not the whole table
-    total = out
-    for source in dict.fromkeys(node.all_input_nodes):
-        total += float(value_bytes(source, float_dtype=dtype) or 0)
-    if module is not None:
-        for tensor in [*module.parameters(), *module.buffers()]:
-            total += tensor.numel() * element_size(tensor.dtype, dtype)
-    return total
