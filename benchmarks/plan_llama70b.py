@@ -76,8 +76,8 @@ def _timed_plan(
     model: torch.nn.Module, budgets: dict[str, str], ids: torch.Tensor, mode: str, timings: dict[str, float]
 ) -> api.Planned:
     """api.trace_and_plan with the time of each stage recorded (trace, activation profile, partition + simulation)."""
-    from fxsplit.memory import activations
-    from fxsplit.memory import model as memory
+    from fxsplit.memory import charge, fit
+    from fxsplit.planning import offload
     from fxsplit.tracing import capture as trace
 
     def timed(name: str, func):  # type: ignore[no-untyped-def]
@@ -90,14 +90,16 @@ def _timed_plan(
 
         return wrapper
 
-    originals = (api.trace, api.profile_activations, api.fit_budgets)
+    # patched where the planning modules look them up: api calls trace, the memory model (charge) profiles the
+    # activations, and fit_or_offload (planning.offload) runs the partition-and-check loop
+    originals = (api.trace, charge.profile_activations, offload.fit_budgets)
     api.trace = timed("trace_s", trace.trace)
-    api.profile_activations = timed("profile_s", activations.profile_activations)
-    api.fit_budgets = timed("partition_and_check_s", memory.fit_budgets)
+    charge.profile_activations = timed("profile_s", charge.profile_activations)
+    offload.fit_budgets = timed("partition_and_check_s", fit.fit_budgets)
     try:
         return api.trace_and_plan(model, budgets, (ids,), {"example_kwargs": {"use_cache": False}, "mode": mode})
     finally:
-        api.trace, api.profile_activations, api.fit_budgets = originals
+        api.trace, charge.profile_activations, offload.fit_budgets = originals
 
 
 if __name__ == "__main__":
