@@ -1,7 +1,7 @@
 """The whole ``fxsplit.plan()`` call, timed stage by stage, on deep MLPs of 1k to 100k ops.
 
 :func:`timed_stages` wraps the functions :func:`fxsplit.plan` calls (looked up
-in :mod:`fxsplit.api` at call time) with timers, so one ordinary ``plan()``
+in :mod:`fxsplit.api` and :mod:`fxsplit.plangraph` at call time) with timers, so one ordinary ``plan()``
 call is split into:
 
 * ``trace``: torch.fx / torch.export;
@@ -27,6 +27,7 @@ import torch
 
 import fxsplit
 import fxsplit.api as api
+import fxsplit.plangraph as plangraph
 from benchmarks.measure import fit_slope, median
 from benchmarks.models import MLP
 
@@ -35,12 +36,12 @@ __all__ = ["PLAN_SIZES", "QUICK_PLAN_SIZES", "STAGES", "plan_scaling", "timed_pl
 PLAN_SIZES = (1_000, 2_000, 5_000, 10_000, 20_000, 50_000, 100_000)
 QUICK_PLAN_SIZES = (1_000, 2_000)
 STAGES = ("trace", "build", "memory", "partition", "make_plan", "other")
-_WRAPPED = {
-    "trace": ("trace",),
-    "build": ("check_constraints", "build_problem"),
-    "memory": ("memory_model",),
-    "partition": ("partition",),
-    "make_plan": ("make_plan",),
+_WRAPPED: dict[str, tuple[tuple[Any, str], ...]] = {  # stage -> (module, name) of each function it times
+    "trace": ((api, "trace"),),
+    "build": ((api, "check_constraints"), (plangraph, "build_problem")),
+    "memory": ((plangraph, "memory_model"),),
+    "partition": ((plangraph, "partition"),),
+    "make_plan": ((plangraph, "make_plan"),),
 }
 
 
@@ -48,7 +49,7 @@ _WRAPPED = {
 def timed_stages() -> Iterator[dict[str, float]]:
     """Seconds spent in each stage of the ``fxsplit.plan()`` calls made inside the block."""
     spent = dict.fromkeys(STAGES, 0.0)
-    originals = {name: getattr(api, name) for names in _WRAPPED.values() for name in names}
+    originals = {(module, name): getattr(module, name) for found in _WRAPPED.values() for module, name in found}
 
     def timer(stage: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(fn)
@@ -61,14 +62,14 @@ def timed_stages() -> Iterator[dict[str, float]]:
 
         return timed
 
-    for stage, names in _WRAPPED.items():
-        for name in names:
-            setattr(api, name, timer(stage, originals[name]))
+    for stage, found in _WRAPPED.items():
+        for module, name in found:
+            setattr(module, name, timer(stage, originals[(module, name)]))
     try:
         yield spent
     finally:
-        for name, fn in originals.items():
-            setattr(api, name, fn)
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
 
 
 def timed_plan(

@@ -35,6 +35,7 @@ __all__ = [
     "Plan",
     "PlanMismatchError",
     "Replica",
+    "RowSplit",
     "Spec",
     "SpecError",
     "TraceError",
@@ -63,6 +64,7 @@ _MODULE_OF: dict[str, str] = {
     "Cut": "fxsplit.planning.plan",
     "Plan": "fxsplit.planning.plan",
     "Replica": "fxsplit.planning.plan",
+    "RowSplit": "fxsplit.planning.plan",
     "Pipeline": "fxsplit.pipeline.gpipe",
     "PipelineConfig": "fxsplit.options",
     "PipelineStages": "fxsplit.pipeline.distributed",
@@ -122,6 +124,6 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from fxsplit.pipeline.distributed import PipelineStages, pipeline_stages
     from fxsplit.pipeline.gpipe import Pipeline
     from fxsplit.planning.apply import apply, check_plan
-    from fxsplit.planning.plan import Cut, Plan, Replica
+    from fxsplit.planning.plan import Cut, Plan, Replica, RowSplit
     from fxsplit.spec import Spec, load_spec
     from fxsplit.units import format_size, parse_size

@@ -2,67 +2,42 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from contextlib import ExitStack
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, TypeVar, overload
+from typing import Any, Callable, Mapping, TypeVar, overload
 
 import torch
 import torch.fx
 
-from fxsplit.check import verify_plan, verify_split
+from fxsplit.check import verify_split
 from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.checkpoint.cast import CastForLoad, warn_uncast
 from fxsplit.checkpoint.unloaded import guard_meta_weights
 from fxsplit.codegen.emitter import emit, move_weights
-from fxsplit.cost.build import GraphCosts, build_problem
 from fxsplit.cost.constraints import (
     check_constraints,
-    explain_infeasible_pins,
     locator,
-    refuse_split_writes,
     resolve_leaf_modules,
     together_groups,
 )
 from fxsplit.cost.walk import one_walk
 from fxsplit.devices import require_usable
-from fxsplit.errors import BudgetError, SpecError
+from fxsplit.errors import SpecError
 from fxsplit.gcpause import gc_paused
-from fxsplit.memory.charge import memory_model
-from fxsplit.memory.model import MemoryModel, MemorySpec
 from fxsplit.optionparse import parse_options
-from fxsplit.options import Budgets, Offload, Options, PipelineConfig
-from fxsplit.partition.problem import PartitionProblem
-from fxsplit.partition.solve import Partition, partition
+from fxsplit.options import Budgets, PipelineConfig
 from fxsplit.pipeline.gpipe import Pipeline, pipelined
 from fxsplit.pipeline.microbatch import first_microbatch
-from fxsplit.planning.build import make_plan
-from fxsplit.planning.fingerprint import record_origin
-from fxsplit.planning.offload import fit_or_offload
+from fxsplit.plangraph import GraphPlanning, Planned, plan_graph
 from fxsplit.planning.plan import Plan
-from fxsplit.planning.replicas import try_replicas
-from fxsplit.planning.stagecopies import held_copies_error
-from fxsplit.planning.timing import copied_problem, timing_for, timing_record
-from fxsplit.planning.weightmap import device_map_homes, pins_as_device_map, plan_device_map, refuse_with_map
+from fxsplit.planning.rowsplits import try_row_splits, wants_row_splits
+from fxsplit.planning.weightmap import device_map_homes, pins_as_device_map, refuse_with_map
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
-from fxsplit.tracing.capture import Traced, trace
-from fxsplit.tracing.dynamic import describe as describe_dynamic
+from fxsplit.tracing.capture import trace
 from fxsplit.validate import check_concrete_args, device_option, refuse_growing_state, refuse_meta, require_module
 
 __all__ = ["Planned", "fxsplit", "plan", "trace_and_plan"]
-
-
-@dataclass
-class Planned:
-    """What :func:`trace_and_plan` made: the traced graph, its costs, the plan, and the options used."""
-
-    traced: Traced
-    costs: GraphCosts
-    plan: Plan
-    options: Options | None = None
-    memory: MemoryModel | None = None
 
 
 def trace_and_plan(
@@ -74,8 +49,9 @@ def trace_and_plan(
     runnable: bool = False,
     cast: Callable[[str | None], None] | None = None,
 ) -> Planned:
-    """Trace and plan; with ``runnable``, first refuse devices that cannot be used here (the split will run);
-    ``cast`` is called with the plan's dtype just before tracing."""
+    """Trace and plan; with ``runnable``, first refuse devices that cannot be used here (the split will run in
+    this process, so it splits no op's rows: :mod:`fxsplit.planning.rowsplits`); ``cast`` is called with the
+    plan's dtype just before tracing."""
     return _planned(model, budgets, example_inputs, raw, runnable, keep=lambda planned: planned, cast=cast)
 
 
@@ -163,92 +139,25 @@ def _trace_and_plan(
         if not pins or homes is not None:
             raise
         homes, pins = pins_as_device_map(model, pins, devices, error, options, locate), {}
-    index = {d: i for i, d in enumerate(devices)}
-    costs = build_problem(
-        traced.graph_module,
+
+    job = GraphPlanning(
         model,
-        device_index=index,
-        pins=pins,
-        together=together,
-        dtype=getattr(torch, dtype) if dtype else None,
-    )
-    refuse_split_writes(costs.problem, devices)
-    memory, uncounted = memory_model(
-        MemorySpec.coerce(options.mode, options.optimizer),
         traced,
-        costs,
-        model,
-        getattr(torch, dtype) if dtype else None,
-    )
-    if isinstance(options.pipeline, PipelineConfig):  # the profile is one micro-batch's
-        pipeline = options.pipeline
-        memory = dataclasses.replace(memory, chunks=pipeline.chunks, checkpoint=str(pipeline.checkpoint))
-        memory = dataclasses.replace(memory, processes=pipeline.processes, return_outputs=pipeline.return_outputs)
-    problem = memory.problem()
-    contiguous = options.contiguous or options.pipeline is not None
-    objective = options.chosen_objective
-    timing = timing_for(
         options,
-        traced.graph_module,
-        costs.ops,
-        devices,
-        dtype=dtype,
-        training=memory.spec.training,
-        inputs=(example_inputs, example_kwargs),
-        largest_copy=max((value.nbytes for value in problem.values), default=0) if options.profile else 0,
+        device_budgets,
+        output_device,
+        dtype,
+        leaves,
+        pins,
+        together,
+        locate,
+        homes,
+        (example_inputs, example_kwargs),
     )
-
-    def split(caps: Sequence[int], problem: PartitionProblem = problem) -> Partition:
-        seen = copied_problem(options, problem, costs.weight_values)  # the copies the run will make
-        try:
-            return place_ops(caps, seen)
-        except BudgetError as error:
-            better = explain_infeasible_pins(
-                error, problem, list(caps), devices, pins, len(together), locate, contiguous=contiguous
-            ) or held_copies_error(seen, caps, devices, functools.partial(place_ops, caps))
-            if better is None:
-                raise
-            raise better from error
-
-    def place_ops(caps: Sequence[int], seen: PartitionProblem) -> Partition:
-        return partition(seen, caps, objective=objective, device_names=devices, contiguous=contiguous, timing=timing)
-
-    def solve(caps: Sequence[int], split: Callable[[Sequence[int]], Partition] = split) -> Plan:
-        return make_plan(
-            costs,
-            traced.graph_module,
-            split(caps),
-            device_budgets,
-            caps=caps,
-            output_device=output_device,
-            trace=traced.method,
-            objective=objective,
-            repartition=split,
-        )
-
-    def solver(problem: PartitionProblem) -> Callable[[Sequence[int]], Plan]:
-        return functools.partial(solve, split=functools.partial(split, problem=problem))
-
-    if homes is not None:  # the map fixes every weight's device: no replicas
-        made = plan_device_map(
-            costs, traced.graph_module, memory, homes, device_budgets, output_device=output_device, trace=traced.method
-        )
-    else:
-        made = fit_or_offload(memory, device_budgets, solve, Offload.coerce(options.offload), traced.graph_module)
-        if options.replicate and objective == "min_transfer" and not options.pipeline:  # replicas, if they pay
-            made = try_replicas(made, memory, device_budgets, traced.graph_module, problem, solver)
-    if made.memory:  # what the rows count, in words: the mode, the optimizer and its step
-        made = dataclasses.replace(made, memory_counts=memory.counts(made))
-    dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
-    made = record_origin(made, model, dtype, leaves, dynamic, traced.graph_module)
-    if uncounted is not None:
-        made = dataclasses.replace(made, activations_not_counted=uncounted)
-    if timing is not None:
-        record = timing_record(made, costs, problem, timing, options, memory.trainable)
-        made = dataclasses.replace(made, timing=record)
-    if options.check:
-        verify_plan(made, traced.graph_module, model)
-    return Planned(traced, costs, made, options, memory)
+    planned = plan_graph(job)
+    if not runnable and wants_row_splits(options, homes):  # stages in processes of their own
+        planned = try_row_splits(planned, traced.graph_module, functools.partial(plan_graph, job))
+    return planned
 
 
 def plan(model: torch.nn.Module, budgets: Any = None, *, example_inputs: Any = None, **options: Any) -> Plan:

@@ -62,6 +62,9 @@ class DeviceSpeed:
             ``K / (K + half_reduction)`` of it (0: every product at the peak).
         half_map: a convolution's output positions per image at which it runs at half the peak (0: none).
         norm_passes: passes over its input a batch norm makes in training beyond its forward's.
+        fresh_bandwidth: bytes per second at which a tensor too large for the allocator to reuse memory for
+            (above :data:`~fxsplit.cost.compute.FRESH_ABOVE`) gets fresh memory: on a CPU, glibc maps new
+            pages for it and the kernel zeroes each on its first write; 0 (a GPU's caching allocator): free.
     """
 
     flops: float
@@ -70,12 +73,13 @@ class DeviceSpeed:
     half_reduction: float = 0.0
     half_map: float = 0.0
     norm_passes: float = 7.0
+    fresh_bandwidth: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         return {key: getattr(self, key) for key in SPEED_KEYS}
 
 
-SPEED_KEYS = ("flops", "bandwidth", "overhead", "half_reduction", "half_map", "norm_passes")
+SPEED_KEYS = ("flops", "bandwidth", "overhead", "half_reduction", "half_map", "norm_passes", "fresh_bandwidth")
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,16 @@ class Link:
 
 DEFAULT_SPEEDS: dict[str, DeviceSpeed] = {
     "cuda": DeviceSpeed(flops=100e12, bandwidth=2e12, overhead=10e-6),  # a data-centre GPU, 16-bit matmuls
-    # one core; products below the peak and batch norm's passes as measured on one here (docs/TIME.md)
-    "cpu": DeviceSpeed(flops=50e9, bandwidth=10e9, overhead=5e-6, half_reduction=40.0, half_map=2.0, norm_passes=14.0),
+    # one core; products below the peak, batch norm's passes and fresh pages as measured on one here (docs/TIME.md)
+    "cpu": DeviceSpeed(
+        flops=50e9,
+        bandwidth=10e9,
+        overhead=5e-6,
+        half_reduction=40.0,
+        half_map=2.0,
+        norm_passes=14.0,
+        fresh_bandwidth=2e9,
+    ),
     "other": DeviceSpeed(flops=10e12, bandwidth=400e9, overhead=10e-6),  # mps, xpu, ...: a laptop-class GPU
 }
 """Device kind -> speed, where :class:`Hardware` names neither the device nor its kind."""
@@ -212,7 +224,16 @@ def _speed(name: str, entry: Any) -> DeviceSpeed:
         half_reduction=_count(entry, "half_reduction", base.half_reduction, where),
         half_map=_count(entry, "half_map", base.half_map, where),
         norm_passes=_count(entry, "norm_passes", base.norm_passes, where),
+        fresh_bandwidth=_fresh(entry, base.fresh_bandwidth, where),
     )
+
+
+def _fresh(entry: Mapping[str, Any], default: float, where: str) -> float:
+    """``fresh_bandwidth``: a rate, or 0 for none (an allocator that keeps large blocks mapped)."""
+    if "fresh_bandwidth" not in entry:
+        return default
+    value = entry["fresh_bandwidth"]
+    return 0.0 if value in (0, "0") else parse_rate(value, what=f"{where} fresh_bandwidth")
 
 
 def _count(entry: Mapping[str, Any], key: str, default: float, where: str) -> float:

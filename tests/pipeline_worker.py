@@ -25,16 +25,23 @@ from helpers import LiveBytes  # noqa: E402
 from pipeline_models import MLP, LongSkip, Tied, budgets  # noqa: E402
 
 CHUNKS, STEPS, LR = 4, 3, 0.1
-CASES = [("MLP", "gpipe"), ("MLP", "1f1b"), ("LongSkip", "1f1b"), ("Tied", "gpipe")]
-MODELS: dict[str, Callable[[], torch.nn.Module]] = {"MLP": MLP, "LongSkip": LongSkip, "Tied": Tied}
+CASES = [("MLP", "gpipe"), ("MLP", "1f1b"), ("LongSkip", "1f1b"), ("Tied", "gpipe"), ("TiedWide", "1f1b")]
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "MLP": MLP,
+    "LongSkip": LongSkip,
+    "Tied": Tied,
+    "TiedWide": lambda: Tied(vocab=WIDE_VOCAB, width=128),  # its head's rows are split over the two ranks
+}
+WIDE_VOCAB = 4096
 
 
 def batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same data on every rank and in the single-process reference."""
     gen = torch.Generator().manual_seed(7)
-    if name == "Tied":
+    if name.startswith("Tied"):
+        vocab = WIDE_VOCAB if name == "TiedWide" else 24
         return [
-            (torch.randint(0, 24, (8, 5), generator=gen), torch.randint(0, 24, (8, 5), generator=gen))
+            (torch.randint(0, vocab, (8, 5), generator=gen), torch.randint(0, vocab, (8, 5), generator=gen))
             for _ in range(STEPS)
         ]
     return [(torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)) for _ in range(STEPS)]
@@ -75,7 +82,16 @@ def train(name: str, kind: str, rank: int, world: int) -> dict[str, Any]:
         stages.reduce_tied_grads(rank)
         optimizer.step()
     params = {path: p.detach().clone() for path, p in stage.submod.named_parameters(remove_duplicate=False)}
-    return {"losses": losses, "params": params, "tied": stages.tied, "stages": len(stages)}
+    rows = {piece.path: (piece.start, piece.stop) for held in stages._rows[rank].values() for piece in held}
+    splits = {op: split.bounds for op, split in stages.plan.row_splits.items()}
+    return {
+        "losses": losses,
+        "params": params,
+        "tied": stages.tied,
+        "stages": len(stages),
+        "rows": rows,
+        "splits": splits,
+    }
 
 
 MEMORY_PINS = {"embed": "cpu:0", "body.0": "cpu:0", "head": "cpu:1"}  # the tied weight is read on both ranks

@@ -114,15 +114,13 @@ def test_pipeline_stages_home_only_tensor_attributes() -> None:
 
 
 def test_distributed_stages_find_replicated_weights_by_path_or_say_which_is_missing() -> None:
-    from fxsplit.pipeline.distributed import PipelineStages
+    from fxsplit.pipeline.tiedgrads import _gathered
 
     net = Net()
     gm = torch.fx.symbolic_trace(net)
-    paths = ({"w": "layers.0.weight", "gone": "layers.0.gain"},)
-    stages = PipelineStages(_plan({}), (), (gm,), {}, 1, paths)
-    assert stages._tensor(0, "w") is net.layers[0].weight
+    assert _gathered(gm, "layers.0.weight", (), grads=False) is net.layers[0].weight
     with pytest.raises(AttributeError, match="cannot reach 'layers.0.gain'"):
-        stages._tensor(0, "gone")
+        _gathered(gm, "layers.0.gain", (), grads=False)
 
 
 def test_codegen_finds_a_weight_by_any_of_its_names() -> None:

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import fxsplit
+import fxsplit.plangraph
 from fxsplit.api import trace_and_plan
 from fxsplit.check import DeviceChecker, InvariantError, verify_plan, verify_split
 from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
@@ -139,13 +140,13 @@ def test_the_reserve_is_held_back_from_what_a_device_may_hold() -> None:
 
 
 def test_the_check_option_checks_the_memory_total(monkeypatch: pytest.MonkeyPatch) -> None:
-    fit_or_offload = fxsplit.api.fit_or_offload
+    fit_or_offload = fxsplit.plangraph.fit_or_offload
 
     def activations_over(*args: object) -> fxsplit.Plan:
         made = fit_or_offload(*args)  # type: ignore[arg-type]
         return _with_activations(made, made.devices[-1], made.usable[made.devices[-1]] + 1)
 
-    monkeypatch.setattr(fxsplit.api, "fit_or_offload", activations_over)
+    monkeypatch.setattr(fxsplit.plangraph, "fit_or_offload", activations_over)
     _inference_plan()  # unchecked: goes unnoticed
     with pytest.raises(InvariantError, match=r"in all, but may hold 550 B \(its budget 600 B less 50 B reserved\)"):
         _inference_plan(check=True, reserve=50)
@@ -286,12 +287,12 @@ def test_check_option_runs_the_checkers(monkeypatch: pytest.MonkeyPatch) -> None
     fxsplit.fxsplit(model(), BUDGETS, mode="weights", example_inputs=(x,))  # unchecked: goes unnoticed
     with pytest.raises(InvariantError, match="makes no such copy"):
         fxsplit.fxsplit(model(), BUDGETS, mode="weights", example_inputs=(x,), check=True)
-    make_plan = fxsplit.api.make_plan
+    make_plan = fxsplit.plangraph.make_plan
 
     def over_budget(*args: object, **kwargs: object) -> fxsplit.Plan:
         made = make_plan(*args, **kwargs)
         return dataclasses.replace(made, device_bytes={d: 10**6 for d in made.device_bytes})
 
-    monkeypatch.setattr(fxsplit.api, "make_plan", over_budget)
+    monkeypatch.setattr(fxsplit.plangraph, "make_plan", over_budget)
     with pytest.raises(InvariantError, match="but may hold 300 B: over by"):
         fxsplit.plan(model(), BUDGETS, mode="weights", example_inputs=(x,), check=True)

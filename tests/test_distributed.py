@@ -258,12 +258,18 @@ def test_two_gloo_ranks_train_like_one_process(tmp_path: Path) -> None:
         seen = set()
         for rank in ranks:
             for path, value in rank[case]["params"].items():
-                torch.testing.assert_close(
-                    value, model.get_parameter(path).detach(), atol=1e-5, rtol=1e-5, msg=f"{case}: {path}"
-                )
-                seen.add(id(model.get_parameter(path)))
+                if path in rank[case]["rows"]:  # rows of the head's weight, a parameter of their own on this rank
+                    start, stop = rank[case]["rows"][path]
+                    expected = model.get_parameter("head.weight").detach()[start:stop]
+                else:
+                    expected = model.get_parameter(path).detach()
+                    seen.add(id(model.get_parameter(path)))
+                torch.testing.assert_close(value, expected, atol=1e-5, rtol=1e-5, msg=f"{case}: {path}")
         assert seen == {id(p) for p in model.parameters()}, case  # every weight was trained somewhere
     assert ranks[0]["Tied-gpipe"]["tied"] == {"embed.weight": (0, 1)}
+    wide = [rank["TiedWide-1f1b"] for rank in ranks]  # the head's rows split over the ranks, summed with the embedding
+    assert wide[0]["splits"] == {"linear_2": (0, 2368, 4096)} and wide[0]["tied"] == {"embed.weight": (0, 1)}
+    assert [sorted(r["rows"].values()) for r in wide] == [[(0, 2368)], [(2368, 4096)]]
     _check_measured_memory([rank["memory"] for rank in ranks])
 
 

@@ -10,6 +10,7 @@ import torch
 
 import fxsplit
 import fxsplit.api as api
+import fxsplit.plangraph as plangraph
 from fxsplit.gcpause import gc_paused
 
 
@@ -76,8 +77,8 @@ def test_plan_pauses_from_the_end_of_tracing_to_its_return(monkeypatch: pytest.M
 
         return call
 
-    for name in ("trace", "memory_model", "record_origin"):  # called outside any step's own pause
-        monkeypatch.setattr(api, name, watched(name, getattr(api, name)))
+    for module, name in ((api, "trace"), (plangraph, "memory_model"), (plangraph, "record_origin")):
+        monkeypatch.setattr(module, name, watched(name, getattr(module, name)))  # called outside any step's pause
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
     (gc.enable if was_enabled else gc.disable)()
     fxsplit.plan(model, {"cpu:0": "1KiB", "cpu:1": "1KiB"}, example_inputs=(torch.randn(2, 4),), trace="fx")

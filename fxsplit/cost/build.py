@@ -9,7 +9,6 @@ one byte, so the partitioner then minimises the number of values cut.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence, TypeVar
 
@@ -18,8 +17,8 @@ import torch.fx
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from fxsplit.attrpath import attr_at
+from fxsplit.cost.pins import path_matches, resolve_pins, resolve_together
 from fxsplit.cost.walk import module_table, named_tensors
-from fxsplit.errors import SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.partition.problem import PartitionProblem, Value
 from fxsplit.tracing.graphinfo import (
@@ -34,6 +33,7 @@ from fxsplit.tracing.graphinfo import (
     value_bytes,
     value_kind,
 )
+from fxsplit.tracing.rowsplit import covered_sources
 
 __all__ = [
     "GraphCosts",
@@ -98,9 +98,11 @@ def _unread_aliases(
     unused: list[Weight],
     read: dict[int, tuple[list[str], torch.Tensor, bool]],
     known: dict[int, tuple[list[str], torch.Tensor, bool]],
+    rows: Mapping[int, str],
 ) -> dict[str, str]:
     """Unread weight -> the read weight it is: two tensor objects over the same storage (export's lifted
-    constants alias the buffers they came from; the buffer's get_attr reads nothing). It costs nothing
+    constants alias the buffers they came from; the buffer's get_attr reads nothing), or row parameters that
+    hold all of its rows (``rows``: :func:`~fxsplit.tracing.rowsplit.covered_sources`). It costs nothing
     more and goes where the read one goes."""
     unread = [w.names[0] for w, index in zip(weights, weight_values, strict=True) if index < 0]
     unread += [w.names[0] for w in unused]
@@ -114,6 +116,8 @@ def _unread_aliases(
         key = storage_key(tensors[name]) if name in tensors else None
         if key is not None and key in by_storage:
             found[name] = by_storage[key]
+        elif name in tensors and id(tensors[name]) in rows:
+            found[name] = rows[id(tensors[name])]
     return found
 
 
@@ -233,7 +237,7 @@ def build_problem(
         for key, (names, t, b) in known.items()
         if key not in weight_tensor
     ]
-    aliases = _unread_aliases(weights, weight_values, unused, weight_tensor, known)
+    aliases = _unread_aliases(weights, weight_values, unused, weight_tensor, known, covered_sources(graph_module))
     if aliases:
         weights = [dataclasses.replace(w, nbytes=0) if w.names[0] in aliases else w for w in weights]
         unused = [dataclasses.replace(w, nbytes=0) if w.names[0] in aliases else w for w in unused]
@@ -242,8 +246,8 @@ def build_problem(
     problem = PartitionProblem(
         op_names=tuple(n.name for n in ops),
         values=tuple(values),
-        pinned=_resolve_pins(pins or {}, ops, labels, device_index),
-        together=_resolve_together(together, ops, labels),
+        pinned=resolve_pins(pins or {}, ops, labels, device_index),
+        together=resolve_together(together, ops, labels),
         colocated=tuple(tuple(sorted(group)) for group in writes.values() if len(group) > 1),
         op_labels=labels,
     )
@@ -363,57 +367,3 @@ def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         found = [(name, tensor) for name, tensor in module._parameters.items() if tensor is not None]
         return found + [(name, tensor) for name, tensor in module._buffers.items() if tensor is not None]
     return [(name, tensor) for name, tensor, _ in named_tensors(module)]
-
-
-def _resolve_pins(
-    pins: Mapping[str, str],
-    ops: list[torch.fx.Node],
-    labels: tuple[str, ...],
-    device_index: Mapping[str, int],
-) -> dict[int, int]:
-    """Op index -> device index for every op whose module (or name) matches a pin pattern."""
-    pinned: dict[int, int] = {}
-    for pattern, device in pins.items():
-        if device not in device_index:
-            raise SpecError(
-                f"pin {pattern!r} names device {device!r}, which has no budget; budgets: {sorted(device_index)}"
-            )
-        matched = False
-        for i, (node, label) in enumerate(zip(ops, labels, strict=True)):
-            if path_matches(pattern, label) or node.name == pattern:
-                matched = True
-                previous = pinned.get(i)
-                if previous is not None and previous != device_index[device]:
-                    raise SpecError(f"op '{node.name}' (in '{label}') is pinned to two devices by overlapping pins")
-                pinned[i] = device_index[device]
-        if not matched:
-            raise SpecError(f"pin {pattern!r} matches no module or node of the traced graph")
-    return pinned
-
-
-def _resolve_together(
-    groups: Sequence[Sequence[str]], ops: list[torch.fx.Node], labels: tuple[str, ...]
-) -> tuple[tuple[int, ...], ...]:
-    """One group of op indices per group of module patterns: every op of every matching module."""
-    resolved: list[tuple[int, ...]] = []
-    for group in groups:
-        members: list[int] = []
-        for pattern in group:
-            found = [i for i, node in enumerate(ops) if path_matches(pattern, labels[i]) or node.name == pattern]
-            if not found:
-                raise SpecError(f"together-pattern {pattern!r} matches no module or node of the traced graph")
-            members.extend(found)
-        resolved.append(tuple(sorted(set(members))))
-    return tuple(resolved)
-
-
-def path_matches(pattern: str, path: str) -> bool:
-    """Whether module path ``path`` is ``pattern``, inside it, or matches it as a glob (``layers.*``)."""
-    if not path:
-        return False
-    return (
-        path == pattern
-        or path.startswith(pattern + ".")
-        or fnmatch.fnmatchcase(path, pattern)
-        or (fnmatch.fnmatchcase(path, pattern + ".*"))
-    )

@@ -86,9 +86,10 @@ from fxsplit.cost.opwork import (
 from fxsplit.hardware import DeviceSpeed
 from fxsplit.tracing.graphinfo import element_size, value_bytes
 
-__all__ = ["WEIGHT_GRADIENT_PASSES", "Work", "op_seconds", "op_work"]
+__all__ = ["FRESH_ABOVE", "WEIGHT_GRADIENT_PASSES", "Work", "op_seconds", "op_work"]
 
 WEIGHT_GRADIENT_PASSES = 3.0  # adding a weight's gradient to .grad: both read, the sum written
+FRESH_ABOVE = 32 * 2**20  # glibc's largest mmap threshold: larger blocks are mapped anew on every allocation
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,9 @@ class Work:
         reduction: a product's reduction length ``K`` (0: not a product), for the device's efficiency.
         positions: a convolution's output positions per image (0: not a convolution).
         norm_nbytes: a batch norm's output bytes, read and written ``norm_passes`` times more in training.
+        fresh_nbytes: bytes of the tensors the forward makes that are larger than :data:`FRESH_ABOVE` (fresh
+            memory at the device's ``fresh_bandwidth``); ``train_fresh_nbytes``: the same for the weight
+            gradients a training step makes (an embedding's dense one, a large weight's).
         known: False when the graph had no shapes (every op then counts as one unit of work).
     """
 
@@ -119,6 +123,8 @@ class Work:
     reduction: np.ndarray | None = None
     positions: np.ndarray | None = None
     norm_nbytes: np.ndarray | None = None
+    fresh_nbytes: np.ndarray | None = None
+    train_fresh_nbytes: np.ndarray | None = None
     known: bool = True
 
     def rate(self, speed: DeviceSpeed) -> np.ndarray:
@@ -140,6 +146,7 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
     flops, nbytes, free, products = np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
     train_flops, train_nbytes, grad_nbytes = np.zeros(n), np.zeros(n), np.zeros(n)
     reduction, positions, norm_nbytes = np.zeros(n), np.zeros(n), np.zeros(n)
+    fresh, train_fresh = np.zeros(n), np.zeros(n)
     if not any("val" in node.meta or "tensor_meta" in node.meta for node in ops):
         return Work(np.ones(n), np.ones(n), free, products, np.ones(n), np.ones(n), np.zeros(n), known=False)
     modules = dict(graph_module.named_modules())
@@ -161,8 +168,22 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
         )
         if train_flops[index] and is_batch_norm(node, module):
             norm_nbytes[index] = float(value_bytes(node, float_dtype=dtype) or 0)
+        fresh[index] = _large([float(value_bytes(node, float_dtype=dtype) or 0)])
+        if grad_nbytes[index]:  # it makes weight gradients: each a tensor of its own every micro-batch
+            train_fresh[index] = _large(_weight_sizes(node, module, grads, dtype))
     return Work(
-        flops, nbytes, free, products, train_flops, train_nbytes, grad_nbytes, reduction, positions, norm_nbytes
+        flops,
+        nbytes,
+        free,
+        products,
+        train_flops,
+        train_nbytes,
+        grad_nbytes,
+        reduction,
+        positions,
+        norm_nbytes,
+        fresh,
+        train_fresh,
     )
 
 
@@ -171,16 +192,31 @@ def op_seconds(work: Work, speed: DeviceSpeed, *, training: bool = False) -> np.
 
     With ``training``, a forward and a backward: the backward a second op, whose roofline is that of
     :attr:`Work.train_flops` and :attr:`Work.train_nbytes`, then :attr:`Work.grad_nbytes` at the bandwidth.
+    Tensors too large for the allocator to reuse memory for (:attr:`Work.fresh_nbytes`) add their bytes at the
+    device's ``fresh_bandwidth`` (when it has one).
     """
     rate = work.rate(speed)
     roofline = np.maximum(work.flops / rate, work.nbytes / speed.bandwidth)
-    forward = np.where(work.free, 0.0, speed.overhead + roofline)
+    forward = np.where(work.free, 0.0, speed.overhead + roofline) + _fresh_seconds(work.fresh_nbytes, speed)
     if not training:
         return forward
     norms = 0.0 if work.norm_nbytes is None else speed.norm_passes * work.norm_nbytes
     backward = np.maximum(work.train_flops / rate, (work.train_nbytes + norms) / speed.bandwidth)
     reached = ~work.free & ((work.train_flops > 0) | (work.train_nbytes > 0))
-    return forward + np.where(reached, speed.overhead + backward, 0.0) + work.grad_nbytes / speed.bandwidth
+    backward = np.where(reached, speed.overhead + backward, 0.0) + _fresh_seconds(work.train_fresh_nbytes, speed)
+    return forward + backward + work.grad_nbytes / speed.bandwidth
+
+
+def _fresh_seconds(nbytes: np.ndarray | None, speed: DeviceSpeed) -> np.ndarray | float:
+    """Seconds to get fresh memory for ``nbytes`` on ``speed``'s device (0 where it reuses its blocks)."""
+    if nbytes is None or not speed.fresh_bandwidth:
+        return 0.0
+    return nbytes / speed.fresh_bandwidth
+
+
+def _large(sizes: Sequence[float]) -> float:
+    """Bytes of the tensors of ``sizes`` larger than :data:`FRESH_ABOVE`."""
+    return float(sum(size for size in sizes if size > FRESH_ABOVE))
 
 
 def _requires_grad(graph_module: torch.fx.GraphModule, modules: dict[str, torch.nn.Module]) -> set[torch.fx.Node]:
@@ -207,10 +243,17 @@ def _requires_grad(graph_module: torch.fx.GraphModule, modules: dict[str, torch.
 
 def _weights_bytes(node: torch.fx.Node, module: torch.nn.Module | None, grads: set[torch.fx.Node], dtype: Any) -> float:
     """Bytes of the trainable weights ``node`` reads: a module's own, or parameters it takes as inputs."""
+    return float(sum(_weight_sizes(node, module, grads, dtype)))
+
+
+def _weight_sizes(
+    node: torch.fx.Node, module: torch.nn.Module | None, grads: set[torch.fx.Node], dtype: Any
+) -> list[float]:
+    """Bytes of each trainable weight ``node`` reads."""
     if module is not None:
-        return float(sum(p.numel() * element_size(p.dtype, dtype) for p in module.parameters() if p.requires_grad))
+        return [float(p.numel() * element_size(p.dtype, dtype)) for p in module.parameters() if p.requires_grad]
     sources = [s for s in dict.fromkeys(node.all_input_nodes) if s.op == "get_attr" and s in grads]
-    return float(sum(value_bytes(s, float_dtype=dtype) or 0 for s in sources))
+    return [float(value_bytes(s, float_dtype=dtype) or 0) for s in sources]
 
 
 def _training_work(

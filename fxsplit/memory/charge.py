@@ -8,6 +8,7 @@ import warnings
 import torch
 import torch.fx
 
+from fxsplit.attrpath import attr_at
 from fxsplit.callsite import user_stacklevel
 from fxsplit.cost.build import GraphCosts
 from fxsplit.cost.walk import named_tensors
@@ -16,6 +17,7 @@ from fxsplit.gcpause import gc_paused
 from fxsplit.memory.activations import profile_activations
 from fxsplit.memory.model import MemoryModel, MemorySpec
 from fxsplit.tracing.capture import Traced
+from fxsplit.tracing.rowsplit import row_shards
 
 __all__ = ["memory_model"]
 
@@ -28,7 +30,7 @@ def memory_model(
 
     Also why the activations are not counted where ``spec`` counts them (warned), else None.
     """
-    trainable = _trainable(costs, model) if spec.training else {}  # only training charges them
+    trainable = _trainable(costs, model, traced.graph_module) if spec.training else {}  # only training charges them
     profile, uncounted = None, None
     if spec.counts_activations and not traced.has_shapes:
         uncounted = traced.shapes_missing or "the traced graph has no sizes"
@@ -53,9 +55,11 @@ def memory_model(
     return MemoryModel(spec, costs, trainable, profile), uncounted
 
 
-def _trainable(costs: GraphCosts, model: torch.nn.Module) -> dict[str, int]:
-    """Canonical name -> element count of each parameter the graph reads that requires a gradient."""
+def _trainable(costs: GraphCosts, model: torch.nn.Module, graph_module: torch.fx.GraphModule) -> dict[str, int]:
+    """Canonical name -> element count of each parameter the graph reads that requires a gradient (the model's,
+    and the row parameters of split ops: :mod:`fxsplit.tracing.rowsplit`)."""
     named = {name: tensor for name, tensor, is_buffer in named_tensors(model) if not is_buffer}
+    named.update((path, attr_at(graph_module, path)) for path in row_shards(graph_module))
     return {
         w.names[0]: named[w.names[0]].numel()
         for w in costs.weights

@@ -43,15 +43,14 @@ from typing import Any, Mapping
 import torch
 import torch.fx
 
-from fxsplit.attrpath import attr_at
 from fxsplit.callsite import user_stacklevel
 from fxsplit.codegen.emitter import emit
-from fxsplit.cost.build import model_tensors
 from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
 from fxsplit.options import PipelineConfig
 from fxsplit.pipeline.microbatch import first_microbatch
 from fxsplit.pipeline.replicabudget import replica_overruns, room_to_hold_back
 from fxsplit.pipeline.stages import StageSpec, split_stages
+from fxsplit.pipeline.tiedgrads import RowPiece, broadcast_held, held_weights, reduce_held, unalias_rows
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import Overrun
 from fxsplit.units import format_size
@@ -85,6 +84,7 @@ class PipelineStages:
     chunks: int
     _paths: tuple[dict[str, str], ...] = ()
     _groups: dict[tuple[int, ...], Any] = field(default_factory=dict)
+    _rows: tuple[dict[str, tuple[RowPiece, ...]], ...] = ()  # per stage: name -> the row pieces it holds
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -108,7 +108,9 @@ class PipelineStages:
         for group, line in zip(self.plan.tied, self.plan.tied_summary(), strict=True):
             holders = next((self.tied[name] for name in group if name in self.tied), None)
             if holders is not None:
-                where = ", ".join(f"{index} ({self.specs[index].device})" for index in holders)
+                where = ", ".join(
+                    f"{index} ({self.specs[index].device}{self._rows_held(index, group)})" for index in holders
+                )
                 copied = sum(c.nbytes or 0 for c in self.plan.cuts if c.kind == "parameter" and c.producer in group)
                 unsent = f"; its {format_size(copied)} parameter cut counted above is not sent" if copied else ""
                 line = (
@@ -144,32 +146,31 @@ class PipelineStages:
         rank's stage ``index``; ``group`` is the pipeline's process group, in
         which stage ``i`` is rank ``i`` (default: the world).
         """
-        import torch.distributed as dist
-
-        for name, holders in self.tied.items():
-            handle = self._group(holders, group)
-            if index not in holders:
-                continue
-            tensor = self._tensor(index, name)
-            if tensor.grad is None:
-                tensor.grad = torch.zeros_like(tensor)
-            dist.all_reduce(tensor.grad, op=dist.ReduceOp.SUM, group=handle)
-
-    def sync_tied_weights(self, index: int, group: Any = None) -> None:
-        """Copy each tied weight from its first holder to the others (when ranks built the model differently)."""
-        import torch.distributed as dist
-
         for name, holders in self.tied.items():
             handle = self._group(holders, group)
             if index in holders:
-                tensor = self._tensor(index, name)
-                with torch.no_grad():
-                    dist.broadcast(tensor, src=self._global_rank(holders[0], group), group=handle)
+                reduce_held(self.modules[index], self._paths[index].get(name), self._pieces(index, name), handle)
 
-    def _tensor(self, index: int, name: str) -> torch.Tensor:
-        obj = attr_at(self.modules[index], self._paths[index][name])
-        assert isinstance(obj, torch.Tensor)
-        return obj
+    def sync_tied_weights(self, index: int, group: Any = None) -> None:
+        """Copy each tied weight from its first holder of it whole to the others (when ranks built the model
+        differently), rows to the stages that hold row pieces of it."""
+        for name, holders in self.tied.items():
+            handle = self._group(holders, group)
+            if index in holders:
+                source = self._global_rank(next(s for s in holders if name in self._paths[s]), group)
+                broadcast_held(
+                    self.modules[index], self._paths[index].get(name), self._pieces(index, name), source, handle
+                )
+
+    def _pieces(self, index: int, name: str) -> tuple[RowPiece, ...]:
+        return self._rows[index].get(name, ()) if self._rows else ()
+
+    def _rows_held(self, index: int, names: tuple[str, ...]) -> str:
+        """``", rows 0-25152"`` when stage ``index`` holds row pieces (and not the whole) of the weight ``names``."""
+        if any(name in self._paths[index] for name in names):
+            return ""
+        pieces = [piece for name in names for piece in self._pieces(index, name)]
+        return ", rows " + ", ".join(f"{p.start}-{p.stop}" for p in pieces) if pieces else ""
 
     def _global_rank(self, stage: int, group: Any) -> int:
         import torch.distributed as dist
@@ -276,8 +277,9 @@ def pipeline_stages(
         options = {**options, "reserve": {d: reserved.get(d, 0) + room[d] for d in plan.devices}}
     if first is not None and first[0]:
         _warn_replanned(plan, first[1])
-    tied, paths = _replicas(model, stages.modules)
-    return PipelineStages(plan, stages.specs, stages.modules, tied, chunks, paths)
+    unalias_rows(stages.modules, graph_module)
+    holding = held_weights(model, stages.modules, graph_module)
+    return PipelineStages(plan, stages.specs, stages.modules, holding.tied, chunks, holding.paths, _rows=holding.rows)
 
 
 REPLAN_TRIES = 3  # plans made again, each holding back more where a stage with its copies came out over budget
@@ -338,29 +340,6 @@ def _apply(
         dynamic_shapes=options.get("dynamic_shapes"),
     )
     return traced.graph_module, plan
-
-
-def _replicas(
-    model: torch.nn.Module, modules: tuple[torch.fx.GraphModule, ...]
-) -> tuple[dict[str, tuple[int, ...]], tuple[dict[str, str], ...]]:
-    """Trainable weights held by several stage modules (by the model's name), and where each stage holds them.
-
-    Buffers read by several stages are replicated too, but nothing reduces them:
-    a buffer that the forward updates would then differ between the stages.
-    """
-    names = {key: found[0][0] for key, found in model_tensors(model).items()}
-    holders: dict[str, list[int]] = {}
-    paths: list[dict[str, str]] = []
-    for index, module in enumerate(modules):
-        here: dict[str, str] = {}
-        for path, tensor in module.named_parameters(remove_duplicate=False):
-            name = names.setdefault(id(tensor), path)
-            if name not in here and tensor.requires_grad:
-                here[name] = path
-                holders.setdefault(name, []).append(index)
-        paths.append(here)
-    tied = {name: tuple(stages) for name, stages in holders.items() if len(stages) > 1}
-    return dict(sorted(tied.items())), tuple(paths)
 
 
 def require_tensor_output(graph_module: torch.fx.GraphModule) -> None:

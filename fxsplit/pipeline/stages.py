@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from fxsplit.attrpath import attr_at
 from fxsplit.codegen.meta import COPY_META, DEVICE_META
 from fxsplit.errors import FxsplitError
+from fxsplit.pipeline.gradlayout import contiguous_grad, may_be_floating
 from fxsplit.planning.plan import Plan
 from fxsplit.tracing.gradmode import open_regions
 from fxsplit.tracing.graphinfo import TENSOR, module_path, value_kind
@@ -332,6 +333,12 @@ class _Cutter:
             for name in spec.inputs:
                 env[name] = graph.placeholder(name)
                 env[name].meta.update({k: v for k, v in by_name[name].meta.items() if k in ("val", "tensor_meta")})
+            if self.relay:  # what a stage hands back to the one before it must be contiguous (see contiguous_grad)
+                for name in spec.inputs:
+                    if may_be_floating(env[name]):
+                        received = env[name]
+                        env[name] = graph.call_function(contiguous_grad, (received,))
+                        env[name].meta.update(received.meta)
 
         def arg(node: torch.fx.Node) -> torch.fx.Node:
             if node.name not in env:

@@ -39,10 +39,11 @@ from fxsplit.planning.rules import device_needs, validate_plan
 from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.dynamic import dynamic_shapes_for
+from fxsplit.tracing.rowsplit import split_rows
 from fxsplit.units import format_size
 from fxsplit.validate import check_concrete_args, check_option_types, refuse_meta, require_module
 
-__all__ = ["PlanCheck", "apply", "check_plan", "checked_retrace", "retrace"]
+__all__ = ["PlanCheck", "apply", "check_plan", "checked_retrace", "refuse_row_splits", "retrace"]
 
 
 def _check_structure(model: torch.nn.Module, plan: Plan) -> None:
@@ -111,6 +112,11 @@ def retrace(
         concrete_args=concrete_args,
         dynamic_shapes=dynamic_shapes_for(plan, dynamic_shapes),
     )
+    if plan.row_splits:  # the ops the plan computes in row pieces, as it was made
+        try:
+            split_rows(traced.graph_module, {op: split.bounds for op, split in plan.row_splits.items()})
+        except ValueError as error:
+            raise PlanMismatchError(f"the plan's row_splits do not fit the traced graph: {error}") from None
     _check_nodes(traced.graph_module, plan)
     dtype = getattr(torch, plan.dtype) if plan.dtype else None
     index = {d: i for i, d in enumerate(plan.devices)}
@@ -203,6 +209,7 @@ def apply(
     """
     _known_options(options, "apply")
     _require_plan(plan, "apply")
+    refuse_row_splits(plan, "fxsplit.apply")
     if offload_dir is not None:
         plan = dataclasses.replace(plan, offload={**plan.offload, "dir": os.fspath(offload_dir)})
     require_usable([*plan.devices, plan.output_device], plan.budgets)
@@ -224,6 +231,19 @@ def apply(
 
 
 _RETRACE_OPTIONS = ("example_kwargs", "concrete_args", "leaf_modules", "dynamic_shapes")
+
+
+def refuse_row_splits(plan: Plan, caller: str) -> None:
+    """Refuse to run a plan whose ops compute their outputs in row pieces in one process: each piece's rows are a
+    parameter of their own there, whose gradient only :func:`fxsplit.pipeline_stages` sums back (its
+    ``reduce_tied_grads``), so the model's weight would miss it."""
+    if plan.row_splits:
+        ops = ", ".join(f"{op!r} ({len(r.bounds) - 1} pieces of {r.weight})" for op, r in plan.row_splits.items())
+        raise FxsplitError(
+            f"{caller}: this plan computes {ops} in row pieces on several stages, for stages run one per process; "
+            "run it with fxsplit.pipeline_stages(model, plan, ...), or plan again without "
+            "pipeline=fxsplit.PipelineConfig(..., processes=True) to run the split in this process"
+        )
 
 
 def _require_plan(plan: Any, caller: str) -> None:

@@ -134,9 +134,13 @@ def record_origin(
     graph_module: Any = None,
 ) -> Any:
     """The plan with what it was made from: the model's structure (and the tensors only its trace holds),
-    the planning dtype, how to re-trace."""
+    the planning dtype, how to re-trace (and which ops' rows the graph splits)."""
     fingerprint, tensors, tied = describe(model)
     constants = graph_constants(made.param_devices, tensors, graph_module) if graph_module is not None else {}
+    if graph_module is not None:
+        from fxsplit.planning.rowsplits import recorded_splits
+
+        made = dataclasses.replace(made, row_splits=recorded_splits(graph_module, model))
     names = tuple(leaf if isinstance(leaf, str) else f"{leaf.__module__}.{leaf.__qualname__}" for leaf in leaves)
     return dataclasses.replace(
         made,

@@ -13,7 +13,7 @@ from fxsplit.options import usable_bytes
 from fxsplit.planning.ranges import summarize_modules
 from fxsplit.units import format_size
 
-__all__ = ["CUT_KINDS", "Cut", "Plan", "Replica"]
+__all__ = ["CUT_KINDS", "Cut", "Plan", "Replica", "RowSplit"]
 
 CUT_KINDS = ("activation", "input", "parameter", "output", "stream")
 
@@ -56,6 +56,20 @@ class Replica:
 
     devices: tuple[str, ...]
     nbytes: int
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """A linear op computed in pieces of its output features, each from its rows of the weight (pipeline stages).
+
+    Attributes:
+        weight: the canonical name of the weight whose rows are split (the first of a ``tied`` group).
+        bounds: row bounds ``(0, b1, ..., rows)``: piece ``k`` (node ``<op>_rows<k>``) computes outputs
+            ``b_k:b_{k+1}`` from those rows, held as ``_fxsplit_rows.<op>_rows<k>_weight`` (and ``_bias``).
+    """
+
+    weight: str
+    bounds: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -139,6 +153,11 @@ class Plan:
         memory_counts: what ``memory`` counts, in words: the mode and, in training, the optimizer and the step
             torch runs for it (``"mode='training', optimizer='adamw', for-loop step"``); None in plan files
             made before it was recorded.
+        row_splits: op name -> :class:`RowSplit`, for each linear op whose output features are computed in
+            pieces on the devices ``placement`` gives them, each piece's rows of the weight a tensor of its own
+            (a ``constants`` entry, placed by ``param_devices``); the op's node concatenates them
+            (:mod:`fxsplit.tracing.rowsplit`). Only :func:`fxsplit.pipeline_stages` runs such a plan; empty when
+            no op is split.
     """
 
     devices: tuple[str, ...]
@@ -168,6 +187,7 @@ class Plan:
     timing: dict[str, Any] = field(default_factory=dict)
     replicas: dict[str, Replica] = field(default_factory=dict)
     memory_counts: str | None = None
+    row_splits: dict[str, RowSplit] = field(default_factory=dict)
 
     def holders(self, name: str) -> tuple[str, ...]:
         """The devices that hold tensor ``name`` (canonical name): its home, then its replicas' devices."""
@@ -236,6 +256,7 @@ class Plan:
             "timing": dict(self.timing),
             "replicas": {n: {"devices": list(r.devices), "nbytes": r.nbytes} for n, r in self.replicas.items()},
             "memory_counts": self.memory_counts,
+            "row_splits": {op: {"weight": r.weight, "bounds": list(r.bounds)} for op, r in self.row_splits.items()},
         }
 
     @classmethod
@@ -269,6 +290,7 @@ class Plan:
             timing=dict(data.get("timing", {})),
             replicas={n: Replica(tuple(r["devices"]), int(r["nbytes"])) for n, r in data.get("replicas", {}).items()},
             memory_counts=data.get("memory_counts"),
+            row_splits={op: RowSplit(r["weight"], tuple(r["bounds"])) for op, r in data.get("row_splits", {}).items()},
         )
 
     def to_yaml(self) -> str:
@@ -343,8 +365,9 @@ class Plan:
         lines.extend(summary.offload_lines(self))
         lines.extend(summary.state_lines(self))
         lines.extend(summary.replica_lines(self))
+        lines.extend(summary.row_split_lines(self))
         lines.extend(self.tied_summary())
-        lines.extend(self._empty_devices_note())
+        lines.extend(summary.empty_devices_lines(self))
         if self.memory:
             lines.extend(summary.memory_table(self))
         if self.timing:
@@ -376,40 +399,9 @@ class Plan:
 
     def tied_summary(self) -> list[str]:
         """One line per group of tied names: where the tensor lives and where it is copied."""
-        lines = []
-        for group in self.tied:
-            home = self.param_devices.get(group[0], "?")
-            copies = [c for c in self.cuts if c.kind == "parameter" and c.producer in group]
-            replica = self.replicas.get(group[0])
-            if replica is not None:
-                how = f"on {home}, replicated on {', '.join(replica.devices)} (no copy)"
-            elif copies and self._stage_copies:
-                where = ", ".join(c.destination for c in copies)
-                how = f"on {home}, and held by the stages on {where} too (stages one per process: no copy)"
-            elif copies:
-                where = ", ".join(f"{c.destination} ({format_size(c.nbytes)})" for c in copies)
-                how = f"on {home}, copied to {where} each forward"
-            else:
-                how = f"on {home}, kept together (no copy)"
-            lines.append(f"tied: {' = '.join(group)}: {how}")
-        return lines
+        from fxsplit.planning import summary
 
-    def _empty_devices_note(self) -> list[str]:
-        """One line when devices were left empty because that copies fewer bytes, naming the option that spreads."""
-        busy = set(self.placement.values()) | set(self.param_devices.values())
-        empty = [d for d in self.devices if d not in busy]
-        if not empty or self.objective not in ("min_transfer", "latency"):
-            return []
-        if self.streamed:
-            return [
-                f"empty: {', '.join(empty)}, although weights are streamed: no partition fxsplit tried placed ops "
-                "there; pin some modules to it (pins=...) to use it"
-            ]
-        return [
-            f"empty: {', '.join(empty)}: the model fits on the other device(s), and leaving "
-            f"{'it' if len(empty) == 1 else 'them'} empty copies the fewest bytes; objective='balanced' "
-            "spreads the model over every device, objective='throughput' makes the fastest pipeline of them"
-        ]
+        return summary.tied_lines(self)
 
 
 def _module_summary(paths: tuple[str, ...], limit: int = 48) -> str:

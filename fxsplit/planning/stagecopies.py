@@ -64,18 +64,27 @@ def reduced_gradients(
     trainable: Mapping[str, int],
     op_devices: Sequence[str],
     devices: Sequence[str],
+    rows: Mapping[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Canonical name -> ``{"devices": holders in stage order, "nbytes": gradient bytes}`` of each trainable
     parameter whose readers run on several devices.
 
     ``weights``: ``(canonical name, bytes, value index)`` of each weight (index -1: not read);
-    ``trainable``: the names of the parameters that take a gradient; ``op_devices``: each op's device.
+    ``trainable``: the names of the parameters that take a gradient; ``op_devices``: each op's device;
+    ``rows``: the row parameters of split ops -> the weight whose rows they hold
+    (:mod:`fxsplit.tracing.rowsplit`): their devices hold part of that weight, and its whole gradient is
+    all-reduced over them and its other holders (:mod:`fxsplit.pipeline.tiedgrads`).
     """
+    rows = rows or {}
+    parts: dict[str, set[str]] = {}
+    for name, _, index in weights:
+        if index >= 0 and name in rows:
+            parts.setdefault(rows[name], set()).update(op_devices[op] for op in problem.values[index].consumers)
     found: dict[str, dict[str, Any]] = {}
     for name, nbytes, index in weights:
-        if index < 0 or name not in trainable:
+        if index < 0 or name not in trainable or name in rows:
             continue
-        readers = {op_devices[op] for op in problem.values[index].consumers}
+        readers = {op_devices[op] for op in problem.values[index].consumers} | parts.get(name, set())
         if len(readers) > 1:
             found[name] = {"devices": [d for d in devices if d in readers], "nbytes": nbytes}
     return found

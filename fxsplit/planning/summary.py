@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 from fxsplit.units import format_size
@@ -9,7 +10,16 @@ from fxsplit.units import format_size
 if TYPE_CHECKING:
     from fxsplit.planning.plan import Plan
 
-__all__ = ["memory_table", "offload_lines", "replica_lines", "state_lines"]
+__all__ = [
+    "empty_devices_lines",
+    "memory_table",
+    "offload_lines",
+    "replica_lines",
+    "row_split_lines",
+    "rows_held",
+    "state_lines",
+    "tied_lines",
+]
 
 
 def replica_lines(plan: Plan) -> list[str]:
@@ -18,6 +28,73 @@ def replica_lines(plan: Plan) -> list[str]:
         f"replicated: {name} ({format_size(replica.nbytes)}) on {', '.join(plan.holders(name))} "
         "(read-only: held on each, no copy per forward)"
         for name, replica in plan.replicas.items()
+    ]
+
+
+def row_split_lines(plan: Plan) -> list[str]:
+    """One line per op whose rows are computed in pieces: each piece's rows and device."""
+    lines = []
+    for op, split in plan.row_splits.items():
+        bounds = split.bounds
+        pieces = ", ".join(
+            f"{start}-{stop} on {plan.placement.get(f'{op}_rows{k}', '?')}"
+            for k, (start, stop) in enumerate(itertools.pairwise(bounds))
+        )
+        lines.append(
+            f"rows split: '{op}' ({bounds[-1]} output features) in {len(bounds) - 1} pieces, rows of "
+            f"{split.weight} {pieces}; each stage holds its rows (run by pipeline_stages)"
+        )
+    return lines
+
+
+def tied_lines(plan: Plan) -> list[str]:
+    """One line per group of tied names: where the tensor lives and where it is copied (or held, or replicated)."""
+    stage_copies = bool(plan.timing and plan.timing.get("stage_copies"))
+    lines = []
+    for group in plan.tied:
+        home = plan.param_devices.get(group[0], "?")
+        copies = [c for c in plan.cuts if c.kind == "parameter" and c.producer in group]
+        replica = plan.replicas.get(group[0])
+        if replica is not None:
+            how = f"on {home}, replicated on {', '.join(replica.devices)} (no copy)"
+        elif copies and stage_copies:
+            where = ", ".join(c.destination for c in copies)
+            how = f"on {home}, and held by the stages on {where} too (stages one per process: no copy)"
+        elif copies:
+            where = ", ".join(f"{c.destination} ({format_size(c.nbytes)})" for c in copies)
+            how = f"on {home}, copied to {where} each forward"
+        else:
+            how = f"on {home}, kept together (no copy)"
+        lines.append(f"tied: {' = '.join(group)}: {how}{rows_held(plan, group)}")
+    return lines
+
+
+def rows_held(plan: Plan, names: tuple[str, ...]) -> str:
+    """``"; rows 0-2752 on cpu:2, ... held there too"`` for a tensor whose rows split ops' pieces hold."""
+    held = [
+        f"{start}-{stop} on {plan.placement.get(f'{op}_rows{k}', '?')}"
+        for op, split in plan.row_splits.items()
+        if split.weight in names
+        for k, (start, stop) in enumerate(itertools.pairwise(split.bounds))
+    ]
+    return f"; rows {', '.join(held)} held there too (a split op's pieces)" if held else ""
+
+
+def empty_devices_lines(plan: Plan) -> list[str]:
+    """One line when devices were left empty because that copies fewer bytes, naming the option that spreads."""
+    busy = set(plan.placement.values()) | set(plan.param_devices.values())
+    empty = [d for d in plan.devices if d not in busy]
+    if not empty or plan.objective not in ("min_transfer", "latency"):
+        return []
+    if plan.streamed:
+        return [
+            f"empty: {', '.join(empty)}, although weights are streamed: no partition fxsplit tried placed ops "
+            "there; pin some modules to it (pins=...) to use it"
+        ]
+    return [
+        f"empty: {', '.join(empty)}: the model fits on the other device(s), and leaving "
+        f"{'it' if len(empty) == 1 else 'them'} empty copies the fewest bytes; objective='balanced' "
+        "spreads the model over every device, objective='throughput' makes the fastest pipeline of them"
     ]
 
 

@@ -180,13 +180,15 @@ def timing_record(
     timing: Timing,
     options: Options,
     trainable: Mapping[str, int] | None = None,
+    rows: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """What :attr:`Plan.timing` holds for ``plan``: each device's compute and received-copy seconds.
 
     For stages that each hold the weights they read (:func:`fxsplit.pipeline_stages`), no weight copy is
     charged (``"stage_copies": True``) and, in training, ``"allreduce"`` names each ``trainable`` parameter
     read on several devices with its holders, gradient bytes and the seconds of its all-reduce per step
-    (:func:`~fxsplit.planning.stagecopies.allreduce_seconds`).
+    (:func:`~fxsplit.planning.stagecopies.allreduce_seconds`); ``rows``: row parameters of split ops -> the
+    weight whose rows they hold, whose holders they join.
     """
     index = {device: k for k, device in enumerate(plan.devices)}
     op_devices = [plan.placement[op.name] for op in costs.ops]
@@ -205,7 +207,7 @@ def timing_record(
     record["stage_copies"] = True
     if training:
         weights = [(w.names[0], w.nbytes, i) for w, i in zip(costs.weights, costs.weight_values, strict=True)]
-        reduced = reduced_gradients(problem, weights, trainable or {}, op_devices, plan.devices)
+        reduced = reduced_gradients(problem, weights, trainable or {}, op_devices, plan.devices, rows)
         for entry in reduced.values():
             ring = [index[d] for d in entry["devices"]]
             links = [_untrained_link(timing, a, b) for a, b in zip(ring, ring[1:] + ring[:1], strict=True)]

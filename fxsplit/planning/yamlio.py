@@ -62,10 +62,24 @@ from typing import Any, Callable, Iterable
 import yaml
 
 from fxsplit.errors import SpecError
-from fxsplit.planning.plan import Cut, Plan, Replica
+from fxsplit.planning.plan import Cut, Plan, Replica, RowSplit
 from fxsplit.planning.ranges import summarize_modules
 from fxsplit.planning.rules import validate_plan
 from fxsplit.planning.timetable import TIME_RECORD_SHAPE, is_time_record
+from fxsplit.planning.yamlshapes import (
+    MEMORY_SHAPE,
+    REPLICAS_SHAPE,
+    SPLITS_SHAPE,
+    is_int,
+    is_list,
+    is_map,
+    is_memory,
+    is_offload,
+    is_replicas,
+    is_splits,
+    is_str,
+    is_str_list,
+)
 from fxsplit.units import format_size
 from fxsplit.yamlfile import Problem, YamlPath, YamlProblems, line_of, load_yaml, short_repr
 
@@ -172,6 +186,9 @@ def plan_to_yaml(plan: Plan) -> str:
     for name, replica in plan.replicas.items():
         entry = {"devices": list(replica.devices), "nbytes": replica.nbytes}
         lines.append(f"  {k(name)}: {_flow_map(entry)}  # {format_size(replica.nbytes)} on each")
+    if plan.row_splits:  # op -> row bounds of its pieces (pipeline_stages)
+        splits = {op: _flow_map({"weight": r.weight, "bounds": list(r.bounds)}) for op, r in plan.row_splits.items()}
+        lines.extend(_block_map("row_splits", splits))
     if plan.offload:
         stored = ", ".join(f"{t} {format_size(n)}" for t, n in plan.stored_bytes.items())
         lines.append(f"offload: {_flow_map(dict(plan.offload))}  # stored: {stored or 'nothing'}")
@@ -274,23 +291,23 @@ class _Reader:
         get = self.field
         devices = get(data, "devices", lambda v: isinstance(v, dict) and bool(v), "device -> budget, used") or {}
         budgets, used, reserved = self.devices(devices)
-        cuts = tuple(self.cut(i, c) for i, c in enumerate(get(data, "cuts", _is_list, "a list") or []))
+        cuts = tuple(self.cut(i, c) for i, c in enumerate(get(data, "cuts", is_list, "a list") or []))
         tied = [
-            get(g, "names", _is_str_list, "a list of names", ("tied", i))
-            for i, g in enumerate(get(data, "tied", _is_list, "a list") or [])
+            get(g, "names", is_str_list, "a list of names", ("tied", i))
+            for i, g in enumerate(get(data, "tied", is_list, "a list") or [])
         ]
-        modules = get(data, "modules", lambda v: _is_map(v, _is_str_list), "device -> list of module paths") or {}
+        modules = get(data, "modules", lambda v: is_map(v, is_str_list), "device -> list of module paths") or {}
         fields = {
-            "placement": dict(get(data, "placement", lambda v: _is_map(v, _is_str), "node -> device") or {}),
-            "param_devices": dict(get(data, "param_devices", lambda v: _is_map(v, _is_str), "name -> device") or {}),
-            "output_device": get(data, "output_device", _is_str, "a device name"),
-            "trace": get(data, "trace", _is_str, "'fx' or 'export'"),
-            "objective": get(data, "objective", _is_str, "an objective name"),
-            "fingerprint": get(data, "fingerprint", lambda v: v is None or _is_str(v), "a string or null"),
-            "tensors": dict(get(data, "tensors", lambda v: _is_map(v, _is_str), "name -> 'dtype[shape]'") or {}),
-            "dtype": get(data, "dtype", lambda v: v is None or _is_str(v), "a dtype name or null"),
-            "leaf_modules": tuple(get(data, "leaf_modules", _is_str_list, "a list of strings") or ()),
-            "memory": {d: dict(row) for d, row in (get(data, "memory", _is_memory, MEMORY_SHAPE) or {}).items()},
+            "placement": dict(get(data, "placement", lambda v: is_map(v, is_str), "node -> device") or {}),
+            "param_devices": dict(get(data, "param_devices", lambda v: is_map(v, is_str), "name -> device") or {}),
+            "output_device": get(data, "output_device", is_str, "a device name"),
+            "trace": get(data, "trace", is_str, "'fx' or 'export'"),
+            "objective": get(data, "objective", is_str, "an objective name"),
+            "fingerprint": get(data, "fingerprint", lambda v: v is None or is_str(v), "a string or null"),
+            "tensors": dict(get(data, "tensors", lambda v: is_map(v, is_str), "name -> 'dtype[shape]'") or {}),
+            "dtype": get(data, "dtype", lambda v: v is None or is_str(v), "a dtype name or null"),
+            "leaf_modules": tuple(get(data, "leaf_modules", is_str_list, "a list of strings") or ()),
+            "memory": {d: dict(row) for d, row in (get(data, "memory", is_memory, MEMORY_SHAPE) or {}).items()},
             "dynamic_shapes": self.optional(
                 data,
                 "dynamic_shapes",
@@ -298,23 +315,27 @@ class _Reader:
                 "batch, all, custom or null",
             ),
             "activations_not_counted": self.optional(
-                data, "activations_not_counted", lambda v: v is None or _is_str(v), "a reason (text) or null"
+                data, "activations_not_counted", lambda v: v is None or is_str(v), "a reason (text) or null"
             ),
-            "memory_counts": self.optional(data, "memory_counts", lambda v: v is None or _is_str(v), "text or null"),
-            "streamed": dict(self.optional(data, "streamed", lambda v: _is_map(v, _is_str), "name -> tier") or {}),
-            "offload": dict(self.optional(data, "offload", _is_offload, "{host, disk, dir, prefetch}") or {}),
-            "mutated": dict(self.optional(data, "mutated", lambda v: _is_map(v, _is_int), "name -> bytes") or {}),
+            "memory_counts": self.optional(data, "memory_counts", lambda v: v is None or is_str(v), "text or null"),
+            "streamed": dict(self.optional(data, "streamed", lambda v: is_map(v, is_str), "name -> tier") or {}),
+            "offload": dict(self.optional(data, "offload", is_offload, "{host, disk, dir, prefetch}") or {}),
+            "mutated": dict(self.optional(data, "mutated", lambda v: is_map(v, is_int), "name -> bytes") or {}),
             "constants": dict(
-                self.optional(data, "constants", lambda v: _is_map(v, _is_str), "name -> 'dtype[shape]'") or {}
+                self.optional(data, "constants", lambda v: is_map(v, is_str), "name -> 'dtype[shape]'") or {}
             ),
             "stored_bytes": dict(
-                self.optional(data, "stored_bytes", lambda v: _is_map(v, _is_int), "tier -> bytes") or {}
+                self.optional(data, "stored_bytes", lambda v: is_map(v, is_int), "tier -> bytes") or {}
             ),
             "replicas": {
                 name: Replica(tuple(entry["devices"]), entry["nbytes"])
-                for name, entry in (self.optional(data, "replicas", _is_replicas, REPLICAS_SHAPE) or {}).items()
+                for name, entry in (self.optional(data, "replicas", is_replicas, REPLICAS_SHAPE) or {}).items()
             },
             "timing": dict(self.optional(data, "timing", is_time_record, TIME_RECORD_SHAPE) or {}),
+            "row_splits": {
+                op: RowSplit(entry["weight"], tuple(entry["bounds"]))
+                for op, entry in (self.optional(data, "row_splits", is_splits, SPLITS_SHAPE) or {}).items()
+            },
         }
         known = {"format", "devices", "cuts", "tied", "modules", *fields}
         for key in [key for key in data if key not in known]:
@@ -348,69 +369,20 @@ class _Reader:
             where = ("devices", device)
             if not isinstance(device, str):
                 self.problem(where, "device names must be strings (quote them)")
-            budgets[device] = self.field(entry, "budget", _is_int, "a byte count", where)
-            used[device] = self.field(entry, "used", _is_int, "a byte count", where)
+            budgets[device] = self.field(entry, "budget", is_int, "a byte count", where)
+            used[device] = self.field(entry, "used", is_int, "a byte count", where)
             if isinstance(entry, dict) and "reserved" in entry:
-                reserved[device] = self.field(entry, "reserved", _is_int, "a byte count", where)
+                reserved[device] = self.field(entry, "reserved", is_int, "a byte count", where)
         return budgets, used, reserved
 
     def cut(self, index: int, entry: Any) -> Cut | None:
         where = ("cuts", index)
         get = self.field
         values = (
-            get(entry, "value", _is_str, "a node or parameter name", where),
-            get(entry, "from", _is_str, "a device", where),
-            get(entry, "to", _is_str, "a device", where),
-            get(entry, "bytes", lambda v: v is None or _is_int(v), "a byte count or null", where),
-            get(entry, "kind", _is_str, "a cut kind", where),
+            get(entry, "value", is_str, "a node or parameter name", where),
+            get(entry, "from", is_str, "a device", where),
+            get(entry, "to", is_str, "a device", where),
+            get(entry, "bytes", lambda v: v is None or is_int(v), "a byte count or null", where),
+            get(entry, "kind", is_str, "a cut kind", where),
         )
         return Cut(*values)
-
-
-def _is_offload(value: Any) -> bool:
-    return (
-        isinstance(value, dict)
-        and set(value) <= {"host", "disk", "dir", "prefetch"}
-        and all(value.get(t) is None or _is_int(value[t]) for t in ("host", "disk", "prefetch"))
-        and (value.get("dir") is None or _is_str(value["dir"]))
-    )
-
-
-MEMORY_SHAPE, REPLICAS_SHAPE = "device -> {component: bytes}", "name -> {devices, nbytes}"
-
-
-def _is_memory(value: Any) -> bool:
-    return _is_map(value, lambda row: _is_map(row, _is_int))
-
-
-def _is_replicas(value: Any) -> bool:
-    return _is_map(value, _is_replica)
-
-
-def _is_replica(value: Any) -> bool:
-    return (
-        isinstance(value, dict)
-        and set(value) == {"devices", "nbytes"}
-        and _is_str_list(value["devices"])
-        and (_is_int(value["nbytes"]))
-    )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_str(value: Any) -> bool:
-    return isinstance(value, str)
-
-
-def _is_list(value: Any) -> bool:
-    return isinstance(value, list)
-
-
-def _is_str_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(v, str) for v in value)
-
-
-def _is_map(value: Any, check: Callable[[Any], bool]) -> bool:
-    return isinstance(value, dict) and all(isinstance(k, str) and check(v) for k, v in value.items())
