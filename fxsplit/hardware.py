@@ -62,6 +62,9 @@ class DeviceSpeed:
             ``K / (K + half_reduction)`` of it (0: every product at the peak).
         half_map: a convolution's output positions per image at which it runs at half the peak (0: none).
         norm_passes: passes over its input a batch norm makes in training beyond its forward's.
+        half_channels: a convolution's input channels (per group) at which it runs at half the peak: ``C / (C +
+            half_channels)`` of it (0: none): a network's first convolution, over an image's 3 channels, runs
+            far below the peak.
         fresh_bandwidth: bytes per second at which a tensor too large for the allocator to reuse memory for
             (above :data:`~fxsplit.cost.compute.FRESH_ABOVE`) gets fresh memory: on a CPU, glibc maps new
             pages for it and the kernel zeroes each on its first write; 0 (a GPU's caching allocator): free.
@@ -74,12 +77,22 @@ class DeviceSpeed:
     half_map: float = 0.0
     norm_passes: float = 7.0
     fresh_bandwidth: float = 0.0
+    half_channels: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         return {key: getattr(self, key) for key in SPEED_KEYS}
 
 
-SPEED_KEYS = ("flops", "bandwidth", "overhead", "half_reduction", "half_map", "norm_passes", "fresh_bandwidth")
+SPEED_KEYS = (
+    "flops",
+    "bandwidth",
+    "overhead",
+    "half_reduction",
+    "half_map",
+    "norm_passes",
+    "fresh_bandwidth",
+    "half_channels",
+)
 
 
 @dataclass(frozen=True)
@@ -113,6 +126,7 @@ DEFAULT_SPEEDS: dict[str, DeviceSpeed] = {
         half_map=2.0,
         norm_passes=14.0,
         fresh_bandwidth=2e9,
+        half_channels=8.0,
     ),
     "other": DeviceSpeed(flops=10e12, bandwidth=400e9, overhead=10e-6),  # mps, xpu, ...: a laptop-class GPU
 }
@@ -225,6 +239,7 @@ def _speed(name: str, entry: Any) -> DeviceSpeed:
         half_map=_count(entry, "half_map", base.half_map, where),
         norm_passes=_count(entry, "norm_passes", base.norm_passes, where),
         fresh_bandwidth=_fresh(entry, base.fresh_bandwidth, where),
+        half_channels=_count(entry, "half_channels", base.half_channels, where),
     )
 
 

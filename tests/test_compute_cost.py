@@ -291,6 +291,23 @@ def test_products_with_a_small_dimension_run_below_peak() -> None:
     assert (work.rate(DEFAULT_SPEEDS["cuda"]) == DEFAULT_SPEEDS["cuda"].flops).all()  # measured on CPU only
 
 
+def test_a_convolution_over_few_channels_runs_below_peak() -> None:
+    """ResNet-50's first convolution, over an image's 3 channels, ran at about 0.27x the rate of the others."""
+
+    def rate(channels: int, kernel: int, speed=CPU) -> float:  # type: ignore[no-untyped-def]
+        model = torch.nn.Conv2d(channels, 64, kernel, padding=kernel // 2)
+        _, work, _ = _training(model, (torch.randn(2, channels, 24, 24),))
+        assert work.channels is not None and work.channels[0] == channels
+        return float(work.rate(speed)[0])
+
+    k = 147  # the stem's reduction: 3 channels by 7x7, against 64 channels by a 1x1 kernel plus 83
+    stem, wide = rate(3, 7), rate(147, 1)
+    assert stem / wide == pytest.approx((3 / (3 + CPU.half_channels)) / (k / (k + CPU.half_channels)))
+    assert stem < 0.3 * wide
+    plain = Hardware.coerce({"devices": {"cpu": {"half_channels": 0}}}).speed("cpu:0")
+    assert rate(3, 7, plain) == pytest.approx(rate(147, 1, plain))  # the reduction alone: alike
+
+
 def test_hardware_for_a_device_no_budget_names_is_a_warning() -> None:
     """A typo in a device name under hardware would leave its speeds unused without a word: warned, by name."""
     model, x = _mlp(2, 64), torch.randn(8, 64)

@@ -37,7 +37,8 @@ What a training step adds per op (``Work.train_flops`` / ``train_nbytes``), from
 * any other op: its forward again (its input's gradient from its output's).
 
 Products run below the peak when a dimension is small (:meth:`Work.rate`, with the device's
-``half_reduction`` and ``half_map``: 0, the peak, except on ``cpu``: 40 and 2, measured on one core):
+``half_reduction``, ``half_map`` and ``half_channels``: 0, the peak, except on ``cpu``: 40, 2 and 8,
+measured on one core):
 
 * a short reduction (``K``: a matrix product's inner size, a convolution's
   input channels times its kernel) gives each output few multiply-adds for
@@ -46,7 +47,17 @@ Products run below the peak when a dimension is small (:meth:`Work.rate`, with t
   its 3x3 ones (K 576-2304) at 71-79;
 * a convolution's kernels block over an image's output positions ``P``:
   ``P / (P + half_map)``. ResNet-50's ``layer4`` convolutions, on 3x3
-  maps, ran at 50-57 GFLOP/s against 65-78 on 6x6 and larger maps.
+  maps, ran at 50-57 GFLOP/s against 65-78 on 6x6 and larger maps;
+* a convolution over few input channels ``C`` (per group): ``C / (C + half_channels)``.
+  ResNet-50's first convolution, over an image's 3 channels, ran at about
+  0.27x the rate of its others on one core (a later machine's, whose 3x3
+  convolutions ran near 190 GFLOP/s).
+
+Tensors above :data:`FRESH_ABOVE` (32 MiB) get fresh memory every time on a CPU:
+the device's ``fresh_bandwidth`` (2 GB/s on ``cpu``, 0 elsewhere) charges the
+forward's outputs and, in training, the weight gradients of that size (an
+embedding's dense table of zeros: 154 MB for GPT-2, 47 ms fresh against 4 ms
+zeroed in place on one core).
 
 Which values require a gradient follows the whole graph: those computed from a
 trainable parameter; the model's inputs and buffers do not.
@@ -106,6 +117,7 @@ class Work:
         grad_nbytes: bytes of adding weight gradients to ``.grad`` (and an embedding's dense gradient's zeros).
         reduction: a product's reduction length ``K`` (0: not a product), for the device's efficiency.
         positions: a convolution's output positions per image (0: not a convolution).
+        channels: a convolution's input channels per group (0: not a convolution).
         norm_nbytes: a batch norm's output bytes, read and written ``norm_passes`` times more in training.
         fresh_nbytes: bytes of the tensors the forward makes that are larger than :data:`FRESH_ABOVE` (fresh
             memory at the device's ``fresh_bandwidth``); ``train_fresh_nbytes``: the same for the weight
@@ -125,12 +137,18 @@ class Work:
     norm_nbytes: np.ndarray | None = None
     fresh_nbytes: np.ndarray | None = None
     train_fresh_nbytes: np.ndarray | None = None
+    channels: np.ndarray | None = None
     known: bool = True
 
     def rate(self, speed: DeviceSpeed) -> np.ndarray:
         """Per op, the FLOP/s it reaches on ``speed``'s device: products with a small dimension below the peak."""
         rate = np.full(len(self.flops), float(speed.flops))
-        for sizes, half in ((self.reduction, speed.half_reduction), (self.positions, speed.half_map)):
+        halves = (
+            (self.reduction, speed.half_reduction),
+            (self.positions, speed.half_map),
+            (self.channels, speed.half_channels),
+        )
+        for sizes, half in halves:
             if sizes is not None and half > 0:
                 rate *= np.where(sizes > 0, sizes / (sizes + half), 1.0)
         return rate
@@ -146,7 +164,7 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
     flops, nbytes, free, products = np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
     train_flops, train_nbytes, grad_nbytes = np.zeros(n), np.zeros(n), np.zeros(n)
     reduction, positions, norm_nbytes = np.zeros(n), np.zeros(n), np.zeros(n)
-    fresh, train_fresh = np.zeros(n), np.zeros(n)
+    fresh, train_fresh, channels = np.zeros(n), np.zeros(n), np.zeros(n)
     if not any("val" in node.meta or "tensor_meta" in node.meta for node in ops):
         return Work(np.ones(n), np.ones(n), free, products, np.ones(n), np.ones(n), np.zeros(n), known=False)
     modules = dict(graph_module.named_modules())
@@ -162,7 +180,7 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
             flops[index] = numel(value_of(node))
         nbytes[index] = bytes_moved(node, module, dtype)
         products[index] = is_product(node, module)
-        reduction[index], positions[index] = product_sizes(node, module)
+        reduction[index], positions[index], channels[index] = product_sizes(node, module)
         train_flops[index], train_nbytes[index], grad_nbytes[index] = _training_work(
             node, module, grads, (flops[index], nbytes[index]), products[index], dtype
         )
@@ -184,6 +202,7 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
         norm_nbytes,
         fresh,
         train_fresh,
+        channels,
     )
 
 

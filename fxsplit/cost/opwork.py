@@ -79,22 +79,23 @@ def is_product(node: torch.fx.Node, module: torch.nn.Module | None) -> bool:
     return name in _PRODUCTS or name == "convolution"
 
 
-def product_sizes(node: torch.fx.Node, module: torch.nn.Module | None) -> tuple[float, float]:
-    """A product's reduction length and a convolution's output positions per image (0 where none; see the notes)."""
+def product_sizes(node: torch.fx.Node, module: torch.nn.Module | None) -> tuple[float, float, float]:
+    """A product's reduction length, and a convolution's output positions per image and input channels (per
+    group), each 0 where none (see :mod:`fxsplit.cost.compute`'s notes)."""
     name = op_name(node) if module is None else ""
     conv = isinstance(module, torch.nn.modules.conv._ConvNd) or name in (_CONVS | _TRANSPOSED_CONVS | {"convolution"})
     shape = getattr(value_of(node), "shape", None)
     if shape is None:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     if conv and len(shape) >= 3:
         weight = _shape(node.args[1] if module is None else module.weight)
-        return float(math.prod(weight[1:])), float(math.prod(int(s) for s in shape[2:]))
+        return float(math.prod(weight[1:])), float(math.prod(int(s) for s in shape[2:])), float(weight[1])
     if isinstance(module, torch.nn.Linear):
-        return float(module.in_features), 0.0
+        return float(module.in_features), 0.0, 0.0
     if name in _MATMULS or name in _ADD_MATMULS or name == "linear":
         first = node.args[1] if name in _ADD_MATMULS else node.args[0]
-        return float(_shape(first)[-1]), 0.0
-    return 0.0, 0.0
+        return float(_shape(first)[-1]), 0.0, 0.0
+    return 0.0, 0.0, 0.0
 
 
 def is_batch_norm(node: torch.fx.Node, module: torch.nn.Module | None) -> bool:
