@@ -407,6 +407,29 @@ def test_split_and_model_state_dicts_load_strictly_into_each_other(trace: str) -
     torch.testing.assert_close(split(X), model(X))
 
 
+class WithStages(nn.Module):
+    """A model whose own child is named ``stages`` (timm's ConvNeXt, for one), holding a non-persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.Sequential(WithTable(), nn.ReLU(), WithTable())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stages(x)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_models_own_child_named_stages_is_not_taken_for_a_pipelines(trace: str) -> None:
+    """Found by the planning-speed benchmark: a split of such a model failed with 'Value after * must be an
+    iterable, not Container' (the split's ``stages`` attribute is the model's child, not a Pipeline's)."""
+    model = WithStages().eval()
+    split = fxsplit.fxsplit(model, {"cpu:0": "4KiB", "cpu:1": "4KiB"}, example_inputs=(X,), trace=trace, mode="weights")
+    assert set(split.state_dict()) == set(model.state_dict())
+    assert not any("scale" in name for name in split.state_dict())
+    split.load_state_dict(model.state_dict())
+    torch.testing.assert_close(split(X), model(X))
+
+
 def test_a_pipelines_state_dict_leaves_out_the_models_non_persistent_buffers() -> None:
     model = WithTable().eval()
     pipeline = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace="fx", mode="weights", pipeline={"chunks": 2})

@@ -55,9 +55,12 @@ def remember_non_persistent(split: Any, model: torch.nn.Module) -> Any:
     """Record the model's non-persistent buffer names on ``split`` and keep those buffers out of its state
     dict (a graph module's copy of a buffer forgets it), so that the two state dicts load strictly into
     each other; return ``split``."""
+    from fxsplit.pipeline.gpipe import Pipeline
+
     names = non_persistent_names(model)
     split.meta[NON_PERSISTENT] = names
-    for holder in [split, *getattr(split, "stages", ())]:  # a Pipeline's stages hold them under the model's names
+    stages = split.stages if isinstance(split, Pipeline) else ()  # not a model's own child named "stages"
+    for holder in [split, *stages]:  # a Pipeline's stages hold them under the model's names
         for name in names:
             path, _, leaf = name.rpartition(".")
             owner = attr_at(holder, path, None) if path else holder
