@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -68,6 +68,8 @@ class GraphPlanning:
             ``locate``: where a pattern came from (for errors).
         homes: every weight's device when a device map fixes them, else None.
         inputs: the example inputs (positional, keyword), one micro-batch of them with a pipeline.
+        measured: with ``profile=True``, each op's measured seconds, kept across plans of a rewritten graph
+            (:func:`~fxsplit.planning.timing.timing_for`'s ``seen``).
     """
 
     model: torch.nn.Module
@@ -82,6 +84,7 @@ class GraphPlanning:
     locate: Any
     homes: Mapping[str, str] | None
     inputs: tuple[Any, Mapping[str, Any] | None]
+    measured: dict[tuple[Any, ...], float] = field(default_factory=dict)
 
     @property
     def devices(self) -> list[str]:
@@ -118,6 +121,7 @@ def plan_graph(job: GraphPlanning) -> Planned:
         training=memory.spec.training,
         inputs=job.inputs,
         largest_copy=max((value.nbytes for value in problem.values), default=0) if options.profile else 0,
+        seen=job.measured,
     )
     splitter = _Splitter(job, costs, timing)
     if job.homes is not None:  # the map fixes every weight's device: no replicas

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_PIECES",
+    "MERGED_SLACK",
     "MIN_GAIN",
     "PIECE_SHARE",
     "ROW_MULTIPLE",
@@ -53,6 +54,7 @@ PIECE_SHARE = 0.25  # an op longer than this share of a mean stage is cut into p
 MAX_PIECES = 16
 ROW_MULTIPLE = 64  # piece bounds are multiples of this many rows (whole tiles for a GPU's matrix units)
 MIN_GAIN = 0.02  # the slowest stage must get this much faster for the split to be kept
+MERGED_SLACK = 0.01  # the merged pieces are kept unless their slowest stage is slower than the pieces' by more
 
 
 def wants_row_splits(options: Any, homes: Mapping[str, str] | None) -> bool:
@@ -68,21 +70,24 @@ def try_row_splits(planned: Planned, graph_module: torch.fx.GraphModule, replan:
     that makes the slowest stage faster (module docstring). ``replan`` plans the graph as it is when called;
     the graph is left as the returned plan describes it."""
     fine = _fine_splits(planned, graph_module)
-    split = _planned_with(graph_module, fine, replan) if fine else None
-    if split is None:
+    found = _planned_with(graph_module, fine, replan) if fine else None
+    if found is None:
         return planned
-    pieces, undo = split
+    pieces, undo = found
+    if _slowest(pieces) > (1 - MIN_GAIN) * _slowest(planned):
+        undo()
+        return planned
     coarse = _merged(pieces, fine)
+    if coarse == fine:  # a piece per device already
+        return pieces
     undo()
-    if not coarse or _slowest(pieces) > (1 - MIN_GAIN) * _slowest(planned):
-        return planned
     merged = _planned_with(graph_module, coarse, replan)
-    if merged is None:
-        return planned
-    if _slowest(merged[0]) > (1 - MIN_GAIN) * _slowest(planned):
+    if merged is not None and _slowest(merged[0]) <= (1 + MERGED_SLACK) * _slowest(pieces):
+        return merged[0]
+    if merged is not None:  # measured (profile=True), one large piece can run slower than the small ones did
         merged[1]()
-        return planned
-    return merged[0]
+    again = _planned_with(graph_module, fine, replan)
+    return again[0] if again is not None else planned
 
 
 def _planned_with(

@@ -87,15 +87,21 @@ def timing_for(
     training: bool,
     inputs: tuple[tuple[Any, ...] | None, Mapping[str, Any] | None] = (None, None),
     largest_copy: int = 0,
+    seen: dict[tuple[Any, ...], float] | None = None,
 ) -> Timing | None:
     """The op times ``options`` plan with (:func:`op_timing`), or None when the plan is not made for time
     (:func:`wants_timing`). With ``profile``, measured on each device (:func:`measure_ops`) fed ``inputs``
     (positional and keyword example inputs, as traced), and each link measured with a copy of
-    ``largest_copy`` bytes, the largest value the plan may copy (:func:`~fxsplit.cost.linkprofile.profile_links`)."""
+    ``largest_copy`` bytes, the largest value the plan may copy (:func:`~fxsplit.cost.linkprofile.profile_links`).
+    ``seen``: the times measured for this graph before it was rewritten (ops of one name, target and output shape
+    keep their first time, so that plans of the graph before and after are compared on the same numbers); the
+    new ones are added to it."""
     objective = options.chosen_objective
     if not wants_timing(objective, options.pipeline, options.hardware, options.profile):
         return None
     measured = measure_ops(graph_module, ops, devices, *inputs, training=training) if options.profile else None
+    if measured is not None and seen is not None:
+        measured = _as_first_seen(measured, ops, seen)
     links = None
     if options.profile:
         from fxsplit.cost.linkprofile import profile_links
@@ -113,6 +119,21 @@ def timing_for(
         measured=measured,
         measured_links=links,
     )
+
+
+def _as_first_seen(
+    measured: dict[str, list[float]], ops: Sequence[torch.fx.Node], seen: dict[tuple[Any, ...], float]
+) -> dict[str, list[float]]:
+    """``measured``, each op's time replaced by the one ``seen`` holds for it (same device, name, target and output
+    shape), where it holds one; the rest added to ``seen``."""
+    keys = [(op.name, str(op.target), tuple(getattr(op.meta.get("val"), "shape", ()))) for op in ops]
+    found = {}
+    for device, times in measured.items():
+        row = []
+        for key, value in zip(keys, times, strict=True):
+            row.append(seen.setdefault((device, *key), value))
+        found[device] = row
+    return found
 
 
 def _warn_unused_hardware(hardware: Hardware, devices: Sequence[str]) -> None:
