@@ -284,3 +284,12 @@ def test_profiled_times_of_an_op_are_the_first_measured_across_plans_of_a_rewrit
     ops = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function")]
     after = _as_first_seen({"cpu:0": [3.0] * len(ops)}, ops, seen)["cpu:0"]
     assert after == [3.0 if n.name.startswith("head") else 1.0 for n in ops]
+
+
+def test_a_piece_name_the_graph_already_has_is_refused_before_anything_changes() -> None:
+    gm = trace(WideHead(vocab=64, width=16), example_inputs=(_ids(64),), mode="fx").graph_module
+    gm.graph.create_node("call_function", torch.relu, (next(iter(gm.graph.nodes)),), name="head_rows1")
+    before = gm.graph.python_code("self").src
+    with pytest.raises(ValueError, match=r"already has nodes named \['head_rows1'\]"):
+        split_rows(gm, {"head": (0, 32, 64)})
+    assert gm.graph.python_code("self").src == before and not hasattr(gm, ROWS_MODULE)

@@ -206,6 +206,10 @@ def split_rows(graph_module: torch.fx.GraphModule, splits: Mapping[str, Sequence
         found.append((op, bounds))
     if not found:
         return lambda: None
+    taken = set(by_name) | set(getattr(getattr(graph, "_graph_namespace", None), "_used_names", ()))
+    clash = sorted(name for op, bounds in found for name in _piece_names(op, len(bounds) - 1) if name in taken)
+    if clash:
+        raise ValueError(f"the graph already has nodes named {clash}, which the row pieces must be named")
     holder = _holder(graph_module)
     if holder is None:
         holder = RowParameters()
@@ -269,6 +273,12 @@ def _split_one(
             del holder.shards[f"{ROWS_MODULE}.{attribute}"]
 
     return undo
+
+
+def _piece_names(op: LinearOp, pieces: int) -> list[str]:
+    """The names of the nodes :func:`split_rows` makes for ``op`` in ``pieces`` pieces."""
+    kinds = ("", "_weight", "_bias") if op.bias is not None else ("", "_weight")
+    return [f"{op.node.name}_rows{k}{kind}" for k in range(pieces) for kind in kinds]
 
 
 def _named(node: torch.fx.Node, name: str) -> torch.fx.Node:
