@@ -73,7 +73,9 @@ class PipelineStages:
             chain them in one process, move each module to its device and each
             stage's outputs to the next one's.
         tied: qualified name of each weight that several stages hold -> those
-            stages (their gradients are summed by :meth:`reduce_tied_grads`).
+            stages (their gradients are summed by :meth:`reduce_tied_grads`): whole,
+            or, for a linear op whose rows the plan splits over stages
+            (``plan.row_splits``), a parameter over some of its rows.
         chunks: the micro-batches per batch the stages were traced for.
     """
 
