@@ -18,7 +18,8 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from fxsplit.attrpath import attr_at
 from fxsplit.cost.pins import path_matches, resolve_pins, resolve_together
-from fxsplit.cost.walk import module_table, named_tensors
+from fxsplit.cost.scan import module_tensors, scan_graph
+from fxsplit.cost.walk import ModulePaths, module_table, named_tensors
 from fxsplit.gcpause import gc_paused
 from fxsplit.partition.problem import PartitionProblem, Value
 from fxsplit.tracing.graphinfo import (
@@ -27,13 +28,12 @@ from fxsplit.tracing.graphinfo import (
     _numel,
     alias_root,
     element_size,
-    is_guard,
-    module_path,
     mutated_inputs,
     value_bytes,
     value_kind,
 )
 from fxsplit.tracing.rowsplit import covered_sources
+from fxsplit.tracing.writers import writing_ops
 
 __all__ = [
     "GraphCosts",
@@ -96,8 +96,8 @@ def _unread_aliases(
     weights: list[Weight],
     weight_values: list[int],
     unused: list[Weight],
-    read: dict[int, tuple[list[str], torch.Tensor, bool]],
-    known: dict[int, tuple[list[str], torch.Tensor, bool]],
+    read: Mapping[int, tuple[Any, ...]],
+    known: Mapping[int, tuple[list[str], torch.Tensor, bool]],
     rows: Mapping[int, str],
 ) -> dict[str, str]:
     """Unread weight -> the read weight it is: two tensor objects over the same storage (export's lifted
@@ -132,6 +132,8 @@ def storage_key(tensor: torch.Tensor) -> tuple[object, ...] | None:
 
 
 def _tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    if dtype is None or not tensor.dtype.is_floating_point:
+        return tensor.nbytes
     return tensor.numel() * element_size(tensor.dtype, dtype)
 
 
@@ -156,93 +158,52 @@ def build_problem(
         dtype: plan as if floating-point parameters, buffers and activations
             had this dtype (None: as they are).
     """
-    graph = graph_module.graph
-    modules = module_table(graph_module)
+    modules = ModulePaths(graph_module)
     known = model_tensors(model)
-    ops = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output") and not is_guard(n)]
-    index = {node: i for i, node in enumerate(ops)}
-
-    weight_users: dict[int, set[int]] = {}
-    weight_nodes: dict[int, list[str]] = {}
-    weight_tensor: dict[int, tuple[list[str], torch.Tensor, bool]] = {}
-    mutated_weights: set[int] = set()  # buffers a call_module op reads: its module may write them
-    for node, path, tensor in tensor_reads(graph_module, modules):
-        key = id(tensor)
-        is_buffer = not isinstance(tensor, torch.nn.Parameter)
-        if key not in weight_tensor:
-            weight_tensor[key] = known.get(key) or ([path], tensor, is_buffer)
-            weight_users[key], weight_nodes[key] = set(), []
-        if node.op == "get_attr":
-            weight_users[key].update(index[u] for u in node.users if u in index)
-        else:
-            weight_users[key].add(index[node])
-            if is_buffer and node.op == "call_module":
-                mutated_weights.add(key)
-        weight_nodes[key].append(node.name)
-
-    mutations = {node: targets for node in ops if (targets := mutated_inputs(node, modules))}
+    scan = scan_graph(graph_module, modules, known)
+    ops, index, read = scan.ops, scan.index, scan.read
+    mutations = writing_ops(ops, modules)
     writes = written_tensors(graph_module, ops, modules, mutations)
-
-    values: list[Value] = []
-    value_nbytes: dict[str, int | None] = {}
-    for node in graph.nodes:
-        at = index.get(node)
-        if at is None and node.op != "placeholder":
-            continue
-        users = node.users
-        if len(users) == 1:  # most values: one reader, no set to sort
-            reader = index.get(next(iter(users)))
-            consumers: tuple[int, ...] = () if reader is None else (reader,)
-        else:
-            consumers = tuple(sorted({index[u] for u in users if u in index}))
-        nbytes, kind = _value_facts(node, dtype)
-        value_nbytes[node.name] = nbytes
-        if not consumers:
-            continue
-        if kind is None:
-            kind = value_kind(node)
-        cost = 0 if kind == NONTENSOR else (nbytes if nbytes is not None else UNKNOWN_VALUE_BYTES)
-        start = consumers[0] if at is None else at
-        fields = {
-            "name": node.name,
-            "nbytes": cost,
-            "start": start,
-            "consumers": consumers,
-            "weight": 0,
-            "movable": True,
-        }
-        values.append(_frozen(Value, fields))
+    values, value_nbytes = _op_values(scan.valued, index, dtype)
 
     weights: list[Weight] = []
     weight_values: list[int] = []
-    for key, (names, tensor, is_buffer) in weight_tensor.items():
-        readers = sorted(weight_users[key])
-        nbytes = _tensor_bytes(tensor, dtype)
-        weights.append(
-            _frozen(
-                Weight,
-                {"names": tuple(names), "nbytes": nbytes, "is_buffer": is_buffer, "nodes": tuple(weight_nodes[key])},
-            )
-        )
-        if readers:
-            weight_values.append(len(values))
-            fields = {"name": names[0], "nbytes": nbytes, "start": readers[0], "consumers": tuple(readers)}
-            values.append(_frozen(Value, {**fields, "weight": nbytes, "movable": key not in mutated_weights}))
-            if ("weight", key) in writes:  # a written buffer lives where its first reader runs
-                writes[("weight", key)].add(readers[0])
-        else:
+    module_buffers = scan.module_buffers
+    for key, (names, tensor, is_buffer, users, nodes) in read.items():
+        nbytes = tensor.nbytes if dtype is None else _tensor_bytes(tensor, dtype)
+        weight = {"names": tuple(names), "nbytes": nbytes, "is_buffer": is_buffer, "nodes": tuple(nodes)}
+        weights.append(_frozen(Weight, weight))
+        if not users:
             weight_values.append(-1)
-    unused = [
-        Weight(tuple(names), _tensor_bytes(t, dtype), b, ())
-        for key, (names, t, b) in known.items()
-        if key not in weight_tensor
-    ]
-    aliases = _unread_aliases(weights, weight_values, unused, weight_tensor, known, covered_sources(graph_module))
+            continue
+        readers = tuple(sorted(set(users))) if len(users) > 1 else tuple(users)
+        weight_values.append(len(values))
+        value = {
+            "name": names[0],
+            "nbytes": nbytes,
+            "start": readers[0],
+            "consumers": readers,
+            "weight": nbytes,
+            "movable": not module_buffers or key not in module_buffers,
+        }
+        values.append(_frozen(Value, value))
+        if writes and ("weight", key) in writes:  # a written buffer lives where its first reader runs
+            writes[("weight", key)].add(readers[0])
+    unused = (
+        [  # the model's tensors no node reads (none when the graph reads every one)
+            Weight(tuple(names), _tensor_bytes(t, dtype), b, ())
+            for key, (names, t, b) in known.items()
+            if key not in read
+        ]
+        if scan.known_read < len(known)
+        else []
+    )
+    aliases = _unread_aliases(weights, weight_values, unused, read, known, covered_sources(graph_module))
     if aliases:
         weights = [dataclasses.replace(w, nbytes=0) if w.names[0] in aliases else w for w in weights]
         unused = [dataclasses.replace(w, nbytes=0) if w.names[0] in aliases else w for w in unused]
 
-    labels = tuple(module_path(n) for n in ops)
+    labels = scan.labels
     problem = PartitionProblem(
         op_names=tuple(n.name for n in ops),
         values=tuple(values),
@@ -252,12 +213,50 @@ def build_problem(
         op_labels=labels,
     )
     written = {
-        weight_tensor[key][0][0]: _tensor_bytes(weight_tensor[key][1], dtype)
+        read[key][0][0]: _tensor_bytes(read[key][1], dtype)
         for kind, key in writes
-        if kind == "weight" and isinstance(key, int) and key in weight_tensor
+        if kind == "weight" and isinstance(key, int) and key in read
     }
     writers = frozenset(node.name for node in mutations)
     return GraphCosts(problem, ops, weights, weight_values, unused, value_nbytes, aliases, written, writers)
+
+
+def _op_values(
+    valued: list[torch.fx.Node], index: Mapping[torch.fx.Node, int], dtype: torch.dtype | None
+) -> tuple[list[Value], dict[str, int | None]]:
+    """A :class:`Value` for each placeholder or op whose value some op reads, and every such node's bytes."""
+    values: list[Value] = []
+    value_nbytes: dict[str, int | None] = {}
+    sizes: dict[torch.dtype, int] = {}
+    position = index.get
+    for node in valued:
+        users = node.users
+        if len(users) == 1:  # most values: one reader, no set to sort
+            reader = position(next(iter(users)))
+            consumers: tuple[int, ...] = () if reader is None else (reader,)
+        else:
+            consumers = tuple(sorted({index[u] for u in users if u in index}))
+        nbytes, kind = _value_facts(node, dtype, sizes)
+        value_nbytes[node.name] = nbytes
+        if not consumers:
+            continue
+        if kind is None:
+            kind = value_kind(node)
+        at = position(node)
+        values.append(
+            _frozen(
+                Value,
+                {
+                    "name": node.name,
+                    "nbytes": 0 if kind == NONTENSOR else (nbytes if nbytes is not None else UNKNOWN_VALUE_BYTES),
+                    "start": consumers[0] if at is None else at,
+                    "consumers": consumers,
+                    "weight": 0,
+                    "movable": True,
+                },
+            )
+        )
+    return values, value_nbytes
 
 
 _Frozen = TypeVar("_Frozen")
@@ -271,33 +270,50 @@ _FILLED: dict[
     )
 }
 _new, _setattr = object.__new__, object.__setattr__
+_FILLED_CLASSES = frozenset(cls for cls, filled in _FILLED.items() if filled)
 
 
 def _frozen(cls: type[_Frozen], fields: dict[str, Any]) -> _Frozen:
     """``cls(**fields)`` for a frozen dataclass (Value, Weight), ``fields`` all of its fields in order: the same
     object, made without the generated ``__init__``'s ``object.__setattr__`` per field (half the time; the
     cost model makes one Value and one Weight per op)."""
-    if not _FILLED.get(cls, False):
-        return cls(**fields)
-    made = _new(cls)
-    _setattr(made, "__dict__", fields)
-    return made
+    if cls in _FILLED_CLASSES:
+        made = _new(cls)
+        _setattr(made, "__dict__", fields)
+        return made
+    return cls(**fields)
 
 
-def _value_facts(node: torch.fx.Node, dtype: torch.dtype | None) -> tuple[int | None, str | None]:
-    """``value_bytes(node)`` and, where it comes for free (one tensor), ``value_kind(node)`` (else None)."""
+def _value_facts(
+    node: torch.fx.Node, dtype: torch.dtype | None, sizes: dict[torch.dtype, int] | None = None
+) -> tuple[int | None, str | None]:
+    """``value_bytes(node)`` and, where it comes for free (one tensor), ``value_kind(node)`` (else None).
+    ``sizes``: bytes per element by dtype, filled as met."""
     meta = node.meta
     value = meta["val"] if "val" in meta else meta.get("tensor_meta")
     if type(value) is TensorMetadata or isinstance(value, torch.Tensor):
-        numel = _numel(value.shape)
-        return (None if numel is None else numel * element_size(value.dtype, dtype)), TENSOR
+        shape = value.shape
+        try:
+            numel = shape.numel()  # torch.Size's own product; a symbolic size may give a SymInt, or fail
+        except Exception:  # noqa: BLE001
+            numel = None
+        if type(numel) is not int:
+            numel = _numel(shape)
+            if numel is None:
+                return None, TENSOR
+        size = sizes.get(value.dtype) if sizes is not None else None
+        if size is None:
+            size = element_size(value.dtype, dtype)
+            if sizes is not None:
+                sizes[value.dtype] = size
+        return numel * size, TENSOR
     return value_bytes(node, float_dtype=dtype), None
 
 
 def written_tensors(
     graph_module: torch.fx.GraphModule,
     ops: Sequence[torch.fx.Node],
-    modules: dict[str, torch.nn.Module],
+    modules: Mapping[str, torch.nn.Module],
     mutations: Mapping[torch.fx.Node, list[torch.fx.Node]] | None = None,
 ) -> dict[tuple[str, object], set[int]]:
     """Each tensor some op writes in place -> the ops that must run where it lives (op indices).
@@ -358,12 +374,5 @@ def tensor_reads(
             if isinstance(attr, torch.Tensor):
                 yield node, str(node.target), attr
         elif node.op == "call_module":
-            for name, tensor in _module_tensors(modules[str(node.target)]):
+            for name, tensor in module_tensors(modules[str(node.target)]):
                 yield node, f"{node.target}.{name}", tensor
-
-
-def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    if not module._modules:  # a leaf (most call_module targets): its own parameters, then buffers
-        found = [(name, tensor) for name, tensor in module._parameters.items() if tensor is not None]
-        return found + [(name, tensor) for name, tensor in module._buffers.items() if tensor is not None]
-    return [(name, tensor) for name, tensor, _ in named_tensors(module)]

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 
-__all__ = ["module_table", "named_tensors", "one_walk"]
+__all__ = ["ModulePaths", "module_table", "named_tensors", "one_walk"]
 
 _WALKS: ContextVar[dict[int, tuple[torch.nn.Module, list[tuple[str, torch.Tensor, bool]]]] | None] = ContextVar(
     "fxsplit_walks", default=None
@@ -100,3 +100,39 @@ def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]
     if walks is not None:
         walks[id(model)] = (model, found)
     return found
+
+
+class ModulePaths(Mapping[str, torch.nn.Module]):
+    """The submodules of ``root`` by dotted path, each found when first asked (through ``_modules``, part by part)
+    and remembered: for a caller that asks for some paths (a graph's ``call_module`` targets) rather than
+    walking every module of the tree. Iterating walks the tree (:func:`module_table`)."""
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        self._root = root
+        self._found: dict[str, torch.nn.Module] = {"": root}
+
+    def __getitem__(self, path: str) -> torch.nn.Module:
+        found = self._found.get(path)
+        if found is None:
+            found = self._root
+            for part in path.split("."):
+                found = found._modules.get(part)
+                if found is None:
+                    raise KeyError(path)
+            self._found[path] = found
+        return found
+
+    def get(self, path: str, default: object = None) -> torch.nn.Module | None:  # type: ignore[override]
+        found = self._found.get(path)
+        if found is not None:
+            return found
+        try:
+            return self[path]
+        except KeyError:
+            return default  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(module_table(self._root))
+
+    def __len__(self) -> int:
+        return len(module_table(self._root))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.fx
@@ -173,7 +173,7 @@ def module_path(node: torch.fx.Node) -> str:
     return ""
 
 
-def mutated_inputs(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> list[torch.fx.Node]:
+def mutated_inputs(node: torch.fx.Node, modules: Mapping[str, torch.nn.Module]) -> list[torch.fx.Node]:
     """Input nodes that ``node`` writes to in place."""
     mutated: list[torch.fx.Node] = []
     op, target = node.op, node.target
@@ -224,7 +224,7 @@ def _is_stat(name: str) -> bool:
     return any(stat in name for stat in _STAT_OPS)
 
 
-def _inplace_by_argument(node: torch.fx.Node, modules: dict[str, torch.nn.Module] | None = None) -> bool:
+def _inplace_by_argument(node: torch.fx.Node, modules: Mapping[str, torch.nn.Module] | None = None) -> bool:
     """Whether ``node`` is an op made in-place by an argument: ``F.relu(x, inplace=True)`` (keyword or
     positional) or a module built with ``inplace=True`` (``nn.ReLU(inplace=True)``). Such an op writes its
     first argument and returns it."""
@@ -268,7 +268,7 @@ def _inplace_position(function: Callable[..., Any]) -> int | None:
     return parameters.index("inplace") if "inplace" in parameters else None
 
 
-def _subgraph_writes(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> list[torch.fx.Node]:
+def _subgraph_writes(node: torch.fx.Node, modules: Mapping[str, torch.nn.Module]) -> list[torch.fx.Node]:
     """The operands a higher-order op's subgraph writes (export's ``wrap_with_set_grad_enabled(False, g, *xs)``).
 
     The operands follow the subgraph argument and feed its placeholders in order.
@@ -293,7 +293,7 @@ def _is_inplace_name(name: str) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
-def input_writers(graph: torch.fx.Graph, modules: dict[str, torch.nn.Module]) -> dict[str, list[str]]:
+def input_writers(graph: torch.fx.Graph, modules: Mapping[str, torch.nn.Module]) -> dict[str, list[str]]:
     """Input (placeholder) name -> the nodes that write it in place, directly or through views, in order."""
     found: dict[str, list[str]] = {}
     for node in graph.nodes:
