@@ -127,7 +127,9 @@ def scan_graph(
 
 
 def _leaf_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    found = [(name, tensor) for name, tensor in module._parameters.items() if tensor is not None]
+    found: list[tuple[str, torch.Tensor]] = [
+        (name, tensor) for name, tensor in module._parameters.items() if tensor is not None
+    ]
     if module._buffers:
         found += [(name, tensor) for name, tensor in module._buffers.items() if tensor is not None]
     return found
