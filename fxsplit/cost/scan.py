@@ -95,12 +95,16 @@ def scan_graph(
             at, name_of_node = len(ops), node.name
             module = modules[target]
             for name, tensor in module_tensors(module) if module._modules else _leaf_tensors(module):
-                found = read.get(id(tensor))
-                if found is None:
-                    entry(node, f"{target}.{name}", tensor)[3].append(at)
-                else:  # a tensor read before (tied, or a module called twice)
+                key = id(tensor)
+                found = read.get(key)
+                if found is not None:  # a tensor read before (tied, or a module called twice)
                     found[3].append(at)
                     found[4].append(name_of_node)
+                elif (names := known.get(key)) is not None:  # most reads: a model tensor, first read here
+                    known_read += 1
+                    read[key] = (names[0], tensor, names[2], [at], [name_of_node])
+                else:
+                    entry(node, f"{target}.{name}", tensor)[3].append(at)
                 if type(tensor) is not torch.nn.Parameter and not isinstance(tensor, torch.nn.Parameter):
                     module_buffers.add(id(tensor))
             label = target
