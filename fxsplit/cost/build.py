@@ -170,7 +170,7 @@ def build_problem(
     weight_values: list[int] = []
     module_buffers = scan.module_buffers
     for key, (names, tensor, is_buffer, users, nodes) in read.items():
-        nbytes = tensor.nbytes if dtype is None else _tensor_bytes(tensor, dtype)
+        nbytes = _tensor_bytes(tensor, dtype)
         weight = {"names": tuple(names), "nbytes": nbytes, "is_buffer": is_buffer, "nodes": tuple(nodes)}
         weights.append(_frozen(Weight, weight))
         if not users:

@@ -43,6 +43,7 @@ import itertools
 from typing import Sequence
 
 from fxsplit.errors import BudgetError, SpecError
+from fxsplit.gcpause import gc_paused
 from fxsplit.options import OBJECTIVES
 from fxsplit.partition.colocate import colocate
 from fxsplit.partition.contiguous import EXACT_LIMIT, devices_of
@@ -56,6 +57,7 @@ from fxsplit.partition.throughput import TIME_OBJECTIVES, Timing, fastest_bounda
 __all__ = ["EXACT_LIMIT", "OBJECTIVES", "Partition", "partition", "transfer_bytes"]
 
 
+@gc_paused()
 def partition(
     problem: PartitionProblem,
     budgets: Sequence[int],
