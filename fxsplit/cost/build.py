@@ -285,7 +285,7 @@ def _frozen(cls: type[_Frozen], fields: dict[str, Any]) -> _Frozen:
 
 
 def _value_facts(
-    node: torch.fx.Node, dtype: torch.dtype | None, sizes: dict[torch.dtype, int] | None = None
+    node: torch.fx.Node, dtype: torch.dtype | None, sizes: dict[torch.dtype, int]
 ) -> tuple[int | None, str | None]:
     """``value_bytes(node)`` and, where it comes for free (one tensor), ``value_kind(node)`` (else None).
     ``sizes``: bytes per element by dtype, filled as met."""
@@ -301,11 +301,9 @@ def _value_facts(
             numel = _numel(shape)
             if numel is None:
                 return None, TENSOR
-        size = sizes.get(value.dtype) if sizes is not None else None
+        size = sizes.get(value.dtype)
         if size is None:
-            size = element_size(value.dtype, dtype)
-            if sizes is not None:
-                sizes[value.dtype] = size
+            size = sizes[value.dtype] = element_size(value.dtype, dtype)
         return numel * size, TENSOR
     return value_bytes(node, float_dtype=dtype), None
 

@@ -68,10 +68,9 @@ def replicable(costs: GraphCosts, *, training: bool) -> tuple[int, ...]:
     values = costs.problem.values
     found = []
     for weight, index in zip(costs.weights, costs.weight_values, strict=True):
-        if index < 0 or weight.names[0] in costs.written or not weight.nbytes:
+        if index < 0 or len(values[index].consumers) < 2:  # unread, or read by one op (most weights)
             continue
-        value = values[index]
-        if value.movable and len(value.consumers) > 1:
+        if values[index].movable and weight.nbytes and weight.names[0] not in costs.written:
             found.append(index)
     return tuple(found)
 
