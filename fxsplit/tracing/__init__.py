@@ -5,7 +5,9 @@
 * :mod:`~fxsplit.tracing.dynamic`: which input sizes an export graph keeps variable.
 * :mod:`~fxsplit.tracing.gradmode`: ``torch.no_grad()`` regions kept in the graph.
 * :mod:`~fxsplit.tracing.graphinfo`: facts about nodes that later stages share;
-  :mod:`~fxsplit.tracing.viewops`, the ops whose result shares its input's storage.
+  :mod:`~fxsplit.tracing.viewops`, the ops whose result shares its input's storage;
+  :mod:`~fxsplit.tracing.writers`, the ops of a graph that write an input in place.
+* :mod:`~fxsplit.tracing.rowsplit`: a linear op split by the rows of its weight (a graph rewrite for pipeline stages).
 """
 
 from fxsplit.tracing.capture import Traced, trace
