@@ -70,14 +70,16 @@ def scan_graph(
     attr_reads: list[tuple[list[int], torch.fx.Node]] = []  # get_attr: its readers are ops further on
     known_read = 0
 
-    def entry(node: torch.fx.Node, path: str, tensor: torch.Tensor) -> Read:
-        """The tensor's :data:`Read`, with ``node`` among its nodes (made at its first read)."""
+    def entry(node: torch.fx.Node, tensor: torch.Tensor, owner: str, name: str = "") -> Read:
+        """The tensor's :data:`Read`, with ``node`` among its nodes (made at its first read). Its graph path,
+        ``owner.name`` (or ``owner`` alone), names it only when the model does not."""
         nonlocal known_read
         key = id(tensor)
         found = read.get(key)
         if found is None:
             names = known.get(key)
             if names is None:
+                path = f"{owner}.{name}" if name else owner
                 found = read[key] = ([path], tensor, not isinstance(tensor, torch.nn.Parameter), [], [node.name])
             else:
                 known_read += 1
@@ -92,20 +94,10 @@ def scan_graph(
             target = str(node.target)
             if target.startswith("_guards"):  # torch.export's input check: no compute, no placement
                 continue
-            at, name_of_node = len(ops), node.name
-            module = modules[target]
+            at, module = len(ops), modules[target]
             for name, tensor in module_tensors(module) if module._modules else _leaf_tensors(module):
-                key = id(tensor)
-                found = read.get(key)
-                if found is not None:  # a tensor read before (tied, or a module called twice)
-                    found[3].append(at)
-                    found[4].append(name_of_node)
-                elif (names := known.get(key)) is not None:  # most reads: a model tensor, first read here
-                    known_read += 1
-                    read[key] = (names[0], tensor, names[2], [at], [name_of_node])
-                else:
-                    entry(node, f"{target}.{name}", tensor)[3].append(at)
-                if type(tensor) is not torch.nn.Parameter and not isinstance(tensor, torch.nn.Parameter):
+                entry(node, tensor, target, name)[3].append(at)
+                if not isinstance(tensor, torch.nn.Parameter):
                     module_buffers.add(id(tensor))
             label = target
         elif op == "call_function" or op == "call_method":
@@ -119,7 +111,7 @@ def scan_graph(
             elif op == "get_attr":
                 attr = attr_at(graph_module, str(node.target))
                 if isinstance(attr, torch.Tensor):
-                    attr_reads.append((entry(node, str(node.target), attr)[3], node))
+                    attr_reads.append((entry(node, attr, str(node.target))[3], node))
             continue
         ops.append(node)
         labels.append(label)
