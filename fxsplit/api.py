@@ -312,10 +312,14 @@ def fxsplit(
             refuse_meta(model)
             warn_uncast(model, planned.plan.dtype)
         moved = move_weights(
-            planned.traced.graph_module, planned.plan, loaded.not_loaded(planned.costs.weights + planned.costs.unused)
+            planned.traced.graph_module,
+            planned.plan,
+            loaded.not_loaded(planned.costs.weights + planned.costs.unused),
+            model,
         )
         try:
-            split = guard_meta_weights(remember_non_persistent(emit(planned.traced.graph_module, planned.plan), model))
+            emitted = emit(planned.traced.graph_module, planned.plan, model)
+            split = guard_meta_weights(remember_non_persistent(emitted, model))
             if planned.options is not None and planned.options.check:
                 verify_split(split)
             if planned.options is not None and isinstance(planned.options.pipeline, PipelineConfig):

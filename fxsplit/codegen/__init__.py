@@ -6,6 +6,8 @@
 * :mod:`~fxsplit.codegen.meta`: what the emitted nodes carry in ``node.meta`` (device; :class:`CopyRecord`).
 * :mod:`~fxsplit.codegen.nested`: hard-coded devices in ops and their subgraphs pointed at the op's device.
 * :mod:`~fxsplit.codegen.fastattr`: attribute lookups at dictionary speed for the modules built.
+* :mod:`~fxsplit.codegen.tiednames`, :mod:`~fxsplit.codegen.unreadstate`: the split's ``state_dict()`` is the
+  model's (every name of a tied tensor; the tensors no op reads).
 * :mod:`~fxsplit.codegen.readable`: a readable view of the generated code.
 
 The helpers the generated code calls at run time are in :mod:`fxsplit.runtime` (their module path is part

@@ -28,6 +28,7 @@ from fxsplit.codegen.nested import pin_device_arguments, pin_subgraph_devices
 from fxsplit.codegen.splitmodule import ExportedSplit, GradModeSafeSplit, split_module
 from fxsplit.codegen.splitmodule import InputGuard as InputGuard  # splits saved before it moved name it here
 from fxsplit.codegen.tiednames import keep_tied_names
+from fxsplit.codegen.unreadstate import hold_unread
 from fxsplit.codegen.weights import (
     MovedWeights,
     check_input_writes,
@@ -280,12 +281,15 @@ def _annotation(text: str) -> Any:
     return found if isinstance(found, type) else None
 
 
-def emit(graph_module: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
+def emit(graph_module: torch.fx.GraphModule, plan: Plan, model: torch.nn.Module | None = None) -> torch.fx.GraphModule:
     """Build the split ``GraphModule`` from the traced graph and its plan; it shares (not copies) the graph's weights.
 
     The plan names every parameter and buffer, the graph says which node
     reads which (:func:`~fxsplit.codegen.weights.weights_read`): nothing
     else is needed, so a plan saved and loaded again generates the same code.
+    Given the ``model``, the split also holds the model's tensors no op reads
+    (:func:`~fxsplit.codegen.unreadstate.hold_unread`), so that its
+    ``state_dict()`` is the model's.
     """
     check_input_writes(graph_module, plan)
     if plan.replicas:  # where the split keeps its replicas (a module, so that get_attr reaches it)
@@ -293,6 +297,8 @@ def emit(graph_module: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule
     graph = _Emitter(graph_module, plan, weights_read(graph_module, plan)).run()
     graph.lint()
     split = split_module(graph_module, graph, plan)
+    if model is not None:
+        hold_unread(split, model)
     pin_subgraph_devices(split, {n.name: n.meta[DEVICE_META] for n in split.graph.nodes if DEVICE_META in n.meta})
     split.recompile()
     mirror_registries(split)  # weights by path at dict speed (see fxsplit.codegen.fastattr)

@@ -106,8 +106,12 @@ def check_input_writes(graph_module: torch.fx.GraphModule, plan: Plan) -> None:
             )
 
 
-def move_weights(graph_module: torch.fx.GraphModule, plan: Plan, weights: list[Weight]) -> MovedWeights:
+def move_weights(
+    graph_module: torch.fx.GraphModule, plan: Plan, weights: list[Weight], model: torch.nn.Module | None = None
+) -> MovedWeights:
     """Move every weight of the traced module to its planned device, in place (like ``Module.to``).
+
+    A weight the traced module does not hold (no op reads it: an unused submodule) is found in ``model``.
 
     Checks first that the plan can be emitted (:func:`check_input_writes`), so a refusal moves nothing.
     Returns what was moved, so that a caller failing later can put it back.
@@ -122,6 +126,8 @@ def move_weights(graph_module: torch.fx.GraphModule, plan: Plan, weights: list[W
     first_of: dict[tuple[object, ...], tuple[torch.Tensor, str]] = {}  # storage -> the tensor moved for it, where
     for weight in weights:
         tensor = weight_tensor(graph_module, weight)
+        if tensor is None and model is not None:
+            tensor = next((t for n in weight.names if isinstance(t := attr_at(model, n, None), torch.Tensor)), None)
         if tensor is None or tensor.device.type == "meta":
             continue
         tier = stored_in(plan, weight.names)

@@ -222,9 +222,9 @@ def apply(
         if checkpoint is None:
             refuse_meta(model)
             warn_uncast(model, plan.dtype)
-        moved = move_weights(traced.graph_module, plan, loaded.not_loaded(costs.weights + costs.unused))
+        moved = move_weights(traced.graph_module, plan, loaded.not_loaded(costs.weights + costs.unused), model)
         try:
-            return guard_meta_weights(remember_non_persistent(emit(traced.graph_module, plan), model))
+            return guard_meta_weights(remember_non_persistent(emit(traced.graph_module, plan, model), model))
         except BaseException:
             moved.undo()  # a failed call leaves the model as it was
             raise
