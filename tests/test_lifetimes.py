@@ -6,7 +6,8 @@ planning_loads over random chains and the lifetime of copies are in test_memory.
 
 from __future__ import annotations
 
-from fxsplit.memory.lifetimes import ActivationProfile, Simulated, ValueMemory, planning_loads, simulate
+from fxsplit.memory.lifetimes import ActivationProfile, Simulated, ValueMemory, simulate
+from fxsplit.memory.planloads import planning_loads
 
 
 def test_a_view_shares_its_base_storage() -> None:

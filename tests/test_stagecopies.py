@@ -454,6 +454,8 @@ def test_the_last_stage_keeps_every_micro_batchs_outputs_and_their_merged_copy()
     assert rows[True]["cpu:0"] == rows[False]["cpu:0"]
     assert rows[True]["cpu:1"] - rows[False]["cpu:1"] == (2 * CHUNKS - 1) * logits
     in_process = fxsplit.plan(model, BUDGETS, example_inputs=(ids,), pipeline=CHUNKS, mode="training", pins=PINS)
-    assert in_process.memory["cpu:0"]["activations_peak"] == rows[False]["cpu:0"]
+    # In one process the head's gradient of the tied weight is sent to cpu:0 and waits there to be summed with the
+    # embedding's: up to one weight more at the embedding's backward. Across processes each stage sums its own copy's.
+    assert rows[False]["cpu:0"] < in_process.memory["cpu:0"]["activations_peak"] <= rows[False]["cpu:0"] + WEIGHT_BYTES
     with pytest.raises(SpecError, match="return_outputs must be true or false"):
         fxsplit.PipelineConfig(2, processes=True, return_outputs="yes")  # type: ignore[arg-type]

@@ -6,6 +6,7 @@
 * :mod:`~fxsplit.memory.activations`: profile a graph's activations once, on fake tensors.
 * :mod:`~fxsplit.memory.charge`: the memory model a traced graph is charged by (warns when activations cannot be).
 * :mod:`~fxsplit.memory.lifetimes`: simulate activation memory for any placement (no torch).
+* :mod:`~fxsplit.memory.planloads`: each op's share of it, for the partitioner.
 * :mod:`~fxsplit.memory.measure`: measure what a split really allocates (tests, benchmarks).
 * :mod:`~fxsplit.memory.autobudget`: budgets from the free memory of the visible GPUs.
 """

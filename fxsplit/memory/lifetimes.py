@@ -20,7 +20,7 @@ any placement of the ops on devices, the way the generated code runs:
   from its last reader to the op that made it (the forward lifetime, walked
   backwards; a copy's, at its reader); outputs stay held through the backward.
 
-:func:`simulate` gives each device's peak; :func:`planning_loads` gives the
+:func:`simulate` gives each device's peak; :func:`~fxsplit.memory.planloads.planning_loads` gives the
 per-op ``op_extra`` and ``op_transient`` that the partitioner adds up for a
 contiguous run of ops (an upper bound of the simulation on one device for
 most graphs; the exact simulation checks the final plan).
@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Collection, Hashable, Mapping, Sequence
 
-__all__ = ["ActivationProfile", "Simulated", "ValueMemory", "planning_loads", "simulate"]
+__all__ = ["ActivationProfile", "Simulated", "ValueMemory", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,7 @@ class _Walk:
         self.storages: list[_Storage] = []
         self.on: dict[tuple[str, Hashable], dict[int, int | None]] = {}
         self.weight_reads: dict[str, list[int]] = {}
+        self.weight_readers: dict[str, set[int]] = {}  # weight -> the ops that read it
         self.readers: dict[tuple[str, Hashable], set[int]] = {}
         self.device_of: dict[int, Hashable] = {}
 
@@ -172,6 +173,7 @@ class _Walk:
         if is_op and name in self.profile.weights:
             span = self.weight_reads.setdefault(name, [position, position])
             span[1] = max(span[1], position)
+            self.weight_readers.setdefault(name, set()).add(position)
         elif is_op:
             self.readers.setdefault((name, device), set()).add(position)
         found = self.on.get((name, device))
@@ -261,17 +263,30 @@ class _Walk:
                 span[0], span[1], span[2] = min(span[0], s.alloc), max(span[1], s.last_op), max(span[2], s.nbytes)
         return [(self.storages[root].device, first, last, nbytes) for root, (first, last, nbytes) in spans.items()]
 
-    def contributions(self) -> list[tuple[Hashable, int, int]]:
+    def contributions(self, weights: bool = True) -> list[tuple[Hashable, int, int]]:
         """``(device, op, nbytes)``: a value read by several ops gets one gradient from each.
 
         In backward, all but the first to arrive (from its last reader) are
-        new tensors while they are being added to the gradient so far.
+        new tensors while they are being added to the gradient so far. A
+        weight's arrive at its home (the first is :meth:`held_gradients`'):
+        one from each reader there, one from each other device's copy.
         """
         found: list[tuple[Hashable, int, int]] = []
         for (name, device), readers in self.readers.items():
             info = self.profile.values[name]
             if info.requires_grad and len(readers) > 1:
                 found.extend((device, op, info.nbytes) for op in sorted(readers)[:-1])
+        for name, readers in self.weight_readers.items() if weights else ():  # a weight's arrive at its home: one
+            info = self.profile.values[name]  # per reader there, one per other device (its copy's, at its first reader)
+            if info.requires_grad and len(readers) > 1:
+                home, own = self.home[name], self.replicas.get(name, ())  # a device holding its own: summed there
+                arrivals = {op for op in readers if self.device_of[op] == home}
+                first_there: dict[Hashable, int] = {}
+                for op in readers:
+                    if (device := self.device_of[op]) != home and device not in own:
+                        first_there[device] = min(op, first_there.get(device, op))
+                arrivals.update(first_there.values())
+                found.extend((home, op, info.nbytes) for op in sorted(arrivals)[:-1])  # the last: held_gradients
         return found
 
     def return_outputs(self, device: Hashable, position: int) -> None:
@@ -373,47 +388,3 @@ def _kept_from(storage: _Storage) -> int | None:
     if storage.held:
         return storage.alloc
     return storage.saved_at
-
-
-def planning_loads(profile: ActivationProfile) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per-op ``(op_extra, op_transient)`` for the partitioner, from a one-device simulation.
-
-    Inference: ``op_transient[i]`` is the bytes live while op ``i`` runs (its
-    inputs, its result, everything still waiting for a later reader, its
-    internal intermediates); ``op_extra`` is zero. Training: ``op_extra[i]``
-    is what op ``i`` is first to save for backward, or returns (both stay
-    to the end of the backward), and ``op_transient[i]`` the larger of the
-    other bytes live in forward and the gradients live in backward at
-    ``i``. A device running ops ``[a, b)`` then needs ``sum(op_extra[a:b])
-    + max(op_transient[a:b])`` - an upper bound of its simulated peak, save
-    for copies between devices, which the final check adds.
-    """
-    n = len(profile.op_names)
-    walk = _walk(profile, [0] * n, dict.fromkeys(profile.inputs, 0), dict.fromkeys(profile.weights, 0), 0)
-    internal = profile.per_op("internal")
-    live = [0] * (n + 2)
-    grads = [0] * (n + 2)
-    extra = [0] * n
-    for s in walk.storages:
-        stop = min(s.last, n - 1)
-        kept = _kept_from(s) if profile.training else None
-        if kept is not None:  # saved for backward, or an output held through it: stays to the end
-            extra[min(kept, n - 1)] += s.nbytes
-            stop = min(stop, kept - 1)
-        if stop >= s.alloc:
-            _add(live, s.alloc, stop, s.nbytes)
-    if profile.training:
-        for _, first, last, nbytes in walk.gradients():
-            _add(grads, first, min(last, n - 1), nbytes)
-        for _, first, last, nbytes in walk.held_gradients():
-            _add(grads, first, min(last, n - 1), nbytes)
-        for _, op, nbytes in walk.contributions():
-            _add(grads, op, op, nbytes)
-    backward_internal = profile.per_op("backward_internal")
-    transient = []
-    running_live = running_grads = 0
-    for op in range(n):
-        running_live += live[op]
-        running_grads += grads[op]
-        transient.append(max(running_live + internal[op], running_grads + backward_internal[op]))
-    return tuple(extra), tuple(transient)

@@ -34,7 +34,8 @@ from typing import Any, Iterable, Mapping, Sequence
 from fxsplit.cost.build import GraphCosts
 from fxsplit.errors import BudgetError, SpecError
 from fxsplit.gcpause import gc_paused
-from fxsplit.memory.lifetimes import ActivationProfile, planning_loads, simulate
+from fxsplit.memory.lifetimes import ActivationProfile, simulate
+from fxsplit.memory.planloads import planning_loads
 from fxsplit.memory.wording import COMPONENTS, KEPT, TRANSIENT, advice, first_over, listing, summed
 from fxsplit.optimizer import OptimizerSettings, step_types
 from fxsplit.options import MODES, OPTIMIZERS
