@@ -29,7 +29,8 @@ class PipelineConfig:
             last micro-batch, whose backward comes right after its forward).
             Saves activation memory, costs a second forward in backward.
         batch_stats: what to do when the model normalises with batch
-            statistics (BatchNorm in training), which micro-batches change:
+            statistics (BatchNorm in training), which micro-batches change,
+            or updates a parameter or buffer in place (once per micro-batch):
             ``"warn"``, ``"error"`` or ``"allow"``.
         broadcast: names of inputs given whole to every micro-batch instead of
             being split along dim 0 (e.g. a mask shared by all samples).

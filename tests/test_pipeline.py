@@ -170,6 +170,48 @@ def test_batchnorm_warns_errors_or_is_allowed() -> None:
         allowed(x)
 
 
+class _Counting(torch.nn.Module):
+    """Updates a counter and a running mean of its own in place: once per micro-batch when pipelined."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mean", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        h = self.a(x)
+        with torch.no_grad():
+            self.mean.mul_(0.5).add_(h.mean(0), alpha=0.5)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_state_updated_in_place_warns_errors_or_is_allowed(trace: str) -> None:
+    """Found by an outside fuzz: a buffer the forward updates in place (not BatchNorm's) was updated once per
+    micro-batch, each seeing its rows only, and nothing said so."""
+    x = torch.randn(8, 8)
+
+    def pipe(**config: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the plan's own warnings, if any
+            return fxsplit.fxsplit(
+                _Counting(), {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(x,), trace=trace, pipeline=config
+            )
+
+    warned = pipe(chunks=2)
+    with pytest.warns(fxsplit.FxsplitWarning, match=r"updates 'calls', 'mean' in place; with 2 micro-batches"):
+        warned(x)
+    assert int(warned.split.get_buffer("calls")) == 2  # what the warning says: once per micro-batch
+    with pytest.raises(fxsplit.FxsplitError, match=r"updates 'calls', 'mean' in place.*batch_stats='allow'"):
+        pipe(chunks=2, batch_stats="error")(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(chunks=2, batch_stats="allow")(x)
+        pipe(chunks=1)(x)  # one micro-batch: the unsplit model's update
+
+
 def test_plan_that_sends_a_value_back_cannot_be_staged() -> None:
     model = MLP()
     x = _inputs("MLP")

@@ -1,9 +1,11 @@
-"""Find the ops whose result depends on the whole batch: batch normalisation in training.
+"""Find what depends on the whole batch: batch normalisation in training, and state updated in place.
 
 Pipelining runs a model on micro-batches; an op that normalises with the
 statistics of its batch then sees each micro-batch's statistics instead of
 the full batch's, and updates running statistics once per micro-batch. Such
-ops make pipelined outputs differ from the unsplit model's.
+ops make pipelined outputs differ from the unsplit model's, and so does any
+other parameter or buffer the forward updates in place (a counter, a running
+mean of its own): the update runs once per micro-batch, on its rows only.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-__all__ = ["batch_stat_ops"]
+from fxsplit.planning.plan import Plan
+
+__all__ = ["batch_stat_ops", "state_written"]
 
 
 def batch_stat_ops(graph_module: torch.fx.GraphModule) -> list[str]:
@@ -31,6 +35,15 @@ def batch_stat_ops(graph_module: torch.fx.GraphModule) -> list[str]:
         elif node.op == "call_function" and _function_uses_batch(node):
             found.append(node.name)
     return found
+
+
+_BATCH_NORM_STATE = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def state_written(plan: Plan) -> list[str]:
+    """The parameters and buffers the forward updates in place (:attr:`Plan.mutated`), but BatchNorm's running
+    statistics (:func:`batch_stat_ops` finds those by the module's mode)."""
+    return sorted(name for name in plan.mutated if name.rpartition(".")[2] not in _BATCH_NORM_STATE)
 
 
 def _module_uses_batch(module: torch.nn.Module | None) -> bool:

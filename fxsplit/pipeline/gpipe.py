@@ -19,7 +19,10 @@ the order of sums: about 1e-6 relative in float32), except for ops that use
 batch statistics (BatchNorm in training: each micro-batch is normalised with
 its own statistics, and running statistics are updated once per
 micro-batch; ``PipelineConfig.batch_stats`` says whether that warns or
-raises) and for random ops (dropout draws in a different order).
+raises, as it does for any other parameter or buffer the forward updates in
+place), for random ops (dropout draws in a different order), and for ops that
+mix the rows of a batch (a mean over the batch dimension sees one
+micro-batch's rows: these fxsplit does not detect).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitError, FxsplitWarning
 from fxsplit.options import PipelineConfig
-from fxsplit.pipeline.batchstats import batch_stat_ops
+from fxsplit.pipeline.batchstats import batch_stat_ops, state_written
 from fxsplit.pipeline.microbatch import gather, scatter
 from fxsplit.pipeline.stages import StageSplit, split_stages
 from fxsplit.pipeline.streams import CudaCopies
@@ -128,17 +131,26 @@ class Pipeline(torch.nn.Module):
         if self.config.batch_stats == "allow" or self.config.chunks == 1:
             return
         found = [name for module in self._layout.modules for name in batch_stat_ops(module)]
-        if not found:
-            return
-        message = (
-            f"ops {', '.join(found[:3])}{' ...' if len(found) > 3 else ''} normalise with batch statistics "
-            f"(BatchNorm in training); with {self.config.chunks} micro-batches each is normalised with its "
-            "own statistics and running statistics are updated once per micro-batch, so results differ from "
-            "the unsplit model; call .eval(), use chunks=1, or pass PipelineConfig(batch_stats='allow')"
-        )
-        if self.config.batch_stats == "error":
-            raise FxsplitError(message)
-        warnings.warn(FxsplitWarning(message), stacklevel=user_stacklevel())
+        messages = []
+        if found:
+            messages.append(
+                f"ops {', '.join(found[:3])}{' ...' if len(found) > 3 else ''} normalise with batch statistics "
+                f"(BatchNorm in training); with {self.config.chunks} micro-batches each is normalised with its "
+                "own statistics and running statistics are updated once per micro-batch, so results differ from "
+                "the unsplit model; call .eval(), use chunks=1, or pass PipelineConfig(batch_stats='allow')"
+            )
+        written = state_written(self.meta["fxsplit_plan"])
+        if written:
+            messages.append(
+                f"the forward updates {', '.join(map(repr, written[:3]))}{' ...' if len(written) > 3 else ''} in "
+                f"place; with {self.config.chunks} micro-batches that runs once per micro-batch, each seeing its "
+                "rows only, so the state (and what is computed from it) differs from the unsplit model's; use "
+                "chunks=1, or pass PipelineConfig(batch_stats='allow') where that is what you want"
+            )
+        for message in messages:
+            if self.config.batch_stats == "error":
+                raise FxsplitError(message)
+            warnings.warn(FxsplitWarning(message), stacklevel=user_stacklevel())
 
     def _check_rows(self, rows: list[int]) -> None:
         expected = self._traced_rows
