@@ -113,7 +113,7 @@ def test_unread_tensors_are_moved_to_their_planned_device() -> None:
 
 def test_a_split_with_them_pickles_and_copies() -> None:
     model = Idle().eval()
-    del model.scratch  # (a root-level non-persistent buffer is recorded persistent by torch's copy: not this test's)
+    del model.scratch  # a root-level non-persistent buffer: below (torch's pickling of a graph module forgets it)
     model.spare.register_buffer("scratch", torch.ones(2), persistent=False)
     gm = _split(model, "fx")
     buffer = io.BytesIO()
@@ -137,3 +137,13 @@ def test_hold_unread_adds_nothing_to_a_users_module() -> None:
     assert hold_unread(split, model) == []
     assert "extra" not in split.inner._buffers
     assert hold_unread(torch.nn.Module(), model) == ["inner.weight", "inner.bias", "inner.extra"]
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_copied_split_keeps_the_models_non_persistent_buffers_out_of_its_state_dict(trace: str) -> None:
+    """torch's deep copy of a graph module rebuilds it without its own non-persistent set: the copy's state dict
+    had the model's root-level non-persistent buffer, and did not load strictly into the model."""
+    model = Idle().eval()
+    copied = copy.deepcopy(_split(model, trace))
+    assert "scratch" not in copied.state_dict()
+    Idle().load_state_dict(copied.state_dict())  # strict

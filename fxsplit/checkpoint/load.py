@@ -18,6 +18,7 @@ Three steps, so that a failure leaves everything as it was:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Union
@@ -61,12 +62,20 @@ def remember_non_persistent(split: Any, model: torch.nn.Module) -> Any:
     split.meta[NON_PERSISTENT] = names
     stages = split.stages if isinstance(split, Pipeline) else ()  # not a model's own child named "stages"
     for holder in [split, *stages]:  # a Pipeline's stages hold them under the model's names
-        for name in names:
-            path, _, leaf = name.rpartition(".")
-            owner = attr_at(holder, path, None) if path else holder
-            if isinstance(owner, torch.nn.Module) and owner._buffers.get(leaf) is not None:
-                owner._non_persistent_buffers_set.add(leaf)
+        _keep_out(names, holder)
+        if isinstance(holder, torch.fx.GraphModule):  # torch's copy of a graph module forgets its own set
+            holder._register_deepcopy_hook(functools.partial(_keep_out, names))
     return split
+
+
+def _keep_out(names: frozenset[str], holder: torch.nn.Module) -> None:
+    """Mark the buffers of ``holder`` named ``names`` non-persistent (a module-level function: a copied split's
+    deep-copy hook)."""
+    for name in names:
+        path, _, leaf = name.rpartition(".")
+        owner = attr_at(holder, path, None) if path else holder
+        if isinstance(owner, torch.nn.Module) and owner._buffers.get(leaf) is not None:
+            owner._non_persistent_buffers_set.add(leaf)
 
 
 def slots_of(holders: Iterable[torch.nn.Module], non_persistent: frozenset[str] | None = None) -> list[Slot]:
