@@ -147,3 +147,25 @@ def test_a_copied_split_keeps_the_models_non_persistent_buffers_out_of_its_state
     copied = copy.deepcopy(_split(model, trace))
     assert "scratch" not in copied.state_dict()
     Idle().load_state_dict(copied.state_dict())  # strict
+
+
+class MakesAConstant(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * torch.tensor([2.0]))  # torch.export lifts it: a buffer `lifted_tensor_0`
+
+
+def test_a_constant_the_trace_lifted_is_not_in_the_state_dict() -> None:
+    """Found by an outside check on Falcon: export's lifted constants were in the split's state_dict, which then
+    loaded strictly neither into the model nor from it."""
+    model = MakesAConstant()
+    gm = _split(model, "export")
+    assert any(name.startswith("lifted_tensor") for name, _ in gm.named_buffers())  # the split still holds it
+    assert sorted(gm.state_dict()) == sorted(model.state_dict())
+    MakesAConstant().load_state_dict(gm.state_dict())  # strict
+    gm.load_state_dict(model.state_dict())  # strict
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(gm(x).cpu(), model(x), rtol=0, atol=0)

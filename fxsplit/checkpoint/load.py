@@ -32,6 +32,7 @@ from fxsplit.checkpoint.match import Match, Slot, match
 from fxsplit.checkpoint.progress import Progress
 from fxsplit.checkpoint.write import store_on_disk
 from fxsplit.cost.build import Weight, model_tensors
+from fxsplit.cost.walk import named_tensors
 from fxsplit.errors import CheckpointError
 from fxsplit.planning.plan import Plan
 
@@ -61,10 +62,14 @@ def remember_non_persistent(split: Any, model: torch.nn.Module) -> Any:
     names = non_persistent_names(model)
     split.meta[NON_PERSISTENT] = names
     stages = split.stages if isinstance(split, Pipeline) else ()  # not a model's own child named "stages"
+    ours = {id(tensor) for _, tensor, _ in named_tensors(model)}
     for holder in [split, *stages]:  # a Pipeline's stages hold them under the model's names
-        _keep_out(names, holder)
+        # and constants only the graph holds (torch.export lifts a tensor the forward makes into a buffer,
+        # `lifted_tensor_0`): no state of the model's, so out of the state dict as well
+        kept_out = names | {name for name, b in holder.named_buffers(remove_duplicate=False) if id(b) not in ours}
+        _keep_out(kept_out, holder)
         if isinstance(holder, torch.fx.GraphModule):  # torch's copy of a graph module forgets its own set
-            holder._register_deepcopy_hook(functools.partial(_keep_out, names))
+            holder._register_deepcopy_hook(functools.partial(_keep_out, kept_out))
     return split
 
 
