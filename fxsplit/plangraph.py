@@ -36,6 +36,7 @@ from fxsplit.planning.timing import copied_problem, timing_for, timing_record
 from fxsplit.planning.weightmap import plan_device_map
 from fxsplit.tracing.capture import Traced
 from fxsplit.tracing.dynamic import describe as describe_dynamic
+from fxsplit.tracing.gradmode import region_spans
 
 __all__ = ["GraphPlanning", "Planned", "plan_graph"]
 
@@ -112,6 +113,14 @@ def plan_graph(job: GraphPlanning) -> Planned:
         memory = dataclasses.replace(memory, chunks=pipeline.chunks, checkpoint=str(pipeline.checkpoint))
         memory = dataclasses.replace(memory, processes=pipeline.processes, return_outputs=pipeline.return_outputs)
     problem = memory.problem()
+    if options.pipeline is not None:  # stages interleave, so no cut inside a grad-mode region (unless pins put
+        pinned = problem.pinned  # one there: then the stages refuse the plan, naming the region)
+        regions = [
+            (lo, hi)
+            for lo, hi in region_spans(costs.ops)
+            if len({pinned.get(op) for op in range(lo, hi + 1)} - {None}) < 2
+        ]
+        problem = dataclasses.replace(problem, together=problem.together + tuple(regions)) if regions else problem
     timing = timing_for(
         options,
         traced.graph_module,

@@ -353,3 +353,36 @@ def test_fx_without_example_inputs_and_uneven_micro_batches() -> None:
     grads = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, grads[name].grad, atol=ATOL, rtol=1e-5, msg=name)
+
+
+def test_a_grad_mode_region_is_never_cut_by_the_pipelines_own_plan() -> None:
+    """Found by an outside fuzz: the plan put the restore of a ``no_grad`` region first in the next stage. Stages of
+    two micro-batches interleave, so the second micro-batch saved the mode the first had set: the call returned
+    outputs that did not require grad and left grad mode off for the caller, and the stages' check (which looked
+    at the mode before each op, not after) let it through. Now the planner keeps each region in one stage."""
+    from fxsplit.tracing.gradmode import open_regions, region_spans
+
+    torch.manual_seed(0)
+    model, x = _Counting(), torch.randn(8, 8)
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = fxsplit.fxsplit(
+            model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(x,), trace="fx", pipeline={"chunks": 2}
+        )
+        out = pipe(x)
+    assert torch.is_grad_enabled() and out.requires_grad
+    torch.testing.assert_close(out, reference(x))
+    out.sum().backward()
+    reference(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    ops = [n for n in pipe.split.graph.nodes if n.op.startswith("call_")]
+    spans = region_spans(ops)
+    assert spans and all(depth == 0 for depth in open_regions(ops, after=True)[spans[-1][1] :])
+    stage_of = {
+        n.name: spec.index for spec, m in zip(pipe.stage_specs, pipe.stages, strict=True) for n in m.graph.nodes
+    }
+    for lo, hi in spans:
+        assert len({stage_of[ops[i].name] for i in range(lo, hi + 1) if ops[i].name in stage_of}) == 1

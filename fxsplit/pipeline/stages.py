@@ -250,9 +250,9 @@ class _Cutter:
         stage and restored on another would leak into the stages run between.
         """
         ops = [n for n in self.nodes if n.name in self.stage and n.op.startswith("call_")]
-        depth = dict(zip(ops, open_regions(ops), strict=True))
+        after = dict(zip(ops, open_regions(ops, after=True), strict=True))  # open once the node has run
         for before, node in itertools.pairwise(ops):
-            if self.stage[before.name] != self.stage[node.name] and depth[node] > 0:
+            if self.stage[before.name] != self.stage[node.name] and after[before] > 0:
                 path = module_path(node) or node.name
                 raise FxsplitError(
                     f"this plan cannot run as a pipeline: a grad-mode region (torch.no_grad(), enable_grad() or "

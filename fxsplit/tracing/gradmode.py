@@ -30,7 +30,14 @@ from torch.autograd import grad_mode
 
 from fxsplit.errors import TraceError
 
-__all__ = ["GRAD_MODE_FUNCTIONS", "is_grad_mode_node", "open_regions", "recording_grad_mode", "refusing_inference_mode"]
+__all__ = [
+    "GRAD_MODE_FUNCTIONS",
+    "is_grad_mode_node",
+    "open_regions",
+    "recording_grad_mode",
+    "refusing_inference_mode",
+    "region_spans",
+]
 
 GRAD_MODE_FUNCTIONS: tuple[Callable[..., Any], ...] = (torch.is_grad_enabled, torch._C._set_grad_enabled)
 """The calls a recorded grad-mode region is made of; neither returns a tensor."""
@@ -44,8 +51,9 @@ def is_grad_mode_node(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and any(node.target is f for f in GRAD_MODE_FUNCTIONS)
 
 
-def open_regions(nodes: list[torch.fx.Node]) -> list[int]:
-    """For each node, how many recorded grad-mode regions are open when it runs (0: the caller's mode).
+def open_regions(nodes: list[torch.fx.Node], *, after: bool = False) -> list[int]:
+    """For each node, how many recorded grad-mode regions are open when it runs (0: the caller's mode), or,
+    with ``after``, once it has run (a cut there falls inside them).
 
     A region opens at ``torch.is_grad_enabled()`` (the saved mode) and closes
     at the ``_set_grad_enabled`` that restores it; a mode set and never
@@ -56,10 +64,26 @@ def open_regions(nodes: list[torch.fx.Node]) -> list[int]:
         if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             if node.args and isinstance(node.args[0], torch.fx.Node):
                 depth -= 1
-        found.append(depth)
+        if not after:
+            found.append(depth)
         if node.op == "call_function" and node.target is torch.is_grad_enabled:
             depth += 1
+        if after:
+            found.append(depth)
     return found
+
+
+def region_spans(ops: list[torch.fx.Node]) -> list[tuple[int, int]]:
+    """``(first, last)`` op indices of each run of ``ops`` that no cut may separate: a cut between two ops inside
+    a grad-mode region would leave the mode set in one stage and restored in another."""
+    spans: list[tuple[int, int]] = []
+    for at, depth in enumerate(open_regions(ops, after=True)[:-1]):
+        if depth > 0:  # no cut between op ``at`` and the next
+            if spans and spans[-1][1] == at:
+                spans[-1] = (spans[-1][0], at + 1)
+            else:
+                spans.append((at, at + 1))
+    return spans
 
 
 class _Recorder:
