@@ -19,6 +19,7 @@ raise that budget
 
 from __future__ import annotations
 
+import math
 from typing import NoReturn, Sequence
 
 from fxsplit.errors import BudgetError
@@ -118,8 +119,8 @@ def _raise_fragmented(ctx: Context, names: Sequence[str], total: int, capacity: 
     raise BudgetError(
         f"the budgets hold {format_size(capacity)} and the model needs {format_size(total)}, but its "
         f"{problem.num_ops} ops cannot be packed into the devices {how}; it fits in order when "
-        f"every budget is raised by {100 * (high - 1):.1f}% ({shortfalls}); raise the budgets, add a "
-        "device, or remove pins and together-constraints"
+        f"every budget is raised by {math.ceil(1000 * (high - 1)) / 10:.1f}% ({shortfalls}); raise the budgets, "
+        "add a device, or remove pins and together-constraints"
     )
 
 
