@@ -217,6 +217,7 @@ class _Splitter:
             trace=job.traced.method,
             objective=self.objective,
             repartition=functools.partial(self.split, problem),
+            outputs_stay=not self.contiguous,
         )
 
     def solver(self, problem: PartitionProblem) -> Callable[[Sequence[int]], Plan]:

@@ -231,3 +231,37 @@ def test_room_is_set_aside_for_tensors_no_op_reads_when_a_repartition_is_allowed
         "the ops fit the budgets only if the 48 B of tensors no op reads ('spare.weight' 36 B, 'spare.bias' 12 B) "
         "are left out; with room set aside for them first: "
     )
+
+
+class TwoTowers(nn.Module):
+    """Two towers, each returning its states: the first's are 64 times the second's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Sequential(nn.Linear(16, 256), nn.Linear(256, 256))
+        self.small = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.big(x), self.small(x)
+
+
+@pytest.mark.parametrize("trace_mode", ["fx", "export"])
+def test_outputs_go_where_most_of_their_bytes_already_are(trace_mode: str) -> None:
+    """Found by an outside check on CLIP: the outputs went to the last op's device, so the first tower's states
+    were copied there (8,704 B a forward on CLIP, where 256 B crossed between the ops). By default they now go
+    where the ops put most of their bytes; stages in order (contiguous=True, pipelines) still return them from
+    the last."""
+    import fxsplit
+
+    model, x = TwoTowers().eval(), torch.randn(8, 16)
+    budgets = {"cpu:0": "1MiB", "cpu:1": "1MiB"}
+    pins = {"big": "cpu:0", "small": "cpu:1"}
+    free = fxsplit.plan(model, budgets, example_inputs=(x,), trace=trace_mode, pins=pins, mode="weights")
+    assert free.output_device == free.placement["output"] == "cpu:0"
+    assert [(c.kind, c.nbytes) for c in free.cuts if c.kind == "output"] == [("output", 8 * 4 * 4)]
+    in_order = fxsplit.plan(
+        model, budgets, example_inputs=(x,), trace=trace_mode, pins=pins, mode="weights", contiguous=True
+    )
+    assert in_order.output_device == "cpu:1"
+    assert [(c.kind, c.nbytes) for c in in_order.cuts if c.kind == "output"] == [("output", 8 * 256 * 4)]
+    split_and_compare(model, budgets, (x,), trace=trace_mode, pins=pins, mode="weights")
