@@ -159,7 +159,6 @@ class _Walk:
         self.replicas = replicas or {}  # weight -> other devices holding their own copy (no copy made)
         self.storages: list[_Storage] = []
         self.on: dict[tuple[str, Hashable], dict[int, int | None]] = {}
-        self.weight_reads: dict[str, list[int]] = {}
         self.weight_readers: dict[str, set[int]] = {}  # weight -> the ops that read it
         self.readers: dict[tuple[str, Hashable], set[int]] = {}
         self.device_of: dict[int, Hashable] = {}
@@ -171,8 +170,6 @@ class _Walk:
     def place(self, name: str, device: Hashable, position: int, is_op: bool) -> dict[int, int | None]:
         """Storage ids -> simulated storage of value ``name`` on ``device`` (None: a resident weight)."""
         if is_op and name in self.profile.weights:
-            span = self.weight_reads.setdefault(name, [position, position])
-            span[1] = max(span[1], position)
             self.weight_readers.setdefault(name, set()).add(position)
         elif is_op:
             self.readers.setdefault((name, device), set()).add(position)
@@ -228,10 +225,10 @@ class _Walk:
         (autograd's input buffer) until the backward of its first reader.
         """
         held = []
-        for name, (first, last) in self.weight_reads.items():
+        for name, readers in self.weight_readers.items():
             info = self.profile.values[name]
-            if info.requires_grad and last > first:
-                held.append((self.home[name], first, last, info.nbytes))
+            if info.requires_grad and len(readers) > 1:
+                held.append((self.home[name], min(readers), max(readers), info.nbytes))
         return held
 
     def gradients(self) -> list[tuple[Hashable, int, int, int]]:
