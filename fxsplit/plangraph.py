@@ -22,10 +22,11 @@ from fxsplit.errors import BudgetError
 from fxsplit.memory.charge import memory_model
 from fxsplit.memory.model import MemoryModel, MemorySpec
 from fxsplit.options import Budgets, Offload, Options, PipelineConfig
+from fxsplit.partition.outputs import with_output_reader, with_output_seconds, without_output_reader
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.solve import Partition, partition
 from fxsplit.partition.throughput import Timing
-from fxsplit.planning.build import make_plan
+from fxsplit.planning.build import make_plan, output_values
 from fxsplit.planning.fingerprint import record_origin
 from fxsplit.planning.offload import fit_or_offload
 from fxsplit.planning.plan import Plan
@@ -172,6 +173,14 @@ class _Splitter:
         self.job, self.costs, self.timing = job, costs, timing
         self.objective = job.options.chosen_objective
         self.contiguous = job.options.contiguous or job.options.pipeline is not None
+        # Out of stage order, the partitioner also places where the outputs are returned, counting their copies
+        # (:mod:`fxsplit.partition.outputs`). A given output device pins that, unless pins on later devices
+        # (pins keep the devices' order) or a device outside the plan (it gets every output) leave it fixed.
+        out = job.output_device
+        index = job.devices.index(out) if out in job.devices else None
+        fixed = out is not None and (index is None or index < max(costs.problem.pinned.values(), default=0))
+        self.outputs = output_values(costs, job.traced.graph_module) if not self.contiguous and not fixed else []
+        self.output_index = index
 
     def split(self, problem: PartitionProblem, caps: Sequence[int]) -> Partition:
         """The partition of ``problem`` under ``caps``, as the run copies values; a refusal says why."""
@@ -195,14 +204,24 @@ class _Splitter:
             raise better from error
 
     def place_ops(self, seen: PartitionProblem, caps: Sequence[int]) -> Partition:
-        return partition(
-            seen,
+        if not self.outputs:
+            return partition(
+                seen,
+                caps,
+                objective=self.objective,
+                device_names=self.job.devices,
+                contiguous=self.contiguous,
+                timing=self.timing,
+            )
+        found = partition(
+            with_output_reader(seen, self.outputs, self.output_index),
             caps,
             objective=self.objective,
             device_names=self.job.devices,
             contiguous=self.contiguous,
-            timing=self.timing,
+            timing=with_output_seconds(self.timing),
         )
+        return without_output_reader(found)
 
     def solve(self, problem: PartitionProblem, caps: Sequence[int]) -> Plan:
         """The plan of the partition of ``problem`` under ``caps``."""
@@ -217,7 +236,6 @@ class _Splitter:
             trace=job.traced.method,
             objective=self.objective,
             repartition=functools.partial(self.split, problem),
-            outputs_stay=not self.contiguous,
         )
 
     def solver(self, problem: PartitionProblem) -> Callable[[Sequence[int]], Plan]:

@@ -156,8 +156,11 @@ def test_output_device_option(trace: str) -> None:
         model, budgets_for(model, 3), (torch.randn(3, 6), torch.randn(3, 4)), trace=trace, output_device="cpu:0"
     )
     plan = gm.meta["fxsplit_plan"]
-    assert plan.output_device == "cpu:0"
-    assert any(c.kind == "output" and c.destination == "cpu:0" for c in plan.cuts)
+    assert plan.output_device == plan.placement["output"] == "cpu:0"
+    assert all(c.destination == "cpu:0" for c in plan.cuts if c.kind == "output")
+    inputs = (torch.randn(3, 6), torch.randn(3, 4))
+    free = fxsplit.plan(model, budgets_for(model, 3), example_inputs=inputs, trace=trace, mode="weights")
+    assert plan.copied_bytes >= free.copied_bytes  # the given device is kept, at a price the free choice never pays
 
 
 @pytest.mark.parametrize("trace", TRACES)

@@ -29,11 +29,14 @@ class Partition:
         transfer_bytes: bytes copied between devices per forward pass.
         device_weights: bytes each device needs, by device index: resident bytes (parameters,
             buffers, ``op_extra``) plus its largest ``op_transient``.
+        output_device: the device index the graph's outputs go to, when the partitioner placed them too
+            (:mod:`fxsplit.partition.outputs`; ``transfer_bytes`` then counts their copies), else None.
     """
 
     op_devices: tuple[int, ...]
     transfer_bytes: int
     device_weights: tuple[int, ...]
+    output_device: int | None = None
 
 
 def transfer_bytes(problem: PartitionProblem, op_devices: Sequence[int]) -> int:

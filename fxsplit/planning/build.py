@@ -15,7 +15,7 @@ from fxsplit.planning.plan import Cut, Plan
 from fxsplit.planning.unread import pack_unread, raise_unread, read_homes, set_aside_unread
 from fxsplit.tracing.graphinfo import NONTENSOR, alias_root, is_guard, mutated_inputs, value_kind
 
-__all__ = ["Read", "WriteVersions", "cuts_for", "make_plan", "reads_of", "weights_by_node"]
+__all__ = ["Read", "WriteVersions", "cuts_for", "make_plan", "output_values", "reads_of", "weights_by_node"]
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,6 @@ def make_plan(
     trace: str,
     objective: str,
     repartition: Callable[[Sequence[int]], Partition] | None = None,
-    outputs_stay: bool = False,
 ) -> Plan:
     """Name where every node and parameter goes, and list the copies the forward makes.
 
@@ -144,12 +143,11 @@ def make_plan(
         caps: bytes each device may hold, in device order, as ``solution``
             was made under (default: ``budgets.caps()``, budget less reserve;
             lower where :func:`fxsplit.memory.fit_budgets` plans again).
-        output_device: where the outputs go (None: the last device that runs ops; with ``outputs_stay``, the
-            device that already holds most of their bytes, so that the fewest are copied).
+        output_device: where the outputs go (None: where ``solution`` put them, when the partitioner placed them
+            with the ops (:mod:`fxsplit.partition.outputs`); else the last device that runs ops).
         trace: how the graph was traced.
         objective: what the partitioner optimised.
         repartition: partitions the ops again under other caps, in device order.
-        outputs_stay: see ``output_device`` (not for stages in order, whose last one returns the outputs).
     """
     devices = budgets.devices
     room = dict(zip(devices, budgets.caps() if caps is None else caps, strict=True))
@@ -161,8 +159,8 @@ def make_plan(
     used = [devices[d] for d in solution.op_devices]  # the device of each op, in op order
     op_device = dict(zip([op.name for op in costs.ops], used, strict=True))
     out_device = output_device or (used[-1] if used else devices[0])
-    if output_device is None and outputs_stay:
-        out_device = fewest_output_copies(costs, graph_module, op_device, out_device)
+    if output_device is None and solution.output_device is not None:  # the partitioner placed them with the ops
+        out_device = devices[solution.output_device]
 
     # device_bytes counts parameters and buffers only (the partitioner also charged activations,
     # gradients and optimizer state, when the problem carries them).
@@ -199,18 +197,24 @@ def make_plan(
     )
 
 
-def fewest_output_copies(
-    costs: GraphCosts, graph_module: torch.fx.GraphModule, op_device: Mapping[str, str], default: str
-) -> str:
-    """The device where the ops that make the graph's outputs put the most bytes of them (``default`` on a tie):
-    returned there, the outputs need the fewest copies. (A model with two towers returns each tower's states.)"""
+def output_values(costs: GraphCosts, graph_module: torch.fx.GraphModule) -> list[tuple[str, int, int]]:
+    """``(name, bytes, start)`` of each tensor the graph returns that an op makes or reads (``start``: the op that
+    makes it, or the first op that reads it), for :func:`~fxsplit.partition.outputs.with_output_reader`. Unknown
+    sizes count one byte, as between ops."""
     output = next((node for node in reversed(graph_module.graph.nodes) if node.op == "output"), None)
-    held: dict[str, int] = {}
-    for arg in output.all_input_nodes if output is not None else ():
-        if (device := op_device.get(arg.name)) is not None and value_kind(arg) != NONTENSOR:
-            held[device] = held.get(device, 0) + (costs.value_nbytes.get(arg.name) or 0)
-    most = max(held.values(), default=0)
-    return default if held.get(default, 0) >= most else next(d for d, nbytes in held.items() if nbytes == most)
+    returned = [arg for arg in (output.all_input_nodes if output is not None else ()) if value_kind(arg) != NONTENSOR]
+    if not returned:
+        return []
+    order = {op: i for i, op in enumerate(costs.ops)}
+    found = []
+    for node in returned:
+        start = order.get(node)
+        if start is None and node.op == "placeholder":  # a model input: it lives where it is first read
+            start = min((order[user] for user in node.users if user in order), default=None)
+        if start is not None:
+            nbytes = costs.value_nbytes.get(node.name)
+            found.append((node.name, 1 if nbytes is None else nbytes, start))
+    return found
 
 
 def _placement(

@@ -137,7 +137,7 @@ def _spreads(
         made = _stream(spread, memory, budgets, offload, graph_module, problems)
         if made is not None:
             found.append(made)
-    return min(found, key=lambda plan: (plan.stream_bytes, plan.transfer_bytes)) if found else None
+    return min(found, key=lambda plan: (plan.stream_bytes, plan.copied_bytes)) if found else None
 
 
 def _virtual_caps(caps: list[int], needed: int) -> list[list[int]]:

@@ -205,6 +205,12 @@ class Plan:
         return sum(c.nbytes or 0 for c in self.cuts if c.kind not in ("output", "stream"))
 
     @property
+    def copied_bytes(self) -> int:
+        """Bytes copied between devices per forward, the outputs' copies to ``output_device`` included: what the
+        default partition minimises (streamed weights excluded; unknown sizes count 0)."""
+        return sum(c.nbytes or 0 for c in self.cuts if c.kind != "stream")
+
+    @property
     def stream_bytes(self) -> int:
         """Bytes of offloaded weights copied from storage to the devices per forward."""
         return sum(c.nbytes or 0 for c in self.cuts if c.kind == "stream")

@@ -165,7 +165,7 @@ def try_replicas(
     """
     costs = memory.costs
     shared = replicable(costs, training=memory.spec.training)
-    if not shared or not plain.transfer_bytes or plain.streamed:
+    if not shared or not plain.copied_bytes or plain.streamed:
         return plain
 
     def candidate(groups: dict[int, tuple[tuple[int, ...], ...]]) -> Plan:
@@ -176,7 +176,8 @@ def try_replicas(
 
 
 def cheaper(plain: Plan, candidates: Iterable[Callable[[], Plan]]) -> Plan:
-    """The plan with replicas that copies the fewest bytes per forward, if fewer than ``plain``; else ``plain``.
+    """The plan with replicas that copies the fewest bytes per forward (outputs' copies included), if fewer than
+    ``plain``; else ``plain``.
 
     A candidate that fails to fit the budgets (a replica is charged on every
     device that holds it) is skipped; ties go to the earlier plan (``plain`` first).
@@ -187,6 +188,6 @@ def cheaper(plain: Plan, candidates: Iterable[Callable[[], Plan]]) -> Plan:
             made = candidate()
         except BudgetError:
             continue
-        if made.replicas and made.transfer_bytes < best.transfer_bytes:
+        if made.replicas and made.copied_bytes < best.copied_bytes:
             best = made
     return best
