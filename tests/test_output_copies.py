@@ -116,3 +116,27 @@ def test_ops_and_the_outputs_device_together_are_optimal_on_small_dags() -> None
     optimal = sum(r <= 1.0 for r in ratios)
     assert optimal >= 0.95 * len(ratios), sorted(ratios)[-5:]
     assert max(ratios) <= 1.25
+
+
+class ReturnsItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, unread: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x, unread, self.scale, self.l1(x), self.l2(self.l1(x))
+
+
+def test_what_the_reader_reads_an_op_s_result_from_that_op_an_input_from_its_first_reader() -> None:
+    from fxsplit.cost.build import build_problem
+    from fxsplit.planning.build import output_values
+    from fxsplit.tracing.capture import trace
+
+    traced = trace(ReturnsItsInput(), example_inputs=(torch.randn(3, 4), torch.randn(3, 4)), mode="fx")
+    costs = build_problem(traced.graph_module, ReturnsItsInput(), device_index={})
+    names = [op.name for op in costs.ops]
+    found = output_values(costs, traced.graph_module)
+    # x: 48 B from the first op that reads it; l1's and l2's results from their ops; an input no op reads and a
+    # parameter returned as they are have no op to come from (they are copied from where they live)
+    assert found == [("x", 48, 0), ("l1", 48, names.index("l1")), ("l2", 24, names.index("l2"))]

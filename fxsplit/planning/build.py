@@ -205,15 +205,28 @@ def output_values(costs: GraphCosts, graph_module: torch.fx.GraphModule) -> list
     returned = [arg for arg in (output.all_input_nodes if output is not None else ()) if value_kind(arg) != NONTENSOR]
     if not returned:
         return []
-    order = {op: i for i, op in enumerate(costs.ops)}
+    ops = costs.ops
+    wanted = {node for node in returned if node.op not in ("placeholder", "get_attr")}
+    start: dict[torch.fx.Node, int] = {}
+    for index in range(len(ops) - 1, -1, -1):  # outputs come late: look from the end, until all are found
+        if len(start) == len(wanted):
+            break
+        if ops[index] in wanted:
+            start[ops[index]] = index
+    readers = {user for node in returned if node.op == "placeholder" for user in node.users if user.op != "output"}
+    for index, op in enumerate(ops):  # a model input lives where it is first read
+        if not readers:
+            break
+        if op in readers:
+            readers.discard(op)
+            for node in op.all_input_nodes:
+                if node.op == "placeholder":
+                    start.setdefault(node, index)
     found = []
     for node in returned:
-        start = order.get(node)
-        if start is None and node.op == "placeholder":  # a model input: it lives where it is first read
-            start = min((order[user] for user in node.users if user in order), default=None)
-        if start is not None:
+        if node in start:
             nbytes = costs.value_nbytes.get(node.name)
-            found.append((node.name, 1 if nbytes is None else nbytes, start))
+            found.append((node.name, 1 if nbytes is None else nbytes, start[node]))
     return found
 
 
