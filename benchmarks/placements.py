@@ -27,7 +27,7 @@ from fxsplit.cost.build import GraphCosts
 from fxsplit.planning.plan import Plan
 from fxsplit.tracing.graphinfo import module_path
 
-__all__ = ["OFFLOAD_KEYS", "Placement", "Score", "from_device_map", "from_plan", "lookup", "score"]
+__all__ = ["OFFLOAD_KEYS", "Placement", "Score", "from_device_map", "from_plan", "lookup", "output_copies", "score"]
 
 OFFLOAD_KEYS = ("cpu", "disk")
 
@@ -112,6 +112,30 @@ def score(costs: GraphCosts, placement: Placement, budgets: Sequence[int]) -> Sc
         empty_devices=sum(1 for k in range(n) if k not in busy),
         max_fraction=max(fractions, default=0.0),
     )
+
+
+def output_copies(
+    costs: GraphCosts, returned: Sequence[tuple[str, int, int]], placement: Placement, device: int, *, reuse: bool
+) -> int:
+    """Bytes copied per forward to return the outputs on ``device``.
+
+    Args:
+        costs: the cost model ``placement`` places.
+        returned: ``(name, bytes, start)`` of each returned tensor an op makes or reads
+            (:func:`fxsplit.planning.build.output_values`).
+        placement: where the ops run.
+        device: where the outputs are returned.
+        reuse: whether a value already copied to ``device`` for an op there is returned from that copy (fxsplit's
+            generated code does; Accelerate's root hook copies the module's output again).
+    """
+    readers = {value.name: value.consumers for value in costs.problem.values} if reuse else {}
+    ops = placement.op_devices
+    total = 0
+    for name, nbytes, start in returned:
+        if ops[start] == device or any(ops[op] == device for op in readers.get(name, ())):
+            continue
+        total += nbytes
+    return total
 
 
 def from_plan(costs: GraphCosts, plan: Plan) -> Placement:
