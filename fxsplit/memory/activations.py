@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 from fxsplit.attrpath import attr_at
 from fxsplit.cost.build import GraphCosts, Weight
 from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory
+from fxsplit.memory.rnnworkspace import RNN_OPS, with_workspace
 from fxsplit.planning.build import weights_by_node
 
 __all__ = ["profile_activations", "replace_graph_tensors"]
@@ -114,6 +115,8 @@ class _Allocations(TorchDispatchMode):
                 self._node = node
                 self.start()
         out = func(*args, **(kwargs or {}))
+        if func in RNN_OPS:  # its fake kernel leaves out the workspace saved for backward
+            out = with_workspace(func, args, out)
         for ref in [r for r in self.live if r.expired()]:
             del self.live[ref]
         for tensor in tree_leaves(out):
