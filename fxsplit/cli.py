@@ -253,17 +253,17 @@ def _spec_map(spec: str | None) -> bool:
 
 def _compared(loaded: Any, made: Any, options: dict[str, Any]) -> str:
     """``device map: X per forward; fxsplit's plan: Y``: ``made`` (the map's plan) beside fxsplit's own plan
-    under the same budgets and options."""
+    under the same budgets and options, each copy counted (``Plan.copied_bytes``: the outputs' too)."""
     from fxsplit.api import plan
     from fxsplit.units import format_size
 
     options = {**options, "device_map": None, "reserve": dict(made.reserved)}
     try:
         own = plan(loaded.model, dict(made.budgets), example_inputs=loaded.example_inputs, **options)
-        theirs = f"{format_size(own.transfer_bytes)} per forward"
+        theirs = f"{format_size(own.copied_bytes)} per forward"
     except BudgetError as error:
         theirs = f"does not fit ({error})"
-    return f"device map: {format_size(made.transfer_bytes)} per forward; fxsplit's plan: {theirs}"
+    return f"device map: {format_size(made.copied_bytes)} per forward; fxsplit's plan: {theirs}"
 
 
 def _read_plan(path: str) -> Any:
