@@ -163,7 +163,7 @@ def plan_device_map(
             costs, graph_module, solution, unlimited, output_device=output_device, trace=trace, objective="min_transfer"
         )
         plans.append(with_weight_homes(made, costs, graph_module, homes))
-    made = min(plans, key=lambda p: p.transfer_bytes)
+    made = min(plans, key=lambda p: p.copied_bytes)
     return within_budgets(dataclasses.replace(made, memory=memory.usage(made)), budgets)
 
 
