@@ -24,7 +24,8 @@ gradient that arrives for a value read twice is added out of place (a new
 tensor) where the unmetered backward adds it in place. The meter then sees
 one more activation gradient at that moment than the run makes without it
 (seen with torch's profiler on a conv net whose 1x1 convolution reads a
-residual add: +2,048 B of 10,752).
+residual add: +2,048 B of 10,752). :mod:`fxsplit.memory.allocmeter` reads
+the allocator's own record instead, and changes nothing.
 
 >>> import torch, fxsplit
 >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))

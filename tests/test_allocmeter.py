@@ -1,0 +1,90 @@
+"""The allocator's meter (:mod:`fxsplit.memory.allocmeter`) against the dispatch meter and the plan.
+
+The dispatch meter (:mod:`fxsplit.memory.measure`) changes what it measures: under any dispatch mode torch sums a
+value's gradients out of place. Where nothing is summed the two agree to the byte; where something is, the
+allocator's reads lower, and the plan must cover what the allocator reads (what the run really makes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxsplit
+from fxsplit.memory.allocmeter import UNTAGGED, allocated_peaks
+from fxsplit.memory.measure import measure_forward, measure_training
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+class ResidualConv(nn.Module):
+    """A 1x1 convolution reads a residual add: the add's gradient is summed into ``h``'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.c3 = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.c1(x))
+        return self.c3(self.c2(h) + h)
+
+
+def _split(model: nn.Module, x: torch.Tensor, budgets: dict[str, str], mode: str) -> torch.fx.GraphModule:
+    options = {"optimizer": "sgd"} if mode == "training" else {}
+    return fxsplit.fxsplit(model, budgets, example_inputs=(x,), trace="fx", mode=mode, **options)
+
+
+def _fresh(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    for parameter in gm.parameters():
+        parameter.grad = None
+    return gm
+
+
+def test_both_meters_and_the_plan_agree_where_nothing_is_summed() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 64)
+    for mode in ("inference", "training"):
+        each = "40KiB" if mode == "inference" else "96KiB"  # two devices either way
+        gm = _split(Chain(), x, {"cpu:0": each, "cpu:1": each}, mode)
+        memory = gm.meta["fxsplit_plan"].memory
+        planned = {d: row["activations_peak"] for d, row in memory.items() if row.get("activations_peak")}
+        if mode == "training":
+            dispatched, allocated = measure_training(_fresh(gm), x), allocated_peaks(_fresh(gm), x, backward=True)
+        else:
+            with torch.no_grad():
+                dispatched, allocated = measure_forward(gm, x), allocated_peaks(gm, x)
+        assert len(allocated) == 2 and UNTAGGED not in allocated  # a copy's backward is its source's
+        assert allocated == dispatched == planned, (mode, allocated, dispatched, planned)
+
+
+def test_where_a_gradient_is_summed_the_dispatch_meter_reads_high_and_the_plan_covers_the_run() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    gm = _split(ResidualConv(), x, {"cpu:0": "1MiB"}, "training")
+    planned = gm.meta["fxsplit_plan"].memory["cpu:0"]["activations_peak"]
+    dispatched = measure_training(_fresh(gm), x)["cpu:0"]
+    allocated = allocated_peaks(_fresh(gm), x, backward=True)["cpu:0"]
+    # the sum of h's gradients: a new tensor under the dispatch mode, added in place without it
+    assert dispatched - allocated == 2 * 4 * 8 * 8 * 4
+    assert allocated <= planned < dispatched
+    workspaces = allocated_peaks(_fresh(gm), x, backward=True, internal=True)["cpu:0"]
+    assert workspaces >= allocated  # kernels' own buffers too (the CPU's convolutions keep large ones)
+
+
+def test_nothing_of_the_model_changes_and_the_outputs_are_the_split_s() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 64)
+    gm = _split(Chain(), x, {"cpu:0": "96KiB", "cpu:1": "96KiB"}, "training")
+    before = {name: t.clone() for name, t in gm.state_dict().items()}
+    allocated_peaks(_fresh(gm), x, backward=True)
+    assert all(torch.equal(before[name], t) for name, t in gm.state_dict().items())
+    assert all(p.grad is not None for p in gm.parameters())  # the backward ran
