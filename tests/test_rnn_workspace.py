@@ -62,6 +62,19 @@ def test_no_workspace_is_planned_where_the_kernel_makes_none() -> None:
     assert planned == measured
 
 
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_the_workspace_follows_autograd_not_the_layer_s_train_flag(trace: str) -> None:
+    """Found by an outside check: oneDNN keeps its workspace whenever autograd records, whatever the layer's
+    ``train`` flag. Fine-tuning a model left in ``eval()`` was planned at 0.20x of the measured activations; a
+    model left in ``train()`` planned for inference at 6.5x."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 12, 4)
+    planned, measured = _planned_and_measured(Recurrent(nn.LSTM, 2).eval(), x, trace, "training")
+    assert measured <= planned <= 1.2 * measured, (planned, measured)
+    planned, measured = _planned_and_measured(Recurrent(nn.LSTM, 2).train(), x, trace, "inference")
+    assert planned == measured
+
+
 def test_a_long_sequence_is_probed_on_its_first_steps_and_scaled_up(monkeypatch: pytest.MonkeyPatch) -> None:
     lstm, x = nn.LSTM(16, 16), torch.randn(64, 4, 16)  # 64 steps of 4 x 16 floats: 16 KiB of input
     args: list[object] = []

@@ -36,7 +36,7 @@ _MIOPEN = torch.ops.aten.miopen_rnn.default
 RNN_OPS = frozenset({_MKLDNN, _CUDNN, _MIOPEN})
 """The ops whose fake kernels return an empty workspace (their fourth output)."""
 _ARGS = {  # where each op takes the arguments the sizes depend on
-    _MKLDNN: {"train": 15, "batch_first": 14},
+    _MKLDNN: {"batch_first": 14},
     _CUDNN: {"train": 12, "hidden_size": 7, "num_layers": 9, "bidirectional": 13, "batch_sizes": 14},
     _MIOPEN: {"train": 10, "hidden_size": 6, "num_layers": 7, "bidirectional": 11, "batch_sizes": 12},
 }
@@ -44,8 +44,11 @@ _ARGS = {  # where each op takes the arguments the sizes depend on
 
 def with_workspace(func: Any, args: tuple[Any, ...], out: Any) -> Any:
     """``out`` of ``func(*args)`` (an op of :data:`RNN_OPS`, on fake tensors) with its workspace as large as the
-    real kernel's; ``out`` unchanged when it is not empty or not for training."""
-    workspace, train = out[3], bool(args[_ARGS[func]["train"]])
+    real kernel's; ``out`` unchanged when it is not empty or the kernel makes none (oneDNN's: with autograd off;
+    cuDNN's and MIOpen's: with the ``train`` flag off)."""
+    workspace = out[3]
+    # oneDNN keeps one whenever autograd records (whatever the layer's train flag); cuDNN and MIOpen by the flag
+    train = torch.is_grad_enabled() if func is _MKLDNN else bool(args[_ARGS[func]["train"]])
     if not train or workspace.numel():
         return out
     nbytes = _mkldnn_bytes(_signature(args)) if func is _MKLDNN else _reserve_bytes(func, args)
