@@ -50,8 +50,8 @@ def with_output_reader(
     reader = problem.num_ops
     by_name = {name: (nbytes, start) for name, nbytes, start in outputs if nbytes > 0}
     values = list(problem.values)
-    for index, value in enumerate(values):
-        if value.name in by_name and not value.weight:
+    for index, value in enumerate(values):  # a weight too: returned, it is copied from its home like an activation
+        if value.name in by_name:
             by_name.pop(value.name)
             values[index] = dataclasses.replace(value, consumers=(*value.consumers, reader))
     values += [Value(name, nbytes, start, (reader,)) for name, (nbytes, start) in by_name.items()]

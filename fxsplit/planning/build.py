@@ -199,8 +199,8 @@ def make_plan(
 
 def output_values(costs: GraphCosts, graph_module: torch.fx.GraphModule) -> list[tuple[str, int, int]]:
     """``(name, bytes, start)`` of each tensor the graph returns that an op makes or reads (``start``: the op that
-    makes it, or the first op that reads it), for :func:`~fxsplit.partition.outputs.with_output_reader`. Unknown
-    sizes count one byte, as between ops."""
+    makes it, or the first op that reads it; a weight by its canonical name), for
+    :func:`~fxsplit.partition.outputs.with_output_reader`. Unknown sizes count one byte, as between ops."""
     output = next((node for node in reversed(graph_module.graph.nodes) if node.op == "output"), None)
     returned = [arg for arg in (output.all_input_nodes if output is not None else ()) if value_kind(arg) != NONTENSOR]
     if not returned:
@@ -227,6 +227,11 @@ def output_values(costs: GraphCosts, graph_module: torch.fx.GraphModule) -> list
         if node in start:
             nbytes = costs.value_nbytes.get(node.name)
             found.append((node.name, 1 if nbytes is None else nbytes, start[node]))
+    attrs = {node.name for node in returned if node.op == "get_attr"}
+    if attrs:  # a weight returned as it is: copied from its home, which its first reader decides
+        for weight, index in zip(costs.weights, costs.weight_values, strict=True):
+            if index >= 0 and attrs.intersection(weight.nodes):
+                found.append((weight.names[0], weight.nbytes, costs.problem.values[index].start))
     return found
 
 
