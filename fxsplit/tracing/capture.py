@@ -160,9 +160,16 @@ def _fallback_message(export_error: BaseException, traced: Traced) -> str:
     )
 
 
+_FLAT_WEIGHTS_ONLY = r"The tensor attributes (?:self\.[\w.]*_flat_weights\[\d+\](?:, )?)+ were assigned during export"
+"""torch.export's warning when every attribute it names is an RNN's list of its own parameters."""
+
+
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic_shapes: Any) -> Traced:
     spec = export_spec(model, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
-    with refusing_inference_mode("torch.export"):
+    with refusing_inference_mode("torch.export"), warnings.catch_warnings():
+        # nn.LSTM/GRU/RNN keep their parameters in a list (_flat_weights) that torch.export reads as attributes
+        # "assigned during export" and asks to register as buffers: the split holds them as parameters anyway
+        warnings.filterwarnings("ignore", message=_FLAT_WEIGHTS_ONLY, category=UserWarning)
         exported = torch.export.export(model, args, kwargs or None, strict=False, dynamic_shapes=spec)
     graph_module = exported.module()
     if not isinstance(graph_module, torch.fx.GraphModule):  # pragma: no cover - torch internals
