@@ -185,3 +185,25 @@ def test_fx_assigning_to_a_buffer_is_refused_and_the_model_kept(call: str) -> No
     for _ in range(2):
         torch.testing.assert_close(split(x), reference(x))
     assert float(model.steps) == 2.0
+
+
+class LayerDrop(nn.Module):
+    """Skips its layer at random in train() mode, as wav2vec2's LayerDrop does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.rand(()) < 0.1:
+            return x
+        return self.layer(x)
+
+
+def test_random_control_flow_in_train_mode_gets_a_hint_that_names_it() -> None:
+    """Found by an outside check: wav2vec2 in train() mode failed to export with a hint about the inputs'
+    signature; the cause is Python control flow on a random tensor's value (LayerDrop)."""
+    with pytest.raises(TraceError, match=r"control flow on a tensor's value.*eval\(\) mode") as info:
+        trace(LayerDrop().train(), example_inputs=(torch.randn(2, 8),), mode="export")
+    assert "test_trace.py" in str(info.value)  # the line that branches
+    trace(LayerDrop().eval(), example_inputs=(torch.randn(2, 8),), mode="export")  # the fix it names works

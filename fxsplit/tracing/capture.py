@@ -354,6 +354,12 @@ def _export_message(error: BaseException) -> str:
             "max_cache_len=N) under torch.no_grad() (see examples/generate.py); for one forward without a "
             "cache, pass example_kwargs={'use_cache': False} (and call the split model with use_cache=False)"
         )
+    if "GuardOnDataDependentSymNode" in type(error).__name__ + str(error):
+        hint += (
+            "\n  this is Python control flow on a tensor's value (the line above), which one graph cannot hold; "
+            "in a model in train() mode it is often random (LayerDrop, stochastic depth): plan it in eval() "
+            "mode or switch that feature off (e.g. layerdrop=0 in a Hugging Face config)"
+        )
     if "Constraints violated" in str(error) or "dynamic_shapes" in str(error):
         hint += (
             "\n  this is about dynamic_shapes: a size you marked variable must stay fixed or equal another; "
