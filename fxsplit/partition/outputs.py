@@ -43,17 +43,21 @@ def with_output_reader(
     Args:
         problem: the ops and values.
         outputs: ``(value name, bytes, start)`` of each value the graph returns: a value of ``problem`` of that
-            name gets the new op as one more reader, another is added (an op's result that no op reads: ``start``
-            is that op).
+            name gets the new op as one more reader (of a weight held in copies for groups of its readers,
+            :func:`~fxsplit.planning.replicas.replicated_problem`, the copy its last readers read), another is
+            added (an op's result that no op reads: ``start`` is that op).
         device: the device index the outputs must be returned on (the op is pinned there), or None (anywhere).
     """
     reader = problem.num_ops
     by_name = {name: (nbytes, start) for name, nbytes, start in outputs if nbytes > 0}
     values = list(problem.values)
-    for index, value in enumerate(values):  # a weight too: returned, it is copied from its home like an activation
-        if value.name in by_name:
-            by_name.pop(value.name)
-            values[index] = dataclasses.replace(value, consumers=(*value.consumers, reader))
+    latest: dict[str, int] = {}  # name -> the value read last: of a weight held in copies, the one the last ops read
+    for index, value in enumerate(values):
+        if value.name in by_name and (value.name not in latest or value.last >= values[latest[value.name]].last):
+            latest[value.name] = index
+    for name, index in latest.items():  # a weight too: returned, it is copied from its home like an activation
+        by_name.pop(name)
+        values[index] = dataclasses.replace(values[index], consumers=(*values[index].consumers, reader))
     values += [Value(name, nbytes, start, (reader,)) for name, (nbytes, start) in by_name.items()]
     pinned = dict(problem.pinned)
     if device is not None:
