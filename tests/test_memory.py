@@ -610,7 +610,7 @@ def test_a_copy_read_on_another_device_has_its_gradient_counted_there_in_backwar
     x = torch.randn(4, 3, 16, 16)
     split = fxsplit.fxsplit(model, {f"cpu:{i}": 1_000_000 for i in range(3)}, example_inputs=(x,), mode="training")
     plan = split.meta["fxsplit_plan"]
-    assert len(plan.cuts) >= 3 and all(plan.modules[d] for d in plan.devices)  # activations cross devices
+    assert len(plan.cuts) >= 2 and all(plan.modules[d] for d in plan.devices)  # activations cross devices
     measured = measure_training(split, x)
     for device in plan.devices:
         estimated = plan.memory[device]["activations_peak"]

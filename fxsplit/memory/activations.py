@@ -228,6 +228,9 @@ def profile_activations(
     with mode, allocations, grad, hooks, _reparametrize_module(graph_module, fakes, tie_weights=True, strict=False):
         for fake in fakes.values():
             storages.key(fake)
+            # a weight is no op's allocation: first read inside an op (after the op's peak, say), it would be
+            # taken off that op's intermediates as if it were part of the result
+            allocations.seen.add(StorageWeakRef(fake.untyped_storage()))
         outputs = recorder.run(*inputs)
         if training:
             recorder.backward(outputs)
