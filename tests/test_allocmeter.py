@@ -73,9 +73,10 @@ def test_where_a_gradient_is_summed_the_dispatch_meter_reads_high_and_the_plan_c
     planned = gm.meta["fxsplit_plan"].memory["cpu:0"]["activations_peak"]
     dispatched = measure_training(_fresh(gm), x)["cpu:0"]
     allocated = allocated_peaks(_fresh(gm), x, backward=True)["cpu:0"]
-    # the sum of h's gradients: a new tensor under the dispatch mode, added in place without it
-    assert dispatched - allocated == 2 * 4 * 8 * 8 * 4
-    assert allocated <= planned < dispatched
+    # the sum of h's gradients: a new tensor under the dispatch mode, added in place without it (the dispatch
+    # meter's peak is then that moment; the allocator's, the start of the backward with the loss's gradient)
+    assert dispatched > allocated
+    assert allocated == planned
     workspaces = allocated_peaks(_fresh(gm), x, backward=True, internal=True)["cpu:0"]
     assert workspaces >= allocated  # kernels' own buffers too (the CPU's convolutions keep large ones)
 

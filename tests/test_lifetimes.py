@@ -115,9 +115,10 @@ def test_training_keeps_saved_storages_to_their_backward_and_adds_gradients() ->
     assert isinstance(sim, Simulated)
     assert sim.saved == {"d": 8 + 16}
     assert sim.forward == {"d": 8 + 16 + 16}  # x and a stay for backward while b is made
-    # backward: b (held by the caller), x and a (saved), and a's gradient from b back to a
-    assert sim.backward == {"d": 16 + 8 + 16 + 16}
-    assert sim.peak == {"d": 56}
+    # backward: b (held by the caller) and its gradient (the caller's loss gives it), x and a (saved), and a's
+    # gradient from b back to a
+    assert sim.backward == {"d": 16 + 16 + 8 + 16 + 16}
+    assert sim.peak == {"d": 72}
     extra, transient = planning_loads(profile)
     assert extra == (8, 16 + 16)  # what each op is first to save, or returns
     assert sum(extra) + max(transient) >= sim.peak["d"]

@@ -22,7 +22,7 @@ from tests.helpers import Tied
 
 VOCAB, DIM, CHUNKS = 4000, 64, 4
 WEIGHT_BYTES = VOCAB * DIM * 4
-BUDGETS = {"cpu:0": "16MiB", "cpu:1": "16MiB"}
+BUDGETS = {"cpu:0": "20MiB", "cpu:1": "20MiB"}
 PINS = {"emb": "cpu:0", "body": "cpu:0", "head": "cpu:1"}  # the tied weight is read on both stages
 
 
@@ -298,6 +298,7 @@ def test_each_stage_row_counts_its_own_copies_and_the_plan_fits_with_them(count:
     from fxsplit.pipeline.replicabudget import replica_bytes, replica_overruns
 
     model, budgets, ids = _gpt2_case(transformers, count)
+    budgets[f"cpu:{count - 1}"] += 256_000  # the logits' gradient (a loss gives it) counts on the last stage
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxsplit.FxsplitWarning)
         adam = {"name": "adam", "foreach": True}  # Adam's foreach step, as on GPUs: a temporary per trainable byte

@@ -15,19 +15,19 @@ The model and the traced graph are not modified.
 
 from __future__ import annotations
 
-import functools
+import operator
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fxsplit.attrpath import attr_at
 from fxsplit.cost.build import GraphCosts, Weight
+from fxsplit.memory.allocations import Allocations
 from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory
-from fxsplit.memory.rnnworkspace import RNN_OPS, with_workspace
+from fxsplit.memory.seed import seeds
 from fxsplit.planning.build import weights_by_node
 
 __all__ = ["profile_activations", "replace_graph_tensors"]
@@ -62,75 +62,8 @@ class _Storages:
         return ValueMemory(nbytes, keys, any(t.requires_grad for t in tensors))
 
 
-class _Allocations(TorchDispatchMode):
-    """Peak bytes of the storages ATen ops create while one node (or one backward node) runs."""
-
-    def __init__(self, storages: _Storages) -> None:
-        super().__init__()
-        self.storages = storages
-        self.seen: set[StorageWeakRef] = set()
-        self.live: dict[StorageWeakRef, int] = {}
-        self.peak = 0
-        self.backward_ops: dict[Any, int] = {}
-        self.backward_internal: dict[int, int] = {}
-        self.roots: dict[int, set[Any]] = {}
-        self.result_grads: dict[int, set[StorageWeakRef]] = {}
-        self.passthrough: set[tuple[int, int]] = set()
-        self.in_backward = False
-        self._node: Any = None
-
-    def start(self) -> None:
-        self.live.clear()
-        self.peak = 0
-
-    def extra(self) -> int:
-        """Peak bytes made since :meth:`start` beyond those still alive (its results)."""
-        for ref in [r for r in self.live if r.expired()]:
-            del self.live[ref]
-        return max(0, self.peak - sum(self.live.values()))
-
-    def node_done(self, op: int, fn: Any, grad_inputs: Any, grad_outputs: Any) -> None:
-        """A backward node of op ``op`` returned: note its peak beyond the gradients it returns, and
-        which earlier ops get the gradient of op ``op``'s result passed on as is (an add's backward)."""
-        returned = {
-            StorageWeakRef(t.untyped_storage()) for t in tree_leaves(grad_inputs) if isinstance(t, torch.Tensor)
-        }
-        kept = sum(nbytes for ref, nbytes in self.live.items() if ref in returned)
-        self.backward_internal[op] = max(self.backward_internal.get(op, 0), self.peak - kept)
-        incoming = self.result_grads.setdefault(op, set())
-        if fn in self.roots.get(op, ()):
-            incoming.update(
-                StorageWeakRef(t.untyped_storage()) for t in tree_leaves(grad_outputs) if isinstance(t, torch.Tensor)
-            )
-        for tensor, (next_fn, _) in zip(grad_inputs, fn.next_functions, strict=False):
-            if isinstance(tensor, torch.Tensor) and StorageWeakRef(tensor.untyped_storage()) in incoming:
-                other = self.backward_ops.get(next_fn)
-                if other is not None and other != op:
-                    self.passthrough.add((op, other))
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self.in_backward:
-            node = torch._C._current_autograd_node()
-            if node is not self._node:
-                self._node = node
-                self.start()
-        out = func(*args, **(kwargs or {}))
-        if func in RNN_OPS:  # its fake kernel leaves out the workspace saved for backward
-            out = with_workspace(func, args, out)
-        for ref in [r for r in self.live if r.expired()]:
-            del self.live[ref]
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                ref = StorageWeakRef(tensor.untyped_storage())
-                if ref not in self.seen:
-                    self.seen.add(ref)
-                    self.live[ref] = self.storages.scale(tensor.untyped_storage().nbytes(), tensor.dtype)
-        self.peak = max(self.peak, sum(self.live.values()))
-        return out
-
-
 class _Recorder(torch.fx.Interpreter):
-    def __init__(self, graph_module: torch.fx.GraphModule, storages: _Storages, allocations: _Allocations) -> None:
+    def __init__(self, graph_module: torch.fx.GraphModule, storages: _Storages, allocations: Allocations) -> None:
         super().__init__(graph_module)
         self.storages = storages
         self.allocations = allocations
@@ -139,6 +72,7 @@ class _Recorder(torch.fx.Interpreter):
         self.results: dict[str, ValueMemory] = {}
         self.internal: dict[int, int] = {}
         self.saved: dict[int, list[int]] = {}
+        self.written: dict[str, str] = {}  # an op that writes in place -> the node whose tensor it writes
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is torch.ops.aten.scaled_dot_product_attention.default:
@@ -156,37 +90,28 @@ class _Recorder(torch.fx.Interpreter):
         if self.current >= 0:
             self.results[n.name] = self.storages.value(value)
             self.internal[self.current] = self.allocations.extra()
-            self._claim(value, self.current)
+            self.allocations.claim(value, self.current)
+            written = next(
+                (a for a in n.all_input_nodes if isinstance(value, torch.Tensor) and self.env.get(a) is value), None
+            )
+            if written is not None:  # in place: it returns the very tensor it read
+                self.written[n.name] = written.name
         self.current = -1
         return value
-
-    def _claim(self, value: Any, op: int) -> None:
-        """The autograd nodes that ``value``'s computation created belong to op ``op``."""
-        owners = self.allocations.backward_ops
-        stack: list[Any] = [
-            t.grad_fn for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.grad_fn is not None
-        ]
-        self.allocations.roots[op] = {fn for fn in stack if fn not in owners}
-        while stack:
-            fn = stack.pop()
-            if fn is not None and fn not in owners:
-                owners[fn] = op
-                fn.register_hook(functools.partial(self.allocations.node_done, op, fn))
-                stack.extend(next_fn for next_fn, _ in fn.next_functions)
 
     def backward(self, outputs: Any) -> None:
         """Run the backward from ones at the outputs, measuring each backward node's intermediates."""
         tensors = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
-        grads = [torch.ones_like(t) for t in tensors]
         self.allocations.in_backward = True
-        torch.autograd.backward(tensors, grads)
-        self.allocations.in_backward = False
+        torch.autograd.backward(seeds(tensors))
+        self.allocations.backward_done()
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.current >= 0:
             self.saved.setdefault(self.current, []).append(self.storages.key(tensor))
+            self.allocations.note_saved(self.current, tensor)
         return tensor
 
 
@@ -215,7 +140,7 @@ def profile_activations(
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
     storages = _Storages(dtype)
-    allocations = _Allocations(storages)
+    allocations = Allocations(storages.scale)
     recorder = _Recorder(graph_module, storages, allocations)
     recorder.op_index = {op.name: i for i, op in enumerate(costs.ops)}
     from torch.nn.utils.stateless import _reparametrize_module
@@ -320,6 +245,24 @@ def _reads(node: torch.fx.Node, by_node: dict[str, list[Weight]]) -> Iterator[st
         yield from (w.names[0] for w in by_node.get(node.name, ()))
 
 
+def _versioned_reads(
+    costs: GraphCosts, by_node: dict[str, list[Weight]], values: dict[str, ValueMemory], written: dict[str, str]
+) -> tuple[tuple[str, ...], ...]:
+    """Per op, the values it reads; a node read after an op wrote its tensor in place (``y.add_(h)`` traced by fx:
+    later ops read ``y``'s node) reads that op's version: one value read by several ops, not several reads of one."""
+    origin: dict[str, str] = {}  # a version -> the node that made the tensor
+    newest: dict[str, str] = {}  # that node -> the op that wrote it last
+    found = []
+    for op in costs.ops:
+        reads = (newest.get(origin.get(r, r), r) for r in _reads(op, by_node) if r in values)
+        found.append(tuple(dict.fromkeys(reads)))
+        target = written.get(op.name)
+        if target is not None:
+            origin[op.name] = first = origin.get(target, target)
+            newest[first] = op.name
+    return tuple(found)
+
+
 def _profile(
     graph_module: torch.fx.GraphModule,
     costs: GraphCosts,
@@ -339,7 +282,7 @@ def _profile(
         if fake is not None:
             values[weight.names[0]] = storages.value(fake)
             weight_names.add(weight.names[0])
-    reads = tuple(tuple(dict.fromkeys(r for r in _reads(op, by_node) if r in values)) for op in costs.ops)
+    reads = _versioned_reads(costs, by_node, values, recorder.written)
     saved: list[tuple[int, ...]] = []
     internal_saved: list[int] = []
     for i, op in enumerate(costs.ops):
@@ -363,9 +306,42 @@ def _profile(
         saved=tuple(saved) if training else (),
         internal=tuple(recorder.internal.get(i, 0) for i in range(len(costs.ops))),
         internal_saved=tuple(internal_saved) if training else (),
-        backward_internal=tuple(recorder.allocations.backward_internal.get(i, 0) for i in range(len(costs.ops)))
-        if training
-        else (),
+        backward_internal=_backward_internal(costs, recorder, storages) if training else (),
         grad_passthrough=tuple(sorted(recorder.allocations.passthrough)) if training else (),
+        extracts=_extracts(costs, reads, values),
         training=training,
     )
+
+
+def _backward_internal(costs: GraphCosts, recorder: _Recorder, storages: _Storages) -> tuple[int, ...]:
+    """Per op, its backward's peak beyond the gradients it hands on; where its result shares a storage
+    with an earlier op's (in place, a view) and its backward returns a new tensor for that one, the
+    gradient it received and that new one are two tensors for a moment, where the simulation holds one
+    gradient per storage: the difference is added (``relu_``'s backward: twice the storage's bytes)."""
+    allocations = recorder.allocations
+    found = []
+    for i, op in enumerate(costs.ops):
+        extra = 0
+        mine = recorder.results.get(op.name)
+        for k, nbytes in allocations.fresh.get(i, {}).items():
+            theirs = recorder.results.get(costs.ops[k].name)
+            shared = set(mine.storages) & set(theirs.storages) if mine and theirs else set()
+            if shared:
+                held = max(storages.nbytes[key] for key in shared)
+                extra = max(extra, allocations.incoming.get(i, 0) + nbytes - held)
+        found.append(allocations.backward_internal.get(i, 0) + extra)
+    return tuple(found)
+
+
+def _extracts(
+    costs: GraphCosts, reads: tuple[tuple[str, ...], ...], values: dict[str, ValueMemory]
+) -> dict[int, frozenset[int]]:
+    """Ops that take some storages out of the one tuple they read (``getitem``) -> those storages."""
+    found = {}
+    for i, op in enumerate(costs.ops):
+        if op.target is not operator.getitem or len(reads[i]) != 1 or op.name not in values:
+            continue
+        mine, theirs = set(values[op.name].storages), set(values[reads[i][0]].storages)
+        if mine < theirs:
+            found[i] = frozenset(mine)
+    return found

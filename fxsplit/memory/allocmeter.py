@@ -12,10 +12,11 @@ Each allocation belongs to a logical device: in the forward, the device of the
 node it is made under (a copy's destination); in the backward, the device of
 the forward op whose autograd node runs (by sequence number; a copy's backward
 belongs to its source, and makes a new tensor there, as a real transfer does).
-What counts is what :class:`~fxsplit.memory.measure.ActivationMeter` counts:
-memory made while the split runs that is not a parameter's ``.grad`` at the
-end, nor an output's gradient given by the caller; parameters, buffers and
-inputs made before are never seen. With ``internal=False`` (the default), an
+What counts is memory made while the split runs that is not a parameter's
+``.grad`` at the end; parameters, buffers and inputs made before are never
+seen. The backward starts as a loss's would: each output's gradient is made on
+the output's device and freed once the op that made the output has used it
+(:mod:`fxsplit.memory.seed`). With ``internal=False`` (the default), an
 allocation freed before the end of the top-level op that made it (a kernel's
 workspace, a composite op's intermediate) is not counted; with ``internal=True``
 everything is, which is what the device really needs at the peak.
@@ -40,6 +41,7 @@ from torch.utils._pytree import tree_leaves
 
 from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
 from fxsplit.memory.measure import flat_inputs
+from fxsplit.memory.seed import seeds
 
 __all__ = ["UNTAGGED", "allocated_peaks"]
 
@@ -61,12 +63,14 @@ def allocated_peaks(
     flat = flat_inputs(split, args, kwargs)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         outputs = runner.run(*flat)
-        if backward:
+        if backward:  # the outputs' gradients, as a loss's backward makes them, count where the outputs are
             tensors = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
             with record_function(_UNCOUNTED):
-                grads = [torch.ones_like(t) for t in tensors]
-            torch.autograd.backward(tensors, grads)
-            del grads
+                scalars = seeds(tensors)
+                ones = [torch.ones_like(scalar) for scalar in scalars]
+            for scalar, tensor in zip(scalars, tensors, strict=True):
+                runner.devices[scalar.grad_fn._sequence_nr()] = runner.held_on.get(id(tensor), UNTAGGED)  # type: ignore[union-attr]
+            torch.autograd.backward(scalars, ones)
         del outputs
     kept = {p.grad.untyped_storage().data_ptr() for p in split.parameters() if p.grad is not None}
     return _peaks(prof.profiler.kineto_results.experimental_event_tree(), runner.devices, kept, internal)
@@ -79,6 +83,7 @@ class _Runner(torch.fx.Interpreter):
     def __init__(self, split: torch.fx.GraphModule) -> None:
         super().__init__(split, garbage_collect_values=True)
         self.devices: dict[int, str] = {}  # autograd sequence number -> device
+        self.held_on: dict[int, str] = {}  # id of a tensor the split made -> its device
         for node in split.graph.nodes:  # a value nobody reads is freed at once, as the generated code does
             if not node.users and node.op != "output":
                 self.user_to_last_uses.setdefault(node, []).append(node)
@@ -90,6 +95,9 @@ class _Runner(torch.fx.Interpreter):
             return super().run_node(n)
         with record_function(_DEVICE + str(device)):
             value = super().run_node(n)
+        for tensor in tree_leaves(value):
+            if isinstance(tensor, torch.Tensor):
+                self.held_on[id(tensor)] = str(device)
         source = copy.source if copy is not None else None
         for tensor in tree_leaves(value):
             if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:

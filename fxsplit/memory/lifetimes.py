@@ -83,6 +83,8 @@ class ActivationProfile:
             of its result on, as the same tensor, as the gradient of op
             ``k``'s result (an add, a clone): one tensor, not two.
         training: whether the profile was taken with autograd recording.
+        extracts: op -> the storages it takes out of the one value it reads, a tuple (``getitem``): the rest
+            of the tuple gets no gradient from it.
     """
 
     op_names: tuple[str, ...]
@@ -98,6 +100,7 @@ class ActivationProfile:
     backward_internal: tuple[int, ...] = ()
     grad_passthrough: tuple[tuple[int, int], ...] = ()
     training: bool = False
+    extracts: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
     def per_op(self, field_name: str) -> list:
         """``saved``, ``internal``, ``internal_saved`` or ``backward_internal``, one entry per op."""
@@ -167,11 +170,14 @@ class _Walk:
         self.storages.append(_Storage(device, nbytes, position, position, position, requires_grad, copied=copied))
         return len(self.storages) - 1
 
-    def place(self, name: str, device: Hashable, position: int, is_op: bool) -> dict[int, int | None]:
-        """Storage ids -> simulated storage of value ``name`` on ``device`` (None: a resident weight)."""
+    def place(
+        self, name: str, device: Hashable, position: int, is_op: bool, only: frozenset[int] | None = None
+    ) -> dict[int, int | None]:
+        """Storage ids -> simulated storage of value ``name`` on ``device`` (None: a resident weight); an op
+        that reads ``only`` some of its storages (takes them out of a tuple) reads the rest for the forward."""
         if is_op and name in self.profile.weights:
             self.weight_readers.setdefault(name, set()).add(position)
-        elif is_op:
+        elif is_op and only is None:
             self.readers.setdefault((name, device), set()).add(position)
         found = self.on.get((name, device))
         if found is None:
@@ -184,20 +190,22 @@ class _Walk:
             elif device == home:  # a model input, arriving where it is first read
                 found = dict.fromkeys(info.storages, self._new(device, info.nbytes, position, info.requires_grad))
             else:  # a copy from the value's home, made right before its first reader here
-                self.place(name, home, position, is_op)
+                self.place(name, home, position, is_op, only)
                 found = dict.fromkeys(info.storages, self._new(device, info.nbytes, position, info.requires_grad, True))
             self.on[(name, device)] = found
+        read = {index for key, index in found.items() if only is None or key in only}
         for index in set(found.values()):
             if index is not None:
-                self.storages[index].touch(position, is_op)
+                self.storages[index].touch(position, is_op and (index in read or self.storages[index].copied))
         return found
 
     def run_op(self, op: int, device: Hashable) -> None:
         profile = self.profile
         self.device_of[op] = device
         read: dict[int, int | None] = {}
+        only = profile.extracts.get(op)
         for name in profile.reads[op]:
-            for key, index in self.place(name, device, op, True).items():
+            for key, index in self.place(name, device, op, True, only).items():
                 read.setdefault(key, index)
         result = profile.values.get(profile.op_names[op])
         own: dict[int, int | None] = {}
@@ -235,8 +243,9 @@ class _Walk:
         """``(device, first, last, nbytes)`` of each gradient tensor in backward.
 
         A storage's gradient lives from its last reader to the op that made
-        it; storages whose gradients are one tensor (``grad_passthrough``)
-        share one span.
+        it (an output's, which the caller's loss gives it, from the start of
+        the backward); storages whose gradients are one tensor
+        (``grad_passthrough``) share one span.
         """
         parent = list(range(len(self.storages)))
 
@@ -253,11 +262,17 @@ class _Walk:
             for i in mine[:1]:
                 for j in theirs:
                     parent[find(j)] = find(i)
+        outputs = {i for name in self.profile.outputs for i in self.on.get((name, self.home[name]), {}).values()}
+        end = len(self.profile.op_names)
         spans: dict[int, list[int]] = {}
         for index, s in enumerate(self.storages):
-            if s.requires_grad and (s.last_op > s.alloc or s.copied):  # a copy's: made by its reader's backward
-                span = spans.setdefault(find(index), [s.alloc, s.last_op, s.nbytes])
-                span[0], span[1], span[2] = min(span[0], s.alloc), max(span[1], s.last_op), max(span[2], s.nbytes)
+            # a copy's is made by its reader's backward; an output's comes from the loss (or whatever the caller
+            # computes from it) at the start of the backward
+            output = s.held or index in outputs
+            if s.requires_grad and (s.last_op > s.alloc or s.copied or output):
+                last = max(s.last_op, end) if output else s.last_op
+                span = spans.setdefault(find(index), [s.alloc, last, s.nbytes])
+                span[0], span[1], span[2] = min(span[0], s.alloc), max(span[1], last), max(span[2], s.nbytes)
         return [(self.storages[root].device, first, last, nbytes) for root, (first, last, nbytes) in spans.items()]
 
     def contributions(self, weights: bool = True) -> list[tuple[Hashable, int, int]]:
@@ -269,9 +284,14 @@ class _Walk:
         one from each reader there, one from each other device's copy.
         """
         found: list[tuple[Hashable, int, int]] = []
+        outputs = set(self.profile.outputs)
         for (name, device), readers in self.readers.items():
             info = self.profile.values[name]
-            if info.requires_grad and len(readers) > 1:
+            if not info.requires_grad:
+                continue
+            if name in outputs and device == self.home[name]:  # the loss's arrives first: each reader's adds
+                found.extend((device, op, info.nbytes) for op in readers)
+            elif len(readers) > 1:
                 found.extend((device, op, info.nbytes) for op in sorted(readers)[:-1])
         for name, readers in self.weight_readers.items() if weights else ():  # a weight's arrive at its home: one
             info = self.profile.values[name]  # per reader there, one per other device (its copy's, at its first reader)

@@ -51,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
+from fxsplit.memory.seed import seeds
 from fxsplit.runtime import ReplicaStore
 
 __all__ = ["ActivationMeter", "flat_inputs", "measure_forward", "measure_training"]
@@ -275,17 +276,19 @@ def measure_forward(split: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> d
 def measure_training(split: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> dict[str, int]:
     """Peak activation bytes per device over one forward and backward.
 
-    The gradients of the outputs (ones) are made outside the count, as a
-    loss's would be; parameter gradients are not counted. Parameters should
-    have no ``.grad`` yet (``zero_grad(set_to_none=True)``).
+    The gradients of the outputs (ones) count on the outputs' devices until
+    the ops that made the outputs have used them, as a loss's backward makes
+    them (:mod:`fxsplit.memory.seed`); parameter gradients are not counted.
+    Parameters should have no ``.grad`` yet (``zero_grad(set_to_none=True)``).
     """
     meter = ActivationMeter(split)
 
     def backward(outputs: Any) -> None:
         tensors = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         with meter.paused():
-            grads = [torch.ones_like(t) for t in tensors]
-        torch.autograd.backward(tensors, grads)
+            scalars = seeds(tensors)
+            ones = [torch.ones_like(scalar) for scalar in scalars]
+        torch.autograd.backward(scalars, ones)
 
     with torch.enable_grad():
         meter.run(*args, backward=backward, **kwargs)

@@ -1,0 +1,165 @@
+"""Training memory in the backward, planned against what the allocator holds (:mod:`fxsplit.memory.allocmeter`).
+
+Each case was planned short of the run before an op's backward was measured as one episode
+(:mod:`fxsplit.memory.allocations`): gradients a composite op makes and frees inside (a leaf module, an RNN's
+steps), the two gradients an in-place op holds for a moment, the gradient a loss gives the outputs. The plan must
+cover the run on every device, and not by much more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxsplit
+from fxsplit.memory.allocmeter import allocated_peaks
+from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory, simulate
+
+
+class InPlaceResidual(nn.Module):
+    """``y = linear(h); y.add_(h); y.relu_()``: fx reads ``y``'s node after both writes."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for layer in self.layers:
+            y = layer(h)
+            y.add_(h)
+            y.relu_()
+            h = y
+        return h
+
+
+class ConvBlocks(nn.Module):
+    """ResNet-style blocks with ``ReLU(inplace=True)`` after batch norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(inplace=True))
+        self.c1, self.b1 = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.c2, self.b2 = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.relu = nn.ReLU(inplace=True)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = self.relu(self.b2(self.c2(self.relu(self.b1(self.c1(x))))) + x)
+        return self.head(x)
+
+
+class Attention(nn.Module):
+    """Two ``nn.MultiheadAttention`` (fx leaf modules), one returning its attention weights unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.b = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.mid = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.a(x, x, x, need_weights=False)[0]
+        h = h + self.mid(h)
+        return h + self.b(h, h, h)[0]
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell: type[nn.Module], hidden: int) -> None:
+        super().__init__()
+        self.rnn = cell(32, hidden, batch_first=True)
+        self.out = nn.Linear(hidden, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(x)[0])
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+
+CASES = {  # name -> (model, input, traces, devices)
+    "in-place residual": (InPlaceResidual, (16, 64), ("fx", "export"), 2),
+    "in-place relu after batch norm": (ConvBlocks, (2, 3, 16, 16), ("fx", "export"), 2),
+    "multi-head attention leaves": (Attention, (4, 16, 64), ("fx",), 2),
+    "gru steps": (lambda: Recurrent(nn.GRU, 256), (4, 20, 32), ("fx",), 1),
+    "lstm": (lambda: Recurrent(nn.LSTM, 64), (4, 20, 32), ("fx",), 1),
+    "transformer encoder leaf": (Encoder, (4, 16, 64), ("fx",), 1),
+    "wide output": (lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4096)), (16, 64), ("fx",), 1),
+}
+
+
+def _planned_and_allocated(name: str, trace: str) -> tuple[dict[str, int], dict[str, int]]:
+    build, shape, _, devices = CASES[name]
+    torch.manual_seed(0)
+    x = torch.randn(*shape)
+    options = {"example_inputs": (x,), "mode": "training", "optimizer": "sgd", "trace": trace}
+    whole = fxsplit.plan(build().train(), {"cpu:0": 1 << 32}, **options).memory["cpu:0"]["total"]
+    budgets = {f"cpu:{i}": int(whole * (0.75 if devices > 1 else 1.1)) for i in range(devices)}
+    torch.manual_seed(0)
+    gm = fxsplit.fxsplit(build().train(), budgets, **options)
+    planned = {d: row["activations_peak"] for d, row in gm.meta["fxsplit_plan"].memory.items() if row.get("total")}
+    for parameter in gm.parameters():
+        parameter.grad = None
+    return planned, allocated_peaks(gm, x, backward=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "trace"), [(name, trace) for name, (_, _, traces, _) in CASES.items() for trace in traces]
+)
+def test_the_plan_covers_the_backward_the_allocator_sees_and_not_by_much(name: str, trace: str) -> None:
+    planned, allocated = _planned_and_allocated(name, trace)
+    assert set(allocated) <= set(planned), (planned, allocated)
+    assert len(allocated) == CASES[name][3], allocated  # split as asked: every device runs something
+    for device, nbytes in allocated.items():  # 64 B: scalars torch wraps into tensors outside any op
+        assert planned[device] >= nbytes - 64, (device, planned, allocated)
+        assert planned[device] <= nbytes * 1.02 + 64, (device, planned, allocated)
+
+
+def test_the_gradient_a_loss_gives_the_output_counts_where_the_output_is() -> None:
+    # op 0 makes the output on cpu:0, which is returned on cpu:1: its gradient comes to cpu:1 and is copied back
+    profile = ActivationProfile(
+        op_names=("a",),
+        reads=(("x",),),
+        values={"x": ValueMemory(8, (0,)), "a": ValueMemory(64, (1,), requires_grad=True)},
+        storage_bytes={0: 8, 1: 64},
+        inputs=("x",),
+        outputs=("a",),
+        training=True,
+    )
+    here = simulate(profile, ["cpu:0"], {"x": "cpu:0"}, "cpu:0")
+    assert here.backward == {"cpu:0": 64 + 64}  # the output the caller holds, and its gradient
+    there = simulate(profile, ["cpu:0"], {"x": "cpu:0"}, "cpu:1")
+    assert there.backward == {"cpu:0": 64, "cpu:1": 64 + 64}  # the copy and its gradient; that gradient copied back
+
+
+def test_an_unused_tuple_element_gets_no_gradient() -> None:
+    # op 0 returns a pair (storages 1 and 2), op 1 takes out the first: only that one gets a gradient
+    values = {
+        "x": ValueMemory(8, (0,)),
+        "pair": ValueMemory(96, (1, 2), requires_grad=True),
+        "first": ValueMemory(32, (1,), requires_grad=True),
+    }
+    profile = ActivationProfile(
+        op_names=("pair", "first"),
+        reads=(("x",), ("pair",)),
+        values=values,
+        storage_bytes={0: 8, 1: 32, 2: 64},
+        inputs=("x",),
+        outputs=("first",),
+        training=True,
+        extracts={1: frozenset({1})},
+    )
+    taken = simulate(profile, ["cpu:0", "cpu:0"], {"x": "cpu:0"}, "cpu:0").backward["cpu:0"]
+    whole = simulate(
+        ActivationProfile(**{**profile.__dict__, "extracts": {}}), ["cpu:0", "cpu:0"], {"x": "cpu:0"}, "cpu:0"
+    ).backward["cpu:0"]
+    assert whole - taken == 64  # without it, the unused element's gradient was counted
