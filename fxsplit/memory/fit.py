@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 from fxsplit.errors import BudgetError
 from fxsplit.gcpause import gc_paused
 from fxsplit.memory.model import MemoryModel
+from fxsplit.memory.planloads import charge_slack
 from fxsplit.options import Budgets
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import budget_overruns
@@ -41,11 +42,21 @@ def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[
     usable = budgets.usable
     caps = budgets.caps()
     usage: dict[str, dict[str, int]] = {}
-    for attempt in range(MAX_REPLANS + len(caps) + 1):
+    refused: BudgetError | None = None  # the first refusal, when planning again with the charge's slack allowed
+    attempt = 0
+    while attempt < MAX_REPLANS + len(caps) + 1:
         try:
             plan = solve(list(caps))
         except BudgetError as error:
+            if refused is not None:
+                raise refused from None
+            slack = charge_slack(model.profile) * max(1, model.chunks) if attempt == 0 and model.profile else 0
+            if slack:  # the charge is an upper bound: allow its slack, and let the exact check hold the budgets
+                refused = model.explain(error, usable)
+                caps = [cap + slack for cap in caps]
+                continue
             raise (model.explain(error, usable) if attempt == 0 else model.over_budget(usage, usable)) from None
+        attempt += 1
         usage = model.usage(plan)
         plan = dataclasses.replace(plan, memory=usage)
         simulated = {d: row.get("params", 0) + row.get("buffers", 0) for d, row in usage.items()}

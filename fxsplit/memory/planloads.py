@@ -8,9 +8,9 @@ final plan adds.
 
 from __future__ import annotations
 
-from fxsplit.memory.lifetimes import ActivationProfile, _add, _kept_from, _walk
+from fxsplit.memory.lifetimes import ActivationProfile, _add, _kept_from, _walk, simulate
 
-__all__ = ["planning_loads"]
+__all__ = ["charge_slack", "planning_loads"]
 
 
 def planning_loads(profile: ActivationProfile) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -55,3 +55,17 @@ def planning_loads(profile: ActivationProfile) -> tuple[tuple[int, ...], tuple[i
         running_grads += grads[op]
         transient.append(max(running_live + internal[op], running_grads + backward_internal[op]))
     return tuple(extra), tuple(transient)
+
+
+def charge_slack(profile: ActivationProfile) -> int:
+    """How much the partitioner's charge for all ops on one device exceeds their exact simulation there.
+
+    The charge is an upper bound: it holds what an op saves for the whole backward, where the run frees it after
+    the backward of the op that saved it. A budget that holds the whole model exactly is short by this under the
+    charge; :func:`~fxsplit.memory.fit.fit_budgets` allows it before it gives up, and the exact check of the plan
+    keeps every budget.
+    """
+    n = len(profile.op_names)
+    extra, transient = planning_loads(profile)
+    exact = simulate(profile, [0] * n, dict.fromkeys(profile.inputs, 0), 0, dict.fromkeys(profile.weights, 0))
+    return max(0, sum(extra) + max(transient, default=0) - exact.peak.get(0, 0))
