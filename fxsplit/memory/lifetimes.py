@@ -149,7 +149,6 @@ class Simulated:
         return {d: max(v, self.backward.get(d, 0)) for d, v in self.forward.items()}
 
 
-_MISSING = -2
 _Replicas = Mapping[str, Collection[Hashable]] | None  # weight -> other devices that hold it (Plan.replicas)
 
 
@@ -202,26 +201,26 @@ class _Walk:
     def run_op(self, op: int, device: Hashable) -> None:
         profile = self.profile
         self.device_of[op] = device
-        read: dict[int, int | None] = {}
-        only = profile.extracts.get(op)
+        read: dict[int, list[int | None]] = {}  # storage id -> what it is here (views of one storage copied
+        only = profile.extracts.get(op)  # from another device are as many copies)
         for name in profile.reads[op]:
             for key, index in self.place(name, device, op, True, only).items():
-                read.setdefault(key, index)
+                read.setdefault(key, []).append(index)
         result = profile.values.get(profile.op_names[op])
         own: dict[int, int | None] = {}
         if result is not None:
             for key in result.storages:
                 own[key] = (
-                    read[key]
+                    read[key][0]
                     if key in read
                     else self._new(device, profile.storage_bytes[key], op, result.requires_grad)
                 )
         self.on[(profile.op_names[op], device)] = own
         for key in profile.per_op("saved")[op]:
-            index = own.get(key, read.get(key, _MISSING))
-            if index is not None and index != _MISSING:
-                storage = self.storages[index]
-                storage.saved_at = op if storage.saved_at is None else min(storage.saved_at, op)
+            for index in [own[key]] if key in own else read.get(key, []):
+                if index is not None:
+                    storage = self.storages[index]
+                    storage.saved_at = op if storage.saved_at is None else min(storage.saved_at, op)
         extra = profile.per_op("internal_saved")[op]
         if extra:
             self.storages[self._new(device, extra, op, False)].saved_at = op
@@ -243,9 +242,10 @@ class _Walk:
         """``(device, first, last, nbytes)`` of each gradient tensor in backward.
 
         A storage's gradient lives from its last reader to the op that made
-        it (an output's, which the caller's loss gives it, from the start of
-        the backward); storages whose gradients are one tensor
-        (``grad_passthrough``) share one span.
+        it; storages whose gradients are one tensor (``grad_passthrough``)
+        share one span. Each output's own, which the caller's loss makes, lives
+        from the start of the backward to the op that made the output, and what
+        its readers send is added into it (:meth:`contributions`).
         """
         parent = list(range(len(self.storages)))
 
@@ -255,25 +255,32 @@ class _Walk:
                 i = parent[i]
             return i
 
+        end, seeds, seeded = len(self.profile.op_names), [], set[int]()
+        for name in dict.fromkeys(self.profile.outputs):
+            info = self.profile.values[name]
+            here = {i for i in self.on.get((name, self.home[name]), {}).values() if i is not None}
+            if not info.requires_grad or not here:
+                continue
+            if here & seeded:  # another output is a view of the same storage: its own gradient, from the loss
+                first = min(here, key=lambda i: self.storages[i].alloc)
+                seeds.append((self.storages[first].device, self.storages[first].alloc, end, info.nbytes))
+            seeded.update(i for i in here if not self.storages[i].copied)
         for op, other in self.profile.grad_passthrough:
             device = self.device_of[op]
             mine = [i for i in self.on.get((self.profile.op_names[op], device), {}).values() if i is not None]
             theirs = [i for i in self.on.get((self.profile.op_names[other], device), {}).values() if i is not None]
             for i in mine[:1]:
-                for j in theirs:
-                    parent[find(j)] = find(i)
-        outputs = {i for name in self.profile.outputs for i in self.on.get((name, self.home[name]), {}).values()}
-        end = len(self.profile.op_names)
+                for j in theirs:  # an output's gradient is the loss's: what is passed on to it is added into it
+                    if j not in seeded or find(j) == find(i):
+                        parent[find(j)] = find(i)
         spans: dict[int, list[int]] = {}
         for index, s in enumerate(self.storages):
-            # a copy's is made by its reader's backward; an output's comes from the loss (or whatever the caller
-            # computes from it) at the start of the backward
-            output = s.held or index in outputs
-            if s.requires_grad and (s.last_op > s.alloc or s.copied or output):
-                last = max(s.last_op, end) if output else s.last_op
+            last = max(s.last_op, end) if index in seeded else s.last_op
+            if s.requires_grad and (last > s.alloc or s.copied):  # a copy's: made by its reader's backward
                 span = spans.setdefault(find(index), [s.alloc, last, s.nbytes])
                 span[0], span[1], span[2] = min(span[0], s.alloc), max(span[1], last), max(span[2], s.nbytes)
-        return [(self.storages[root].device, first, last, nbytes) for root, (first, last, nbytes) in spans.items()]
+        found = [(self.storages[root].device, first, last, nbytes) for root, (first, last, nbytes) in spans.items()]
+        return found + seeds
 
     def contributions(self, weights: bool = True) -> list[tuple[Hashable, int, int]]:
         """``(device, op, nbytes)``: a value read by several ops gets one gradient from each.
