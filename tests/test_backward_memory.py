@@ -192,3 +192,25 @@ def test_an_unused_tuple_element_gets_no_gradient() -> None:
         ActivationProfile(**{**profile.__dict__, "extracts": {}}), ["cpu:0", "cpu:0"], {"x": "cpu:0"}, "cpu:0"
     ).backward["cpu:0"]
     assert whole - taken == 64  # without it, the unused element's gradient was counted
+
+
+def test_t5s_encoder_states_returned_and_read_by_the_decoder_on_the_outputs_device() -> None:
+    """The encoder's states are copied to the decoder's device, read there by cross-attention and returned: their
+    gradient (the loss's) waits there until cross-attention's backward, as the allocator sees."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (2, 8), generator=generator)
+    kwargs = {"decoder_input_ids": torch.randint(0, 128, (2, 6), generator=generator), "use_cache": False}
+    options = {"example_inputs": (ids,), "example_kwargs": kwargs, "mode": "training", "optimizer": "sgd"}
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).train()
+    whole = fxsplit.plan(model, {"cpu:0": 1 << 32}, **options).memory["cpu:0"]["total"]
+    gm = fxsplit.fxsplit(model, {"cpu:0": int(0.7 * whole), "cpu:1": int(0.7 * whole)}, **options)
+    planned = {d: row["activations_peak"] for d, row in gm.meta["fxsplit_plan"].memory.items()}
+    for parameter in gm.parameters():
+        parameter.grad = None
+    allocated = allocated_peaks(gm, ids, backward=True, decoder_input_ids=kwargs["decoder_input_ids"])
+    assert len(allocated) == 2, allocated
+    for device, nbytes in allocated.items():
+        assert nbytes - 64 <= planned[device] <= nbytes * 1.05, (device, planned, allocated)

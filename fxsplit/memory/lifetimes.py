@@ -265,6 +265,7 @@ class _Walk:
                 first = min(here, key=lambda i: self.storages[i].alloc)
                 seeds.append((self.storages[first].device, self.storages[first].alloc, end, info.nbytes))
             seeded.update(i for i in here if not self.storages[i].copied)
+        seeded.update(i for i, s in enumerate(self.storages) if s.held)  # on the outputs' device, a copy's too
         for op, other in self.profile.grad_passthrough:
             device = self.device_of[op]
             mine = [i for i in self.on.get((self.profile.op_names[op], device), {}).values() if i is not None]
