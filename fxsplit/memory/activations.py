@@ -91,16 +91,15 @@ class _Recorder(torch.fx.Interpreter):
             self.results[n.name] = self.storages.value(value)
             self.internal[self.current] = self.allocations.extra()
             self.allocations.claim(value, self.current)
-            written = next(
-                (a for a in n.all_input_nodes if isinstance(value, torch.Tensor) and self.env.get(a) is value), None
-            )
-            if written is not None:  # in place: it returns the very tensor it read
-                self.written[n.name] = written.name
+            if isinstance(value, torch.Tensor):  # in place: it returns the very tensor it read
+                written = next((a for a in n.all_input_nodes if self.env.get(a) is value), None)
+                if written is not None:
+                    self.written[n.name] = written.name
         self.current = -1
         return value
 
     def backward(self, outputs: Any) -> None:
-        """Run the backward from ones at the outputs, measuring each backward node's intermediates."""
+        """Run the backward as a loss starts it (:mod:`fxsplit.memory.seed`), measuring each op's as one episode."""
         tensors = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
