@@ -6,6 +6,7 @@ allocator's reads lower, and the plan must cover what the allocator reads (what 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -114,3 +115,48 @@ def test_a_layer_that_reads_a_weight_after_its_peak_is_planned_as_the_run_holds_
     with torch.no_grad():
         allocated = allocated_peaks(gm, x)["cpu:0"]
     assert allocated <= planned <= 1.05 * allocated, (planned, allocated)
+
+
+@pytest.mark.parametrize("layer", ["attention", "encoder"])
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_fused_attention_layers_in_eval_are_planned_with_the_buffers_their_kernel_holds(
+    layer: str, fast_path: bool
+) -> None:
+    """In eval under no_grad, ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` run a fused kernel whose
+    fake kernel returns only the result; the real one holds the projections and scores (the allocator sees them
+    with ``internal=True``). The profile runs their composite path, which holds the same, and leaves torch's
+    fast-path switch as the user set it."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.MultiheadAttention(64, 4, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x, x, x, need_weights=False)[0]
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            block = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+            self.e = nn.TransformerEncoder(block, 2, enable_nested_tensor=False)  # an fx leaf
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.e(x)
+
+    def build() -> nn.Module:
+        return Attention() if layer == "attention" else Encoder()
+
+    torch.manual_seed(0)
+    model, x = build().eval(), torch.randn(4, 16, 64)
+    torch.backends.mha.set_fastpath_enabled(fast_path)
+    try:
+        gm = fxsplit.fxsplit(model, {"cpu:0": "8MiB"}, example_inputs=(x,), trace="fx", mode="inference")
+        assert torch.backends.mha.get_fastpath_enabled() is fast_path
+        torch.backends.mha.set_fastpath_enabled(True)  # the run takes the fast path
+        with torch.no_grad():
+            held = allocated_peaks(gm, x, internal=True)["cpu:0"]
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    planned = gm.meta["fxsplit_plan"].memory["cpu:0"]["activations_peak"]
+    assert held - 64 <= planned <= held * 1.05, (planned, held)

@@ -15,6 +15,7 @@ The model and the traced graph are not modified.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any, Callable, Iterator
 
@@ -149,7 +150,14 @@ def profile_activations(
         inputs = [_fake_input(n.meta["val"], mode) for n in placeholders]
     grad = torch.enable_grad() if training else torch.no_grad()
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
-    with mode, allocations, grad, hooks, _reparametrize_module(graph_module, fakes, tie_weights=True, strict=False):
+    with (
+        mode,
+        allocations,
+        grad,
+        hooks,
+        _reparametrize_module(graph_module, fakes, tie_weights=True, strict=False),
+        _slow_path(),
+    ):
         for fake in fakes.values():
             storages.key(fake)
             # a weight is no op's allocation: first read inside an op (after the op's peak, say), it would be
@@ -344,3 +352,15 @@ def _extracts(
         if mine < theirs:
             found[i] = frozenset(mine)
     return found
+
+
+@contextlib.contextmanager
+def _slow_path() -> Iterator[None]:
+    """``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` run their composite path: the fused fast path's
+    fake kernel returns only its result, while the real kernel holds the projections and scores it computes."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
