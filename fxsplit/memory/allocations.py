@@ -31,6 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from fxsplit.memory.losscapacity import CAPACITY_OPS, with_capacity
 from fxsplit.memory.rnnworkspace import RNN_OPS, with_workspace
 
 __all__ = ["Allocations"]
@@ -235,6 +236,8 @@ class Allocations(TorchDispatchMode):
             return out
         if func in RNN_OPS:  # its fake kernel leaves out the workspace saved for backward
             out = with_workspace(func, args, out)
+        elif func in CAPACITY_OPS:  # its fake kernel returns a scalar of its own size; the real one keeps more
+            out = with_capacity(func, args, kwargs or {}, out)
         self._step += 1
         self._prune()
         for tensor in tree_leaves(out):
