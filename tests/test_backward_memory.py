@@ -102,6 +102,20 @@ class ReturnsHidden(nn.Module):
         return h, self.c(torch.relu(self.b(torch.relu(h))) + h)
 
 
+class SharedLinear(nn.Module):
+    """One Linear applied five times: over two devices its weight is copied to the second and read there four
+    times, where the copy's gradients are summed; the sum is sent home and added to the first use's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared, self.head = nn.Linear(96, 96), nn.Linear(96, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(5):
+            x = torch.relu(self.shared(x)) + x
+        return self.head(x)
+
+
 class Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -121,6 +135,7 @@ CASES = {  # name -> (model, input, traces, devices[, budget per device as a par
     "gru steps": (lambda: Recurrent(nn.GRU, 256), (4, 20, 32), ("fx",), 1),
     "lstm": (lambda: Recurrent(nn.LSTM, 64), (4, 20, 32), ("fx",), 1),
     "transformer encoder leaf": (Encoder, (4, 16, 64), ("fx",), 1),
+    "one weight read five times, on two devices": (SharedLinear, (32, 96), ("fx", "export"), 2, 0.8),
     "wide output": (lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4096)), (16, 64), ("fx",), 1),
 }
 

@@ -36,7 +36,9 @@ most graphs; the exact simulation checks the final plan).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection, Hashable, Mapping, Sequence
+from typing import Hashable, Mapping, Sequence
+
+from fxsplit.memory.weightgrads import Replicas, held_weight_gradients, weight_contributions
 
 __all__ = ["ActivationProfile", "Simulated", "ValueMemory", "simulate"]
 
@@ -149,13 +151,10 @@ class Simulated:
         return {d: max(v, self.backward.get(d, 0)) for d, v in self.forward.items()}
 
 
-_Replicas = Mapping[str, Collection[Hashable]] | None  # weight -> other devices that hold it (Plan.replicas)
-
-
 class _Walk:
     """Follows storages through the ops placed on devices, as the generated code runs them."""
 
-    def __init__(self, profile: ActivationProfile, home: Mapping[str, Hashable], replicas: _Replicas = None) -> None:
+    def __init__(self, profile: ActivationProfile, home: Mapping[str, Hashable], replicas: Replicas = None) -> None:
         self.profile = profile
         self.home = home
         self.replicas = replicas or {}  # weight -> other devices holding their own copy (no copy made)
@@ -226,17 +225,9 @@ class _Walk:
             self.storages[self._new(device, extra, op, False)].saved_at = op
 
     def held_gradients(self) -> list[tuple[Hashable, int, int, int]]:
-        """``(device, first, last, nbytes)``: a weight read by several ops gets its gradients summed.
-
-        In backward, the gradient from its last reader waits at its home
-        (autograd's input buffer) until the backward of its first reader.
-        """
-        held = []
-        for name, readers in self.weight_readers.items():
-            info = self.profile.values[name]
-            if info.requires_grad and len(readers) > 1:
-                held.append((self.home[name], min(readers), max(readers), info.nbytes))
-        return held
+        """``(device, first, last, nbytes)``: the gradient of a weight read by several ops, waiting at its home
+        for the rest (:func:`~fxsplit.memory.weightgrads.held_weight_gradients`)."""
+        return held_weight_gradients(self.profile, self.home, self.replicas, self.weight_readers, self.device_of)
 
     def gradients(self) -> list[tuple[Hashable, int, int, int]]:
         """``(device, first, last, nbytes)`` of each gradient tensor in backward.
@@ -288,8 +279,7 @@ class _Walk:
 
         In backward, all but the first to arrive (from its last reader) are
         new tensors while they are being added to the gradient so far. A
-        weight's arrive at its home (the first is :meth:`held_gradients`'):
-        one from each reader there, one from each other device's copy.
+        weight's: :func:`~fxsplit.memory.weightgrads.weight_contributions`.
         """
         found: list[tuple[Hashable, int, int]] = []
         outputs = set(self.profile.outputs)
@@ -301,17 +291,8 @@ class _Walk:
                 found.extend((device, op, info.nbytes) for op in readers)
             elif len(readers) > 1:
                 found.extend((device, op, info.nbytes) for op in sorted(readers)[:-1])
-        for name, readers in self.weight_readers.items() if weights else ():  # a weight's arrive at its home: one
-            info = self.profile.values[name]  # per reader there, one per other device (its copy's, at its first reader)
-            if info.requires_grad and len(readers) > 1:
-                home, own = self.home[name], self.replicas.get(name, ())  # a device holding its own: summed there
-                arrivals = {op for op in readers if self.device_of[op] == home}
-                first_there: dict[Hashable, int] = {}
-                for op in readers:
-                    if (device := self.device_of[op]) != home and device not in own:
-                        first_there[device] = min(op, first_there.get(device, op))
-                arrivals.update(first_there.values())
-                found.extend((home, op, info.nbytes) for op in sorted(arrivals)[:-1])  # the last: held_gradients
+        if weights:
+            found += weight_contributions(self.profile, self.home, self.replicas, self.weight_readers, self.device_of)
         return found
 
     def return_outputs(self, device: Hashable, position: int) -> None:
@@ -327,7 +308,7 @@ def _walk(
     input_homes: Mapping[str, Hashable],
     weight_homes: Mapping[str, Hashable],
     output_device: Hashable,
-    replicas: _Replicas = None,
+    replicas: Replicas = None,
 ) -> _Walk:
     home: dict[str, Hashable] = dict(zip(profile.op_names, op_devices, strict=True))
     home.update(input_homes)
@@ -347,7 +328,7 @@ def simulate(
     input_homes: Mapping[str, Hashable],
     output_device: Hashable,
     weight_homes: Mapping[str, Hashable] | None = None,
-    replicas: _Replicas = None,
+    replicas: Replicas = None,
 ) -> Simulated:
     """Peak activation bytes per device when op ``i`` runs on ``op_devices[i]``.
 
