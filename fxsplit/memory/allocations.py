@@ -151,12 +151,13 @@ class Allocations(TorchDispatchMode):
 
     def _sum_in_place(self, args: Any, out: torch.Tensor) -> bool:
         """The engine adds a node's gradient to one waiting for the same input. On real tensors it adds into the
-        waiting one, else into the new one, when nothing else holds it (a view's base does); on fake ones it
-        cannot tell, and always makes a new tensor. Where the real engine adds in place the sum is that summand:
-        what this episode made, or none of its own (a gradient handed on, summed with those from other ops:
-        simulated), and the other summand is freed as it goes. False: out of place, as the fake run did."""
-        into = next((t for t in args[:2] if _sole(t) and t.shape == out.shape), None)
-        if into is None:
+        waiting one when nothing else holds it (a view's base does), else makes a new tensor (whatever the new
+        summand is); on fake ones it cannot tell, and always makes a new tensor. Where the real engine adds in
+        place the sum is that summand: what this episode made, or none of its own (a gradient handed on, summed
+        with those from other ops: simulated), and the other summand is freed as it goes. False: out of place,
+        as the fake run did."""
+        into = args[0]
+        if not _sole(into) or into.shape != out.shape:
             return False
         self._step += 1
         self._prune()
