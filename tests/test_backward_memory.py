@@ -116,6 +116,24 @@ class SharedLinear(nn.Module):
         return self.head(x)
 
 
+@torch.fx.wrap
+def _select_and_transpose(h: torch.Tensor) -> torch.Tensor:
+    """One op of the graph whose backward sums two gradients of ``a``: the transpose's arrives first, a view of
+    the gradient the op received, so the engine adds the select's (new zeros, which nothing else holds) out of
+    place: it adds in place only into the gradient waiting. Planned 776 B under the allocator before."""
+    a = h * 2
+    return a[0] * 1 + a.t()
+
+
+class SumOrder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 4)  # small next to the 64 x 64 gradients summed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_select_and_transpose(self.a(x)))
+
+
 class Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -136,6 +154,7 @@ CASES = {  # name -> (model, input, traces, devices[, budget per device as a par
     "lstm": (lambda: Recurrent(nn.LSTM, 64), (4, 20, 32), ("fx",), 1),
     "transformer encoder leaf": (Encoder, (4, 16, 64), ("fx",), 1),
     "one weight read five times, on two devices": (SharedLinear, (32, 96), ("fx", "export"), 2, 0.8),
+    "a sum into a view's gradient, out of place": (SumOrder, (64, 16), ("fx",), 1),
     "wide output": (lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4096)), (16, 64), ("fx",), 1),
 }
 
