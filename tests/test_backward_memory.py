@@ -134,6 +134,19 @@ class SumOrder(nn.Module):
         return self.b(_select_and_transpose(self.a(x)))
 
 
+class ViewOutputs(nn.Module):
+    """Three outputs viewing one value: the transpose's gradient reaches it first, a view, so the select's is
+    added to it out of place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.b(torch.relu(self.a(x)))
+        return h.view(-1), h[0], h.transpose(0, 1)
+
+
 class Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -155,6 +168,7 @@ CASES = {  # name -> (model, input, traces, devices[, budget per device as a par
     "transformer encoder leaf": (Encoder, (4, 16, 64), ("fx",), 1),
     "one weight read five times, on two devices": (SharedLinear, (32, 96), ("fx", "export"), 2, 0.8),
     "a sum into a view's gradient, out of place": (SumOrder, (64, 16), ("fx",), 1),
+    "outputs viewing one value": (ViewOutputs, (32, 64), ("fx", "export"), 2),
     "wide output": (lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4096)), (16, 64), ("fx",), 1),
 }
 
