@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fxsplit
 from fxsplit.memory.allocmeter import allocated_peaks
@@ -147,6 +148,20 @@ class ViewOutputs(nn.Module):
         return h.view(-1), h[0], h.transpose(0, 1)
 
 
+class ReluOnAView(nn.Module):
+    """``h.view(-1)[:100].relu_()``: writing into a view gives ``h`` a new autograd node (CopySlices), whose
+    backward makes a new gradient of all of ``h`` where ``h`` lives, not where its next reader runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(96, 96), nn.Linear(96, 96), nn.Linear(96, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        h.view(-1)[:100].relu_()
+        return self.l3(F.gelu(self.l2(h * 1)))
+
+
 class Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -169,6 +184,7 @@ CASES = {  # name -> (model, input, traces, devices[, budget per device as a par
     "one weight read five times, on two devices": (SharedLinear, (32, 96), ("fx", "export"), 2, 0.8),
     "a sum into a view's gradient, out of place": (SumOrder, (64, 16), ("fx",), 1),
     "outputs viewing one value": (ViewOutputs, (32, 64), ("fx", "export"), 2),
+    "relu_ on a view, its base read on the next device": (ReluOnAView, (32, 96), ("fx", "export"), 2),
     "wide output": (lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4096)), (16, 64), ("fx",), 1),
 }
 

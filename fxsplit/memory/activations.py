@@ -91,7 +91,10 @@ class _Recorder(torch.fx.Interpreter):
         if self.current >= 0:
             self.results[n.name] = self.storages.value(value)
             self.internal[self.current] = self.allocations.extra()
-            self.allocations.claim(value, self.current)
+            # an op writing into a view gives the view's base a new autograd node (CopySlices): it is this op's
+            inputs = [self.env.get(a) for a in n.all_input_nodes]
+            bases = [a._base for a in inputs if isinstance(a, torch.Tensor) and a._base is not None]
+            self.allocations.claim((value, *bases) if bases else value, self.current)
             if isinstance(value, torch.Tensor):  # in place: it returns the very tensor it read
                 written = next((a for a in n.all_input_nodes if self.env.get(a) is value), None)
                 if written is not None:
