@@ -63,7 +63,8 @@ class Allocations(TorchDispatchMode):
         self.live: dict[StorageWeakRef, int] = {}
         self.peak = 0
         self.backward_ops: dict[Any, int] = {}  # autograd node -> the op whose forward made it
-        self.roots: dict[int, set[Any]] = {}  # op -> the autograd nodes of its result
+        self.roots: dict[int, set[Any]] = {}  # op -> the autograd nodes of its result (and of bases it wrote)
+        self._fed_within: set[Any] = set()  # roots whose gradient came from their own op's nodes, not another's
         self.backward_internal: dict[int, int] = {}
         self.passthrough: set[tuple[int, int]] = set()
         self.incoming: dict[int, int] = {}  # op -> bytes of the gradient its result receives
@@ -101,7 +102,7 @@ class Allocations(TorchDispatchMode):
         ]
         self.roots[op] = {fn for fn in stack if fn not in owners}
         for fn in self.roots[op]:
-            fn.register_prehook(functools.partial(self._arriving, op))
+            fn.register_prehook(functools.partial(self._arriving, op, fn))
         while stack:
             fn = stack.pop()
             if hasattr(fn, "variable"):  # a weight's AccumulateGrad
@@ -121,7 +122,7 @@ class Allocations(TorchDispatchMode):
         passed on as is (an add's backward), and which get a new tensor (its bytes, in ``fresh``)."""
         self._accumulating = True
         incoming = self._result_grads.setdefault(op, set())
-        if fn in self.roots.get(op, ()):
+        if fn in self.roots.get(op, ()) and fn not in self._fed_within:
             refs = _refs(grad_outputs)
             incoming.update(refs)
             self.incoming[op] = self.incoming.get(op, 0) + sum(
@@ -133,6 +134,8 @@ class Allocations(TorchDispatchMode):
             other = self.backward_ops.get(next_fn)
             if not isinstance(tensor, torch.Tensor) or other is None:
                 continue
+            if other == op and next_fn in self.roots.get(op, ()):  # a base's node fed by its written view's
+                self._fed_within.add(next_fn)
             ref = StorageWeakRef(tensor.untyped_storage())
             if other != op and ref in incoming:
                 self.passthrough.add((op, other))
@@ -185,8 +188,10 @@ class Allocations(TorchDispatchMode):
             self.live[ref] = made[0]
         return True
 
-    def _arriving(self, op: int, grad_outputs: Any) -> None:
+    def _arriving(self, op: int, fn: Any, grad_outputs: Any) -> None:
         """The gradient of op ``op``'s result reaches its backward: like what it saved, it goes as it runs."""
+        if fn in self._fed_within:
+            return
         for tensor in tree_leaves(grad_outputs):
             if isinstance(tensor, torch.Tensor):
                 ref, nbytes = self.note_saved(op, tensor)
