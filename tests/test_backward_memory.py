@@ -162,6 +162,22 @@ class ReluOnAView(nn.Module):
         return self.l3(F.gelu(self.l2(h * 1)))
 
 
+class PassedTwice(nn.Module):
+    """``(v2 + 1.0) + v2``: the two adds pass one gradient tensor to ``v2`` twice, so the engine sums it with
+    itself out of place (it is held twice); found on a random DAG with mean sinks (0.86 of the allocator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.head = nn.Linear(64, 64), nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v1 = self.l0(x).relu()
+        v2 = (v1 * 0.5) * x
+        v4 = torch.tanh((v1 + v2) * 1.0)
+        v5 = (v2 + 1.0) + v2
+        return self.head(v5 + v1.mean() + v4.mean())
+
+
 class Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -185,6 +201,7 @@ CASES = {  # name -> (model, input, traces, devices[, budget per device as a par
     "a sum into a view's gradient, out of place": (SumOrder, (64, 16), ("fx",), 1),
     "outputs viewing one value": (ViewOutputs, (32, 64), ("fx", "export"), 2),
     "relu_ on a view, its base read on the next device": (ReluOnAView, (32, 96), ("fx", "export"), 2),
+    "one gradient passed twice to a value": (PassedTwice, (3, 64), ("fx", "export"), 1),
     "wide output": (lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4096)), (16, 64), ("fx",), 1),
 }
 

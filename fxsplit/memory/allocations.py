@@ -166,7 +166,7 @@ class Allocations(TorchDispatchMode):
         is more for a moment (three outputs viewing one value were 0.84 of the allocator without it). False:
         out of place within the episode, as the fake run did."""
         into = args[0]
-        if not _sole(into) or into.shape != out.shape:
+        if not _sole(into) or into.shape != out.shape or args[1] is into:  # one tensor twice: held by two
             handed = self._handed_on.get(StorageWeakRef(into.untyped_storage()))
             if handed is None or handed[1].expired() or handed[0] == self._episode:
                 return False
