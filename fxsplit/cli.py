@@ -60,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
         "'{name: adamw, fused: true}', or bytes of state per parameter element",
     )
     overrides.add_argument(
+        "--accumulate-grads",
+        action="store_true",
+        default=None,
+        help="with --mode training, plan for backward passes that add to existing .grad tensors (gradient "
+        "accumulation): each weight's new gradient is held until it is added",
+    )
+    overrides.add_argument(
         "--dynamic-shapes", choices=DYNAMIC_SHAPES, help="input sizes a torch.export split keeps variable"
     )
     overrides.add_argument(
@@ -116,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     show = commands.add_parser("show", parents=[common, overrides], help="draw the split (needs graphviz)")
     planning = tuple(action.dest for action in overrides._actions if action.dest != "help")
+    plan.set_defaults(planning_flags=planning)
     for sub in (code, show):
         sub.set_defaults(planning_flags=planning)  # what --plan cannot honour: checked in _planned
         source = sub.add_mutually_exclusive_group()  # or --budget alone: checked in _planned
@@ -184,17 +192,9 @@ def _options(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if loaded.example_kwargs:
         options["example_kwargs"] = loaded.example_kwargs
-    for name in (
-        "trace",
-        "objective",
-        "dtype",
-        "output_device",
-        "mode",
-        "optimizer",
-        "dynamic_shapes",
-        "profile",
-        "replicate",
-    ):
+    for name in getattr(args, "planning_flags", ()):  # each the keyword option of its name (the device map and
+        if name == "device_map" or name in _OFFLOAD_FLAGS.values():  # offload flags are read below)
+            continue
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value

@@ -38,6 +38,11 @@ def parse_options(raw: Mapping[str, Any]) -> Options:
     if options.objective is not None and options.objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)} (got {options.objective!r})")
     MemorySpec.coerce(options.mode, options.optimizer)
+    if options.accumulate_grads and options.mode != "training":
+        raise SpecError(
+            f"accumulate_grads=True only counts with mode='training' (got mode={options.mode!r}); pass "
+            "mode='training' or drop it"
+        )
     if options.offload is not None:
         options = dataclasses.replace(options, offload=Offload.coerce(options.offload))
     if options.hardware is not None:

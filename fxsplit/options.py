@@ -281,6 +281,12 @@ class Options:
         mode: what the budgets hold, one of :data:`MODES` (see :mod:`fxsplit.memory`).
         optimizer: the optimizer counted with ``mode="training"``: a name from :data:`OPTIMIZERS`, its settings
             (:mod:`fxsplit.optimizer`) or bytes per parameter element (None: ``"adam"`` in training).
+        accumulate_grads: with ``mode="training"``, plan for backward passes that add to ``.grad`` tensors
+            that exist (gradient accumulation over several batches before a step, or ``zero_grad(set_to_none=
+            False)``): each weight's new gradient is then held until it is added, beside the ``.grad``. False:
+            each step's one backward starts without them (``zero_grad()``'s default), and each weight's first
+            gradient becomes its ``.grad``. A pipeline of several micro-batches accumulates: planned so, whatever
+            this says.
         dynamic_shapes: input sizes a torch.export split keeps variable: one
             of :data:`DYNAMIC_SHAPES` or a torch.export ``dynamic_shapes`` spec.
         offload: where weights the devices cannot hold are stored and
@@ -320,6 +326,7 @@ class Options:
     check: bool = False
     mode: str = "inference"
     optimizer: Any = None
+    accumulate_grads: bool = False
     dynamic_shapes: Any = None
     offload: Offload | Mapping[str, Any] | None = None
     hardware: Any = None

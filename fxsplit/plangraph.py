@@ -109,6 +109,9 @@ def plan_graph(job: GraphPlanning) -> Planned:
     memory, uncounted = memory_model(
         MemorySpec.coerce(options.mode, options.optimizer), traced, costs, model, float_dtype
     )
+    chunks = options.pipeline.chunks if isinstance(options.pipeline, PipelineConfig) else 1
+    if memory.spec.training and memory.profile is not None and (options.accumulate_grads or chunks > 1):
+        memory = dataclasses.replace(memory, accumulating=True)
     if isinstance(options.pipeline, PipelineConfig):  # the profile is one micro-batch's
         pipeline = options.pipeline
         memory = dataclasses.replace(memory, chunks=pipeline.chunks, checkpoint=str(pipeline.checkpoint))

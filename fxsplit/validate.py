@@ -94,6 +94,7 @@ _CHECKS: dict[str, Callable[[str, Any], None]] = {
     "check": _bool,
     "profile": _bool,
     "replicate": _bool,
+    "accumulate_grads": _bool,
     "dynamic_shapes": _dynamic_shapes,
 }
 """Options whose type is checked here; the others are checked where they are parsed: sizes, devices, specs,

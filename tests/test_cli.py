@@ -291,3 +291,16 @@ def test_a_reader_that_stops_early_is_not_an_error() -> None:
     err = io.StringIO()
     assert main(["code", MODEL, "--spec", SPEC], out=ClosedPipe(), err=err) == 0
     assert err.getvalue() == ""
+
+
+def test_the_accumulate_grads_flag_plans_for_gradient_accumulation(tmp_path: Path) -> None:
+    counts = {}
+    for flags in ((), ("--accumulate-grads",)):
+        target = tmp_path / "plan.yaml"
+        base = ("plan", MODEL, "--budget", "cpu:0=64MiB", "--mode", "training", "--optimizer", "sgd", "-o")
+        code, _, err = run(*base, str(target), *flags)
+        assert code == 0, err
+        counts[flags] = fxsplit.Plan.from_yaml(target.read_text()).memory_counts
+    assert "accumulated" not in counts[()] and "gradients accumulated into .grad" in counts[("--accumulate-grads",)]
+    code, _, err = run("plan", MODEL, "--budget", "cpu:0=64MiB", "--accumulate-grads")
+    assert code == 2 and "only counts with mode='training'" in err

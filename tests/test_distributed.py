@@ -279,9 +279,11 @@ def _check_measured_memory(measured: list[dict[str, Any]]) -> None:
     Its own tensors (parameters, its copy of the tied weight, Adam's state) are the row's weights, stage copies
     and optimizer state. With the step's peak (gradients, activations, the outputs the last rank keeps and
     returns), and with the peak of ``optimizer.step()`` (its temporaries beside the gradients and the outputs
-    still held), they come within the row's total, and the larger within 10% of it (1F1B holds fewer
-    micro-batches than the fill-drain the row assumes). Allowed beyond the row: the loss and Adam's step counts
-    (scalars, outside the model).
+    still held), they come within the row's total, and the larger within 20% of it: the row assumes a
+    fill-drain schedule, whose later micro-batches add each weight's gradient to its ``.grad`` while the
+    saved tensors of those after them are held (the embedding's 512 KB gradient with two micro-batches' on the
+    first rank), and 1F1B holds fewer. Allowed beyond the row: the loss and Adam's step counts (scalars,
+    outside the model).
     """
     scalars = 64
     for rank in measured:
@@ -289,7 +291,7 @@ def _check_measured_memory(measured: list[dict[str, Any]]) -> None:
         persistent = row["params"] + row["buffers"] + row["optimizer"] + row["stage_copies"] - row["stage_copies"] // 4
         assert persistent <= rank["own"] <= persistent + scalars, rank
         held = [rank["own"] + rank["step"], rank["own"] + rank["update"]]
-        assert max(held) <= row["total"] + scalars and max(held) >= 0.9 * row["total"], rank
+        assert max(held) <= row["total"] + scalars and max(held) >= 0.8 * row["total"], rank
     last = measured[-1]["row"]
     assert last["stage_copies"] == 4 * 2000 * 64 * 4  # the tied weight, its gradient and Adam's two moments
 

@@ -542,7 +542,9 @@ def test_planning_dtype_scales_activations_as_well_as_weights() -> None:
     assert half["activations_peak"] * 2 == full["activations_peak"]
 
 
-def _pipelined_peaks(checkpoint: str, chunks: int, x: torch.Tensor) -> tuple[dict[str, int], fxsplit.Pipeline]:
+def _pipelined_peaks(
+    checkpoint: str, chunks: int, x: torch.Tensor, accumulate: bool = False
+) -> tuple[dict[str, int], fxsplit.Pipeline]:
     torch.manual_seed(0)
     model = Residual(width=32, depth=4)
     piped = fxsplit.fxsplit(
@@ -554,6 +556,7 @@ def _pipelined_peaks(checkpoint: str, chunks: int, x: torch.Tensor) -> tuple[dic
         optimizer="sgd",
         pins={"head": "cpu:1", "blocks.0": "cpu:0"},
         pipeline=fxsplit.PipelineConfig(chunks=chunks, checkpoint=checkpoint),
+        accumulate_grads=accumulate,
     )
     assert isinstance(piped, fxsplit.Pipeline)
     return {d: row["activations_peak"] for d, row in piped.meta["fxsplit_plan"].memory.items()}, piped
@@ -580,7 +583,8 @@ def test_pipelined_training_counts_every_micro_batch_held_for_backward() -> None
 
 def test_pipelined_training_under_checkpointing_holds_only_stage_inputs() -> None:
     x = torch.randn(64, 32)
-    one, _ = _pipelined_peaks("never", 1, x[:16].clone())
+    one, _ = _pipelined_peaks("never", 1, x[:16].clone())  # a micro-batch's backward into no .grad yet
+    then, _ = _pipelined_peaks("never", 1, x[:16].clone(), accumulate=True)  # into the .grads the first made
     never, _ = _pipelined_peaks("never", 4, x)
     always, piped = _pipelined_peaks("always", 4, x)
     plan = piped.meta["fxsplit_plan"]
@@ -588,8 +592,9 @@ def test_pipelined_training_under_checkpointing_holds_only_stage_inputs() -> Non
         d: sum(c.nbytes or 0 for c in plan.cuts if c.destination == d and c.kind != "parameter") for d in plan.devices
     }
     received["cpu:0"] += 16 * 32 * 4  # the model input of one micro-batch, read on cpu:0
-    for device in plan.devices:
-        assert always[device] == one[device] + 3 * received[device]
+    for device in plan.devices:  # the first's backward with 3 micro-batches' inputs held, the others' with fewer
+        first, later = one[device] + 3 * received[device], then[device] + 2 * received[device]
+        assert always[device] == max(first, later)
         assert always[device] < never[device]
 
 
@@ -639,17 +644,27 @@ def test_a_weight_read_twice_has_each_gradient_counted_while_they_are_summed(tra
     """Found by an outside fuzz: in backward, the gradient from a weight's last reader waits at its home until
     the one from its first reader arrives and is added to it; the estimate held the first but not the second
     (a whole weight: 16 KiB with this tied 256 x 16 embedding). Over two devices the head's copy sends the
-    first, a new tensor the embedding's is added into in place: the weight's ``.grad``, not held on top. The
-    allocator sees that; the dispatch meter, under which torch sums out of place, reads 16 KiB more."""
+    first, a new tensor the embedding's is added into in place: in a first backward it becomes the ``.grad``;
+    accumulating into an existing ``.grad`` (planned with ``accumulate_grads``) it is held until then."""
     torch.manual_seed(0)
     model, ids = _TiedHead().train(), torch.randint(0, 256, (4, 6))
     budgets = {f"cpu:{i}": 10 * _weights(model) // devices for i in range(devices)}
     pins = {"head": f"cpu:{devices - 1}"}  # the head away from the embedding on two devices
     split = fxsplit.fxsplit(
-        model, budgets, example_inputs=(ids,), trace=trace_mode, mode="training", optimizer="sgd", pins=pins
+        model,
+        budgets,
+        example_inputs=(ids,),
+        trace=trace_mode,
+        mode="training",
+        optimizer="sgd",
+        pins=pins,
+        accumulate_grads=True,
     )
     plan = split.meta["fxsplit_plan"]
+    allocated_peaks(split, ids, backward=True)  # the .grads the measured backward adds to
     measured = allocated_peaks(split, ids, backward=True)
+    over = 16384 if devices == 2 else 0  # traced on one device the head's gradient reaches the weight first, a
+    # view its sum with the embedding's is made out of place from; after the split it is the copy's, a new tensor
     for device in plan.devices:
         estimated = plan.memory[device]["activations_peak"]
-        assert measured[device] <= estimated <= 1.15 * measured[device], (device, estimated, measured)
+        assert measured[device] <= estimated <= 1.15 * measured[device] + over, (device, estimated, measured)

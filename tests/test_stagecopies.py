@@ -297,13 +297,20 @@ def test_each_stage_row_counts_its_own_copies_and_the_plan_fits_with_them(count:
     transformers = pytest.importorskip("transformers")
     from fxsplit.pipeline.replicabudget import replica_bytes, replica_overruns
 
-    model, budgets, ids = _gpt2_case(transformers, count)
+    model, budgets, ids = _gpt2_case(transformers, count, factor=10.0)
     budgets[f"cpu:{count - 1}"] += 256_000  # the logits' gradient (a loss gives it) counts on the last stage
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxsplit.FxsplitWarning)
         adam = {"name": "adam", "foreach": True}  # Adam's foreach step, as on GPUs: a temporary per trainable byte
         stages = fxsplit.pipeline_stages(
-            model, budgets, example_inputs=(ids,), chunks=2, mode="training", optimizer=adam, return_outputs=False
+            model,
+            budgets,
+            example_inputs=(ids,),
+            chunks=2,
+            mode="training",
+            optimizer=adam,
+            return_outputs=False,
+            objective="min_transfer",  # by time, the head's rows split over the stages take the copy's place
         )
     plan, last = stages.plan, f"cpu:{count - 1}"
     assert stages.tied == {"m.transformer.wte.weight": (0, count - 1)} and not any(plan.reserved.values())
@@ -318,7 +325,8 @@ def test_each_stage_row_counts_its_own_copies_and_the_plan_fits_with_them(count:
     table = str(plan).splitlines()
     header = next(line for line in table if line.startswith("memory"))
     assert "stage copies" in header
-    one = fxsplit.plan(model, budgets, example_inputs=(ids[:2],), pipeline=2, mode="training", optimizer=adam)
+    roomy = {device: 2 * nbytes for device, nbytes in budgets.items()}
+    one = fxsplit.plan(model, roomy, example_inputs=(ids[:2],), pipeline=2, mode="training", optimizer=adam)
     assert all("stage_copies" not in row for row in one.memory.values())  # one process: copies per forward
     out: Any = ids[:2]
     for stage in stages.modules:
@@ -330,9 +338,10 @@ def test_stages_over_by_the_memory_table_are_planned_again_until_they_fit(monkey
     """The re-plan that guards against a stage module holding more than its row counts: with rows made to count no
     copy (as plans did before they counted them), the head's stage of a tiny GPT-2 comes out over its budget
     once its copy of the tied embedding is added. Lowering its cap by the excess alone left the same placement;
-    the cap goes below what the partitioner charged it, so one plan more moves an op off it. (Budgets of 9.9-10.7
-    x the weights / 3 make this case since training rows count the gradient of each copy on the reader's device;
-    below, no plan fits without the copies counted.)"""
+    the cap goes below what the partitioner charged it, so one plan more moves an op off it. (Budgets of 10.8-11.1
+    x the weights / 3 make this case since training rows count the gradient of each copy on the reader's device,
+    and each weight's gradient of a micro-batch held until it is added to the .grad; outside, no plan is made
+    again.)"""
     transformers = pytest.importorskip("transformers")
     from fxsplit.memory.model import MemoryModel
     from fxsplit.pipeline.replicabudget import replica_overruns
@@ -340,7 +349,7 @@ def test_stages_over_by_the_memory_table_are_planned_again_until_they_fit(monkey
     usage = MemoryModel.usage
     uncounted = lambda self, plan: usage(dataclasses.replace(self, processes=False), plan)  # noqa: E731
     monkeypatch.setattr(MemoryModel, "usage", uncounted)
-    model, budgets, ids = _gpt2_case(transformers, factor=10.2)
+    model, budgets, ids = _gpt2_case(transformers, factor=10.95)
     with pytest.warns(fxsplit.FxsplitWarning, match=r"planned again .*cpu:2: m.transformer.wte.weight"):
         stages = fxsplit.pipeline_stages(
             model, budgets, example_inputs=(ids,), chunks=2, mode="training", return_outputs=False

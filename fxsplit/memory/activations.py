@@ -316,19 +316,25 @@ def _profile(
         saved=tuple(saved) if training else (),
         internal=tuple(recorder.internal.get(i, 0) for i in range(len(costs.ops))),
         internal_saved=tuple(internal_saved) if training else (),
-        backward_internal=_backward_internal(costs, recorder, storages) if training else (),
+        backward_internal=_backward_internal(costs, recorder, storages, False) if training else (),
+        backward_accumulating=_backward_internal(costs, recorder, storages, True) if training else (),
         grad_passthrough=tuple(sorted(recorder.allocations.passthrough)) if training else (),
         extracts=_extracts(costs, reads, values),
+        in_place=frozenset(i for i, op in enumerate(costs.ops) if op.name in recorder.written),
         training=training,
     )
 
 
-def _backward_internal(costs: GraphCosts, recorder: _Recorder, storages: _Storages) -> tuple[int, ...]:
-    """Per op, its backward's peak beyond the gradients it hands on; where its result shares a storage
-    with an earlier op's (in place, a view) and its backward returns a new tensor for that one, the
-    gradient it received and that new one are two tensors for a moment, where the simulation holds one
-    gradient per storage: the difference is added (``relu_``'s backward: twice the storage's bytes)."""
+def _backward_internal(
+    costs: GraphCosts, recorder: _Recorder, storages: _Storages, accumulating: bool
+) -> tuple[int, ...]:
+    """Per op, its backward's peak beyond the gradients it hands on (``accumulating``: each weight's added to
+    a ``.grad`` that exists); where its result shares a storage with an earlier op's (in place, a view) and
+    its backward returns a new tensor for that one, the gradient it received and that new one are two tensors
+    for a moment, where the simulation holds one gradient per storage: the difference is added (``relu_``'s
+    backward: twice the storage's bytes)."""
     allocations = recorder.allocations
+    peaks = allocations.backward_accumulating if accumulating else allocations.backward_internal
     found = []
     for i, op in enumerate(costs.ops):
         extra = 0
@@ -339,7 +345,7 @@ def _backward_internal(costs: GraphCosts, recorder: _Recorder, storages: _Storag
             if shared:
                 held = max(storages.nbytes[key] for key in shared)
                 extra = max(extra, allocations.incoming.get(i, 0) + nbytes - held)
-        found.append(allocations.backward_internal.get(i, 0) + extra)
+        found.append(peaks.get(i, 0) + extra)
     return tuple(found)
 
 

@@ -66,6 +66,7 @@ class Allocations(TorchDispatchMode):
         self.roots: dict[int, set[Any]] = {}  # op -> the autograd nodes of its result (and of bases it wrote)
         self._fed_within: set[Any] = set()  # roots whose gradient came from their own op's nodes, not another's
         self.backward_internal: dict[int, int] = {}
+        self.backward_accumulating: dict[int, int] = {}  # the same, adding each weight's gradient to its .grad
         self.passthrough: set[tuple[int, int]] = set()
         self.incoming: dict[int, int] = {}  # op -> bytes of the gradient its result receives
         self.fresh: dict[int, dict[int, int]] = {}  # op -> earlier op -> bytes of a new gradient returned for it
@@ -73,7 +74,8 @@ class Allocations(TorchDispatchMode):
         self._node: Any = None
         self._episode: int | None = None
         self._step = 0
-        self._made: dict[StorageWeakRef, list[int]] = {}  # this episode's: [nbytes, made, freed or -1, handed on]
+        self._made: dict[StorageWeakRef, list[int]] = {}  # this episode's: [nbytes, made, freed or -1, handed on,
+        # added to its weight's existing .grad or -1]
         self._result_grads: dict[int, set[StorageWeakRef]] = {}
         self._targets: set[Any] = set()  # nodes this episode handed a gradient to
         self._handed_on: dict[StorageWeakRef, tuple[int, StorageWeakRef]] = {}  # a gradient an op handed on ->
@@ -120,6 +122,12 @@ class Allocations(TorchDispatchMode):
     def _node_done(self, op: int, fn: Any, grad_inputs: Any, grad_outputs: Any) -> None:
         """A backward node of op ``op`` returned: which earlier ops get the gradient of op ``op``'s result
         passed on as is (an add's backward), and which get a new tensor (its bytes, in ``fresh``)."""
+        if hasattr(fn, "variable"):  # a weight's AccumulateGrad: added here to a .grad that exists (a weight
+            for ref in _refs(grad_outputs):  # several ops read: what is made here is the sum of theirs, out of
+                made = self._made.get(ref)  # place; theirs are simulated)
+                if made is not None and made[2] < 0 and not made[3]:
+                    made[4] = self._step + 1
+            return
         self._accumulating = True
         incoming = self._result_grads.setdefault(op, set())
         if fn in self.roots.get(op, ()) and fn not in self._fed_within:
@@ -176,7 +184,7 @@ class Allocations(TorchDispatchMode):
             self._prune()
             ref = StorageWeakRef(out.untyped_storage())
             self.seen.add(ref)
-            self._made[ref] = [self.scale(out.untyped_storage().nbytes(), out.dtype), self._step, self._step + 1, 0]
+            self._made[ref] = [self.scale(out.untyped_storage().nbytes(), out.dtype), self._step, self._step + 1, 0, -1]
             return True
         self._step += 1
         self._prune()
@@ -218,25 +226,30 @@ class Allocations(TorchDispatchMode):
         """The episode's peak beyond what the simulation holds through it: all that the op saved and the
         gradient of its result (which go as its nodes run), and the gradients it hands on to earlier ops'
         results (which come when they are made, often at its end). What it made and is still alive at the end,
-        not handed on, is a weight's gradient. Negative: the simulation holds more than the run ever does."""
+        not handed on, is a weight's gradient, which becomes its ``.grad`` (charged as gradients). Accumulating
+        into a ``.grad`` that exists (``backward_accumulating``: gradient accumulation, a pipeline's later
+        micro-batches), it is added to it when its ``AccumulateGrad`` runs, and freed. Negative: the simulation
+        holds more than the run ever does."""
         op = self._episode
         if op is not None:
             self._step += 1  # what is found freed now went after the episode's last op made its result
             self._prune()
-            events = list(self._released)
-            handed = 0
-            for nbytes, made, freed, gone in self._made.values():
-                handed += nbytes if gone else 0
-                if gone or freed >= 0:  # else alive at the end, not handed on: a weight's gradient
-                    events.append((made, nbytes))
-                if freed >= 0:
-                    events.append((freed, -nbytes))
-            running = peak = 0
-            for _, delta in sorted(events):  # at one step, frees (negative) before allocations
-                running += delta
-                peak = max(peak, running)
-            before = self.backward_internal.get(op)
-            self.backward_internal[op] = peak - handed if before is None else max(before, peak - handed)
+            handed = sum(entry[0] for entry in self._made.values() if entry[3])
+            for peaks, accumulating in ((self.backward_internal, False), (self.backward_accumulating, True)):
+                events = list(self._released)
+                for nbytes, made, freed, gone, added in self._made.values():
+                    if accumulating and freed < 0:
+                        freed = added
+                    if gone or freed >= 0:  # else alive at the end, not handed on: a weight's .grad
+                        events.append((made, nbytes))
+                    if freed >= 0:
+                        events.append((freed, -nbytes))
+                running = peak = 0
+                for _, delta in sorted(events):  # at one step, frees (negative) before allocations
+                    running += delta
+                    peak = max(peak, running)
+                before = peaks.get(op)
+                peaks[op] = peak - handed if before is None else max(before, peak - handed)
         self._made.clear()
         self._released.clear()
         self._targets.clear()
@@ -270,6 +283,6 @@ class Allocations(TorchDispatchMode):
                     self.seen.add(ref)
                     nbytes = self.live[ref] = self.scale(tensor.untyped_storage().nbytes(), tensor.dtype)
                     if self.in_backward and self._episode is not None:
-                        self._made[ref] = [nbytes, self._step, -1, 0]
+                        self._made[ref] = [nbytes, self._step, -1, 0, -1]
         self.peak = max(self.peak, sum(self.live.values()))
         return out

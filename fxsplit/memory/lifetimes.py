@@ -38,77 +38,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
+from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
 from fxsplit.memory.weightgrads import Replicas, held_weight_gradients, weight_contributions
 
 __all__ = ["ActivationProfile", "Simulated", "ValueMemory", "simulate"]
-
-
-@dataclass(frozen=True)
-class ValueMemory:
-    """What one value of the graph holds.
-
-    Attributes:
-        nbytes: bytes of the value itself (what a copy to another device costs).
-        storages: ids of the storages it keeps alive (a view: its base's).
-        requires_grad: whether autograd computes its gradient (training).
-    """
-
-    nbytes: int
-    storages: tuple[int, ...]
-    requires_grad: bool = False
-
-
-@dataclass(frozen=True)
-class ActivationProfile:
-    """Reads, storages and saved tensors of every op, in execution order.
-
-    Attributes:
-        op_names: the ops, in the order of the partition problem.
-        reads: per op, the names of the values it reads (op names, input
-            names, canonical weight names).
-        values: every value by name: op results, model inputs, weights.
-        storage_bytes: bytes of each storage id.
-        inputs: names of the model's inputs.
-        outputs: names of the values the graph returns.
-        weights: names of the values that are parameters or buffers; they
-            cost nothing on their home device (counted as weights) but their
-            copies on other devices are activations there.
-        saved: per op, the storage ids autograd saves for its backward that
-            a value it reads or returns holds (training only).
-        internal: per op, the peak bytes it allocates inside beyond its
-            result (intermediates of a composite op).
-        internal_saved: per op, bytes it saves for backward that no value of
-            the graph holds (a layer norm's statistics, a dropout mask).
-        backward_internal: per op, the peak bytes its backward allocates
-            inside beyond the gradients it returns.
-        grad_passthrough: ``(i, k)``: op ``i``'s backward hands the gradient
-            of its result on, as the same tensor, as the gradient of op
-            ``k``'s result (an add, a clone): one tensor, not two.
-        training: whether the profile was taken with autograd recording.
-        extracts: op -> the storages it takes out of the one value it reads, a tuple (``getitem``): the rest
-            of the tuple gets no gradient from it.
-    """
-
-    op_names: tuple[str, ...]
-    reads: tuple[tuple[str, ...], ...]
-    values: Mapping[str, ValueMemory]
-    storage_bytes: Mapping[int, int]
-    inputs: tuple[str, ...] = ()
-    outputs: tuple[str, ...] = ()
-    weights: frozenset[str] = frozenset()
-    saved: tuple[tuple[int, ...], ...] = ()
-    internal: tuple[int, ...] = ()
-    internal_saved: tuple[int, ...] = ()
-    backward_internal: tuple[int, ...] = ()
-    grad_passthrough: tuple[tuple[int, int], ...] = ()
-    training: bool = False
-    extracts: Mapping[int, frozenset[int]] = field(default_factory=dict)
-
-    def per_op(self, field_name: str) -> list:
-        """``saved``, ``internal``, ``internal_saved`` or ``backward_internal``, one entry per op."""
-        data = getattr(self, field_name)
-        empty: object = () if field_name == "saved" else 0
-        return list(data) if data else [empty] * len(self.op_names)
 
 
 @dataclass
@@ -274,26 +207,46 @@ class _Walk:
         found = [(self.storages[root].device, first, last, nbytes) for root, (first, last, nbytes) in spans.items()]
         return found + seeds
 
-    def contributions(self, weights: bool = True) -> list[tuple[Hashable, int, int]]:
-        """``(device, op, nbytes)``: a value read by several ops gets one gradient from each.
+    def contributions(self, weights: bool = True) -> list[tuple[Hashable, int, int, int]]:
+        """``(device, first, last, nbytes)``: a value read by several ops gets one gradient from each.
 
         In backward, all but the first to arrive (from its last reader) are
-        new tensors while they are being added to the gradient so far. A
-        weight's: :func:`~fxsplit.memory.weightgrads.weight_contributions`.
+        new tensors while they are being added to the gradient so far: made
+        by the reader's backward, or, for an output (whose first is the loss's)
+        read through a view, by the backward of the view's readers, and added
+        at the view's (a language model returning its logits and the loss it
+        reads them through ``view``: one logits tensor more while the loss's
+        backward runs). A weight's: :func:`~fxsplit.memory.weightgrads.weight_contributions`.
         """
-        found: list[tuple[Hashable, int, int]] = []
+        found: list[tuple[Hashable, int, int, int]] = []
         outputs = set(self.profile.outputs)
-        for (name, device), readers in self.readers.items():
-            info = self.profile.values[name]
+        values, names = self.profile.values, self.profile.op_names
+        for (name, device), read_by in self.readers.items():
+            info = values[name]
             if not info.requires_grad:
                 continue
+            readers = [op for op in read_by if names[op] not in values or values[names[op]].requires_grad]  # (a
+            # result without a gradient, as detach's, sends none back)
             if name in outputs and device == self.home[name]:  # the loss's arrives first: each reader's adds
-                found.extend((device, op, info.nbytes) for op in readers)
+                found.extend((device, op, self._made_from(op, info, device), info.nbytes) for op in readers)
             elif len(readers) > 1:
-                found.extend((device, op, info.nbytes) for op in sorted(readers)[:-1])
+                found.extend((device, op, op, info.nbytes) for op in sorted(readers)[:-1])
         if weights:
-            found += weight_contributions(self.profile, self.home, self.replicas, self.weight_readers, self.device_of)
+            found += [
+                (device, op, op, nbytes)
+                for device, op, nbytes in weight_contributions(
+                    self.profile, self.home, self.replicas, self.weight_readers, self.device_of
+                )
+            ]
         return found
+
+    def _made_from(self, op: int, read: ValueMemory, device: Hashable) -> int:
+        """Where the gradient op ``op`` adds to the value ``read`` it reads is made: at its own backward, or, when
+        its result is a view of ``read`` (a storage of both), at its last reader's."""
+        result = self.profile.values.get(self.profile.op_names[op])
+        if result is None or op in self.profile.in_place or not set(result.storages) & set(read.storages):
+            return op
+        return max(self.readers.get((self.profile.op_names[op], device), ()), default=op)
 
     def return_outputs(self, device: Hashable, position: int) -> None:
         for name in self.profile.outputs:
@@ -363,8 +316,8 @@ def simulate(
             _add(backward[device], first, last, nbytes)
         for device, first, last, nbytes in walk.held_gradients():
             _add(backward[device], first, last, nbytes)
-        for device, op, nbytes in walk.contributions():
-            _add(backward[device], op, op, nbytes)
+        for device, first, last, nbytes in walk.contributions():
+            _add(backward[device], first, last, nbytes)
     backward_internal = profile.per_op("backward_internal")
     for op, device in enumerate(op_devices):
         _add(forward[device], op, op, internal[op])

@@ -10,34 +10,25 @@ Three modes (the ``mode`` option of :func:`fxsplit.fxsplit` and :func:`fxsplit.p
   saves for backward, at the peak of forward and backward.
 * ``"weights"``: parameters and buffers only (budget activations yourself).
 
-``optimizer`` (training only): a name or the optimizer's settings (:mod:`fxsplit.optimizer`: its state and
-what its step makes), or an int, the bytes of state per parameter *element* (``8`` for Adam on float32
-weights, ``2`` for an 8-bit Adam).
-
-Activations need shapes: example inputs (real or meta tensors). Without
-them only the weights (and, in training, gradients and optimizer state)
-are counted, and the plan shows no activation column.
-
->>> spec = MemorySpec.coerce("training", "adam")
->>> spec.optimizer_bytes(nbytes=4000, numel=1000), spec.optimizer_bytes(4000, 1000) == 2 * 4000
-(8000, True)
->>> MemorySpec.coerce("training", 2).optimizer_bytes(4000, 1000)
-2000
+What the mode and optimizer charge is :class:`~fxsplit.memory.memspec.MemorySpec`. Activations need shapes:
+example inputs (real or meta tensors). Without them only the weights (and, in training, gradients and
+optimizer state) are counted, and the plan shows no activation column.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Mapping
 
 from fxsplit.cost.build import GraphCosts
-from fxsplit.errors import BudgetError, SpecError
+from fxsplit.errors import BudgetError
 from fxsplit.gcpause import gc_paused
 from fxsplit.memory.lifetimes import ActivationProfile, simulate
+from fxsplit.memory.memspec import MemorySpec
 from fxsplit.memory.planloads import planning_loads
 from fxsplit.memory.wording import COMPONENTS, KEPT, TRANSIENT, advice, first_over, listing, summed
-from fxsplit.optimizer import OptimizerSettings, step_types
+from fxsplit.optimizer import step_types
 from fxsplit.options import MODES, OPTIMIZERS
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.refine import device_loads
@@ -48,90 +39,6 @@ from fxsplit.units import format_size
 __all__ = ["COMPONENTS", "MODES", "OPTIMIZERS", "MemoryModel", "MemorySpec", "row_total"]
 
 
-@dataclass(frozen=True)
-class MemorySpec:
-    """The memory mode and optimizer, validated.
-
-    Attributes:
-        mode: ``"inference"``, ``"training"`` or ``"weights"``.
-        optimizer: a name from :data:`OPTIMIZERS` or bytes per parameter
-            element; None outside training.
-    """
-
-    mode: str = "inference"
-    optimizer: str | int | None = None
-    settings: OptimizerSettings | None = None  # given as settings (a mapping or a torch optimizer); else by name
-
-    @classmethod
-    def coerce(cls, mode: str = "inference", optimizer: Any = None) -> MemorySpec:
-        """Validate ``mode`` and ``optimizer`` (:mod:`fxsplit.optimizer`); training defaults to ``"adam"``.
-
-        Raises:
-            SpecError: an unknown mode or optimizer, or an optimizer outside training.
-        """
-        if mode not in MODES:
-            raise SpecError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
-        if optimizer is not None and mode != "training":
-            shown = optimizer if isinstance(optimizer, (str, int, Mapping)) else type(optimizer).__name__
-            raise SpecError(
-                f"optimizer={shown!r} only counts with mode='training' (got mode={mode!r}); "
-                "pass mode='training' or drop the optimizer"
-            )
-        if isinstance(optimizer, bool) or (isinstance(optimizer, int) and optimizer < 0):
-            raise SpecError(f"optimizer bytes per parameter element must be an int >= 0 (got {optimizer!r})")
-        if mode == "training" and optimizer is None:
-            optimizer = "adam"
-        if optimizer is None or isinstance(optimizer, int):
-            return cls(mode, optimizer)
-        settings = OptimizerSettings.coerce(optimizer)
-        return cls(mode, settings.name, None if isinstance(optimizer, str) else settings)
-
-    @property
-    def training(self) -> bool:
-        return self.mode == "training"
-
-    @property
-    def counts_activations(self) -> bool:
-        return self.mode != "weights"
-
-    def step_bytes(self, trainable: int, sizes: Sequence[int] = (), device_types: Iterable[str] = ("cuda",)) -> int:
-        """Temporaries of ``optimizer.step()`` on a device whose trainable parameters take ``trainable`` bytes,
-        ``sizes`` each, when the optimizer's parameters are on devices of ``device_types`` (what torch's default
-        step depends on): :meth:`OptimizerSettings.step_bytes`; none for an optimizer given as bytes per
-        element."""
-        if not self.training or not isinstance(self.optimizer, str):
-            return 0
-        settings = self.optimizer_settings
-        return settings.step_bytes(settings.implementation_on(device_types), trainable=trainable, sizes=sizes)
-
-    @property
-    def optimizer_settings(self) -> OptimizerSettings:
-        """The optimizer's settings: as given, or those its name stands for."""
-        assert isinstance(self.optimizer, str)
-        return self.settings or OptimizerSettings.coerce(self.optimizer)
-
-    def optimizer_bytes(self, nbytes: int, numel: int) -> int:
-        """Optimizer state of one trainable parameter of ``nbytes`` bytes and ``numel`` elements."""
-        if not self.training or self.optimizer is None:
-            return 0
-        if isinstance(self.optimizer, str):
-            return self.optimizer_settings.state_tensors * nbytes
-        return self.optimizer * numel
-
-    def describe(self) -> str:
-        if not self.training:
-            return f"mode={self.mode!r}"
-        return f"mode='training', optimizer={self.settings.given if self.settings else repr(self.optimizer)}"
-
-    def holds(self) -> str:
-        """What a device's budget must hold under this mode, in words."""
-        if self.mode == "weights":
-            return "its parameters and buffers"
-        if not self.training:
-            return "its parameters, buffers and activations"
-        return "its parameters, buffers, gradients, optimizer state and activations"
-
-
 @dataclass
 class MemoryModel:
     """Everything needed to charge a plan's devices, for one traced model.
@@ -139,26 +46,25 @@ class MemoryModel:
     Attributes:
         spec: the mode and optimizer.
         costs: the cost model (weights, ops).
-        trainable: canonical name -> element count of each trainable
-            parameter the graph reads (empty outside training, which alone
-            charges their gradients and optimizer state).
-        profile: the activation profile, or None when activations are not
-            counted (mode ``"weights"``, or no shapes).
-        chunks: micro-batches of a pipeline (1: none); the profile is then
-            that of one micro-batch. In training, a fill-drain schedule holds
-            what every micro-batch saved for backward until its backward:
-            ``chunks - 1`` more of it on each device, or, under activation
-            checkpointing (``checkpoint`` other than ``"never"``), of the
-            stage's inputs only.
+        trainable: canonical name -> element count of each trainable parameter the graph reads (empty
+            outside training, which alone charges their gradients and optimizer state).
+        profile: the activation profile, or None when activations are not counted (mode ``"weights"``, or no
+            shapes).
+        chunks: micro-batches of a pipeline (1: none); the profile is then that of one micro-batch. In
+            training, a fill-drain schedule holds what every micro-batch saved for backward until its backward:
+            ``chunks - 1`` more of it on each device, or, under activation checkpointing (``checkpoint`` other
+            than ``"never"``), of the stage's inputs only.
         checkpoint: the pipeline's checkpointing policy.
-        processes: the stages run one per process under ``torch.distributed.pipelining``
-            (``PipelineConfig(processes=True)``, :func:`fxsplit.pipeline_stages`). Each holds its own copy of
-            every weight its ops read: a device's row then counts the copies of weights the plan keeps elsewhere
-            (``"stage_copies"``, with their gradients and optimizer state in training), and its activations no
-            per-forward copy of them. With ``return_outputs``, the last stage keeps every micro-batch's outputs
-            until the step ends and then merges them (what ``schedule.step`` returns): its activations count
-            them, twice.
+        processes: the stages run one per process under ``torch.distributed.pipelining`` (``PipelineConfig(
+            processes=True)``, :func:`fxsplit.pipeline_stages`). Each holds its own copy of every weight its ops
+            read: a device's row then counts the copies of weights the plan keeps elsewhere (``"stage_copies"``,
+            with their gradients and optimizer state in training), and its activations no per-forward copy of
+            them. With ``return_outputs``, the last stage keeps every micro-batch's outputs until the step ends
+            and merges them (what ``schedule.step`` returns): its activations count them, twice.
         return_outputs: see ``processes``.
+        accumulating: the backward adds each weight's gradient to an existing ``.grad`` (the profile's
+            :meth:`~fxsplit.memory.lifetimes.ActivationProfile.accumulating`): with micro-batches, all but the
+            first's (whose backward runs with the others' saved tensors held).
     """
 
     spec: MemorySpec
@@ -169,6 +75,7 @@ class MemoryModel:
     checkpoint: str = "never"
     processes: bool = False
     return_outputs: bool = True
+    accumulating: bool = False
 
     @property
     def _keeps_outputs(self) -> bool:
@@ -198,7 +105,7 @@ class MemoryModel:
         extra: tuple[int, ...] = ()
         transient: tuple[int, ...] = ()
         if self.profile is not None:
-            extra, transient = planning_loads(self.profile)
+            extra, transient = planning_loads(self._planned)
             if self._held_per_chunk and self.checkpoint == "never":
                 extra = tuple(e * self.chunks for e in extra)
             if self._keeps_outputs:  # the last stage keeps every micro-batch's outputs, then merges them
@@ -260,6 +167,8 @@ class MemoryModel:
     def counts(self, plan: Plan) -> str:
         """What ``plan``'s memory rows count, in words: the mode, and in training the optimizer and its step."""
         text = self.spec.describe()
+        if self.accumulating:
+            text += ", gradients accumulated into .grad"
         if self.spec.training and isinstance(self.spec.optimizer, str):
             settings = self.spec.optimizer_settings
             held = self.stage_copy_bytes(plan) if self.processes else {}
@@ -305,17 +214,25 @@ class MemoryModel:
             for cut in plan.cuts:
                 if cut.kind == "parameter":
                     replicas[cut.producer] = (*replicas.get(cut.producer, ()), cut.destination)
-        simulated = simulate(profile, op_devices, inputs, plan.output_device, weights, replicas)
+        placed = (op_devices, inputs, plan.output_device, weights, replicas)
+        simulated = simulate(self._planned, *placed)
         peaks = {str(d): int(v) for d, v in simulated.peak.items()}
+        if self._held_per_chunk:
+            first = simulate(profile, *placed) if self.accumulating else simulated  # into no .grad yet
+            for device in peaks:
+                never = self.checkpoint == "never"
+                held = first.saved.get(device, 0) if never else self._stage_inputs(plan, device)
+                alone = int(first.peak.get(device, 0)) + (self.chunks - 1) * held
+                peaks[device] = max(alone, peaks[device] + (self.chunks - 2) * held) if self.accumulating else alone
         if self._keeps_outputs:  # the outputs of every micro-batch, then their merged copy
             kept = (2 * self.chunks - 1) * sum(self._outputs().values())
             peaks[plan.output_device] = peaks.get(plan.output_device, 0) + kept
-        if self._held_per_chunk:
-            for device in peaks:
-                never = self.checkpoint == "never"
-                held = simulated.saved.get(device, 0) if never else self._stage_inputs(plan, device)
-                peaks[device] += (self.chunks - 1) * held
         return peaks
+
+    @property
+    def _planned(self) -> ActivationProfile:
+        assert self.profile is not None
+        return self.profile.accumulating() if self.accumulating else self.profile
 
     def _outputs_at_step(self) -> int:
         """Bytes of outputs alive while ``optimizer.step()`` runs: the batch's, which the caller holds (and the
@@ -365,7 +282,7 @@ class MemoryModel:
             totals["grads"] += grads
             totals["optimizer"] += state
         if self.profile is not None:
-            extra, transient = planning_loads(self.profile)
+            extra, transient = planning_loads(self._planned)
             kept = (2 * self.chunks - 1) * sum(self._outputs().values()) if self._keeps_outputs else 0
             totals["activations_peak"] = sum(extra) + max(transient, default=0) + kept
         return totals
@@ -413,7 +330,6 @@ class MemoryModel:
 
 def row_total(row: Mapping[str, int]) -> int:
     """A memory row's total: what stays (weights, gradients, optimizer state, stage copies), plus the larger of the
-    activations peak and the optimizer step's temporaries, which are not alive at once (the step runs after the
-    backward)."""
+    activations peak and the optimizer step's temporaries (the step runs after the backward: never both)."""
     transient = max(row.get("activations_peak", 0), row.get("optimizer_step", 0))
     return sum(n for k, n in row.items() if k not in ("activations_peak", "optimizer_step", "total")) + transient

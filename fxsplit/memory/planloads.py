@@ -45,8 +45,8 @@ def planning_loads(profile: ActivationProfile) -> tuple[tuple[int, ...], tuple[i
             _add(grads, first, min(last, n - 1), nbytes)
         for _, first, last, nbytes in walk.held_gradients():
             _add(grads, first, min(last, n - 1), nbytes)
-        for _, op, nbytes in walk.contributions(weights=False):  # a weight's depend on where its readers run
-            _add(grads, op, op, nbytes)  # (another process sums its copy's on its own): the final check adds them
+        for _, first, last, nbytes in walk.contributions(weights=False):  # a weight's depend on where its readers
+            _add(grads, first, min(last, n - 1), nbytes)  # run (another process sums its copy's): the check adds them
     backward_internal = profile.per_op("backward_internal")
     transient = []
     running_live = running_grads = 0

@@ -163,6 +163,10 @@ def _validate(
     if profile is not None and not isinstance(profile, bool):
         check.problem(("profile",), f"must be true or false (got {_short(profile)})")
         profile = None
+    accumulate = data.get("accumulate_grads")
+    if accumulate is not None and not isinstance(accumulate, bool):
+        check.problem(("accumulate_grads",), f"must be true or false (got {_short(accumulate)})")
+        accumulate = None
     replicate = data.get("replicate")
     if replicate is not None and not isinstance(replicate, bool):
         check.problem(("replicate",), f"must be true or false (got {_short(replicate)})")
@@ -188,6 +192,7 @@ def _validate(
         contiguous=contiguous,
         mode=mode,
         optimizer=optimizer,
+        accumulate_grads=accumulate,
         dynamic_shapes=dynamic,
         offload=offload,
         hardware=hardware,

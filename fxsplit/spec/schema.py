@@ -27,6 +27,7 @@ SPEC_KEYS = (
     "contiguous",
     "mode",
     "optimizer",
+    "accumulate_grads",
     "dynamic_shapes",
     "offload",
     "hardware",
@@ -62,6 +63,8 @@ class Spec:
         mode: what the budgets must hold: ``"inference"``, ``"training"`` or ``"weights"``.
         optimizer: the optimizer counted in training (``"adam"``, ``"sgd"``, ..., settings such as
             ``{name: adamw, fused: true}``, or bytes per parameter).
+        accumulate_grads: in training, plan for backward passes adding to existing ``.grad`` tensors
+            (gradient accumulation) (None: the default, False).
         dynamic_shapes: input sizes a torch.export split keeps variable: ``"batch"`` or ``"all"``.
         offload: where weights the devices cannot hold are stored (``{host: 16GiB, disk: 100GiB,
             dir: offload/}``), or None. A relative ``dir`` in a spec file is relative to the file's folder.
@@ -89,6 +92,7 @@ class Spec:
     contiguous: bool | None = None
     mode: str | None = None
     optimizer: str | int | dict[str, Any] | None = None
+    accumulate_grads: bool | None = None
     dynamic_shapes: str | None = None
     offload: Offload | None = None
     hardware: Hardware | None = None

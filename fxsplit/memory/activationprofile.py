@@ -1,0 +1,95 @@
+"""What the activation profile of a traced graph holds: plain data, measured once per model.
+
+:class:`ActivationProfile` is made by :mod:`fxsplit.memory.activations` (a run on fake tensors) and
+simulated for any placement by :mod:`fxsplit.memory.lifetimes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Mapping
+
+__all__ = ["ActivationProfile", "ValueMemory"]
+
+
+@dataclass(frozen=True)
+class ValueMemory:
+    """What one value of the graph holds.
+
+    Attributes:
+        nbytes: bytes of the value itself (what a copy to another device costs).
+        storages: ids of the storages it keeps alive (a view: its base's).
+        requires_grad: whether autograd computes its gradient (training).
+    """
+
+    nbytes: int
+    storages: tuple[int, ...]
+    requires_grad: bool = False
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Reads, storages and saved tensors of every op, in execution order.
+
+    Attributes:
+        op_names: the ops, in the order of the partition problem.
+        reads: per op, the names of the values it reads (op names, input
+            names, canonical weight names).
+        values: every value by name: op results, model inputs, weights.
+        storage_bytes: bytes of each storage id.
+        inputs: names of the model's inputs.
+        outputs: names of the values the graph returns.
+        weights: names of the values that are parameters or buffers; they
+            cost nothing on their home device (counted as weights) but their
+            copies on other devices are activations there.
+        saved: per op, the storage ids autograd saves for its backward that
+            a value it reads or returns holds (training only).
+        internal: per op, the peak bytes it allocates inside beyond its
+            result (intermediates of a composite op).
+        internal_saved: per op, bytes it saves for backward that no value of
+            the graph holds (a layer norm's statistics, a dropout mask).
+        backward_internal: per op, the peak bytes its backward allocates
+            inside beyond the gradients it returns, where a weight's gradient becomes its ``.grad`` (the
+            first backward after ``zero_grad()``).
+        backward_accumulating: the same where each weight's gradient is added to a ``.grad`` that exists
+            (gradient accumulation, a pipeline's micro-batches): held until then. :meth:`accumulating` plans
+            with it.
+        grad_passthrough: ``(i, k)``: op ``i``'s backward hands the gradient
+            of its result on, as the same tensor, as the gradient of op
+            ``k``'s result (an add, a clone): one tensor, not two.
+        training: whether the profile was taken with autograd recording.
+        extracts: op -> the storages it takes out of the one value it reads, a tuple (``getitem``): the rest
+            of the tuple gets no gradient from it.
+        in_place: the ops that write a value they read and return it (their result shares its storage, as a
+            view's does).
+    """
+
+    op_names: tuple[str, ...]
+    reads: tuple[tuple[str, ...], ...]
+    values: Mapping[str, ValueMemory]
+    storage_bytes: Mapping[int, int]
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    weights: frozenset[str] = frozenset()
+    saved: tuple[tuple[int, ...], ...] = ()
+    internal: tuple[int, ...] = ()
+    internal_saved: tuple[int, ...] = ()
+    backward_internal: tuple[int, ...] = ()
+    backward_accumulating: tuple[int, ...] = ()
+    grad_passthrough: tuple[tuple[int, int], ...] = ()
+    training: bool = False
+    extracts: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    in_place: frozenset[int] = frozenset()
+
+    def accumulating(self) -> ActivationProfile:
+        """This profile for a backward that adds each weight's gradient to a ``.grad`` that exists."""
+        if not self.backward_accumulating:
+            return self
+        return dataclasses.replace(self, backward_internal=self.backward_accumulating)
+
+    def per_op(self, field_name: str) -> list:
+        """``saved``, ``internal``, ``internal_saved`` or ``backward_internal``, one entry per op."""
+        data = getattr(self, field_name)
+        empty: object = () if field_name == "saved" else 0
+        return list(data) if data else [empty] * len(self.op_names)
