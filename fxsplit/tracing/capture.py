@@ -317,6 +317,9 @@ def _propagate_shapes(
         state: dict[str, torch.Tensor] = {name: mode.from_tensor(t) for name, t in _named_tensors(graph_module)}
         with quiet_fake_tensor_log(), _reparametrize_module(graph_module, state, tie_weights=True, strict=False):
             FakeTensorProp(graph_module, mode).propagate(*fake)
+        for node in placeholders[len(flat) :]:  # an input not given, left at its default (attn_mask=None)
+            if "val" not in node.meta and node.args and not isinstance(node.args[0], torch.Tensor):
+                node.meta["val"] = node.args[0]
     except Exception as error:  # noqa: BLE001 - shapes are an optimisation; plan without them (and say so)
         for node in graph_module.graph.nodes:
             node.meta.pop("val", None)
