@@ -244,3 +244,14 @@ def test_a_checkpoint_error_keeps_its_problems() -> None:
     error = fxsplit.CheckpointError("2 problems", ("missing: a", "unexpected: b"))
     assert str(error) == "2 problems" and error.problems == ("missing: a", "unexpected: b")
     assert fxsplit.CheckpointError("none listed").problems == ()
+
+
+def test_fx_chosen_with_example_inputs_suggests_export_not_example_inputs() -> None:
+    """Found by an outside check: with example_inputs given and trace='fx', the fix said to pass example_inputs."""
+    with pytest.raises(fxsplit.TraceError) as info:
+        fxsplit.plan(Untraceable(), {"cpu:0": 10**6}, example_inputs=(torch.randn(2, 4),), trace="fx")
+    message = str(info.value)
+    assert "trace='export'" in message and "pass example_inputs" not in message
+    with pytest.raises(fxsplit.TraceError) as both:  # export failed first: not suggested again
+        fxsplit.plan(Untraceable(), {"cpu:0": 10**6}, example_inputs=(torch.randn(2, 4),))
+    assert "trace='export'" not in str(both.value).split("fx also failed")[1]

@@ -254,7 +254,8 @@ def _symbolic(
     except TraceError:
         raise  # ours: names the construct fx cannot keep
     except Exception as error:  # noqa: BLE001 - tracing user code raises anything
-        raise TraceError(_fx_message(error)) from error
+        given = example_inputs is not None or bool(example_kwargs)
+        raise TraceError(_fx_message(error, "tried" if checked else "given" if given else None)) from error
     finally:
         assigned = _put_back(held)
     if assigned:
@@ -334,13 +335,20 @@ def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return found + [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
 
 
-def _fx_message(error: BaseException) -> str:
+def _fx_message(error: BaseException, examples: str | None = None) -> str:
+    """Why fx failed, where, and what to try; ``examples``: None (no example inputs: export could trace with
+    them), ``"given"`` (fx was chosen: export may trace it) or ``"tried"`` (export failed first)."""
     where = _user_frame(error)
+    export = {
+        None: "pass example_inputs=(...) so fxsplit can use torch.export, which handles data-dependent Python; or ",
+        "given": "trace with torch.export (trace='export', or 'auto', the default), which handles data-dependent "
+        "Python; or ",
+        "tried": "",
+    }[examples]
     return (
         f"torch.fx.symbolic_trace could not trace the model: {_first_line(error)}"
         + (f"\n  at {where}" if where else "")
-        + "\n  fixes: pass example_inputs=(...) so fxsplit can use torch.export, which handles "
-        "data-dependent Python; or declare the module that fails a leaf (leaf_modules=[...]); or fix "
+        + f"\n  fixes: {export}declare the module that fails a leaf (leaf_modules=[...]); or fix "
         "the value of a control-flow argument with concrete_args={...}"
     )
 
