@@ -50,7 +50,7 @@ def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[
         except BudgetError as error:
             if refused is not None:
                 raise refused from None
-            slack = charge_slack(model.profile) * max(1, model.chunks) if attempt == 0 and model.profile else 0
+            slack = charge_slack(model.planned_profile) * max(1, model.chunks) if attempt == 0 and model.profile else 0
             if slack:  # the charge is an upper bound: allow its slack, and let the exact check hold the budgets
                 refused = model.explain(error, usable)
                 caps = [cap + slack for cap in caps]

@@ -105,7 +105,7 @@ class MemoryModel:
         extra: tuple[int, ...] = ()
         transient: tuple[int, ...] = ()
         if self.profile is not None:
-            extra, transient = planning_loads(self._planned)
+            extra, transient = planning_loads(self.planned_profile)
             if self._held_per_chunk and self.checkpoint == "never":
                 extra = tuple(e * self.chunks for e in extra)
             if self._keeps_outputs:  # the last stage keeps every micro-batch's outputs, then merges them
@@ -215,7 +215,7 @@ class MemoryModel:
                 if cut.kind == "parameter":
                     replicas[cut.producer] = (*replicas.get(cut.producer, ()), cut.destination)
         placed = (op_devices, inputs, plan.output_device, weights, replicas)
-        simulated = simulate(self._planned, *placed)
+        simulated = simulate(self.planned_profile, *placed)
         peaks = {str(d): int(v) for d, v in simulated.peak.items()}
         if self._held_per_chunk:
             first = simulate(profile, *placed) if self.accumulating else simulated  # into no .grad yet
@@ -230,7 +230,8 @@ class MemoryModel:
         return peaks
 
     @property
-    def _planned(self) -> ActivationProfile:
+    def planned_profile(self) -> ActivationProfile:
+        """The profile plans are charged and simulated by: accumulating into ``.grad`` when :attr:`accumulating`."""
         assert self.profile is not None
         return self.profile.accumulating() if self.accumulating else self.profile
 
@@ -282,7 +283,7 @@ class MemoryModel:
             totals["grads"] += grads
             totals["optimizer"] += state
         if self.profile is not None:
-            extra, transient = planning_loads(self._planned)
+            extra, transient = planning_loads(self.planned_profile)
             kept = (2 * self.chunks - 1) * sum(self._outputs().values()) if self._keeps_outputs else 0
             totals["activations_peak"] = sum(extra) + max(transient, default=0) + kept
         return totals
