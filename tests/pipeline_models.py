@@ -56,6 +56,20 @@ class LongSkip(nn.Module):
         return self.last(self.middle(h)) * h
 
 
+class Transposed(nn.Module):
+    """Cut at a slice of a transpose (``pins``): strided, where the ranks exchange contiguous tensors only."""
+
+    pins = {"a": "cpu:0", "b": "cpu:1"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh())
+        self.b = nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).transpose(1, 2)[..., :2])  # (batch, 16, 2), strided
+
+
 class TwoHeads(nn.Module):
     """Two inputs, a dict output holding a tuple; one output is made on the first stage."""
 

@@ -22,14 +22,22 @@ import fxsplit
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import LiveBytes  # noqa: E402
-from pipeline_models import MLP, LongSkip, Tied, budgets  # noqa: E402
+from pipeline_models import MLP, LongSkip, Tied, Transposed, budgets  # noqa: E402
 
 CHUNKS, STEPS, LR = 4, 3, 0.1
-CASES = [("MLP", "gpipe"), ("MLP", "1f1b"), ("LongSkip", "1f1b"), ("Tied", "gpipe"), ("TiedWide", "1f1b")]
+CASES = [
+    ("MLP", "gpipe"),
+    ("MLP", "1f1b"),
+    ("LongSkip", "1f1b"),
+    ("Tied", "gpipe"),
+    ("TiedWide", "1f1b"),
+    ("Transposed", "1f1b"),
+]
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "MLP": MLP,
     "LongSkip": LongSkip,
     "Tied": Tied,
+    "Transposed": Transposed,
     "TiedWide": lambda: Tied(vocab=WIDE_VOCAB, width=128),  # its head's rows are split over the two ranks
 }
 WIDE_VOCAB = 4096
@@ -44,6 +52,8 @@ def batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
             (torch.randint(0, vocab, (8, 5), generator=gen), torch.randint(0, vocab, (8, 5), generator=gen))
             for _ in range(STEPS)
         ]
+    if name == "Transposed":
+        return [(torch.randn(8, 4, 16, generator=gen), torch.randn(8, 16, 16, generator=gen)) for _ in range(STEPS)]
     return [(torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)) for _ in range(STEPS)]
 
 
@@ -61,8 +71,14 @@ def make(name: str) -> torch.nn.Module:
 def train(name: str, kind: str, rank: int, world: int) -> dict[str, Any]:
     model = make(name)
     data = batches(name)
+    pins = getattr(model, "pins", None)  # where a case needs its cut
     stages = fxsplit.pipeline_stages(
-        model, budgets(model, world, replicas=True), mode="weights", example_inputs=(data[0][0],), chunks=CHUNKS
+        model,
+        budgets(model, world, replicas=True),
+        mode="weights",
+        example_inputs=(data[0][0],),
+        chunks=CHUNKS,
+        pins=pins,
     )
     stage = stages.build_stage(rank)
     schedule_type = ScheduleGPipe if kind == "gpipe" else Schedule1F1B

@@ -352,6 +352,9 @@ class _Cutter:
             env[name] = arg(held) if held is not None else graph.node_copy(by_name[name], arg)
         if self.relay and is_last:
             graph.output(torch.fx.node.map_arg(self.output.args[0], lambda n: arg(self._source(n))))
+        elif self.relay:  # sent to the next process: gloo sends and receives contiguous tensors only (a cut at a
+            # transpose or a slice gave the receiver a strided buffer: "input tensor has to be contiguous")
+            graph.output(tuple(graph.call_method("contiguous", (arg(by_name[name]),)) for name in spec.outputs))
         else:
             graph.output(tuple(arg(by_name[name]) for name in spec.outputs))
         self._set_codegen(graph, spec, is_last)
