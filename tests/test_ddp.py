@@ -78,6 +78,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             optimizer.zero_grad()
         record["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         torch.save(record, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it (an abort, seen once in CI)
     finally:
         dist.destroy_process_group()
 
