@@ -225,8 +225,8 @@ class _Walk:
             info = values[name]
             if not info.requires_grad:
                 continue
-            readers = [op for op in read_by if names[op] not in values or values[names[op]].requires_grad]  # (a
-            # result without a gradient, as detach's, sends none back)
+            # a reader whose result needs no gradient (detach) sends none back
+            readers = [op for op in read_by if names[op] not in values or values[names[op]].requires_grad]
             if name in outputs and device == self.home[name]:  # the loss's arrives first: each reader's adds
                 found.extend((device, op, self._made_from(op, info, device), info.nbytes) for op in readers)
             elif len(readers) > 1:
@@ -242,7 +242,7 @@ class _Walk:
 
     def _made_from(self, op: int, read: ValueMemory, device: Hashable) -> int:
         """Where the gradient op ``op`` adds to the value ``read`` it reads is made: at its own backward, or, when
-        its result is a view of ``read`` (a storage of both), at its last reader's."""
+        its result is a view of ``read`` (a storage of both, not written in place), at its last reader's."""
         result = self.profile.values.get(self.profile.op_names[op])
         if result is None or op in self.profile.in_place or not set(result.storages) & set(read.storages):
             return op
