@@ -321,6 +321,9 @@ def _profile(
         grad_passthrough=tuple(sorted(recorder.allocations.passthrough)) if training else (),
         extracts=_extracts(costs, reads, values),
         in_place=frozenset(i for i, op in enumerate(costs.ops) if op.name in recorder.written),
+        no_backward=frozenset(i for i in range(len(costs.ops)) if not recorder.allocations.roots.get(i))
+        if training
+        else frozenset(),
         training=training,
     )
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
 from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
+from fxsplit.memory.viewgrads import waiting_views
 from fxsplit.memory.weightgrads import Replicas, held_weight_gradients, weight_contributions
 
 __all__ = ["ActivationProfile", "Simulated", "ValueMemory", "simulate"]
@@ -216,7 +217,9 @@ class _Walk:
         read through a view, by the backward of the view's readers, and added
         at the view's (a language model returning its logits and the loss it
         reads them through ``view``: one logits tensor more while the loss's
-        backward runs). A weight's: :func:`~fxsplit.memory.weightgrads.weight_contributions`.
+        backward runs). Read through several partial views (q, k and v), each view's gradient waits beside the
+        sum so far: :func:`~fxsplit.memory.viewgrads.waiting_views`. A weight's:
+        :func:`~fxsplit.memory.weightgrads.weight_contributions`.
         """
         found: list[tuple[Hashable, int, int, int]] = []
         outputs = set(self.profile.outputs)
@@ -231,6 +234,8 @@ class _Walk:
                 found.extend((device, op, self._made_from(op, info, device), info.nbytes) for op in readers)
             elif len(readers) > 1:
                 found.extend((device, op, op, info.nbytes) for op in sorted(readers)[:-1])
+                waiting = waiting_views(self.profile, self.readers, name, device, readers)
+                found.extend((device, first, last, nbytes) for first, last, nbytes in waiting)
         if weights:
             found += [
                 (device, op, op, nbytes)
