@@ -63,9 +63,9 @@ class ActivationProfile:
             of the tuple gets no gradient from it.
         in_place: the ops that write a value they read and return it (their result shares its storage, as a
             view's does).
-        no_backward: the ops whose result has no autograd node of its own (training): an item taken out of a
-            tuple (``getitem``), whose op's backward takes every item's gradient at once (``unbind``'s stacks
-            them), a ``contiguous()`` that returns its input.
+        items: the ops that take an item out of a tuple or list they read (``getitem``): no backward of their
+            own, and no gradient of their own to add; the tuple's op's backward takes every item's gradient at
+            once (``split``'s concatenates them, ``unbind``'s stacks them).
     """
 
     op_names: tuple[str, ...]
@@ -84,7 +84,7 @@ class ActivationProfile:
     training: bool = False
     extracts: Mapping[int, frozenset[int]] = field(default_factory=dict)
     in_place: frozenset[int] = frozenset()
-    no_backward: frozenset[int] = frozenset()
+    items: frozenset[int] = frozenset()
 
     def accumulating(self) -> ActivationProfile:
         """This profile for a backward that adds each weight's gradient to a ``.grad`` that exists."""

@@ -74,6 +74,7 @@ class _Recorder(torch.fx.Interpreter):
         self.internal: dict[int, int] = {}
         self.saved: dict[int, list[int]] = {}
         self.written: dict[str, str] = {}  # an op that writes in place -> the node whose tensor it writes
+        self.items: set[int] = set()  # ops that take an item out of a tuple or list
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is torch.ops.aten.scaled_dot_product_attention.default:
@@ -93,6 +94,8 @@ class _Recorder(torch.fx.Interpreter):
             self.internal[self.current] = self.allocations.extra()
             # an op writing into a view gives the view's base a new autograd node (CopySlices): it is this op's
             inputs = [self.env.get(a) for a in n.all_input_nodes]
+            if n.target is operator.getitem and inputs and isinstance(inputs[0], (tuple, list)):
+                self.items.add(self.current)
             bases = [a._base for a in inputs if isinstance(a, torch.Tensor) and a._base is not None]
             self.allocations.claim((value, *bases) if bases else value, self.current)
             if isinstance(value, torch.Tensor):  # in place: it returns the very tensor it read
@@ -321,9 +324,7 @@ def _profile(
         grad_passthrough=tuple(sorted(recorder.allocations.passthrough)) if training else (),
         extracts=_extracts(costs, reads, values),
         in_place=frozenset(i for i, op in enumerate(costs.ops) if op.name in recorder.written),
-        no_backward=frozenset(i for i in range(len(costs.ops)) if not recorder.allocations.roots.get(i))
-        if training
-        else frozenset(),
+        items=frozenset(recorder.items),
         training=training,
     )
 

@@ -35,6 +35,7 @@ most graphs; the exact simulation checks the final plan).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
@@ -181,6 +182,7 @@ class _Walk:
             return i
 
         end, seeds, seeded = len(self.profile.op_names), [], set[int]()
+        handed: dict[int, int] = {}  # a storage whose gradient is handed on -> the earliest op it is handed to
         for name in dict.fromkeys(self.profile.outputs):
             info = self.profile.values[name]
             here = {i for i in self.on.get((name, self.home[name]), {}).values() if i is not None}
@@ -199,13 +201,17 @@ class _Walk:
                 for j in theirs:  # an output's gradient is the loss's: what is passed on to it is added into it
                     if j not in seeded or find(j) == find(i):
                         parent[find(j)] = find(i)
-        spans: dict[int, list[int]] = {}
+                        handed[i] = min(handed.get(i, self.storages[i].alloc), self.storages[j].alloc)
+        groups: dict[int, list[tuple[int, int, int]]] = {}
         for index, s in enumerate(self.storages):
             last = max(s.last_op, end) if index in seeded else s.last_op
             if s.requires_grad and (last > s.alloc or s.copied):  # a copy's: made by its reader's backward
-                span = spans.setdefault(find(index), [s.alloc, last, s.nbytes])
-                span[0], span[1], span[2] = min(span[0], s.alloc), max(span[1], last), max(span[2], s.nbytes)
-        found = [(self.storages[root].device, first, last, nbytes) for root, (first, last, nbytes) in spans.items()]
+                groups.setdefault(find(index), []).append((handed.get(index, s.alloc), last, s.nbytes))
+        found = [
+            (self.storages[root].device, first, last, nbytes)
+            for root, spans in groups.items()
+            for first, last, nbytes in one_tensor(spans)
+        ]
         return found + seeds
 
     def contributions(self, weights: bool = True) -> list[tuple[Hashable, int, int, int]]:
@@ -228,8 +234,13 @@ class _Walk:
             info = values[name]
             if not info.requires_grad:
                 continue
-            # a reader whose result needs no gradient (detach) sends none back
-            readers = [op for op in read_by if names[op] not in values or values[names[op]].requires_grad]
+            # a reader whose result needs no gradient (detach) sends none back, nor does one taking an item out
+            # of a tuple (the tuple's op's backward takes every item's at once)
+            readers = [
+                op
+                for op in read_by
+                if (names[op] not in values or values[names[op]].requires_grad) and op not in self.profile.items
+            ]
             if name in outputs and device == self.home[name]:  # the loss's arrives first: each reader's adds
                 found.extend((device, op, self._made_from(op, info, device), info.nbytes) for op in readers)
             elif len(readers) > 1:
@@ -331,6 +342,33 @@ def simulate(
     if profile.training:
         result = Simulated(result.forward, {d: _peak(backward[d]) for d in devices}, saved)
     return result
+
+
+def one_tensor(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """The ``(first, last, nbytes)`` spans of storages whose gradient is one tensor handed on (a giver's span
+    reaching down to the op it is handed to), as the spans of that tensor: at each position the largest of those
+    alive there (a gap between two takes the larger of its neighbours). An item's gradient handed on as the
+    gradient of the tuple it came from (``split``: the tuple's gradient is made at its backward) holds the item's
+    bytes until then, not the tuple's; a gradient handed on in views (``stack``'s, to each of its inputs) holds its
+    storage until the last of them.
+
+    >>> one_tensor([(0, 5, 48), (5, 6, 16)])
+    [(0, 5, 48), (6, 6, 16)]
+    """
+    if len(spans) == 1:
+        return spans
+    cuts = sorted({p for first, last, _ in spans for p in (first, last + 1)})
+    pieces: list[list[int]] = []
+    for start, stop in itertools.pairwise(cuts):
+        nbytes = max((n for first, last, n in spans if first <= start and stop - 1 <= last), default=-1)
+        if pieces and pieces[-1][2] == nbytes:
+            pieces[-1][1] = stop - 1
+        else:
+            pieces.append([start, stop - 1, nbytes])
+    for i, piece in enumerate(pieces):  # no storage of the group covers it: as the larger neighbour
+        if piece[2] < 0:
+            piece[2] = max(pieces[i - 1][2] if i else 0, pieces[i + 1][2] if i + 1 < len(pieces) else 0)
+    return [(first, last, nbytes) for first, last, nbytes in pieces]
 
 
 def _add(diff: list[int], start: int, stop: int, nbytes: int) -> None:

@@ -59,7 +59,7 @@ def _partial_view(profile: ActivationProfile, op: int, read: ValueMemory) -> boo
         and result.requires_grad
         and result.nbytes < read.nbytes
         and op not in profile.in_place
-        and op not in profile.no_backward
+        and op not in profile.items
         and bool(set(result.storages) & set(read.storages))
     )
 
