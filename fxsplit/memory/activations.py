@@ -30,8 +30,9 @@ from fxsplit.memory.allocations import Allocations
 from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory
 from fxsplit.memory.seed import seeds
 from fxsplit.planning.build import weights_by_node
+from fxsplit.tracing.fakeweights import fake_weights
 
-__all__ = ["profile_activations", "replace_graph_tensors"]
+__all__ = ["graph_tensors", "profile_activations", "replace_graph_tensors"]
 
 
 class _Storages:
@@ -176,25 +177,15 @@ def profile_activations(
 
 
 def _fake_weights(graph_module: torch.fx.GraphModule, mode: Any, training: bool) -> dict[str, torch.Tensor]:
-    def fake(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        made = mode.from_tensor(tensor.detach())
-        if training and isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
-            made.requires_grad_(True)
-        return made
+    def trained(tensor: torch.Tensor) -> bool:
+        return training and isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad
 
-    return replace_graph_tensors(graph_module, fake)
+    return fake_weights(mode, graph_tensors(graph_module), trained)
 
 
-def replace_graph_tensors(
-    graph_module: torch.fx.GraphModule, make: Callable[[str, torch.Tensor], torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Every tensor the graph reads by name -> ``make(name, tensor)``, for ``_reparametrize_module``.
-
-    Parameters, buffers and the tensors ``get_attr`` nodes read (constants)
-    under each of their names; ``make`` is called once per tensor, with its
-    first name, and tied names share what it made. The graph is not modified.
-    """
-    made: dict[str, torch.Tensor] = {}
+def graph_tensors(graph_module: torch.fx.GraphModule) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor the graph reads by name: parameters, buffers and the tensors
+    ``get_attr`` nodes read (constants), under each of their names (a tied one several times)."""
     named = [
         *graph_module.named_parameters(remove_duplicate=False),
         *graph_module.named_buffers(remove_duplicate=False),
@@ -204,9 +195,20 @@ def replace_graph_tensors(
             attr = attr_at(graph_module, str(node.target), None)
             if isinstance(attr, torch.Tensor):
                 named.append((str(node.target), attr))
+    return [(name, tensor) for name, tensor in named if tensor is not None]
+
+
+def replace_graph_tensors(
+    graph_module: torch.fx.GraphModule, make: Callable[[str, torch.Tensor], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Every tensor the graph reads by name (:func:`graph_tensors`) -> ``make(name, tensor)``, for
+    ``_reparametrize_module``. ``make`` is called once per tensor, with its first name, and tied names share what
+    it made. The graph is not modified.
+    """
+    made: dict[str, torch.Tensor] = {}
     by_id: dict[int, torch.Tensor] = {}
-    for name, tensor in named:
-        if tensor is None or name in made:
+    for name, tensor in graph_tensors(graph_module):
+        if name in made:
             continue
         replacement = by_id.get(id(tensor))
         if replacement is None:

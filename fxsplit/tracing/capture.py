@@ -34,6 +34,7 @@ from fxsplit.tracing.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_
 from fxsplit.tracing.example_inputs import check_example_inputs, quiet_fake_tensor_log
 from fxsplit.tracing.example_inputs import first_line as _first_line
 from fxsplit.tracing.example_inputs import user_frame as _user_frame
+from fxsplit.tracing.fakeweights import fake_weights
 from fxsplit.tracing.gradmode import recording_grad_mode, refusing_inference_mode
 
 __all__ = ["TRACE_MODES", "Traced", "trace"]
@@ -315,7 +316,7 @@ def _propagate_shapes(
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
         # Run on fake copies of the weights, so in-place updates (BatchNorm's
         # running stats) never reach the user's tensors.
-        state: dict[str, torch.Tensor] = {name: mode.from_tensor(t) for name, t in _named_tensors(graph_module)}
+        state = fake_weights(mode, _named_tensors(graph_module), requires_grad=lambda t: t.requires_grad)
         with quiet_fake_tensor_log(), _reparametrize_module(graph_module, state, tie_weights=True, strict=False):
             FakeTensorProp(graph_module, mode).propagate(*fake)
         for node in placeholders[len(flat) :]:  # an input not given, left at its default (attn_mask=None)
