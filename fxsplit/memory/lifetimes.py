@@ -35,6 +35,7 @@ most graphs; the exact simulation checks the final plan).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
@@ -357,10 +358,18 @@ def one_tensor(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     """
     if len(spans) == 1:
         return spans
+    spans = sorted(spans)
     cuts = sorted({p for first, last, _ in spans for p in (first, last + 1)})
     pieces: list[list[int]] = []
-    for start, stop in itertools.pairwise(cuts):
-        nbytes = max((n for first, last, n in spans if first <= start and stop - 1 <= last), default=-1)
+    alive: list[tuple[int, int]] = []  # (-nbytes, last) of the spans begun, the largest first
+    begun = 0
+    for start, stop in itertools.pairwise(cuts):  # no span begins or ends inside [start, stop)
+        while begun < len(spans) and spans[begun][0] <= start:
+            heapq.heappush(alive, (-spans[begun][2], spans[begun][1]))
+            begun += 1
+        while alive and alive[0][1] < start:
+            heapq.heappop(alive)
+        nbytes = -alive[0][0] if alive else -1
         if pieces and pieces[-1][2] == nbytes:
             pieces[-1][1] = stop - 1
         else:
