@@ -38,7 +38,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Sequence
+from typing import Collection, Hashable, Mapping, Sequence
 
 from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
 from fxsplit.memory.viewgrads import waiting_views
@@ -99,6 +99,7 @@ class _Walk:
         self.weight_readers: dict[str, set[int]] = {}  # weight -> the ops that read it
         self.readers: dict[tuple[str, Hashable], set[int]] = {}
         self.device_of: dict[int, Hashable] = {}
+        self.returned_on: Hashable = None  # the device the outputs are returned on
 
     def _new(self, device: Hashable, nbytes: int, position: int, requires_grad: bool, copied: bool = False) -> int:
         self.storages.append(_Storage(device, nbytes, position, position, position, requires_grad, copied=copied))
@@ -230,6 +231,9 @@ class _Walk:
         """
         found: list[tuple[Hashable, int, int, int]] = []
         outputs = set(self.profile.outputs)
+        passed: dict[str, set[int]] = {}  # op's name -> the ops whose backward hands it their result's gradient
+        for op, other in self.profile.grad_passthrough:
+            passed.setdefault(self.profile.op_names[other], set()).add(op)
         values, names = self.profile.values, self.profile.op_names
         for (name, device), read_by in self.readers.items():
             info = values[name]
@@ -242,10 +246,12 @@ class _Walk:
                 for op in read_by
                 if (names[op] not in values or values[names[op]].requires_grad) and op not in self.profile.items
             ]
-            if name in outputs and device == self.home[name]:  # the loss's arrives first: each reader's adds
+            if name in outputs and device in (self.home[name], self.returned_on):  # the loss's arrives first (the
+                # caller holds the output there, a copy on the outputs' device): each reader's there adds into it
                 found.extend((device, op, self._made_from(op, info, device), info.nbytes) for op in readers)
             elif len(readers) > 1:
-                found.extend((device, op, op, info.nbytes) for op in sorted(readers)[:-1])
+                made = self._handed_from(device, passed.get(name, ()))
+                found.extend((device, op, made.get(op, op), info.nbytes) for op in sorted(readers)[:-1])
                 waiting = waiting_views(self.profile, self.readers, name, device, readers)
                 found.extend((device, first, last, nbytes) for first, last, nbytes in waiting)
         if weights:
@@ -257,6 +263,14 @@ class _Walk:
             ]
         return found
 
+    def _handed_from(self, device: Hashable, passing: Collection[int]) -> dict[int, int]:
+        """Reader -> where the gradient it sends a value is made, for the readers ``passing`` that hand on their
+        result's gradient as is (an add): at their result's last reader's backward, not their own. ``(h + 1) * h``:
+        the gradient the add passes to ``h`` is made by the multiply's backward, beside the one it makes for ``h``
+        (0.84 of the allocator when counted at the add only)."""
+        names = self.profile.op_names
+        return {op: max(self.readers.get((names[op], device), ()), default=op) for op in passing}
+
     def _made_from(self, op: int, read: ValueMemory, device: Hashable) -> int:
         """Where the gradient op ``op`` adds to the value ``read`` it reads is made: at its own backward, or, when
         its result is a view of ``read`` (a storage of both, not written in place), at its last reader's."""
@@ -266,6 +280,7 @@ class _Walk:
         return max(self.readers.get((self.profile.op_names[op], device), ()), default=op)
 
     def return_outputs(self, device: Hashable, position: int) -> None:
+        self.returned_on = device
         for name in self.profile.outputs:
             for index in self.place(name, device, position, False).values():
                 if index is not None:
