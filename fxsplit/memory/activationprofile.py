@@ -63,6 +63,10 @@ class ActivationProfile:
             of the tuple gets no gradient from it.
         in_place: the ops that write a value they read and return it (their result shares its storage, as a
             view's does).
+        foreign_sums: op -> earlier op -> bytes of a sum made out of place, in the op's backward, into the
+            gradient of the earlier op's result (the one waiting is a view of another gradient). When the two
+            ops run on different devices the sum happens where the earlier op's gradient waits, as the copy's
+            gradient arrives: the simulation charges it there.
         items: the ops that take an item out of a tuple or list they read (``getitem``): no backward of their
             own, and no gradient of their own to add; the tuple's op's backward takes every item's gradient at
             once (``split``'s concatenates them, ``unbind``'s stacks them).
@@ -85,6 +89,7 @@ class ActivationProfile:
     extracts: Mapping[int, frozenset[int]] = field(default_factory=dict)
     in_place: frozenset[int] = frozenset()
     items: frozenset[int] = frozenset()
+    foreign_sums: Mapping[int, Mapping[int, int]] = field(default_factory=dict)
 
     def accumulating(self) -> ActivationProfile:
         """This profile for a backward that adds each weight's gradient to a ``.grad`` that exists."""

@@ -327,6 +327,7 @@ def _profile(
         extracts=_extracts(costs, reads, values),
         in_place=frozenset(i for i, op in enumerate(costs.ops) if op.name in recorder.written),
         items=frozenset(recorder.items),
+        foreign_sums={op: dict(sums) for op, sums in recorder.allocations.foreign.items()} if training else {},
         training=training,
     )
 

@@ -24,6 +24,7 @@ view), the simulation's one gradient per storage is then two tensors for a momen
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -78,6 +79,9 @@ class Allocations(TorchDispatchMode):
         # added to its weight's existing .grad or -1]
         self._result_grads: dict[int, set[StorageWeakRef]] = {}
         self._targets: set[Any] = set()  # nodes this episode handed a gradient to
+        self.foreign: dict[int, dict[int, int]] = {}  # op -> earlier op -> bytes of a sum out of place into the
+        # gradient of that op's result, made in this op's backward (on the earlier op's device when they differ)
+        self._handed_tensors: dict[int, tuple[int, Any]] = {}  # id of a gradient handed on -> (op, weak ref)
         self._handed_on: dict[StorageWeakRef, tuple[int, StorageWeakRef]] = {}  # a gradient an op handed on ->
         # the op it is for (and its own reference: a storage freed since may share the key of a new one)
         self._weight_readers: dict[Any, set[int]] = {}  # a weight's AccumulateGrad -> the ops that read it
@@ -153,6 +157,7 @@ class Allocations(TorchDispatchMode):
             weight = hasattr(next_fn, "variable")
             if not weight and other != op:
                 self._handed_on[ref] = (other, ref)
+                self._handed_tensors[id(tensor)] = (other, weakref.ref(tensor))
             shared = len(self._weight_readers.get(next_fn, ())) > 1
             if ((weight and shared) or (not weight and other != op)) and next_fn not in self._targets:
                 # handed on: the first gradient for another op's result, or for a weight other ops read too, is
@@ -184,7 +189,12 @@ class Allocations(TorchDispatchMode):
             self._prune()
             ref = StorageWeakRef(out.untyped_storage())
             self.seen.add(ref)
-            self._made[ref] = [self.scale(out.untyped_storage().nbytes(), out.dtype), self._step, self._step + 1, 0, -1]
+            nbytes = self.scale(out.untyped_storage().nbytes(), out.dtype)
+            self._made[ref] = [nbytes, self._step, self._step + 1, 0, -1]
+            exact = self._handed_tensors.get(id(into))  # the view handed to this op (views share the storage)
+            target = exact[0] if exact is not None and exact[1]() is into else handed[0]
+            sums = self.foreign.setdefault(self._episode, {}) if self._episode is not None else {}
+            sums[target] = max(sums.get(target, 0), nbytes)
             return True
         self._step += 1
         self._prune()

@@ -35,12 +35,11 @@ most graphs; the exact simulation checks the final plan).
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from dataclasses import dataclass, field
 from typing import Collection, Hashable, Mapping, Sequence
 
 from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
+from fxsplit.memory.gradsums import foreign_sums, one_tensor
 from fxsplit.memory.viewgrads import waiting_views
 from fxsplit.memory.weightgrads import Replicas, held_weight_gradients, weight_contributions
 
@@ -350,6 +349,9 @@ def simulate(
             _add(backward[device], first, last, nbytes)
         for device, first, last, nbytes in walk.contributions():
             _add(backward[device], first, last, nbytes)
+    if profile.training:
+        for device, at, nbytes in foreign_sums(profile, walk.home, walk.device_of, walk.readers):
+            _add(backward[device], at, at, nbytes)
     backward_internal = profile.per_op("backward_internal")
     for op, device in enumerate(op_devices):
         _add(forward[device], op, op, internal[op])
@@ -358,41 +360,6 @@ def simulate(
     if profile.training:
         result = Simulated(result.forward, {d: _peak(backward[d]) for d in devices}, saved)
     return result
-
-
-def one_tensor(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """The ``(first, last, nbytes)`` spans of storages whose gradient is one tensor handed on (a giver's span
-    reaching down to the op it is handed to), as the spans of that tensor: at each position the largest of those
-    alive there (a gap between two takes the larger of its neighbours). An item's gradient handed on as the
-    gradient of the tuple it came from (``split``: the tuple's gradient is made at its backward) holds the item's
-    bytes until then, not the tuple's; a gradient handed on in views (``stack``'s, to each of its inputs) holds its
-    storage until the last of them.
-
-    >>> one_tensor([(0, 5, 48), (5, 6, 16)])
-    [(0, 5, 48), (6, 6, 16)]
-    """
-    if len(spans) == 1:
-        return spans
-    spans = sorted(spans)
-    cuts = sorted({p for first, last, _ in spans for p in (first, last + 1)})
-    pieces: list[list[int]] = []
-    alive: list[tuple[int, int]] = []  # (-nbytes, last) of the spans begun, the largest first
-    begun = 0
-    for start, stop in itertools.pairwise(cuts):  # no span begins or ends inside [start, stop)
-        while begun < len(spans) and spans[begun][0] <= start:
-            heapq.heappush(alive, (-spans[begun][2], spans[begun][1]))
-            begun += 1
-        while alive and alive[0][1] < start:
-            heapq.heappop(alive)
-        nbytes = -alive[0][0] if alive else -1
-        if pieces and pieces[-1][2] == nbytes:
-            pieces[-1][1] = stop - 1
-        else:
-            pieces.append([start, stop - 1, nbytes])
-    for i, piece in enumerate(pieces):  # no storage of the group covers it: as the larger neighbour
-        if piece[2] < 0:
-            piece[2] = max(pieces[i - 1][2] if i else 0, pieces[i + 1][2] if i + 1 < len(pieces) else 0)
-    return [(first, last, nbytes) for first, last, nbytes in pieces]
 
 
 def _add(diff: list[int], start: int, stop: int, nbytes: int) -> None:
