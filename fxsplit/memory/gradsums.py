@@ -2,6 +2,8 @@
 
 * :func:`one_tensor`: storages whose gradient is one tensor handed on (an add's, a view's) share its span; at
   each position the tensor is as big as the largest storage alive there.
+* :func:`handed_from`: what an op hands on as is (an add, a transpose) was made further on, by the backward of
+  the op that reads its result.
 * :func:`foreign_sums`: a sum made out of place into the gradient of a value read on another device happens on
   the value's device, when the gradient of its copy arrives there.
 """
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING, Collection, Hashable, Mapping
 if TYPE_CHECKING:
     from fxsplit.memory.activationprofile import ActivationProfile
 
-__all__ = ["foreign_sums", "one_tensor"]
+__all__ = ["foreign_sums", "handed_from", "one_tensor"]
 
 
 def one_tensor(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -81,3 +83,38 @@ def foreign_sums(
                 at = min(readers.get((name, here), (op,)))
                 found[(there, at)] = max(found.get((there, at), 0), nbytes)
     return [(device, at, nbytes) for (device, at), nbytes in found.items()]
+
+
+def handed_from(
+    profile: ActivationProfile,
+    readers: Mapping[tuple[str, Hashable], Collection[int]],
+    device: Hashable,
+    passing: Collection[int],
+    passed: Mapping[str, Collection[int]],
+) -> dict[int, int]:
+    """Reader -> where the gradient it sends a value is made, for the readers ``passing`` that hand on their
+    result's gradient as is (an add, a transpose): at the backward of their result's last reader on ``device``,
+    followed through readers that hand it on as is too (``passed``: op name -> such readers), not their own.
+    ``(h + 1) * h``: the gradient the add passes to ``h`` is made by the multiply's backward, beside the one it makes
+    for ``h`` (0.84 of the allocator when counted at the add only); ``h @ (h + 1).t()``: by the matmul's, through
+    the transpose.
+
+    >>> from fxsplit.memory.activationprofile import ActivationProfile
+    >>> profile = ActivationProfile(op_names=("h", "add", "t", "mm"), reads=(), values={}, storage_bytes={})
+    >>> readers = {("h", 0): {1, 3}, ("add", 0): {2}, ("t", 0): {3}}
+    >>> handed_from(profile, readers, 0, [1], {"h": [1], "add": [2]})
+    {1: 3}
+    """
+    names = profile.op_names
+    found: dict[int, int] = {}
+    for op in passing:
+        last, stack, seen = op, [op], {op}
+        while stack:
+            here = names[stack.pop()]
+            for reader in readers.get((here, device), ()):
+                last = max(last, reader)
+                if reader in passed.get(here, ()) and reader not in seen:
+                    seen.add(reader)
+                    stack.append(reader)
+        found[op] = last
+    return found

@@ -36,10 +36,10 @@ most graphs; the exact simulation checks the final plan).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection, Hashable, Mapping, Sequence
+from typing import Hashable, Mapping, Sequence
 
 from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
-from fxsplit.memory.gradsums import foreign_sums, one_tensor
+from fxsplit.memory.gradsums import foreign_sums, handed_from, one_tensor
 from fxsplit.memory.viewgrads import waiting_views
 from fxsplit.memory.weightgrads import Replicas, held_weight_gradients, weight_contributions
 
@@ -99,6 +99,7 @@ class _Walk:
         self.readers: dict[tuple[str, Hashable], set[int]] = {}
         self.device_of: dict[int, Hashable] = {}
         self.returned_on: Hashable = None  # the device the outputs are returned on
+        self.sent: set[tuple[str, Hashable]] = set()  # copies whose gradient goes home (a reader sends one back)
 
     def _new(self, device: Hashable, nbytes: int, position: int, requires_grad: bool, copied: bool = False) -> int:
         self.storages.append(_Storage(device, nbytes, position, position, position, requires_grad, copied=copied))
@@ -126,12 +127,24 @@ class _Walk:
             else:  # a copy from the value's home, made right before its first reader here
                 self.place(name, home, position, is_op, only)
                 found = dict.fromkeys(info.storages, self._new(device, info.nbytes, position, info.requires_grad, True))
+                if is_op and self._sends_gradient(position):
+                    self.sent.add((name, device))
             self.on[(name, device)] = found
+        elif is_op and only is None and (name, device) not in self.sent and self._sends_gradient(position):
+            home = self.home[name]
+            if device != home and name not in self.profile.weights:  # the copy's first readers send no gradient
+                # back (a comparison, fx's x.shape): its gradient goes home from this one's backward
+                self.readers.setdefault((name, home), set()).add(position)
+                self.sent.add((name, device))
         read = {index for key, index in found.items() if only is None or key in only}
         for index in set(found.values()):
             if index is not None:
                 self.storages[index].touch(position, is_op and (index in read or self.storages[index].copied))
         return found
+
+    def _sends_gradient(self, op: int) -> bool:
+        result = self.profile.values.get(self.profile.op_names[op])
+        return result is None or result.requires_grad
 
     def run_op(self, op: int, device: Hashable) -> None:
         profile = self.profile
@@ -249,7 +262,7 @@ class _Walk:
                 # caller holds the output there, a copy on the outputs' device): each reader's there adds into it
                 found.extend((device, op, self._made_from(op, info, device), info.nbytes) for op in readers)
             elif len(readers) > 1:
-                made = self._handed_from(device, passed.get(name, ()))
+                made = handed_from(self.profile, self.readers, device, passed.get(name, ()), passed)
                 found.extend((device, op, made.get(op, op), info.nbytes) for op in sorted(readers)[:-1])
                 waiting = waiting_views(self.profile, self.readers, name, device, readers)
                 found.extend((device, first, last, nbytes) for first, last, nbytes in waiting)
@@ -261,14 +274,6 @@ class _Walk:
                 )
             ]
         return found
-
-    def _handed_from(self, device: Hashable, passing: Collection[int]) -> dict[int, int]:
-        """Reader -> where the gradient it sends a value is made, for the readers ``passing`` that hand on their
-        result's gradient as is (an add): at their result's last reader's backward, not their own. ``(h + 1) * h``:
-        the gradient the add passes to ``h`` is made by the multiply's backward, beside the one it makes for ``h``
-        (0.84 of the allocator when counted at the add only)."""
-        names = self.profile.op_names
-        return {op: max(self.readers.get((names[op], device), ()), default=op) for op in passing}
 
     def _made_from(self, op: int, read: ValueMemory, device: Hashable) -> int:
         """Where the gradient op ``op`` adds to the value ``read`` it reads is made: at its own backward, or, when
