@@ -216,6 +216,19 @@ class ScoresWithShifted(nn.Module):
         return h @ (h + 1.0).t()
 
 
+class TransposedOutput(nn.Module):
+    """``(h.t(), h * 2)`` returned: the loss's gradient for ``h.t()`` reaches ``h`` first, from the start of the
+    backward; the multiply's waits from its backward until the transpose's hands that one on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(96, 96)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        return h.transpose(-1, -2), h * 2
+
+
 class Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -243,6 +256,7 @@ CASES = {  # name -> (model, input, traces, devices[, budget per device as a par
     "q, k and v split from one projection": (SplitQKV, (64, 64), ("fx", "export"), 1),
     "an add hands on a gradient the next op made": (Modulate, (8, 32), ("fx", "export"), 1),
     "a matmul of h and (h + 1).t()": (ScoresWithShifted, (64, 32), ("fx", "export"), 1),
+    "a transposed view returned beside another output": (TransposedOutput, (8, 16, 96), ("fx", "export"), 1),
     "wide output": (lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4096)), (16, 64), ("fx",), 1),
 }
 

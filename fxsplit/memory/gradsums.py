@@ -94,7 +94,8 @@ def handed_from(
 ) -> dict[int, int]:
     """Reader -> where the gradient it sends a value is made, for the readers ``passing`` that hand on their
     result's gradient as is (an add, a transpose): at the backward of their result's last reader on ``device``,
-    followed through readers that hand it on as is too (``passed``: op name -> such readers), not their own.
+    followed through readers that hand it on as is too (``passed``: op name -> such readers), not their own; from
+    the start of the backward when one of them is an output (``(h.t(), h * 2)`` returned).
     ``(h + 1) * h``: the gradient the add passes to ``h`` is made by the multiply's backward, beside the one it makes
     for ``h`` (0.84 of the allocator when counted at the add only); ``h @ (h + 1).t()``: by the matmul's, through
     the transpose.
@@ -105,12 +106,14 @@ def handed_from(
     >>> handed_from(profile, readers, 0, [1], {"h": [1], "add": [2]})
     {1: 3}
     """
-    names = profile.op_names
+    names, outputs = profile.op_names, set(profile.outputs)
     found: dict[int, int] = {}
     for op in passing:
         last, stack, seen = op, [op], {op}
         while stack:
             here = names[stack.pop()]
+            if here in outputs:  # the loss's gradient, there from the start of the backward
+                last = len(names)
             for reader in readers.get((here, device), ()):
                 last = max(last, reader)
                 if reader in passed.get(here, ()) and reader not in seen:

@@ -263,7 +263,16 @@ class _Walk:
                 found.extend((device, op, self._made_from(op, info, device), info.nbytes) for op in readers)
             elif len(readers) > 1:
                 made = handed_from(self.profile, self.readers, device, passed.get(name, ()), passed)
-                found.extend((device, op, made.get(op, op), info.nbytes) for op in sorted(readers)[:-1])
+                # the first to arrive is the one made first in the backward (an output's, handed on through a
+                # view, from the start); each other waits from when it is made until it meets it (another output's
+                # is a seed of its own, counted from the start: gradients())
+                order = sorted(readers, key=lambda op: (made.get(op, op), op))
+                first, end = order[-1], len(names)
+                found.extend(
+                    (device, min(op, first), made.get(op, op), info.nbytes)
+                    for op in order[:-1]
+                    if made.get(op, op) < end
+                )
                 waiting = waiting_views(self.profile, self.readers, name, device, readers)
                 found.extend((device, first, last, nbytes) for first, last, nbytes in waiting)
         if weights:
