@@ -70,6 +70,9 @@ class ActivationProfile:
         items: the ops that take an item out of a tuple or list they read (``getitem``): no backward of their
             own, and no gradient of their own to add; the tuple's op's backward takes every item's gradient at
             once (``split``'s concatenates them, ``unbind``'s stacks them).
+        repeated_outputs: output name -> how many more times the graph returns it (``(y, y)``: 1). Each
+            return gets a gradient of its own from the loss; they are added, one by one, into the first as the
+            backward starts.
     """
 
     op_names: tuple[str, ...]
@@ -90,6 +93,7 @@ class ActivationProfile:
     in_place: frozenset[int] = frozenset()
     items: frozenset[int] = frozenset()
     foreign_sums: Mapping[int, Mapping[int, int]] = field(default_factory=dict)
+    repeated_outputs: Mapping[str, int] = field(default_factory=dict)
 
     def accumulating(self) -> ActivationProfile:
         """This profile for a backward that adds each weight's gradient to a ``.grad`` that exists."""

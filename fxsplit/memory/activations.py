@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from collections import Counter
 from typing import Any, Callable, Iterator
 
 import torch
@@ -310,6 +311,7 @@ def _profile(
     for arg in output.all_input_nodes:
         names = [w.names[0] for w in by_node.get(arg.name, ())] if arg.op == "get_attr" else [arg.name]
         outputs.extend(n for n in names if n in values)
+    returned = Counter(leaf.name for leaf in tree_leaves(output.args) if isinstance(leaf, torch.fx.Node))
     return ActivationProfile(
         op_names=tuple(op.name for op in costs.ops),
         reads=reads,
@@ -328,6 +330,7 @@ def _profile(
         in_place=frozenset(i for i, op in enumerate(costs.ops) if op.name in recorder.written),
         items=frozenset(recorder.items),
         foreign_sums={op: dict(sums) for op, sums in recorder.allocations.foreign.items()} if training else {},
+        repeated_outputs={name: times - 1 for name, times in returned.items() if times > 1 and name in values},
         training=training,
     )
 

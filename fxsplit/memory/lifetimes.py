@@ -207,6 +207,9 @@ class _Walk:
                 seeds.append((self.storages[first].device, self.storages[first].alloc, end, info.nbytes))
             seeded.update(i for i in here if not self.storages[i].copied)
         seeded.update(i for i, s in enumerate(self.storages) if s.held)  # on the outputs' device, a copy's too
+        for name in self.profile.repeated_outputs:  # (y, y): the loss's next one, added into the first at the start
+            if self.profile.values[name].requires_grad:
+                seeds.append((self.returned_on, end, end, self.profile.values[name].nbytes))
         for op, other in self.profile.grad_passthrough:
             device = self.device_of[op]
             mine = [i for i in self.on.get((self.profile.op_names[op], device), {}).values() if i is not None]
