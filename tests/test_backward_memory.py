@@ -229,6 +229,22 @@ class TransposedOutput(nn.Module):
         return h.transpose(-1, -2), h * 2
 
 
+class PartReturnedBesideCat(nn.Module):
+    """``c[:, 0]`` returned beside ``cat([h * 3, c])``: the loss's gradient for the part is the part's size until
+    its backward makes one of all of ``c``, and ``c``'s first gradient is a view of ``cat``'s, which it holds until
+    the two are added (0.89 of the allocator when ``c`` was counted as returned whole, from the start)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.l0(x)
+        c = h * 2
+        part = c[:, 0]
+        return torch.cat([h * 3, c]), part
+
+
 class ReturnedThrice(nn.Module):
     """``(y, y, y)`` returned: the loss gives each its own gradient, added one by one into the first as the backward
     starts (0.69 of the allocator on cpu:1 without the second)."""
@@ -270,6 +286,7 @@ CASES = {  # name -> (model, input, traces, devices[, budget per device as a par
     "an add hands on a gradient the next op made": (Modulate, (8, 32), ("fx", "export"), 1),
     "a matmul of h and (h + 1).t()": (ScoresWithShifted, (64, 32), ("fx", "export"), 1),
     "a transposed view returned beside another output": (TransposedOutput, (8, 16, 96), ("fx", "export"), 1),
+    "a part of a value returned beside a cat of it": (PartReturnedBesideCat, (16, 4, 32), ("fx", "export"), 1),
     "one value returned three times": (ReturnedThrice, (4, 8, 32), ("fx", "export"), 2, 0.95),
     "wide output": (lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4096)), (16, 64), ("fx",), 1),
 }
@@ -281,6 +298,9 @@ OVER = {  # (case, accumulating) -> how far over the allocator the plan may be (
     ("q, k and v split from one projection", False): 1.13,
     ("q, k and v split from one projection", True): 1.13,
     ("lstm", True): 1.03,  # oneDNN's weight gradients, added to the .grads one by one: planned 2.5% over
+    # the part's gradient is freed in its backward after the one of all of c is made, before they are added
+    ("a part of a value returned beside a cat of it", False): 1.03,
+    ("a part of a value returned beside a cat of it", True): 1.03,
     ("outputs viewing one value", True): 1.18,  # the seeds of the views' outputs are held from the start
     ("one weight read five times, on two devices", False): 1.61,  # the copy's gradient, first home, is held
     # as if accumulating (it is the .grad only in a first backward): 99,072 B planned, 61,824 B measured

@@ -195,18 +195,26 @@ class _Walk:
                 i = parent[i]
             return i
 
-        end, seeds, seeded = len(self.profile.op_names), [], set[int]()
+        end, seeds, seeded, parts = len(self.profile.op_names), [], set[int](), set[int]()
         handed: dict[int, int] = {}  # a storage whose gradient is handed on -> the earliest op it is handed to
+        position = {name: op for op, name in enumerate(self.profile.op_names)}
         for name in dict.fromkeys(self.profile.outputs):
             info = self.profile.values[name]
             here = {i for i in self.on.get((name, self.home[name]), {}).values() if i is not None}
             if not info.requires_grad or not here:
                 continue
+            if info.nbytes < min(self.storages[i].nbytes for i in here) and name in position:  # a part of a bigger
+                # value (h[0]): the loss's gradient is the part's, until the view's backward makes the value's
+                seeds.append((self.storages[min(here)].device, position[name], end, info.nbytes))
+                parts.update(here)
+                continue
             if here & seeded:  # another output is a view of the same storage: its own gradient, from the loss
                 first = min(here, key=lambda i: self.storages[i].alloc)
                 seeds.append((self.storages[first].device, self.storages[first].alloc, end, info.nbytes))
             seeded.update(i for i in here if not self.storages[i].copied)
-        seeded.update(i for i, s in enumerate(self.storages) if s.held)  # on the outputs' device, a copy's too
+        seeded.update(  # on the outputs' device, a copy's too; not a value only a part of which is returned
+            i for i, s in enumerate(self.storages) if s.held and (i not in parts or i in seeded)
+        )
         for name in self.profile.repeated_outputs:  # (y, y): the loss's next one, added into the first at the start
             if self.profile.values[name].requires_grad:
                 seeds.append((self.returned_on, end, end, self.profile.values[name].nbytes))
