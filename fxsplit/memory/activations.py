@@ -263,9 +263,10 @@ def _reads(node: torch.fx.Node, by_node: dict[str, list[Weight]]) -> Iterator[st
 
 def _versioned_reads(
     costs: GraphCosts, by_node: dict[str, list[Weight]], values: dict[str, ValueMemory], written: dict[str, str]
-) -> tuple[tuple[str, ...], ...]:
+) -> tuple[tuple[tuple[str, ...], ...], dict[str, str]]:
     """Per op, the values it reads; a node read after an op wrote its tensor in place (``y.add_(h)`` traced by fx:
-    later ops read ``y``'s node) reads that op's version: one value read by several ops, not several reads of one."""
+    later ops read ``y``'s node) reads that op's version: one value read by several ops, not several reads of one.
+    And each written node -> its last version (what the graph's output reads when it returns that node)."""
     origin: dict[str, str] = {}  # a version -> the node that made the tensor
     newest: dict[str, str] = {}  # that node -> the op that wrote it last
     found = []
@@ -276,7 +277,7 @@ def _versioned_reads(
         if target is not None:
             origin[op.name] = first = origin.get(target, target)
             newest[first] = op.name
-    return tuple(found)
+    return tuple(found), newest
 
 
 def _profile(
@@ -298,7 +299,7 @@ def _profile(
         if fake is not None:
             values[weight.names[0]] = storages.value(fake)
             weight_names.add(weight.names[0])
-    reads = _versioned_reads(costs, by_node, values, recorder.written)
+    reads, newest = _versioned_reads(costs, by_node, values, recorder.written)
     saved: list[tuple[int, ...]] = []
     internal_saved: list[int] = []
     for i, op in enumerate(costs.ops):
@@ -310,8 +311,10 @@ def _profile(
     outputs: list[str] = []
     for arg in output.all_input_nodes:
         names = [w.names[0] for w in by_node.get(arg.name, ())] if arg.op == "get_attr" else [arg.name]
-        outputs.extend(n for n in names if n in values)
-    returned = Counter(leaf.name for leaf in tree_leaves(output.args) if isinstance(leaf, torch.fx.Node))
+        outputs.extend(newest.get(n, n) for n in names if n in values)  # fx: a node written in place, as written
+    returned = Counter(
+        newest.get(leaf.name, leaf.name) for leaf in tree_leaves(output.args) if isinstance(leaf, torch.fx.Node)
+    )
     return ActivationProfile(
         op_names=tuple(op.name for op in costs.ops),
         reads=reads,
