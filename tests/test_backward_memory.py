@@ -245,6 +245,21 @@ class PartReturnedBesideCat(nn.Module):
         return torch.cat([h * 3, c]), part
 
 
+class WrittenTwice(nn.Module):
+    """``v = h * 1.5; v.mul_(0.5); v.add_(h)``: the add hands the loss's gradient to ``h`` too, where it waits while
+    the in-place multiply's backward makes a new one for ``v``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = nn.Linear(48, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l0(x)
+        v = h * 1.5
+        v.mul_(0.5)
+        return v.add_(h)
+
+
 class ReturnedThrice(nn.Module):
     """``(y, y, y)`` returned: the loss gives each its own gradient, added one by one into the first as the backward
     starts (0.69 of the allocator on cpu:1 without the second)."""
@@ -287,6 +302,7 @@ CASES = {  # name -> (model, input, traces, devices[, budget per device as a par
     "a matmul of h and (h + 1).t()": (ScoresWithShifted, (64, 32), ("fx", "export"), 1),
     "a transposed view returned beside another output": (TransposedOutput, (8, 16, 96), ("fx", "export"), 1),
     "a part of a value returned beside a cat of it": (PartReturnedBesideCat, (16, 4, 32), ("fx", "export"), 1),
+    "written in place twice, the add handing its gradient on": (WrittenTwice, (8, 4, 48), ("fx", "export"), 1),
     "one value returned three times": (ReturnedThrice, (4, 8, 32), ("fx", "export"), 2, 0.95),
     "wide output": (lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4096)), (16, 64), ("fx",), 1),
 }

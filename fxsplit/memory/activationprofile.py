@@ -70,6 +70,9 @@ class ActivationProfile:
         items: the ops that take an item out of a tuple or list they read (``getitem``): no backward of their
             own, and no gradient of their own to add; the tuple's op's backward takes every item's gradient at
             once (``split``'s concatenates them, ``unbind``'s stacks them).
+        renewed: ``(i, k)``: op ``i`` shares a storage with op ``k``'s result (it writes it in place) and its backward
+            returns a new tensor as the gradient of ``k``'s result. Where the gradient ``i`` received was also handed
+            to another value (``v.add_(h)`` hands it to ``h`` too), that one waits while the new one lives.
         repeated_outputs: output name -> how many more times the graph returns it (``(y, y)``: 1). Each
             return gets a gradient of its own from the loss; they are added, one by one, into the first as the
             backward starts.
@@ -94,6 +97,7 @@ class ActivationProfile:
     items: frozenset[int] = frozenset()
     foreign_sums: Mapping[int, Mapping[int, int]] = field(default_factory=dict)
     repeated_outputs: Mapping[str, int] = field(default_factory=dict)
+    renewed: tuple[tuple[int, int], ...] = ()
 
     def accumulating(self) -> ActivationProfile:
         """This profile for a backward that adds each weight's gradient to a ``.grad`` that exists."""

@@ -334,8 +334,22 @@ def _profile(
         items=frozenset(recorder.items),
         foreign_sums={op: dict(sums) for op, sums in recorder.allocations.foreign.items()} if training else {},
         repeated_outputs={name: times - 1 for name, times in returned.items() if times > 1 and name in values},
+        renewed=_renewed(costs, recorder) if training else (),
         training=training,
     )
+
+
+def _renewed(costs: GraphCosts, recorder: _Recorder) -> tuple[tuple[int, int], ...]:
+    """``(i, k)``: op ``i``'s result shares a storage with op ``k``'s and its backward returns a new tensor for
+    ``k``'s (:attr:`~fxsplit.memory.activationprofile.ActivationProfile.renewed`)."""
+    found = []
+    for i, returned in sorted(recorder.allocations.fresh.items()):
+        mine = recorder.results.get(costs.ops[i].name)
+        for k in sorted(returned):
+            theirs = recorder.results.get(costs.ops[k].name)
+            if mine and theirs and set(mine.storages) & set(theirs.storages):
+                found.append((i, k))
+    return tuple(found)
 
 
 def _backward_internal(

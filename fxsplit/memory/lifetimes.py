@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
 from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
-from fxsplit.memory.gradsums import foreign_sums, handed_from, one_tensor
+from fxsplit.memory.gradsums import foreign_sums, handed_from, one_tensor, renewed_apart
 from fxsplit.memory.viewgrads import waiting_views
 from fxsplit.memory.weightgrads import Replicas, held_weight_gradients, weight_contributions
 
@@ -197,6 +197,7 @@ class _Walk:
 
         end, seeds, seeded, parts = len(self.profile.op_names), [], set[int](), set[int]()
         handed: dict[int, int] = {}  # a storage whose gradient is handed on -> the earliest op it is handed to
+        handed_by: dict[int, int] = {}  # a storage given a gradient handed on -> the last op to hand it one
         position = {name: op for op, name in enumerate(self.profile.op_names)}
         for name in dict.fromkeys(self.profile.outputs):
             info = self.profile.values[name]
@@ -227,16 +228,28 @@ class _Walk:
                     if j not in seeded or find(j) == find(i):
                         parent[find(j)] = find(i)
                         handed[i] = min(handed.get(i, self.storages[i].alloc), self.storages[j].alloc)
+                        handed_by[j] = max(handed_by.get(j, -1), op)
         groups: dict[int, list[tuple[int, int, int]]] = {}
+        members: dict[int, list[tuple[int, int, int]]] = {}
         for index, s in enumerate(self.storages):
             last = max(s.last_op, end) if index in seeded else s.last_op
             if s.requires_grad and (last > s.alloc or s.copied):  # a copy's: made by its reader's backward
                 groups.setdefault(find(index), []).append((handed.get(index, s.alloc), last, s.nbytes))
+                members.setdefault(find(index), []).append(
+                    (index, handed.get(index, s.alloc), last, handed_by.get(index, -1))
+                )
         found = [
             (self.storages[root].device, first, last, nbytes)
             for root, spans in groups.items()
             for first, last, nbytes in one_tensor(spans)
         ]
+        renewals = [
+            (find(index), index, op, self.storages[index].alloc, self.storages[index].nbytes)
+            for op, other in self.profile.renewed
+            for index in self.on.get((self.profile.op_names[other], self.device_of[other]), {}).values()
+            if index is not None and len(members.get(find(index), ())) > 1
+        ]
+        found += [(self.storages[i].device, a, b, n) for i, a, b, n in renewed_apart(renewals, members)]
         return found + seeds
 
     def contributions(self, weights: bool = True) -> list[tuple[Hashable, int, int, int]]:
