@@ -40,6 +40,7 @@ from typing import Hashable, Mapping, Sequence
 
 from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
 from fxsplit.memory.gradsums import foreign_sums, handed_from, one_tensor, renewed_apart
+from fxsplit.memory.outputgrads import loss_gradients
 from fxsplit.memory.viewgrads import waiting_views
 from fxsplit.memory.weightgrads import Replicas, held_weight_gradients, weight_contributions
 
@@ -195,30 +196,10 @@ class _Walk:
                 i = parent[i]
             return i
 
-        end, seeds, seeded, parts = len(self.profile.op_names), [], set[int](), set[int]()
+        end = len(self.profile.op_names)
+        seeds, seeded = loss_gradients(self.profile, self.on, self.home, self.storages, self.returned_on)
         handed: dict[int, int] = {}  # a storage whose gradient is handed on -> the earliest op it is handed to
         handed_by: dict[int, int] = {}  # a storage given a gradient handed on -> the last op to hand it one
-        position = {name: op for op, name in enumerate(self.profile.op_names)}
-        for name in dict.fromkeys(self.profile.outputs):
-            info = self.profile.values[name]
-            here = {i for i in self.on.get((name, self.home[name]), {}).values() if i is not None}
-            if not info.requires_grad or not here:
-                continue
-            if info.nbytes < min(self.storages[i].nbytes for i in here) and name in position:  # a part of a bigger
-                # value (h[0]): the loss's gradient is the part's, until the view's backward makes the value's
-                seeds.append((self.storages[min(here)].device, position[name], end, info.nbytes))
-                parts.update(here)
-                continue
-            if here & seeded:  # another output is a view of the same storage: its own gradient, from the loss
-                first = min(here, key=lambda i: self.storages[i].alloc)
-                seeds.append((self.storages[first].device, self.storages[first].alloc, end, info.nbytes))
-            seeded.update(i for i in here if not self.storages[i].copied)
-        seeded.update(  # on the outputs' device, a copy's too; not a value only a part of which is returned
-            i for i, s in enumerate(self.storages) if s.held and (i not in parts or i in seeded)
-        )
-        for name in self.profile.repeated_outputs:  # (y, y): the loss's next one, added into the first at the start
-            if self.profile.values[name].requires_grad:
-                seeds.append((self.returned_on, end, end, self.profile.values[name].nbytes))
         for op, other in self.profile.grad_passthrough:
             device = self.device_of[op]
             mine = [i for i in self.on.get((self.profile.op_names[op], device), {}).values() if i is not None]
@@ -229,19 +210,16 @@ class _Walk:
                         parent[find(j)] = find(i)
                         handed[i] = min(handed.get(i, self.storages[i].alloc), self.storages[j].alloc)
                         handed_by[j] = max(handed_by.get(j, -1), op)
-        groups: dict[int, list[tuple[int, int, int]]] = {}
-        members: dict[int, list[tuple[int, int, int]]] = {}
+        members: dict[int, list[tuple[int, int, int, int]]] = {}  # group -> (storage, first, last, handed by)
         for index, s in enumerate(self.storages):
             last = max(s.last_op, end) if index in seeded else s.last_op
             if s.requires_grad and (last > s.alloc or s.copied):  # a copy's: made by its reader's backward
-                groups.setdefault(find(index), []).append((handed.get(index, s.alloc), last, s.nbytes))
-                members.setdefault(find(index), []).append(
-                    (index, handed.get(index, s.alloc), last, handed_by.get(index, -1))
-                )
+                span = (index, handed.get(index, s.alloc), last, handed_by.get(index, -1))
+                members.setdefault(find(index), []).append(span)
         found = [
             (self.storages[root].device, first, last, nbytes)
-            for root, spans in groups.items()
-            for first, last, nbytes in one_tensor(spans)
+            for root, spans in members.items()
+            for first, last, nbytes in one_tensor([(a, b, self.storages[i].nbytes) for i, a, b, _ in spans])
         ]
         renewals = [
             (find(index), index, op, self.storages[index].alloc, self.storages[index].nbytes)
