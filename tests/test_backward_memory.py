@@ -260,6 +260,34 @@ class WrittenTwice(nn.Module):
         return v.add_(h)
 
 
+class SliceBesideTranspose(nn.Module):
+    """``h.t() @ h[..., :24]``: the slice's gradient waits beside the transpose's, a gradient of all of ``h``, from
+    the matmul's backward until the slice's own (0.947 of the allocator when the one gradient of ``h`` stood for
+    both)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = nn.Linear(48, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l0(x)
+        return h.transpose(-1, -2) @ h[..., :24]
+
+
+class ChunkBesideScores(nn.Module):
+    """``softmax(c @ c.t()) @ chunk(c, 2)[0]``: the item's gradient waits from the last matmul's backward until
+    ``chunk``'s, beside the two of all of ``c`` that the first matmul makes (0.886 of the allocator without)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = nn.Linear(48, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = torch.cat([self.l0(x), x, self.l0(x)], dim=-1)
+        v = torch.chunk(c, 2, dim=2)[0]
+        return torch.softmax(c @ c.transpose(-1, -2) / 8.0, dim=-1) @ v
+
+
 class ReturnedThrice(nn.Module):
     """``(y, y, y)`` returned: the loss gives each its own gradient, added one by one into the first as the backward
     starts (0.69 of the allocator on cpu:1 without the second)."""
@@ -303,6 +331,8 @@ CASES = {  # name -> (model, input, traces, devices[, budget per device as a par
     "a transposed view returned beside another output": (TransposedOutput, (8, 16, 96), ("fx", "export"), 1),
     "a part of a value returned beside a cat of it": (PartReturnedBesideCat, (16, 4, 32), ("fx", "export"), 1),
     "written in place twice, the add handing its gradient on": (WrittenTwice, (8, 4, 48), ("fx", "export"), 1),
+    "a slice of h beside its transpose": (SliceBesideTranspose, (4, 8, 48), ("fx", "export"), 1),
+    "an item of chunk(c) waiting beside c's gradients": (ChunkBesideScores, (4, 8, 48), ("fx", "export"), 1),
     "one value returned three times": (ReturnedThrice, (4, 8, 32), ("fx", "export"), 2, 0.95),
     "wide output": (lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4096)), (16, 64), ("fx",), 1),
 }

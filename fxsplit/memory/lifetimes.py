@@ -101,6 +101,10 @@ class _Walk:
         self.device_of: dict[int, Hashable] = {}
         self.returned_on: Hashable = None  # the device the outputs are returned on
         self.sent: set[tuple[str, Hashable]] = set()  # copies whose gradient goes home (a reader sends one back)
+        self.items_of: dict[str, list[int]] = {}  # a tuple's name -> the ops that take an item out of it
+        for op in sorted(profile.items):
+            for name in profile.reads[op][:1]:
+                self.items_of.setdefault(name, []).append(op)
 
     def _new(self, device: Hashable, nbytes: int, position: int, requires_grad: bool, copied: bool = False) -> int:
         self.storages.append(_Storage(device, nbytes, position, position, position, requires_grad, copied=copied))
@@ -275,7 +279,7 @@ class _Walk:
                     for op in order[:-1]
                     if made.get(op, op) < end
                 )
-                waiting = waiting_views(self.profile, self.readers, name, device, readers)
+                waiting = waiting_views(self.profile, self.readers, name, device, readers, self.items_of)
                 found.extend((device, first, last, nbytes) for first, last, nbytes in waiting)
         if weights:
             found += [

@@ -14,7 +14,7 @@ copy's reader on another device reads it at its home too).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Collection, Hashable, Mapping
+from typing import TYPE_CHECKING, Collection, Hashable, Mapping, Sequence
 
 if TYPE_CHECKING:
     from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
@@ -22,13 +22,22 @@ if TYPE_CHECKING:
 __all__ = ["waiting_views"]
 
 Readers = Mapping[tuple[str, Hashable], Collection[int]]
+ItemsOf = Mapping[str, Sequence[int]]  # a tuple's name -> the ops that take items out of it
 
 
 def waiting_views(
-    profile: ActivationProfile, readers: Readers, name: str, device: Hashable, read_by: Collection[int]
+    profile: ActivationProfile,
+    readers: Readers,
+    name: str,
+    device: Hashable,
+    read_by: Collection[int],
+    items_of: ItemsOf | None = None,
 ) -> list[tuple[int, int, int]]:
     """``(first, last, nbytes)`` on ``device`` of each view's gradient waiting beside the gradient of ``name``
-    (read there by the ops ``read_by``) that its views are adding up; none when fewer than two views read it.
+    (read there by the ops ``read_by``) that its views are adding up. The last view in op order waits only beside a
+    gradient of all of the value that another reader sends (a full view's, as ``h.t()``'s; another op's); before
+    that the simulation's one gradient of the value stands for it. ``items_of``: a tuple's name -> the ops taking
+    items out of it (``chunk``'s items, read one by one, are one partial view of the value).
 
     >>> from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
     >>> h, view = ValueMemory(48, (1,), True), ValueMemory(16, (1,), True)
@@ -40,28 +49,81 @@ def waiting_views(
     >>> waiting_views(profile, readers, "h", 0, [1, 2, 3])  # q waits through k's and v's backward, k through v's
     [(2, 3, 16), (3, 3, 16)]
     """
-    read = profile.values[name]
-    views = sorted(op for op in read_by if _partial_view(profile, op, read))
+    read, items_of = profile.values[name], items_of or {}
+    sizes = {op: nbytes for op in read_by if (nbytes := _part_bytes(profile, readers, items_of, op, read, device))}
+    views = sorted(sizes)
+    if not views:
+        return []
     found = []
     for op in views[:-1]:
-        arrives = _arrival(profile, readers, profile.op_names[op], device)
+        arrives = _view_arrival(profile, readers, items_of, op, device)
         if arrives > op:
-            found.append((op + 1, min(arrives, views[-1]), profile.values[profile.op_names[op]].nbytes))
+            found.append((op + 1, min(arrives, views[-1]), sizes[op]))
+    last = views[-1]  # beside another reader's gradient of all of the value (h.t() @ h[..., :24]), the last waits too
+    whole = _whole(profile, readers, read_by, read, sizes, device)
+    arrives = min(_view_arrival(profile, readers, items_of, last, device), whole)
+    if arrives > last:
+        found.append((last + 1, arrives, sizes[last]))
     return found
 
 
-def _partial_view(profile: ActivationProfile, op: int, read: ValueMemory) -> bool:
-    """Whether op ``op``'s result is a smaller view of ``read`` with a backward of its own (not an item of a tuple,
-    whose op's backward takes every item's gradient at once; not written in place) whose gradient autograd needs."""
+def _whole(
+    profile: ActivationProfile,
+    readers: Readers,
+    read_by: Collection[int],
+    read: ValueMemory,
+    views: Collection[int],
+    device: Hashable,
+) -> int:
+    """Where the first gradient of all of a value arrives from one of its readers ``read_by`` that is not a partial
+    view (``views``): a full view's (a transpose, handed on as is) where its own arrives; another op's at its
+    backward; -1 if none sends one."""
+    names, values, found = profile.op_names, profile.values, -1
+    for op in read_by:
+        result = values.get(names[op])
+        if (result is not None and not result.requires_grad) or op in views or op in profile.items:
+            continue
+        viewed = result is not None and op not in profile.in_place and set(read.storages) & set(result.storages)
+        found = max(found, _arrival(profile, readers, names[op], device) if viewed else op)
+    return found
+
+
+def _part_bytes(
+    profile: ActivationProfile, readers: Readers, items_of: ItemsOf, op: int, read: ValueMemory, device: Hashable
+) -> int:
+    """Bytes of the gradient op ``op``'s result gets if it is a smaller view of ``read`` with a backward of its own
+    (not written in place) whose gradient autograd needs, else 0. A tuple of views (``chunk``, ``split``) read
+    through its items gets those of the items some op reads (the rest get none), and its backward takes them all
+    at once."""
     result = profile.values.get(profile.op_names[op])
-    return (
-        result is not None
-        and result.requires_grad
-        and result.nbytes < read.nbytes
-        and op not in profile.in_place
-        and op not in profile.items
-        and bool(set(result.storages) & set(read.storages))
+    if result is None or not result.requires_grad or op in profile.in_place or op in profile.items:
+        return 0
+    if not set(result.storages) & set(read.storages):
+        return 0
+    taken = items_of.get(profile.op_names[op])
+    nbytes = (
+        result.nbytes
+        if taken is None
+        else sum(
+            _item(profile, i).nbytes
+            for i in taken
+            if _item(profile, i).requires_grad and _arrival(profile, readers, profile.op_names[i], device) >= 0
+        )
     )
+    return nbytes if nbytes < read.nbytes else 0
+
+
+def _item(profile: ActivationProfile, op: int) -> ValueMemory:
+    return profile.values[profile.op_names[op]]
+
+
+def _view_arrival(profile: ActivationProfile, readers: Readers, items_of: ItemsOf, op: int, device: Hashable) -> int:
+    """Where the gradient of a partial view (op ``op``'s result) arrives; a tuple's, where its items' last does."""
+    name = profile.op_names[op]
+    taken = items_of.get(name)
+    if taken is None:
+        return _arrival(profile, readers, name, device)
+    return max((_arrival(profile, readers, profile.op_names[item], device) for item in taken), default=-1)
 
 
 def _arrival(profile: ActivationProfile, readers: Readers, name: str, device: Hashable) -> int:
