@@ -87,6 +87,8 @@ class _Recorder(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.current = self.op_index.get(n.name, -1)
+        if self.current >= 0:
+            self._adopt_views(n)
         self.allocations.start()
         value = super().run_node(n)
         if n.op == "placeholder":
@@ -106,6 +108,15 @@ class _Recorder(torch.fx.Interpreter):
                     self.written[n.name] = written.name
         self.current = -1
         return value
+
+    def _adopt_views(self, n: torch.fx.Node) -> None:
+        """A view whose base was written in place since it was made gets a new autograd node when next read: still
+        the view's op's (else the first op to read it would own it, and an add reading it too would seem to hand
+        its gradient on to that op's result)."""
+        for node in n.all_input_nodes:
+            tensor = self.env.get(node)
+            if isinstance(tensor, torch.Tensor) and tensor._base is not None and node.name in self.op_index:
+                self.allocations.claim(tensor, self.op_index[node.name], adding=True)
 
     def backward(self, outputs: Any) -> None:
         """Run the backward as a loss starts it (:mod:`fxsplit.memory.seed`), measuring each op's as one episode."""

@@ -100,14 +100,19 @@ class Allocations(TorchDispatchMode):
         self._prune()
         return max(0, self.peak - sum(self.live.values()))
 
-    def claim(self, value: Any, op: int) -> None:
-        """The autograd nodes that ``value``'s computation created belong to op ``op``."""
+    def claim(self, value: Any, op: int, adding: bool = False) -> None:
+        """The autograd nodes that ``value``'s computation created belong to op ``op`` (``adding``: more of them,
+        found since its own ran)."""
         owners = self.backward_ops
         stack: list[Any] = [
             t.grad_fn for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.grad_fn is not None
         ]
-        self.roots[op] = {fn for fn in stack if fn not in owners}
-        for fn in self.roots[op]:
+        roots = {fn for fn in stack if fn not in owners}
+        if adding:
+            self.roots.setdefault(op, set()).update(roots)
+        else:
+            self.roots[op] = roots
+        for fn in roots:
             fn.register_prehook(functools.partial(self._arriving, op, fn))
         while stack:
             fn = stack.pop()
