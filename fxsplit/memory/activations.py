@@ -351,10 +351,12 @@ def _profile(
 
 
 def _renewed(costs: GraphCosts, recorder: _Recorder) -> tuple[tuple[int, int], ...]:
-    """``(i, k)``: op ``i``'s result shares a storage with op ``k``'s and its backward returns a new tensor for
-    ``k``'s (:attr:`~fxsplit.memory.activationprofile.ActivationProfile.renewed`)."""
+    """``(i, k)``: op ``i`` writes op ``k``'s result in place (they share a storage) and its backward returns a new
+    tensor for ``k``'s (:attr:`~fxsplit.memory.activationprofile.ActivationProfile.renewed`)."""
     found = []
     for i, returned in sorted(recorder.allocations.fresh.items()):
+        if costs.ops[i].name not in recorder.written:  # a view's backward makes its base's gradient anew too:
+            continue  # counted where the view's gradient waits (viewgrads)
         mine = recorder.results.get(costs.ops[i].name)
         for k in sorted(returned):
             theirs = recorder.results.get(costs.ops[k].name)
