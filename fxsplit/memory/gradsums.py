@@ -96,8 +96,9 @@ def handed_from(
 ) -> dict[int, int]:
     """Reader -> where the gradient it sends a value is made, for the readers ``passing`` that hand on their
     result's gradient as is (an add, a transpose): at the backward of their result's last reader on ``device``,
-    followed through readers that hand it on as is too (``passed``: op name -> such readers), not their own; from
-    the start of the backward when one of them is an output (``(h.t(), h * 2)`` returned).
+    followed through readers that hand it on as is too (``passed``: op name -> such readers) or write it in place
+    (``c = h.clone(); c.relu_()``: ``c``'s gradient arrives from the readers of the written version), not their own;
+    from the start of the backward when one of them is an output (``(h.t(), h * 2)`` returned).
     ``(h + 1) * h``: the gradient the add passes to ``h`` is made by the multiply's backward, beside the one it makes
     for ``h`` (0.84 of the allocator when counted at the add only); ``h @ (h + 1).t()``: by the matmul's, through
     the transpose.
@@ -118,7 +119,7 @@ def handed_from(
                 last = len(names)
             for reader in readers.get((here, device), ()):
                 last = max(last, reader)
-                if reader in passed.get(here, ()) and reader not in seen:
+                if (reader in passed.get(here, ()) or _writes(profile, reader, here)) and reader not in seen:
                     seen.add(reader)
                     stack.append(reader)
         found[op] = last
@@ -154,3 +155,12 @@ def renewed_apart(
         if overlaps:
             found.append((storage, min(a for a, _ in overlaps), max(b for _, b in overlaps), nbytes))
     return found
+
+
+def _writes(profile: ActivationProfile, op: int, name: str) -> bool:
+    """Whether op ``op`` writes the value ``name`` in place: its later readers read the written version, and the
+    gradient of ``name``'s storage arrives from theirs."""
+    if op not in profile.in_place:
+        return False
+    result, read = profile.values.get(profile.op_names[op]), profile.values.get(name)
+    return result is not None and read is not None and bool(set(result.storages) & set(read.storages))
