@@ -41,7 +41,7 @@ from typing import Hashable, Mapping, Sequence
 from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
 from fxsplit.memory.gradsums import foreign_sums, handed_from, one_tensor, renewed_apart
 from fxsplit.memory.outputgrads import loss_gradients
-from fxsplit.memory.viewgrads import waiting_views
+from fxsplit.memory.viewgrads import partial_views, waiting_views
 from fxsplit.memory.weightgrads import Replicas, held_weight_gradients, weight_contributions
 
 __all__ = ["ActivationProfile", "Simulated", "ValueMemory", "simulate"]
@@ -265,8 +265,18 @@ class _Walk:
                 if (names[op] not in values or values[names[op]].requires_grad) and op not in self.profile.items
             ]
             if name in outputs and device in (self.home[name], self.returned_on):  # the loss's arrives first (the
-                # caller holds the output there, a copy on the outputs' device): each reader's there adds into it
-                found.extend((device, op, self._made_from(op, info, device), info.nbytes) for op in readers)
+                # caller holds the output there, a copy on the outputs' device): each reader's there adds into it;
+                # a partial view's waits at its own size until its backward (h[..., :12] or an item of split(h))
+                parts = partial_views(self.profile, self.readers, name, device, readers, self.items_of)
+                found.extend(
+                    (device, op, op if op in parts else self._made_from(op, info, device), info.nbytes)
+                    for op in readers
+                )
+                if parts:
+                    waiting = waiting_views(
+                        self.profile, self.readers, name, device, readers, self.items_of, len(names)
+                    )
+                    found.extend((device, first, last, nbytes) for first, last, nbytes in waiting)
             elif len(readers) > 1:
                 made = handed_from(self.profile, self.readers, device, passed.get(name, ()), passed)
                 # the first to arrive is the one made first in the backward (an output's, handed on through a

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Collection, Hashable, Mapping, Sequence
 if TYPE_CHECKING:
     from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
 
-__all__ = ["waiting_views"]
+__all__ = ["partial_views", "waiting_views"]
 
 Readers = Mapping[tuple[str, Hashable], Collection[int]]
 ItemsOf = Mapping[str, Sequence[int]]  # a tuple's name -> the ops that take items out of it
@@ -32,12 +32,14 @@ def waiting_views(
     device: Hashable,
     read_by: Collection[int],
     items_of: ItemsOf | None = None,
+    whole_from: int = -1,
 ) -> list[tuple[int, int, int]]:
     """``(first, last, nbytes)`` on ``device`` of each view's gradient waiting beside the gradient of ``name``
     (read there by the ops ``read_by``) that its views are adding up. The last view in op order waits only beside a
-    gradient of all of the value that another reader sends (a full view's, as ``h.t()``'s; another op's); before
-    that the simulation's one gradient of the value stands for it. ``items_of``: a tuple's name -> the ops taking
-    items out of it (``chunk``'s items, read one by one, are one partial view of the value).
+    gradient of all of the value that another reader sends (a full view's, as ``h.t()``'s; another op's) or that
+    arrives from ``whole_from`` (an output's, the loss's: from the start); before that the simulation's one
+    gradient of the value stands for it. ``items_of``: a tuple's name -> the ops taking items out of it
+    (``chunk``'s items, read one by one, are one partial view of the value).
 
     >>> from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
     >>> h, view = ValueMemory(48, (1,), True), ValueMemory(16, (1,), True)
@@ -50,21 +52,35 @@ def waiting_views(
     [(2, 3, 16), (3, 3, 16)]
     """
     read, items_of = profile.values[name], items_of or {}
-    sizes = {op: nbytes for op in read_by if (nbytes := _part_bytes(profile, readers, items_of, op, read, device))}
+    sizes = partial_views(profile, readers, name, device, read_by, items_of)
     views = sorted(sizes)
     if not views:
         return []
     found = []
-    for op in views[:-1]:
-        arrives = _view_arrival(profile, readers, items_of, op, device)
+    whole = max(_whole(profile, readers, read_by, read, sizes, device), whole_from)
+    for op in views[:-1]:  # beside the sum so far, from the first view's backward (the last view's), or a whole one
+        arrives = min(_view_arrival(profile, readers, items_of, op, device), max(views[-1], whole))
         if arrives > op:
-            found.append((op + 1, min(arrives, views[-1]), sizes[op]))
-    last = views[-1]  # beside another reader's gradient of all of the value (h.t() @ h[..., :24]), the last waits too
-    whole = _whole(profile, readers, read_by, read, sizes, device)
+            found.append((op + 1, arrives, sizes[op]))
+    last = views[-1]  # beside a gradient of all of the value from another reader (h.t() @ h[..., :24]) or the loss
     arrives = min(_view_arrival(profile, readers, items_of, last, device), whole)
     if arrives > last:
         found.append((last + 1, arrives, sizes[last]))
     return found
+
+
+def partial_views(
+    profile: ActivationProfile,
+    readers: Readers,
+    name: str,
+    device: Hashable,
+    read_by: Collection[int],
+    items_of: ItemsOf | None = None,
+) -> dict[int, int]:
+    """The readers of ``name`` (of ``read_by``, on ``device``) that are partial views of it -> the bytes of the
+    gradient each gets (a tuple's: its items' that some op reads)."""
+    read, items_of = profile.values[name], items_of or {}
+    return {op: nbytes for op in read_by if (nbytes := _part_bytes(profile, readers, items_of, op, read, device))}
 
 
 def _whole(
