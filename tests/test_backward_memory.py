@@ -14,8 +14,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxsplit
+from fxsplit.codegen.emitter import emit, move_weights
+from fxsplit.cost.build import build_problem
+from fxsplit.memory.activations import profile_activations
 from fxsplit.memory.allocmeter import allocated_peaks
 from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory, simulate
+from fxsplit.options import Budgets
+from fxsplit.partition.result import Partition
+from fxsplit.planning.build import make_plan
+from fxsplit.tracing.capture import trace
 
 
 class InPlaceResidual(nn.Module):
@@ -757,3 +764,47 @@ class CloneWrittenSentOn(nn.Module):
 def test_a_clone_written_in_place_gets_its_gradient_from_the_readers_of_the_write(trace: str) -> None:
     torch.manual_seed(0)
     _pinned_against_allocator(CloneWrittenSentOn(), torch.randn(12, 8, 64), {"a": "cpu:0", "b": "cpu:1"}, trace)
+
+
+class StackBesideSent(nn.Module):
+    """``v`` is read on another device (``mean``, ``mul``) and by ``stack`` beside it, on its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l0(x)
+        s = torch.softmax(x @ h.transpose(-1, -2) / 8.0, dim=-1)
+        v = torch.matmul(s, x).permute(0, 2, 1)
+        return torch.stack([v, v * v.mean(-1, keepdim=True)])
+
+
+def test_a_sum_into_a_view_of_stacks_gradient_made_where_the_value_lives() -> None:
+    """``stack``'s backward hands its gradient to both inputs as views of one tensor; the multiply's gradient for
+    ``v`` is added to ``v``'s view out of place. With the multiply on another device, that sum is made on ``v``'s
+    device as the copy's gradient comes home: the meter took the view for the multiply's own (the storage's last
+    recipient) and recorded no sum (0.857 of the allocator on cpu:0, found by the random-graph fuzzer)."""
+    torch.manual_seed(0)
+    model, x = StackBesideSent().train(), torch.randn(16, 8, 64)
+    traced = trace(model, example_inputs=(x,), mode="fx")
+    devices = {"cpu:0": 0, "cpu:1": 1}
+    costs = build_problem(traced.graph_module, model, device_index=devices)
+    names = costs.problem.op_names
+    away = {"softmax", "mean", "mul"}  # the placement the partitioner chose at one budget, out of stage order
+    op_devices = tuple(1 if name in away else 0 for name in names)
+    profile = profile_activations(traced.graph_module, costs, training=True)
+    assert profile is not None
+    assert profile.foreign_sums.get(names.index("mul")) == {names.index("permute"): 16 * 8 * 64 * 4}
+    budgets = Budgets({"cpu:0": 1 << 30, "cpu:1": 1 << 30})
+    solution = Partition(op_devices, 0, (0, 0))
+    made = make_plan(costs, traced.graph_module, solution, budgets, output_device=None, trace="fx", objective="min_transfer")
+    simulated = simulate(profile, [made.placement[name] for name in names], {"x": "cpu:0"}, made.output_device)
+    move_weights(traced.graph_module, made, costs.weights + costs.unused)
+    split = emit(traced.graph_module, made)
+    for parameter in split.parameters():
+        parameter.grad = None
+    allocated = allocated_peaks(split, x, backward=True)
+    for device in ("cpu:0", "cpu:1"):
+        planned = max(simulated.forward[device], simulated.backward[device])
+        assert allocated[device] - 64 <= planned <= allocated[device] * 1.02, (device, simulated, allocated)

@@ -186,7 +186,11 @@ class Allocations(TorchDispatchMode):
         into = args[0]
         if not _sole(into) or into.shape != out.shape or args[1] is into:  # one tensor twice: held by two
             handed = self._handed_on.get(StorageWeakRef(into.untyped_storage()))
-            if handed is None or handed[1].expired() or handed[0] == self._episode:
+            if handed is None or handed[1].expired():
+                return False
+            exact = self._handed_tensors.get(id(into))  # the view handed to this op (views share the storage:
+            target = exact[0] if exact is not None and exact[1]() is into else handed[0]  # stack's, to each input)
+            if target == self._episode:
                 return False
             # into the gradient of another op's result, handed on by a third (the simulation's gradient of that
             # result, which it sums in place): the new sum is more while both summands live
@@ -196,8 +200,6 @@ class Allocations(TorchDispatchMode):
             self.seen.add(ref)
             nbytes = self.scale(out.untyped_storage().nbytes(), out.dtype)
             self._made[ref] = [nbytes, self._step, self._step + 1, 0, -1]
-            exact = self._handed_tensors.get(id(into))  # the view handed to this op (views share the storage)
-            target = exact[0] if exact is not None and exact[1]() is into else handed[0]
             sums = self.foreign.setdefault(self._episode, {}) if self._episode is not None else {}
             sums[target] = max(sums.get(target, 0), nbytes)
             return True
