@@ -41,7 +41,7 @@ from typing import Hashable, Mapping, Sequence
 from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
 from fxsplit.memory.gradsums import foreign_sums, handed_from, one_tensor, renewed_apart
 from fxsplit.memory.outputgrads import loss_gradients
-from fxsplit.memory.viewgrads import partial_views, waiting_views
+from fxsplit.memory.viewgrads import partial_views, tuple_items, waiting_views
 from fxsplit.memory.weightgrads import Replicas, held_weight_gradients, weight_contributions
 
 __all__ = ["ActivationProfile", "Simulated", "ValueMemory", "simulate"]
@@ -101,10 +101,8 @@ class _Walk:
         self.device_of: dict[int, Hashable] = {}
         self.returned_on: Hashable = None  # the device the outputs are returned on
         self.sent: set[tuple[str, Hashable]] = set()  # copies whose gradient goes home (a reader sends one back)
-        self.items_of: dict[str, list[int]] = {}  # a tuple's name -> the ops that take an item out of it
-        for op in sorted(profile.items):
-            for name in profile.reads[op][:1]:
-                self.items_of.setdefault(name, []).append(op)
+        self.items_of = tuple_items(profile)  # a tuple's name -> the ops that take an item out of it
+        self.copies: dict[int, set[tuple[str, Hashable]]] = {}  # storage id -> the copies made of values holding it
 
     def _new(self, device: Hashable, nbytes: int, position: int, requires_grad: bool, copied: bool = False) -> int:
         self.storages.append(_Storage(device, nbytes, position, position, position, requires_grad, copied=copied))
@@ -132,6 +130,8 @@ class _Walk:
             else:  # a copy from the value's home, made right before its first reader here
                 self.place(name, home, position, is_op, only)
                 found = dict.fromkeys(info.storages, self._new(device, info.nbytes, position, info.requires_grad, True))
+                for key in info.storages:
+                    self.copies.setdefault(key, set()).add((name, device))
                 if is_op and self._sends_gradient(position):
                     self.sent.add((name, device))
             self.on[(name, device)] = found
@@ -169,6 +169,10 @@ class _Walk:
                     else self._new(device, profile.storage_bytes[key], op, result.requires_grad)
                 )
         self.on[(profile.op_names[op], device)] = own
+        for key in result.storages if result is not None and op in profile.in_place else ():  # written in place:
+            for copy in [c for c in self.copies.pop(key, ()) if c[1] != device]:  # a reader elsewhere after this
+                self.on.pop(copy, None)  # gets a new copy, as the generated code makes
+                self.sent.discard(copy)
         for key in profile.per_op("saved")[op]:
             for index in [own[key]] if key in own else read.get(key, []):
                 if index is not None:

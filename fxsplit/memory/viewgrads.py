@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Collection, Hashable, Mapping, Sequence
 if TYPE_CHECKING:
     from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
 
-__all__ = ["partial_views", "waiting_views"]
+__all__ = ["partial_views", "tuple_items", "waiting_views"]
 
 Readers = Mapping[tuple[str, Hashable], Collection[int]]
 ItemsOf = Mapping[str, Sequence[int]]  # a tuple's name -> the ops that take items out of it
@@ -66,6 +66,15 @@ def waiting_views(
     arrives = min(_view_arrival(profile, readers, items_of, last, device), whole)
     if arrives > last:
         found.append((last + 1, arrives, sizes[last]))
+    return found
+
+
+def tuple_items(profile: ActivationProfile) -> dict[str, list[int]]:
+    """A tuple's name -> the ops that take an item out of it (:attr:`ActivationProfile.items`), in op order."""
+    found: dict[str, list[int]] = {}
+    for op in sorted(profile.items):
+        for name in profile.reads[op][:1]:
+            found.setdefault(name, []).append(op)
     return found
 
 
