@@ -4,6 +4,8 @@
   each position the tensor is as big as the largest storage alive there.
 * :func:`handed_from`: what an op hands on as is (an add, a transpose) was made further on, by the backward of
   the op that reads its result.
+* :func:`apart_receivers`: a gradient handed on as is to several values, one of which has a gradient already,
+  is added into that one, which stays a tensor apart.
 * :func:`renewed_apart`: below an in-place op whose backward makes a new gradient for the storage it wrote, that
   gradient is a tensor apart from the one handed on to another value, which waits there still.
 * :func:`foreign_sums`: a sum made out of place into the gradient of a value read on another device happens on
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Collection, Hashable, Mapping
 if TYPE_CHECKING:
     from fxsplit.memory.activationprofile import ActivationProfile
 
-__all__ = ["foreign_sums", "handed_from", "one_tensor", "renewed_apart"]
+__all__ = ["apart_receivers", "foreign_sums", "handed_from", "one_tensor", "renewed_apart"]
 
 
 def one_tensor(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -164,3 +166,43 @@ def _writes(profile: ActivationProfile, op: int, name: str) -> bool:
         return False
     result, read = profile.values.get(profile.op_names[op]), profile.values.get(name)
     return result is not None and read is not None and bool(set(result.storages) & set(read.storages))
+
+
+def apart_receivers(
+    profile: ActivationProfile,
+    readers: Mapping[tuple[str, Hashable], Collection[int]],
+    device_of: Mapping[int, Hashable],
+) -> set[tuple[int, int]]:
+    """``(op, other)`` of :attr:`~fxsplit.memory.activationprofile.ActivationProfile.grad_passthrough` where the
+    gradient ``op``'s backward hands on as is, to several values, is summed with another gradient of ``other``
+    while another recipient still holds it (its backward comes later than that other gradient): the sum is not
+    the tensor handed on, so ``other``'s gradient is a tensor of its own from there, not one with theirs. Handed
+    into a gradient already there, it is added in place into that one; met by one arriving later, the sum is made
+    out of place. ``v3 + sdpa(q, k, v3)`` returned, the attention's result also read by a softmax: 0.958 of the
+    allocator when the attention's gradient was taken to be the one the add hands ``v3``. A residual stream
+    ``h + f(h)`` stays one tensor: ``f``'s last op has taken its gradient before ``f``'s first adds to ``h``'s.
+    """
+    names = profile.op_names
+    passed: dict[str, set[int]] = {}
+    receivers: dict[int, list[int]] = {}
+    for op, other in profile.grad_passthrough:
+        passed.setdefault(names[other], set()).add(op)
+        receivers.setdefault(op, []).append(other)
+    found = set()
+    for op, others in receivers.items():
+        if len(others) < 2 or op not in device_of:
+            continue
+        device = device_of[op]
+        for other in others:
+            name = names[other]
+            sending = [r for r in readers.get((name, device), ()) if r != op and _sends(profile, r)]
+            made = handed_from(profile, readers, device, passed.get(name, ()), passed)
+            if any(k < made.get(r, r) for r in sending for k in others if k != other):
+                found.add((op, other))
+    return found
+
+
+def _sends(profile: ActivationProfile, op: int) -> bool:
+    """Whether op ``op`` sends a gradient back to what it reads (its result needs one; not an item of a tuple)."""
+    result = profile.values.get(profile.op_names[op])
+    return (result is None or result.requires_grad) and op not in profile.items

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
 from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
-from fxsplit.memory.gradsums import foreign_sums, handed_from, one_tensor, renewed_apart
+from fxsplit.memory.gradsums import apart_receivers, foreign_sums, handed_from, one_tensor, renewed_apart
 from fxsplit.memory.outputgrads import loss_gradients
 from fxsplit.memory.viewgrads import partial_views, tuple_items, waiting_views
 from fxsplit.memory.weightgrads import Replicas, held_weight_gradients, weight_contributions
@@ -208,8 +208,11 @@ class _Walk:
         seeds, seeded = loss_gradients(self.profile, self.on, self.home, self.storages, self.returned_on)
         handed: dict[int, int] = {}  # a storage whose gradient is handed on -> the earliest op it is handed to
         handed_by: dict[int, int] = {}  # a storage given a gradient handed on -> the last op to hand it one
+        apart = apart_receivers(self.profile, self.readers, self.device_of)
         for op, other in self.profile.grad_passthrough:
             device = self.device_of[op]
+            if (op, other) in apart:  # added into the gradient it finds there: that one stays a tensor apart
+                continue
             mine = [i for i in self.on.get((self.profile.op_names[op], device), {}).values() if i is not None]
             theirs = [i for i in self.on.get((self.profile.op_names[other], device), {}).values() if i is not None]
             for i in mine[:1]:
@@ -257,16 +260,21 @@ class _Walk:
         for op, other in self.profile.grad_passthrough:
             passed.setdefault(self.profile.op_names[other], set()).add(op)
         values, names = self.profile.values, self.profile.op_names
+        position = {name: op for op, name in enumerate(names)}
+        apart = apart_receivers(self.profile, self.readers, self.device_of)
         for (name, device), read_by in self.readers.items():
             info = values[name]
             if not info.requires_grad:
                 continue
             # a reader whose result needs no gradient (detach) sends none back, nor does one taking an item out
-            # of a tuple (the tuple's op's backward takes every item's at once)
+            # of a tuple (the tuple's op's backward takes every item's at once); one handing on what it received,
+            # as is, into a gradient already there adds in place (apart_receivers)
             readers = [
                 op
                 for op in read_by
-                if (names[op] not in values or values[names[op]].requires_grad) and op not in self.profile.items
+                if (names[op] not in values or values[names[op]].requires_grad)
+                and op not in self.profile.items
+                and (op, position.get(name, -1)) not in apart
             ]
             if name in outputs and device in (self.home[name], self.returned_on):  # the loss's arrives first (the
                 # caller holds the output there, a copy on the outputs' device): each reader's there adds into it;
