@@ -39,10 +39,11 @@ from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
 from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
-from fxsplit.memory.gradsums import apart_receivers, foreign_sums, handed_from, one_tensor, renewed_apart
+from fxsplit.memory.contributions import contributions
+from fxsplit.memory.gradsums import apart_receivers, foreign_sums, one_tensor, renewed_apart
 from fxsplit.memory.outputgrads import loss_gradients
-from fxsplit.memory.viewgrads import partial_views, tuple_items, waiting_views
-from fxsplit.memory.weightgrads import Replicas, held_weight_gradients, weight_contributions
+from fxsplit.memory.viewgrads import tuple_items
+from fxsplit.memory.weightgrads import Replicas, held_weight_gradients
 
 __all__ = ["ActivationProfile", "Simulated", "ValueMemory", "simulate"]
 
@@ -102,6 +103,7 @@ class _Walk:
         self.returned_on: Hashable = None  # the device the outputs are returned on
         self.sent: set[tuple[str, Hashable]] = set()  # copies whose gradient goes home (a reader sends one back)
         self.items_of = tuple_items(profile)  # a tuple's name -> the ops that take an item out of it
+        self._apart: set[tuple[int, int]] | None = None
         self.copies: dict[int, set[tuple[str, Hashable]]] = {}  # storage id -> the copies made of values holding it
 
     def _new(self, device: Hashable, nbytes: int, position: int, requires_grad: bool, copied: bool = False) -> int:
@@ -208,7 +210,7 @@ class _Walk:
         seeds, seeded = loss_gradients(self.profile, self.on, self.home, self.storages, self.returned_on)
         handed: dict[int, int] = {}  # a storage whose gradient is handed on -> the earliest op it is handed to
         handed_by: dict[int, int] = {}  # a storage given a gradient handed on -> the last op to hand it one
-        apart = apart_receivers(self.profile, self.readers, self.device_of)
+        apart = self.apart()
         for op, other in self.profile.grad_passthrough:
             device = self.device_of[op]
             if (op, other) in apart:  # added into the gradient it finds there: that one stays a tensor apart
@@ -241,84 +243,17 @@ class _Walk:
         found += [(self.storages[i].device, a, b, n) for i, a, b, n in renewed_apart(renewals, members)]
         return found + seeds
 
+    def apart(self) -> set[tuple[int, int]]:
+        """The gradients handed on as is that stay apart from their recipient's (:func:`apart_receivers`), found
+        once, after the walk."""
+        if self._apart is None:
+            self._apart = apart_receivers(self.profile, self.readers, self.device_of)
+        return self._apart
+
     def contributions(self, weights: bool = True) -> list[tuple[Hashable, int, int, int]]:
-        """``(device, first, last, nbytes)``: a value read by several ops gets one gradient from each.
-
-        In backward, all but the first to arrive (from its last reader) are
-        new tensors while they are being added to the gradient so far: made
-        by the reader's backward, or, for an output (whose first is the loss's)
-        read through a view, by the backward of the view's readers, and added
-        at the view's (a language model returning its logits and the loss it
-        reads them through ``view``: one logits tensor more while the loss's
-        backward runs). Read through several partial views (q, k and v), each view's gradient waits beside the
-        sum so far: :func:`~fxsplit.memory.viewgrads.waiting_views`. A weight's:
-        :func:`~fxsplit.memory.weightgrads.weight_contributions`.
-        """
-        found: list[tuple[Hashable, int, int, int]] = []
-        outputs = set(self.profile.outputs)
-        passed: dict[str, set[int]] = {}  # op's name -> the ops whose backward hands it their result's gradient
-        for op, other in self.profile.grad_passthrough:
-            passed.setdefault(self.profile.op_names[other], set()).add(op)
-        values, names = self.profile.values, self.profile.op_names
-        position = {name: op for op, name in enumerate(names)}
-        apart = apart_receivers(self.profile, self.readers, self.device_of)
-        for (name, device), read_by in self.readers.items():
-            info = values[name]
-            if not info.requires_grad:
-                continue
-            # a reader whose result needs no gradient (detach) sends none back, nor does one taking an item out
-            # of a tuple (the tuple's op's backward takes every item's at once); one handing on what it received,
-            # as is, into a gradient already there adds in place (apart_receivers)
-            readers = [
-                op
-                for op in read_by
-                if (names[op] not in values or values[names[op]].requires_grad)
-                and op not in self.profile.items
-                and (op, position.get(name, -1)) not in apart
-            ]
-            if name in outputs and device in (self.home[name], self.returned_on):  # the loss's arrives first (the
-                # caller holds the output there, a copy on the outputs' device): each reader's there adds into it;
-                # a partial view's waits at its own size until its backward (h[..., :12] or an item of split(h))
-                parts = partial_views(self.profile, self.readers, name, device, readers, self.items_of)
-                found.extend(
-                    (device, op, op if op in parts else self._made_from(op, info, device), info.nbytes)
-                    for op in readers
-                )
-                if parts:
-                    waiting = waiting_views(
-                        self.profile, self.readers, name, device, readers, self.items_of, len(names)
-                    )
-                    found.extend((device, first, last, nbytes) for first, last, nbytes in waiting)
-            elif len(readers) > 1:
-                made = handed_from(self.profile, self.readers, device, passed.get(name, ()), passed)
-                # the first to arrive is the one made first in the backward (an output's, handed on through a
-                # view, from the start); each other waits from when it is made until it meets it (another output's
-                # is a seed of its own, counted from the start: gradients())
-                order = sorted(readers, key=lambda op: (made.get(op, op), op))
-                first, end = order[-1], len(names)
-                found.extend(
-                    (device, min(op, first), made.get(op, op), info.nbytes)
-                    for op in order[:-1]
-                    if made.get(op, op) < end
-                )
-                waiting = waiting_views(self.profile, self.readers, name, device, readers, self.items_of)
-                found.extend((device, first, last, nbytes) for first, last, nbytes in waiting)
-        if weights:
-            found += [
-                (device, op, op, nbytes)
-                for device, op, nbytes in weight_contributions(
-                    self.profile, self.home, self.replicas, self.weight_readers, self.device_of
-                )
-            ]
-        return found
-
-    def _made_from(self, op: int, read: ValueMemory, device: Hashable) -> int:
-        """Where the gradient op ``op`` adds to the value ``read`` it reads is made: at its own backward, or, when
-        its result is a view of ``read`` (a storage of both, not written in place), at its last reader's."""
-        result = self.profile.values.get(self.profile.op_names[op])
-        if result is None or op in self.profile.in_place or not set(result.storages) & set(read.storages):
-            return op
-        return max(self.readers.get((self.profile.op_names[op], device), ()), default=op)
+        """``(device, first, last, nbytes)``: a value read by several ops gets one gradient from each
+        (:func:`~fxsplit.memory.contributions.contributions`; ``weights``: a weight's too)."""
+        return contributions(self, weights)
 
     def return_outputs(self, device: Hashable, position: int) -> None:
         self.returned_on = device
