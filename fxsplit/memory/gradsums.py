@@ -195,7 +195,11 @@ def apart_receivers(
         device = device_of[op]
         for other in others:
             name = names[other]
-            sending = [r for r in readers.get((name, device), ()) if r != op and _sends(profile, r)]
+            through = set(profile.reads[op]) if op < len(profile.reads) else set()  # what op reads: a reader of
+            # other's whose result op reads hands op's gradient back as it is (a dropout with p=0 between them)
+            sending = [
+                r for r in readers.get((name, device), ()) if r != op and _sends(profile, r) and names[r] not in through
+            ]
             made = handed_from(profile, readers, device, passed.get(name, ()), passed)
             if any(k < made.get(r, r) for r in sending for k in others if k != other):
                 found.add((op, other))
