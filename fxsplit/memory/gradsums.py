@@ -188,17 +188,20 @@ def apart_receivers(
     for op, other in profile.grad_passthrough:
         passed.setdefault(names[other], set()).add(op)
         receivers.setdefault(op, []).append(other)
-    found = set()
+    found, pairs = set(), set(profile.grad_passthrough)
     for op, others in receivers.items():
         if len(others) < 2 or op not in device_of:
             continue
         device = device_of[op]
         for other in others:
             name = names[other]
-            through = set(profile.reads[op]) if op < len(profile.reads) else set()  # what op reads: a reader of
-            # other's whose result op reads hands op's gradient back as it is (a dropout with p=0 between them)
+            through = set(profile.reads[op]) if op < len(profile.reads) else set()  # a reader of other's whose
+            # result op reads sends op's gradient back through it: one of its own only if it hands that on too
+            # ((v + 1) + v: twice to v), not through a dropout with p=0 between a projection and the add
             sending = [
-                r for r in readers.get((name, device), ()) if r != op and _sends(profile, r) and names[r] not in through
+                r
+                for r in readers.get((name, device), ())
+                if r != op and _sends(profile, r) and (names[r] not in through or (r, other) in pairs)
             ]
             made = handed_from(profile, readers, device, passed.get(name, ()), passed)
             if any(k < made.get(r, r) for r in sending for k in others if k != other):
