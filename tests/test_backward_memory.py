@@ -865,3 +865,37 @@ def test_a_value_written_after_it_was_copied_is_copied_again_and_lives_until_the
     torch.manual_seed(0)
     model, x = WrittenAfterSent().eval(), torch.randn(8, 16, 128)
     _placed_against_allocator(model, x, {"dropout", "softmax", "add"}, training=False)
+
+
+class _WrittenWithGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1 = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = (x * 0.5).mul_(self.l0(x))
+        return m, torch.relu(self.l1(m))
+
+
+class _Sinks(nn.Module):
+    def forward(self, m: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return r.mean() + m.mean()
+
+
+class GradientWrittenIn(nn.Module):
+    """``m = (x * 0.5).mul_(l0(x))``: ``x * 0.5`` needs no gradient, the write makes ``m`` need one. ``m`` is read
+    on the next device too, whose gradient comes back to ``m``'s storage (counted as needing none: 0.889 of the
+    allocator on the device of ``m``, found on a random graph reducing every value with ``sum`` and ``mean``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _WrittenWithGrad(), _Sinks()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(*self.a(x))
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_storage_written_with_a_value_needing_a_gradient_gets_one(trace: str) -> None:
+    torch.manual_seed(0)
+    _pinned_against_allocator(GradientWrittenIn(), torch.randn(24, 64), {"a": "cpu:0", "b": "cpu:1"}, trace)
