@@ -356,6 +356,23 @@ class ResidualOverAttention(nn.Module):
         return F.mse_loss(v7, torch.zeros_like(v7)), v3 + v4, v7.detach()
 
 
+class ResidualThroughIdentity(nn.Module):
+    """Pre-norm residual blocks with ``Dropout(0.0)`` and ``Identity`` between the projection and the add (timm's
+    ViT): the add's gradient reaches the projection through them as is, one tensor with the residual's (planned
+    1.05x the allocator, fx, accumulating, when they were taken for readers sending gradients of their own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList([nn.LayerNorm(64) for _ in range(3)])
+        self.projs = nn.ModuleList([nn.Linear(64, 64) for _ in range(3)])
+        self.drop, self.ident = nn.Dropout(0.0), nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, proj in zip(self.norms, self.projs, strict=True):
+            x = x + self.ident(self.drop(proj(torch.relu(norm(x)))))
+        return x
+
+
 class ReturnedThrice(nn.Module):
     """``(y, y, y)`` returned: the loss gives each its own gradient, added one by one into the first as the backward
     starts (0.69 of the allocator on cpu:1 without the second)."""
@@ -405,6 +422,7 @@ CASES = {  # name -> (model, input, traces, devices[, budget per device as a par
     "a clone written in place, then scores with its source": (CloneWrittenThenScores, (16, 4, 48), ("fx", "export"), 1),
     "an item of a split of a returned value": (ItemOfReturnedSplit, (8, 6, 48), ("fx", "export"), 1),
     "an add over attention, the attention read again": (ResidualOverAttention, (16, 16, 32), ("fx", "export"), 1),
+    "residual adds through Dropout(0) and Identity": (ResidualThroughIdentity, (8, 16, 64), ("fx", "export"), 1),
     "one value returned three times": (ReturnedThrice, (4, 8, 32), ("fx", "export"), 2, 0.95),
     "wide output": (lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4096)), (16, 64), ("fx",), 1),
 }

@@ -196,12 +196,15 @@ def apart_receivers(
         for other in others:
             name = names[other]
             through = set(profile.reads[op]) if op < len(profile.reads) else set()  # a reader of other's whose
-            # result op reads sends op's gradient back through it: one of its own only if it hands that on too
-            # ((v + 1) + v: twice to v), not through a dropout with p=0 between a projection and the add
+            # result op reads, or that returns other itself (a dropout with p=0, an Identity between a projection
+            # and the add), sends op's gradient back through it: one of its own only if it hands that on too
+            # ((v + 1) + v: twice to v)
             sending = [
                 r
                 for r in readers.get((name, device), ())
-                if r != op and _sends(profile, r) and (names[r] not in through or (r, other) in pairs)
+                if r != op
+                and _sends(profile, r)
+                and ((names[r] not in through and not _same(profile, r, name)) or (r, other) in pairs)
             ]
             made = handed_from(profile, readers, device, passed.get(name, ()), passed)
             if any(k < made.get(r, r) for r in sending for k in others if k != other):
@@ -213,3 +216,9 @@ def _sends(profile: ActivationProfile, op: int) -> bool:
     """Whether op ``op`` sends a gradient back to what it reads (its result needs one; not an item of a tuple)."""
     result = profile.values.get(profile.op_names[op])
     return (result is None or result.requires_grad) and op not in profile.items
+
+
+def _same(profile: ActivationProfile, op: int, name: str) -> bool:
+    """Whether op ``op`` returns the value ``name`` itself: all of its storages, its bytes (no new tensor)."""
+    result, read = profile.values.get(profile.op_names[op]), profile.values.get(name)
+    return result is not None and read is not None and result.storages == read.storages and result.nbytes == read.nbytes

@@ -170,8 +170,9 @@ class _Walk:
                     if key in read
                     else self._new(device, profile.storage_bytes[key], op, result.requires_grad)
                 )
-                if op in profile.in_place and own[key] is not None and result.requires_grad:  # written in place
-                    self.storages[own[key]].requires_grad = True  # with a value needing one: (x * 0.5).mul_(h)
+                index = own[key]
+                if op in profile.in_place and index is not None and result.requires_grad:  # written in place with
+                    self.storages[index].requires_grad = True  # a value needing a gradient: (x * 0.5).mul_(h)
         self.on[(profile.op_names[op], device)] = own
         for key in result.storages if result is not None and op in profile.in_place else ():  # written in place:
             for copy in [c for c in self.copies.pop(key, ()) if c[1] != device]:  # a reader elsewhere after this
