@@ -4,8 +4,8 @@
   each position the tensor is as big as the largest storage alive there.
 * :func:`handed_from`: what an op hands on as is (an add, a transpose) was made further on, by the backward of
   the op that reads its result.
-* :func:`apart_receivers`: a gradient handed on as is to several values, one of which has a gradient already,
-  is added into that one, which stays a tensor apart.
+* :func:`apart_receivers`: a gradient handed on as is to several values, summed with another gradient of one of
+  them while another still holds it: the sum is a tensor apart.
 * :func:`renewed_apart`: below an in-place op whose backward makes a new gradient for the storage it wrote, that
   gradient is a tensor apart from the one handed on to another value, which waits there still.
 * :func:`foreign_sums`: a sum made out of place into the gradient of a value read on another device happens on
@@ -181,6 +181,14 @@ def apart_receivers(
     out of place. ``v3 + sdpa(q, k, v3)`` returned, the attention's result also read by a softmax: 0.958 of the
     allocator when the attention's gradient was taken to be the one the add hands ``v3``. A residual stream
     ``h + f(h)`` stays one tensor: ``f``'s last op has taken its gradient before ``f``'s first adds to ``h``'s.
+
+    >>> from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
+    >>> values = {name: ValueMemory(64, (k,), True) for k, name in enumerate(("m", "att", "soft", "add"))}
+    >>> profile = ActivationProfile(op_names=("m", "att", "soft", "add"), reads=((), ("m",), ("att",), ("m", "att")),
+    ...     values=values, storage_bytes={}, grad_passthrough=((3, 0), (3, 1)))
+    >>> readers = {("m", 0): {1, 3}, ("att", 0): {2, 3}}
+    >>> apart_receivers(profile, readers, dict.fromkeys(range(4), 0))  # the softmax's reaches att first
+    {(3, 1)}
     """
     names = profile.op_names
     passed: dict[str, set[int]] = {}
@@ -193,12 +201,11 @@ def apart_receivers(
         if len(others) < 2 or op not in device_of:
             continue
         device = device_of[op]
+        through = set(profile.reads[op]) if op < len(profile.reads) else set()  # a reader of other's whose result
+        # op reads, or that returns other itself (a dropout with p=0, an Identity between a projection and the
+        # add), sends op's gradient back through it: one of its own only if it hands that on too ((v + 1) + v)
         for other in others:
             name = names[other]
-            through = set(profile.reads[op]) if op < len(profile.reads) else set()  # a reader of other's whose
-            # result op reads, or that returns other itself (a dropout with p=0, an Identity between a projection
-            # and the add), sends op's gradient back through it: one of its own only if it hands that on too
-            # ((v + 1) + v: twice to v)
             sending = [
                 r
                 for r in readers.get((name, device), ())
