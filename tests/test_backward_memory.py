@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from sink_graphs import sink_graph
 
 import fxsplit
 from fxsplit.codegen.emitter import emit, move_weights
@@ -917,3 +918,36 @@ class GradientWrittenIn(nn.Module):
 def test_a_storage_written_with_a_value_needing_a_gradient_gets_one(trace: str) -> None:
     torch.manual_seed(0)
     _pinned_against_allocator(GradientWrittenIn(), torch.randn(24, 64), {"a": "cpu:0", "b": "cpu:1"}, trace)
+
+
+def _sink_graph_split(seed: int) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
+    """The random sink graph of ``seed`` split over 2-3 devices at the first budget (a part of its one-device total)
+    that fits: planned and allocated activation peaks, and the placement."""
+    model, x, how = sink_graph(seed)
+    options = {"example_inputs": (x,), "mode": "training", "optimizer": "sgd", "trace": how}
+    total = fxsplit.plan(model, {"cpu:0": 1 << 34}, **options).memory["cpu:0"]["total"]
+    for part in (0.6, 0.7, 0.8, 0.9, 1.0):
+        try:
+            gm = fxsplit.fxsplit(
+                sink_graph(seed)[0], {f"cpu:{i}": int(total * part) for i in range(2 + seed % 2)}, **options
+            )
+            break
+        except fxsplit.BudgetError:
+            continue
+    else:
+        raise AssertionError(f"seed {seed}: no budget up to the one-device total fits")
+    plan = gm.meta["fxsplit_plan"]
+    for parameter in gm.parameters():
+        parameter.grad = None
+    planned = {d: row["activations_peak"] for d, row in plan.memory.items()}
+    return planned, allocated_peaks(gm, x, backward=True), dict(plan.placement)
+
+
+def test_a_gradient_apart_on_another_device_still_waits_at_home() -> None:
+    """Seed 288: ``m`` and ``l1(m)`` are read on the next device by ``cat``, whose gradient is summed there with the
+    reductions' (a tensor apart on that device). On ``m``'s own device ``l1``'s gradient for ``m`` still waits
+    beside the one ``m``'s copy sends home (0.833 of the allocator when that device's rule dropped it)."""
+    planned, allocated, placement = _sink_graph_split(288)
+    assert placement["cat"] != placement["mul_"], ("cat no longer runs away from m: pick another seed", placement)
+    for device, nbytes in allocated.items():
+        assert planned[device] >= nbytes - 64, (device, planned, allocated)

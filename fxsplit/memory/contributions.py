@@ -47,13 +47,14 @@ def contributions(walk: _Walk, weights: bool = True) -> list[tuple[Hashable, int
             continue
         # a reader whose result needs no gradient (detach) sends none back, nor does one taking an item out
         # of a tuple (the tuple's op's backward takes every item's at once); one handing on what it received,
-        # as is, into a gradient already there adds in place (apart_receivers)
+        # as is, into a gradient already there on its device adds in place (apart_receivers), while from
+        # another device what it hands the value's copy comes home as a gradient of its own
         readers = [
             op
             for op in read_by
             if (names[op] not in values or values[names[op]].requires_grad)
             and op not in walk.profile.items
-            and (op, position.get(name, -1)) not in apart
+            and ((op, position.get(name, -1)) not in apart or walk.device_of[op] != device)
         ]
         if name in outputs and device in (walk.home[name], walk.returned_on):  # the loss's arrives first (the
             # caller holds the output there, a copy on the outputs' device): each reader's there adds into it;
