@@ -951,3 +951,14 @@ def test_a_gradient_apart_on_another_device_still_waits_at_home() -> None:
     assert placement["cat"] != placement["mul_"], ("cat no longer runs away from m: pick another seed", placement)
     for device, nbytes in allocated.items():
         assert planned[device] >= nbytes - 64, (device, planned, allocated)
+
+
+@pytest.mark.parametrize("seed", range(0, 300, 12))
+def test_random_graphs_reducing_every_value_are_planned_at_or_above_the_allocator(seed: int) -> None:
+    """Random graphs of linears, in-place activations and adds, concatenations, every value reduced with ``sum`` and
+    ``mean`` into the loss, over 2-3 devices (seeds 0-299 were 5 below the allocator, 0.83-0.90, before the rule
+    for gradients handed on to several values on another device; all 300 are at or above it now)."""
+    planned, allocated, _ = _sink_graph_split(seed)
+    for device, nbytes in allocated.items():
+        if device != "?":  # bytes the meter could not place on a device
+            assert planned.get(device, 0) >= nbytes - 64, (device, planned, allocated)
