@@ -8,10 +8,13 @@ cover the run on every device, and not by much more.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from random_programs import generate
 from sink_graphs import sink_graph
 
 import fxsplit
@@ -961,4 +964,62 @@ def test_random_graphs_reducing_every_value_are_planned_at_or_above_the_allocato
     planned, allocated, _ = _sink_graph_split(seed)
     for device, nbytes in allocated.items():
         if device != "?":  # bytes the meter could not place on a device
+            assert planned.get(device, 0) >= nbytes - 64, (device, planned, allocated)
+
+
+def _program_split(seed: int) -> tuple[dict[str, int], dict[str, int]]:
+    """The random program of ``seed`` (:mod:`random_programs`) split over 1-3 devices as its seed says: each
+    segment pinned, or budgets at a part of the one-device total. Planned and allocated activation peaks."""
+    source, segments = generate(seed)
+    namespace: dict[str, object] = {"__name__": "program"}
+    exec(compile(source, f"<program {seed}>", "exec"), namespace)  # noqa: S102 (our own generated source)
+    make = namespace["make"]
+    draw = random.Random(seed * 7919 + 13)
+    how, count = draw.choice(["fx", "export"]), draw.choice([1, 2, 2, 3, 3])
+    devices = [f"cpu:{i}" for i in range(count)]
+    pins = None
+    if count > 1 and draw.random() < 0.5:
+        pins = dict(zip(segments, [devices[k] for k in sorted(draw.randrange(count) for _ in segments)], strict=True))
+    part = draw.uniform(0.4, 0.9)
+    options = {"mode": "training", "optimizer": "sgd", "trace": how}
+    if pins or count == 1:
+        budgets = dict.fromkeys(devices, 1 << 34)
+    else:
+        model, args = make()  # type: ignore[operator]
+        total = fxsplit.plan(model, {"cpu:0": 1 << 34}, example_inputs=args, **options).memory["cpu:0"]["total"]
+        budgets = {device: int(total * part) for device in devices}
+    model, args = make()  # type: ignore[operator]
+    gm = fxsplit.fxsplit(model, budgets, example_inputs=args, pins=pins, **options)
+    for parameter in gm.parameters():
+        parameter.grad = None
+    planned = {d: row["activations_peak"] for d, row in gm.meta["fxsplit_plan"].memory.items()}
+    return planned, allocated_peaks(gm, *args, backward=True)
+
+
+KNOWN_UNDER = {  # seed -> why its plan is below the allocator (docs/MEMORY.md, known gaps)
+    14494: "SDPA(v, v, v) after an in-place slice write: inside the attention's backward",
+    15507: "relu_ into a narrow view of a value returned from another device: inside CopySlices' backward",
+    15725: "fx: one tensor read under two node names after an in-place write, copied twice, simulated once",
+}
+PROGRAMS = [  # seeds whose program traces, fits and runs (of 14000-14066), and the known gaps
+    *(14000, 14001, 14003, 14004, 14005, 14006, 14007, 14009, 14012, 14013, 14017, 14018, 14019, 14020, 14021),
+    *(14023, 14028, 14029, 14031, 14032, 14033, 14037, 14038, 14042, 14045, 14046, 14049, 14051, 14052, 14053),
+    *KNOWN_UNDER,
+]
+
+
+@pytest.mark.parametrize(
+    "seed",
+    [
+        pytest.param(s, marks=pytest.mark.xfail(reason=KNOWN_UNDER[s], strict=True)) if s in KNOWN_UNDER else s
+        for s in PROGRAMS
+    ],
+)
+def test_random_programs_are_planned_at_or_above_the_allocator(seed: int) -> None:
+    """Random training programs (views, slices, tuples, in-place writes, attention, several outputs) over 1-3
+    devices, pinned or split by budget: every device's plan covers what the allocator holds (bytes the meter
+    cannot place on a device aside). The fuzzer these come from measured 1,188 such programs on this code: 4 below."""
+    planned, allocated = _program_split(seed)
+    for device, nbytes in allocated.items():
+        if device != "?":
             assert planned.get(device, 0) >= nbytes - 64, (device, planned, allocated)
