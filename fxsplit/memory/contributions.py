@@ -64,7 +64,9 @@ def contributions(walk: _Walk, weights: bool = True) -> list[tuple[Hashable, int
                 (device, op, op if op in parts else _made_from(walk, op, info, device), info.nbytes) for op in readers
             )
             if parts:
-                waiting = waiting_views(walk.profile, walk.readers, name, device, readers, walk.items_of, len(names))
+                waiting = waiting_views(
+                    walk.profile, walk.readers, name, device, readers, parts, walk.items_of, len(names)
+                )
                 found.extend((device, first, last, nbytes) for first, last, nbytes in waiting)
         elif len(readers) > 1:
             made = handed_from(walk.profile, walk.readers, device, passed.get(name, ()), passed)
@@ -76,7 +78,7 @@ def contributions(walk: _Walk, weights: bool = True) -> list[tuple[Hashable, int
             found.extend(
                 (device, min(op, first), made.get(op, op), info.nbytes) for op in order[:-1] if made.get(op, op) < end
             )
-            waiting = waiting_views(walk.profile, walk.readers, name, device, readers, walk.items_of)
+            waiting = waiting_views(walk.profile, walk.readers, name, device, readers, items_of=walk.items_of)
             found.extend((device, first, last, nbytes) for first, last, nbytes in waiting)
     if weights:
         found += [

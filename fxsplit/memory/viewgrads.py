@@ -31,6 +31,7 @@ def waiting_views(
     name: str,
     device: Hashable,
     read_by: Collection[int],
+    views: Mapping[int, int] | None = None,
     items_of: ItemsOf | None = None,
     whole_from: int = -1,
 ) -> list[tuple[int, int, int]]:
@@ -38,8 +39,9 @@ def waiting_views(
     (read there by the ops ``read_by``) that its views are adding up. The last view in op order waits only beside a
     gradient of all of the value that another reader sends (a full view's, as ``h.t()``'s; another op's) or that
     arrives from ``whole_from`` (an output's, the loss's: from the start); before that the simulation's one
-    gradient of the value stands for it. ``items_of``: a tuple's name -> the ops taking items out of it
-    (``chunk``'s items, read one by one, are one partial view of the value).
+    gradient of the value stands for it. ``views``: :func:`partial_views` of ``read_by``, when the caller has them.
+    ``items_of``: a tuple's name -> the ops taking items out of it (``chunk``'s items, read one by one, are one
+    partial view of the value).
 
     >>> from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
     >>> h, view = ValueMemory(48, (1,), True), ValueMemory(16, (1,), True)
@@ -52,17 +54,17 @@ def waiting_views(
     [(2, 3, 16), (3, 3, 16)]
     """
     read, items_of = profile.values[name], items_of or {}
-    sizes = partial_views(profile, readers, name, device, read_by, items_of)
-    views = sorted(sizes)
-    if not views:
+    sizes = partial_views(profile, readers, name, device, read_by, items_of) if views is None else views
+    ordered = sorted(sizes)
+    if not ordered:
         return []
     found = []
     whole = max(_whole(profile, readers, read_by, read, sizes, device), whole_from)
-    for op in views[:-1]:  # beside the sum so far, from the first view's backward (the last view's), or a whole one
-        arrives = min(_view_arrival(profile, readers, items_of, op, device), max(views[-1], whole))
+    for op in ordered[:-1]:  # beside the sum so far, from the first view's backward (the last one's), or a whole one
+        arrives = min(_view_arrival(profile, readers, items_of, op, device), max(ordered[-1], whole))
         if arrives > op:
             found.append((op + 1, arrives, sizes[op]))
-    last = views[-1]  # beside a gradient of all of the value from another reader (h.t() @ h[..., :24]) or the loss
+    last = ordered[-1]  # beside a gradient of all of the value from another reader (h.t() @ h[..., :24]) or the loss
     arrives = min(_view_arrival(profile, readers, items_of, last, device), whole)
     if arrives > last:
         found.append((last + 1, arrives, sizes[last]))
