@@ -73,9 +73,8 @@ class ActivationProfile:
         renewed: ``(i, k)``: op ``i`` shares a storage with op ``k``'s result (it writes it in place) and its backward
             returns a new tensor as the gradient of ``k``'s result. Where the gradient ``i`` received was also handed
             to another value (``v.add_(h)`` hands it to ``h`` too), that one waits while the new one lives.
-        repeated_outputs: output name -> how many more times the graph returns it (``(y, y)``: 1). Each
-            return gets a gradient of its own from the loss; they are added, one by one, into the first as the
-            backward starts.
+        repeated_outputs: the outputs the graph returns more than once (``(y, y)``). Each return gets a gradient
+            of its own from the loss; they are added, one by one, into the first as the backward starts.
     """
 
     op_names: tuple[str, ...]
@@ -96,7 +95,7 @@ class ActivationProfile:
     in_place: frozenset[int] = frozenset()
     items: frozenset[int] = frozenset()
     foreign_sums: Mapping[int, Mapping[int, int]] = field(default_factory=dict)
-    repeated_outputs: Mapping[str, int] = field(default_factory=dict)
+    repeated_outputs: frozenset[str] = frozenset()
     renewed: tuple[tuple[int, int], ...] = ()
 
     def accumulating(self) -> ActivationProfile:

@@ -344,7 +344,7 @@ def _profile(
         in_place=frozenset(i for i, op in enumerate(costs.ops) if op.name in recorder.written),
         items=frozenset(recorder.items),
         foreign_sums={op: dict(sums) for op, sums in recorder.allocations.foreign.items()} if training else {},
-        repeated_outputs={name: times - 1 for name, times in returned.items() if times > 1 and name in values},
+        repeated_outputs=frozenset(name for name, times in returned.items() if times > 1 and name in values),
         renewed=_renewed(costs, recorder) if training else (),
         training=training,
     )
