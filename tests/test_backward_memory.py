@@ -999,11 +999,11 @@ def _program_split(seed: int) -> tuple[dict[str, int], dict[str, int]]:
 KNOWN_UNDER = {  # seed -> why its plan is below the allocator (docs/MEMORY.md, known gaps)
     14494: "SDPA(v, v, v) after an in-place slice write: inside the attention's backward",
     15507: "relu_ into a narrow view of a value returned from another device: inside CopySlices' backward",
-    15725: "fx: one tensor read under two node names after an in-place write, copied twice, simulated once",
 }
 PROGRAMS = [  # seeds whose program traces, fits and runs (of 14000-14066), and the known gaps
     *(14000, 14001, 14003, 14004, 14005, 14006, 14007, 14009, 14012, 14013, 14017, 14018, 14019, 14020, 14021),
     *(14023, 14028, 14029, 14031, 14032, 14033, 14037, 14038, 14042, 14045, 14046, 14049, 14051, 14052, 14053),
+    15725,  # fx: one tensor read under two node names after an in-place write (0.714 when copied once per name)
     *KNOWN_UNDER,
 ]
 

@@ -293,3 +293,82 @@ def test_a_write_through_an_alias_is_never_made_on_a_copy(alias: str, trace: str
             continue
         with torch.no_grad():
             torch.testing.assert_close(split(x), reference(x))
+
+
+class TwoNames(nn.Module):
+    """``v2 = v1.add_(1)``: one tensor under two node names, both read after the write (on another device)."""
+
+    def __init__(self, write: str = "add_") -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.write = write
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v1 = self.a(x)
+        v2 = v1.add_(1) if self.write == "add_" else torch.relu_(v1) if self.write == "relu_" else v1.mul_(2).tanh_()
+        return self.b(v1) + self.c(v2), v2
+
+
+@pytest.mark.parametrize("trace", TRACES)
+@pytest.mark.parametrize("write", ["add_", "relu_", "mul_tanh_"])
+def test_a_tensor_read_under_two_names_after_a_write_is_copied_once_per_device(write: str, trace: str) -> None:
+    """The generated code copied ``v1`` and ``v2`` once each, the same tensor twice; the plan's cuts, its bytes and
+    the partitioner's objective now count the one copy the code makes, and the output (``v2``) is that copy too."""
+    torch.manual_seed(0)
+    x = torch.randn(3, WIDTH)
+    pins = {"a": "cpu:0", "b": "cpu:1", "c": "cpu:1"}
+    gm = split_and_compare(TwoNames(write), BUDGETS, (x,), trace=trace, check=True, pins=pins, output_device="cpu:1")
+    plan = gm.meta["fxsplit_plan"]
+    activations = [c for c in plan.cuts if c.source == "cpu:0" and c.kind in ("activation", "output")]
+    assert len(activations) == 1 and activations[0].nbytes == 3 * WIDTH * 4, plan.cuts
+    copies = [
+        n
+        for n in gm.graph.nodes
+        if n.meta.get(fxsplit.codegen.COPY_META) and n.meta[fxsplit.codegen.COPY_META].source == "cpu:0"
+    ]
+    assert len(copies) == 1, gm.code
+    free = fxsplit.plan(TwoNames(write), BUDGETS, example_inputs=(x,), trace=trace, mode="weights")
+    assert free.transfer_bytes == sum(c.nbytes or 0 for c in free.cuts if c.kind != "stream")
+
+
+def test_the_partitioner_reads_a_tensor_written_in_place_as_one_value() -> None:
+    """Its objective charges one copy of ``v1``/``v2`` per device, not one per name."""
+    from fxsplit.cost.build import build_problem
+
+    model = TwoNames()
+    gm = torch.fx.symbolic_trace(model)
+    costs = build_problem(gm, model, device_index={"cpu:0": 0, "cpu:1": 1})
+    names = [v.name for v in costs.problem.values if not v.weight]
+    assert "add_" not in names, names
+    (value,) = [v for v in costs.problem.values if v.name == "a"]
+    readers = {costs.problem.op_names[i] for i in value.consumers}
+    assert readers == {"add_", "b", "c"}, readers
+
+
+class InputTwoNames(nn.Module):
+    """``y = x.mul_(2)`` on the model's input; ``x`` and ``y`` are both read on another device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        y = x.mul_(2)
+        return self.b(x) + self.c(y) + h, y
+
+
+@pytest.mark.parametrize("trace", TRACES)
+def test_an_input_read_under_two_names_after_a_write_is_copied_once_and_written_back(trace: str) -> None:
+    torch.manual_seed(0)
+    model, x = InputTwoNames(), torch.randn(3, WIDTH)
+    pins = {"a": "cpu:0", "mul_": "cpu:0", "b": "cpu:1", "c": "cpu:1"}
+    split = fxsplit.fxsplit(copy.deepcopy(model), BUDGETS, example_inputs=(x.clone(),), trace=trace, pins=pins)
+    plan = split.meta["fxsplit_plan"]
+    assert sorted(c.kind for c in plan.cuts if c.kind != "output") == ["activation", "input"], plan.cuts  # x and h
+    fxsplit.check.verify_split(split)
+    mine, theirs = x.clone(), x.clone()
+    with torch.no_grad():
+        got, expected = split(mine), model(theirs)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(mine, theirs)  # the caller's tensor is written as eager writes it

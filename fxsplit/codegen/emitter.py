@@ -40,7 +40,7 @@ from fxsplit.codegen.weights import (
 from fxsplit.cost.build import Weight
 from fxsplit.planning.build import Read, WriteVersions, reads_of
 from fxsplit.planning.plan import Plan
-from fxsplit.tracing.graphinfo import TENSOR, input_writers, value_kind
+from fxsplit.tracing.graphinfo import TENSOR, input_writers, tensor_origin, value_kind
 
 __all__ = [
     "COPY_META",
@@ -172,6 +172,9 @@ class _Emitter:
             if read.key in self.plan.replicas and device in self.plan.replicas[read.key].devices:
                 return self._replica(read, device)
         else:
+            origin = tensor_origin(read.node) if read.node is not None else None
+            if origin is not None and origin is not read.node and origin.op != "get_attr":
+                return self._fetch(Read(origin.name, origin, None, read.kind), device)  # one copy serves both names
             home = self.plan.placement[read.key]
         is_input = read.node is not None and read.node.op == "placeholder"
         if home == device and not is_input:

@@ -29,6 +29,7 @@ from fxsplit.tracing.graphinfo import (
     alias_root,
     element_size,
     mutated_inputs,
+    tensor_origin,
     value_bytes,
     value_kind,
 )
@@ -164,7 +165,7 @@ def build_problem(
     ops, index, read = scan.ops, scan.index, scan.read
     mutations = writing_ops(ops, modules)
     writes = written_tensors(graph_module, ops, modules, mutations)
-    values, value_nbytes = _op_values(scan.valued, index, dtype)
+    values, value_nbytes = _op_values(scan.valued, index, dtype, mutations)
 
     weights: list[Weight] = []
     weight_values: list[int] = []
@@ -222,14 +223,27 @@ def build_problem(
 
 
 def _op_values(
-    valued: list[torch.fx.Node], index: Mapping[torch.fx.Node, int], dtype: torch.dtype | None
+    valued: list[torch.fx.Node],
+    index: Mapping[torch.fx.Node, int],
+    dtype: torch.dtype | None,
+    writers: Mapping[torch.fx.Node, object] | None = None,
 ) -> tuple[list[Value], dict[str, int | None]]:
-    """A :class:`Value` for each placeholder or op whose value some op reads, and every such node's bytes."""
+    """A :class:`Value` for each placeholder or op whose value some op reads, and every such node's bytes.
+
+    An op that returns the tensor it wrote in place (``y = x.add_(1)``; ``writers``: the ops that write) is no
+    value of its own: its readers read its :func:`tensor_origin`'s value, as the copies the code makes do."""
     values: list[Value] = []
     value_nbytes: dict[str, int | None] = {}
     sizes: dict[torch.dtype, int] = {}
     position = index.get
+    made: dict[torch.fx.Node, int] = {}  # origin of a written tensor -> its value's index
     for node in valued:
+        if writers and node in writers:
+            origin = tensor_origin(node)
+            if origin is not node and origin.op != "get_attr":
+                _merge_readers(values, made, origin, node, index)
+                value_nbytes[node.name] = _value_facts(node, dtype, sizes)[0]
+                continue
         users = node.users
         if len(users) == 1:  # most values: one reader, no set to sort
             reader = position(next(iter(users)))
@@ -243,6 +257,8 @@ def _op_values(
         if kind is None:
             kind = value_kind(node)
         at = position(node)
+        if writers:
+            made[node] = len(values)
         values.append(
             _frozen(
                 Value,
@@ -257,6 +273,21 @@ def _op_values(
             )
         )
     return values, value_nbytes
+
+
+def _merge_readers(
+    values: list[Value],
+    made: dict[torch.fx.Node, int],
+    origin: torch.fx.Node,
+    node: torch.fx.Node,
+    index: Mapping[torch.fx.Node, int],
+) -> None:
+    """Add ``node``'s readers to the value of ``origin``, the tensor ``node`` returns."""
+    readers = {index[u] for u in node.users if u in index}
+    if not readers or origin not in made:
+        return
+    value = values[made[origin]]
+    values[made[origin]] = dataclasses.replace(value, consumers=tuple(sorted({*value.consumers, *readers})))
 
 
 _Frozen = TypeVar("_Frozen")

@@ -13,7 +13,7 @@ from fxsplit.options import Budgets
 from fxsplit.partition.solve import Partition
 from fxsplit.planning.plan import Cut, Plan
 from fxsplit.planning.unread import pack_unread, raise_unread, read_homes, set_aside_unread
-from fxsplit.tracing.graphinfo import NONTENSOR, alias_root, is_guard, mutated_inputs, value_kind
+from fxsplit.tracing.graphinfo import NONTENSOR, alias_root, is_guard, mutated_inputs, tensor_origin, value_kind
 
 __all__ = ["Read", "WriteVersions", "cuts_for", "make_plan", "output_values", "reads_of", "weights_by_node"]
 
@@ -205,6 +205,8 @@ def output_values(costs: GraphCosts, graph_module: torch.fx.GraphModule) -> list
     returned = [arg for arg in (output.all_input_nodes if output is not None else ()) if value_kind(arg) != NONTENSOR]
     if not returned:
         return []
+    if costs.writers:  # a tensor an earlier node made, written in place and returned: copied under that node's name
+        returned = [_origin_of(node) if node.name in costs.writers else node for node in returned]
     ops = costs.ops
     wanted = {node for node in returned if node.op not in ("placeholder", "get_attr")}
     start: dict[torch.fx.Node, int] = {}
@@ -233,6 +235,12 @@ def output_values(costs: GraphCosts, graph_module: torch.fx.GraphModule) -> list
             if index >= 0 and attrs.intersection(weight.nodes):
                 found.append((weight.names[0], weight.nbytes, costs.problem.values[index].start))
     return found
+
+
+def _origin_of(node: torch.fx.Node) -> torch.fx.Node:
+    """:func:`tensor_origin` of ``node``, unless that is a weight (read as a weight, not copied as a value)."""
+    origin = tensor_origin(node)
+    return node if origin.op == "get_attr" else origin
 
 
 def _placement(
@@ -328,6 +336,8 @@ def cuts_for(
                 source = placement.get(arg.name)
                 if source == destination or value_kind(arg) == NONTENSOR:
                     continue
+                if writers is None or arg.name in writers:
+                    arg = _origin_of(arg)  # the tensor an earlier node made, written in place: one copy serves both
                 kind = "output" if op == "output" else "input" if arg.op == "placeholder" else "activation"
                 send(arg.name, arg, None, placement[arg.name] if source is None else source, kind)
             if op == "call_module" and node.name in by_node:

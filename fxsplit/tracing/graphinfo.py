@@ -29,6 +29,7 @@ __all__ = [
     "input_writers",
     "module_path",
     "mutated_inputs",
+    "tensor_origin",
     "value_bytes",
     "value_kind",
 ]
@@ -333,6 +334,41 @@ def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
             return base
         if target in VIEW_FUNCTIONS or _is_inplace_name(getattr(target, "__name__", "")):
             return base
+    return None
+
+
+def tensor_origin(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose tensor ``node`` is, the same object: followed back through ops that return what they wrote
+    in place (``x.add_(1)``, ``F.relu(x, inplace=True)``, ``out=``), not through views (a view is a tensor of its
+    own). A copy of ``node`` made for another device is a copy of its origin; one serves both."""
+    while True:
+        base = _returned_argument(node)
+        if base is None:
+            return node
+        node = base
+
+
+def _returned_argument(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The argument ``node`` writes in place and returns as its result, if it is such an op."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return None
+    out = node.kwargs.get("out")
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        returns = target._schema.returns
+        if len(returns) == 1 and returns[0].alias_info is not None and returns[0].alias_info.is_write:
+            return _aliased_argument(node, target)
+        return None
+    if isinstance(out, torch.fx.Node):
+        return out
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    if _inplace_by_argument(node):
+        return node.args[0]
+    if node.op == "call_method":
+        return node.args[0] if isinstance(target, str) and _is_inplace_name(target) else None
+    if node.op == "call_function" and target not in VIEW_FUNCTIONS:
+        return node.args[0] if _is_inplace_name(getattr(target, "__name__", "")) else None
     return None
 
 
