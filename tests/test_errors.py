@@ -154,6 +154,30 @@ def test_untraceable_model_says_why_where_and_what_to_do() -> None:
         assert fix in message
 
 
+class WritesASplitItem(nn.Module):
+    """``p.relu_()`` on an item of ``split``: eager allows it under ``torch.no_grad()`` only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p, q = self.a(x).split(4, dim=1)
+        p.relu_()
+        return self.b(p) + q
+
+
+def test_an_in_place_write_autograd_forbids_says_to_plan_under_no_grad_and_that_works() -> None:
+    model, x = WritesASplitItem().eval(), torch.randn(2, 8)
+    options = {"example_inputs": (x,), "trace": "export", "mode": "inference"}
+    with pytest.raises(fxsplit.TraceError) as info:
+        fxsplit.plan(model, {"cpu:0": 10**6}, **options)
+    assert "modified inplace" in str(info.value) and "plan it under torch.no_grad() too" in str(info.value)
+    with torch.no_grad():
+        split = fxsplit.fxsplit(model, {"cpu:0": 10**6, "cpu:1": 10**6}, pins={"a": "cpu:0", "b": "cpu:1"}, **options)
+        torch.testing.assert_close(split(x), model(x))
+
+
 def test_untraceable_by_both_tracers_reports_both() -> None:
     with pytest.raises(fxsplit.TraceError) as info:
         fxsplit.plan(Untraceable(), {"cpu:0": 10**6}, example_inputs=(torch.randn(2, 4),))

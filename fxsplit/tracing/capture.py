@@ -372,6 +372,12 @@ def _export_message(error: BaseException) -> str:
             "in a model in train() mode it is often random (LayerDrop, stochastic depth): plan it in eval() "
             "mode or switch that feature off (e.g. layerdrop=0 in a Hugging Face config)"
         )
+    if "modified inplace" in str(error) and torch.is_grad_enabled():
+        hint += (
+            "\n  autograd forbids this in-place write, which torch.no_grad() allows: a model you run under "
+            "torch.no_grad() traces as it runs when you plan it under torch.no_grad() too (with torch.no_grad(): "
+            "fxsplit.fxsplit(...)); to train it, write out of place (x = x.relu() for x.relu_())"
+        )
     if "Constraints violated" in str(error) or "dynamic_shapes" in str(error):
         hint += (
             "\n  this is about dynamic_shapes: a size you marked variable must stay fixed or equal another; "
