@@ -398,6 +398,22 @@ def test_an_op_that_fits_only_when_the_others_are_streamed_is_placed_with_offloa
     assert_same_as_unsplit(gm, model, reference, (x,))
 
 
+def test_budgets_that_add_up_to_more_than_the_model_but_do_not_pack_it_stream_what_does_not_fit() -> None:
+    """Three layers of 35 KiB over devices of 54, 54 and 20 KiB: they hold more than the model but only two layers,
+    so cpu:0 streams two. The candidate with one device larger by the shortfall made another's budget negative
+    (a SpecError about a reserve the user never set), and nothing was planned."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(94, 94) for _ in range(3)]).eval()
+    reference, x = copy.deepcopy(model), torch.randn(2, 94)
+    budgets = {"cpu:0": 55_000, "cpu:1": 55_000, "cpu:2": 20_000}
+    with pytest.raises(fxsplit.BudgetError, match="cannot be packed"):
+        fxsplit.plan(model, budgets, example_inputs=(x,), mode="weights")
+    gm = fxsplit.fxsplit(model, budgets, example_inputs=(x,), mode="weights", offload={"host": "1MiB"}, check=True)
+    plan = assert_offload_plan(gm, model)
+    assert len(plan.streamed) == 2, plan
+    assert_same_as_unsplit(gm, model, reference, (x,))
+
+
 # ---------------------------------------------------------------- the generated code and what it does
 
 

@@ -148,12 +148,20 @@ def _virtual_caps(caps: list[int], needed: int) -> list[list[int]]:
     streaming); and, for each device, that one device large enough to run
     every op whose weights do not fit while the others keep their budgets
     (they then hold resident what they run, and one device streams, as
-    Accelerate's offload does).
+    Accelerate's offload does). Where the budgets add up to the model but
+    the ops do not pack into them (one op, or ops that must share a
+    device, larger than any budget), that device is taken twice as large.
+
+    >>> _virtual_caps([100, 100], 300)[-2:]  # 100 B short: one device 106 B larger
+    [[206, 100], [100, 206]]
+    >>> _virtual_caps([100, 100], 150)[-2:]  # room enough, packing failed: never smaller than the budgets
+    [[201, 100], [100, 201]]
     """
     base = max(1.0, needed / max(1, sum(caps)))
     found = [[int(cap * base * factor) + 1 for cap in caps] for factor in SPREADS]
-    extra = int((needed - sum(caps)) * 1.05) + 1
+    short = needed - sum(caps)
     for device in range(len(caps) if len(caps) > 1 else 0):
+        extra = int(short * 1.05) + 1 if short > 0 else caps[device] + 1
         found.append([cap + (extra if k == device else 0) for k, cap in enumerate(caps)])
     return found
 
