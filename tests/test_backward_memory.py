@@ -8,6 +8,7 @@ cover the run on every device, and not by much more.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -523,9 +524,9 @@ def test_an_unused_tuple_element_gets_no_gradient() -> None:
         extracts={1: frozenset({1})},
     )
     taken = simulate(profile, ["cpu:0", "cpu:0"], {"x": "cpu:0"}, "cpu:0").backward["cpu:0"]
-    whole = simulate(
-        ActivationProfile(**{**profile.__dict__, "extracts": {}}), ["cpu:0", "cpu:0"], {"x": "cpu:0"}, "cpu:0"
-    ).backward["cpu:0"]
+    whole = simulate(dataclasses.replace(profile, extracts={}), ["cpu:0", "cpu:0"], {"x": "cpu:0"}, "cpu:0").backward[
+        "cpu:0"
+    ]
     assert whole - taken == 64  # without it, the unused element's gradient was counted
 
 
@@ -923,6 +924,67 @@ def test_a_storage_written_with_a_value_needing_a_gradient_gets_one(trace: str) 
     _pinned_against_allocator(GradientWrittenIn(), torch.randn(24, 64), {"a": "cpu:0", "b": "cpu:1"}, trace)
 
 
+class _ItemSentOn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(96, 10)
+
+    def forward(self, q: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.out(h).mean(), q.chunk(2, dim=2)[0]
+
+
+class ItemBesideADroppedReader(nn.Module):
+    """``q``, an item of ``chunk(h)``, is read on another device by an op whose result is returned: its gradient
+    comes home from there early and waits until ``chunk``'s backward. ``p``, the other item, is read only by a
+    convolution whose result the model drops, which sends no gradient; when it counted as one that does, ``chunk``
+    looked like a view of all of ``h`` and ``q``'s gradient did not wait (0.914 of the allocator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(128, 96, bias=False), nn.Linear(96, 96)
+        self.conv, self.tail = nn.Conv1d(6, 16, 3, padding=1), _ItemSentOn()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        p, q = h.chunk(2, dim=2)
+        self.conv(p)  # dropped: no gradient reaches it
+        return self.tail(q, self.b(h))
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_an_op_whose_result_is_dropped_sends_no_gradient(trace: str) -> None:
+    torch.manual_seed(0)
+    pins = {"a": "cpu:0", "b": "cpu:0", "conv": "cpu:0", "tail": "cpu:1"}
+    _pinned_against_allocator(ItemBesideADroppedReader(), torch.randn(8, 6, 128), pins, trace)
+
+
+class SliceBesideStackedWhole(nn.Module):
+    """``h`` is returned whole through ``stack([h])``, whose backward hands the loss's gradient on as ``h``'s from the
+    start; the gradient of ``h.narrow(...)`` from the scores waits beside it until the narrow's backward (0.907 of the
+    allocator when the whole gradient was taken to arrive only at the stack's backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.l0(x)
+        v = h.narrow(1, 0, 2)
+        whole = torch.stack([h], dim=1)
+        w = v * v.mean(-1, keepdim=True)
+        scores = torch.softmax(w @ v.transpose(-1, -2) / 8.0, dim=-1)
+        a, b = torch.chunk(scores, 2, dim=2)
+        out = torch.unbind(b, dim=1)[0] + 1.0
+        out.relu_()
+        return F.mse_loss(out, torch.zeros_like(out)), out, whole, a
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_slice_waits_beside_a_whole_gradient_handed_on_from_an_output(trace: str) -> None:
+    torch.manual_seed(0)
+    _pinned_against_allocator(SliceBesideStackedWhole(), torch.randn(4, 4, 32), {"l0": "cpu:0"}, trace)
+
+
 def _sink_graph_split(seed: int) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
     """The random sink graph of ``seed`` split over 2-3 devices at the first budget (a part of its one-device total)
     that fits: planned and allocated activation peaks, and the placement."""
@@ -1004,6 +1066,8 @@ PROGRAMS = [  # seeds whose program traces, fits and runs (of 14000-14066), and 
     *(14000, 14001, 14003, 14004, 14005, 14006, 14007, 14009, 14012, 14013, 14017, 14018, 14019, 14020, 14021),
     *(14023, 14028, 14029, 14031, 14032, 14033, 14037, 14038, 14042, 14045, 14046, 14049, 14051, 14052, 14053),
     15725,  # fx: one tensor read under two node names after an in-place write (0.714 when copied once per name)
+    16034,  # an item of chunk beside one read only by a dropped op (0.914 when that op counted as sending a gradient)
+    2659,  # a slice beside the whole gradient stack([h]) hands on from an output (0.907 once dropped ops sent none)
     *KNOWN_UNDER,
 ]
 

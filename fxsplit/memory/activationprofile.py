@@ -7,10 +7,11 @@ simulated for any placement by :mod:`fxsplit.memory.lifetimes`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import AbstractSet, Mapping
 
-__all__ = ["ActivationProfile", "ValueMemory"]
+__all__ = ["ActivationProfile", "ValueMemory", "without_dead_gradients"]
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,8 @@ class ValueMemory:
     Attributes:
         nbytes: bytes of the value itself (what a copy to another device costs).
         storages: ids of the storages it keeps alive (a view: its base's).
-        requires_grad: whether autograd computes its gradient (training).
+        requires_grad: whether autograd computes its gradient in the backward (training): the value needs one
+            and something that gets one reads it (:func:`without_dead_gradients`).
     """
 
     nbytes: int
@@ -98,6 +100,11 @@ class ActivationProfile:
     repeated_outputs: frozenset[str] = frozenset()
     renewed: tuple[tuple[int, int], ...] = ()
 
+    @functools.cached_property
+    def positions(self) -> dict[str, int]:
+        """Op name -> its index in ``op_names``."""
+        return {name: op for op, name in enumerate(self.op_names)}
+
     def accumulating(self) -> ActivationProfile:
         """This profile for a backward that adds each weight's gradient to a ``.grad`` that exists."""
         if not self.backward_accumulating:
@@ -109,3 +116,33 @@ class ActivationProfile:
         data = getattr(self, field_name)
         empty: object = () if field_name == "saved" else 0
         return list(data) if data else [empty] * len(self.op_names)
+
+
+def without_dead_gradients(
+    op_names: tuple[str, ...],
+    reads: tuple[tuple[str, ...], ...],
+    values: Mapping[str, ValueMemory],
+    outputs: tuple[str, ...],
+    weights: AbstractSet[str],
+) -> dict[str, ValueMemory]:
+    """``values``, with ``requires_grad`` cleared on those no gradient reaches in the backward: neither returned nor
+    read by an op whose result gets one (a result the model drops, as ``self.conv(h)`` never used, and what only
+    such ops read). Autograd never runs their backward, so they send none to what they read. Weights keep theirs
+    (their gradients are charged with the parameters).
+
+    >>> h, dead = ValueMemory(8, (1,), True), ValueMemory(8, (2,), True)
+    >>> kept = without_dead_gradients(("h", "dead", "out"), (("x",), ("h",), ("h",)),
+    ...     {"x": ValueMemory(8, (0,)), "h": h, "dead": dead, "out": h}, ("out",), frozenset())
+    >>> kept["h"].requires_grad, kept["dead"].requires_grad
+    (True, False)
+    """
+    reached = {name for name in outputs if name in values and values[name].requires_grad}
+    for op in range(len(op_names) - 1, -1, -1):
+        if op_names[op] in reached:
+            reached.update(name for name in reads[op] if name in values and values[name].requires_grad)
+    return {
+        name: value
+        if not value.requires_grad or name in reached or name in weights
+        else dataclasses.replace(value, requires_grad=False)
+        for name, value in values.items()
+    }

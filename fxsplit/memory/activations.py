@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from fxsplit.attrpath import attr_at
 from fxsplit.cost.build import GraphCosts, Weight
+from fxsplit.memory.activationprofile import without_dead_gradients
 from fxsplit.memory.allocations import Allocations
 from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory
 from fxsplit.memory.seed import seeds
@@ -323,6 +324,8 @@ def _profile(
     for arg in output.all_input_nodes:
         names = [w.names[0] for w in by_node.get(arg.name, ())] if arg.op == "get_attr" else [arg.name]
         outputs.extend(newest.get(n, n) for n in names if n in values)  # fx: a node written in place, as written
+    if training:  # a result no gradient reaches (dropped by the model) sends none back
+        values = without_dead_gradients(tuple(op.name for op in costs.ops), reads, values, tuple(outputs), weight_names)
     returned = Counter(
         newest.get(leaf.name, leaf.name) for leaf in tree_leaves(output.args) if isinstance(leaf, torch.fx.Node)
     )

@@ -39,7 +39,7 @@ def contributions(walk: _Walk, weights: bool = True) -> list[tuple[Hashable, int
     for op, other in walk.profile.grad_passthrough:
         passed.setdefault(walk.profile.op_names[other], set()).add(op)
     values, names = walk.profile.values, walk.profile.op_names
-    position = {name: op for op, name in enumerate(names)}
+    position = walk.profile.positions
     apart = walk.apart()
     for (name, device), read_by in walk.readers.items():
         info = values[name]

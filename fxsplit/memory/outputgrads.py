@@ -41,7 +41,7 @@ def loss_gradients(
         returned_on: the device the outputs are returned on (copies held there are seeded too).
     """
     end, seeds, seeded, parts = len(profile.op_names), [], set[int](), set[int]()
-    position = {name: op for op, name in enumerate(profile.op_names)}
+    position = profile.positions
     for name in dict.fromkeys(profile.outputs):
         info = profile.values[name]
         here = {i for i in on.get((name, home[name]), {}).values() if i is not None}

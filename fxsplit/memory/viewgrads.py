@@ -53,13 +53,13 @@ def waiting_views(
     >>> waiting_views(profile, readers, "h", 0, [1, 2, 3])  # q waits through k's and v's backward, k through v's
     [(2, 3, 16), (3, 3, 16)]
     """
-    read, items_of = profile.values[name], items_of or {}
+    items_of = items_of or {}
     sizes = partial_views(profile, readers, name, device, read_by, items_of) if views is None else views
     ordered = sorted(sizes)
     if not ordered:
         return []
     found = []
-    whole = max(_whole(profile, readers, read_by, read, sizes, device), whole_from)
+    whole = max(_whole(profile, readers, read_by, name, sizes, device), whole_from)
     for op in ordered[:-1]:  # beside the sum so far, from the first view's backward (the last one's), or a whole one
         arrives = min(_view_arrival(profile, readers, items_of, op, device), max(ordered[-1], whole))
         if arrives > op:
@@ -98,20 +98,22 @@ def _whole(
     profile: ActivationProfile,
     readers: Readers,
     read_by: Collection[int],
-    read: ValueMemory,
+    name: str,
     views: Collection[int],
     device: Hashable,
 ) -> int:
-    """Where the first gradient of all of a value arrives from one of its readers ``read_by`` that is not a partial
-    view (``views``): a full view's (a transpose, handed on as is) where its own arrives; another op's at its
-    backward; -1 if none sends one."""
+    """Where the first gradient of all of value ``name`` arrives from one of its readers ``read_by`` that is not a
+    partial view (``views``): a full view's (a transpose), or one an op hands on as is (``stack([h])``'s, a
+    returned value's: from the start), where its own arrives; another op's at its backward; -1 if none sends one."""
     names, values, found = profile.op_names, profile.values, -1
+    read, index = values[name], profile.positions.get(name, -1)
     for op in read_by:
         result = values.get(names[op])
         if (result is not None and not result.requires_grad) or op in views or op in profile.items:
             continue
         viewed = result is not None and op not in profile.in_place and set(read.storages) & set(result.storages)
-        found = max(found, _arrival(profile, readers, names[op], device) if viewed else op)
+        handed = viewed or (op, index) in profile.grad_passthrough
+        found = max(found, _arrival(profile, readers, names[op], device) if handed else op)
     return found
 
 
