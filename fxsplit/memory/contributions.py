@@ -92,8 +92,25 @@ def contributions(walk: _Walk, weights: bool = True) -> list[tuple[Hashable, int
 
 def _made_from(walk: _Walk, op: int, read: ValueMemory, device: Hashable) -> int:
     """Where the gradient op ``op`` adds to the value ``read`` it reads is made: at its own backward, or, when
-    its result is a view of ``read`` (a storage of both, not written in place), at its last reader's."""
-    result = walk.profile.values.get(walk.profile.op_names[op])
-    if result is None or op in walk.profile.in_place or not set(result.storages) & set(read.storages):
+    its result is a view of ``read`` (a storage of both, not written in place), at the backward of the last op
+    that reads it, or a view of it (views of views, the items of a tuple of views such as ``broadcast_tensors``'s),
+    and sends a gradient back."""
+    profile, names = walk.profile, walk.profile.op_names
+    result = profile.values.get(names[op])
+    if result is None or op in profile.in_place or not set(result.storages) & set(read.storages):
         return op
-    return max(walk.readers.get((walk.profile.op_names[op], device), ()), default=op)
+    made, stack, seen = op, [names[op]], {names[op]}
+    while stack:
+        here = stack.pop()
+        storages = set(profile.values[here].storages)
+        for reader in (*walk.readers.get((here, device), ()), *walk.items_of.get(here, ())):
+            value = profile.values.get(names[reader])
+            if value is not None and not value.requires_grad:
+                continue  # a comparison, zeros_like: no gradient back
+            if reader not in profile.items:
+                made = max(made, reader)
+            viewed = value is not None and reader not in profile.in_place and storages & set(value.storages)
+            if viewed and names[reader] not in seen:
+                seen.add(names[reader])
+                stack.append(names[reader])
+    return made
