@@ -1006,6 +1006,31 @@ def test_a_views_gradient_is_made_where_the_op_reading_it_through_items_runs_bac
     _pinned_against_allocator(ReturnedAndFlattenedIntoALoss(), torch.randn(8, 16, 64), {"l": "cpu:0"}, trace)
 
 
+class _SumBesideCat(nn.Module):
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([v + v * v, v], dim=-1)
+
+
+class CopySummedWhereItIsRead(nn.Module):
+    """``v`` is copied to cpu:1 and read there by ``cat`` and by an add that hands its gradient on to it: the add's
+    backward sums the two out of place on cpu:1, where the copy's gradient waits (0.885 of the allocator there when
+    that sum was charged on ``v``'s home)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.tail = nn.Linear(128, 32, bias=False), _SumBesideCat()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tail(self.l0(x))
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_sum_into_a_copys_gradient_is_made_where_the_copy_is_read(trace: str) -> None:
+    torch.manual_seed(0)
+    pins = {"l0": "cpu:0", "tail": "cpu:1"}
+    _pinned_against_allocator(CopySummedWhereItIsRead(), torch.randn(12, 6, 128), pins, trace)
+
+
 def _sink_graph_split(seed: int) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
     """The random sink graph of ``seed`` split over 2-3 devices at the first budget (a part of its one-device total)
     that fits: planned and allocated activation peaks, and the placement."""
@@ -1090,6 +1115,7 @@ PROGRAMS = [  # seeds whose program traces, fits and runs (of 14000-14066), and 
     2659,  # a slice beside the whole gradient stack([h]) hands on from an output (0.907 once dropped ops sent none)
     14494,  # SDPA(v, v, v) after an in-place slice write (0.958 before views of views were followed to the sender)
     18648,  # a view read through broadcast_tensors' items by mse_loss (0.833 when its gradient was made at the view)
+    19087,  # a sum into a copy's gradient where the copy is read (0.885 when charged on the value's home)
     *KNOWN_UNDER,
 ]
 

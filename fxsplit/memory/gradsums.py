@@ -70,6 +70,8 @@ def foreign_sums(
     device (``home``) when the gradient of its copy arrives there, at the copy's first reader (``readers``: the
     ops reading each value on each device). A value sent to another device whose result comes back to be read
     beside it, ``cat([f(v), v])``: 0.87 of the allocator where charged on the device of the op that sent it.
+    Where a later reader of the copy on the op's device has sent its gradient first, the copy's gradient waits
+    there and the sum is made there, by the op's backward (``cat([v + g(v), v])`` with ``v`` copied over).
 
     >>> from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
     >>> profile = ActivationProfile(op_names=("v", "f", "cat"), reads=((), ("v",), ("f", "v")), values={},
@@ -83,9 +85,14 @@ def foreign_sums(
         for target, nbytes in sums.items():
             name = profile.op_names[target]
             there = home[name]
-            if there != here:
-                at = min(readers.get((name, here), (op,)))
-                found[(there, at)] = max(found.get((there, at), 0), nbytes)
+            if there == here:
+                continue
+            on_here = readers.get((name, here), (op,))
+            if any(r > op and _sends(profile, r) for r in on_here):  # a later reader's gradient of the copy waits
+                where = (here, op)  # here: the sum is made beside it (v + f(v) and cat([.., v]) on the copy's device)
+            else:
+                where = (there, min(on_here))
+            found[where] = max(found.get(where, 0), nbytes)
     return [(device, at, nbytes) for (device, at), nbytes in found.items()]
 
 
