@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Hashable
 
 from fxsplit.memory.activationprofile import ValueMemory
 from fxsplit.memory.gradsums import handed_from
-from fxsplit.memory.viewgrads import partial_views, waiting_views
+from fxsplit.memory.viewgrads import arrival, partial_views, waiting_views
 from fxsplit.memory.weightgrads import weight_contributions
 
 if TYPE_CHECKING:
@@ -99,18 +99,4 @@ def _made_from(walk: _Walk, op: int, read: ValueMemory, device: Hashable) -> int
     result = profile.values.get(names[op])
     if result is None or op in profile.in_place or not set(result.storages) & set(read.storages):
         return op
-    made, stack, seen = op, [names[op]], {names[op]}
-    while stack:
-        here = stack.pop()
-        storages = set(profile.values[here].storages)
-        for reader in (*walk.readers.get((here, device), ()), *walk.items_of.get(here, ())):
-            value = profile.values.get(names[reader])
-            if value is not None and not value.requires_grad:
-                continue  # a comparison, zeros_like: no gradient back
-            if reader not in profile.items:
-                made = max(made, reader)
-            viewed = value is not None and reader not in profile.in_place and storages & set(value.storages)
-            if viewed and names[reader] not in seen:
-                seen.add(names[reader])
-                stack.append(names[reader])
-    return made
+    return max(op, arrival(profile, walk.readers, names[op], device, walk.items_of, outputs=False))

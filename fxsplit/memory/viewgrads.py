@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Collection, Hashable, Mapping, Sequence
 if TYPE_CHECKING:
     from fxsplit.memory.activationprofile import ActivationProfile, ValueMemory
 
-__all__ = ["partial_views", "tuple_items", "waiting_views"]
+__all__ = ["arrival", "partial_views", "tuple_items", "waiting_views"]
 
 Readers = Mapping[tuple[str, Hashable], Collection[int]]
 ItemsOf = Mapping[str, Sequence[int]]  # a tuple's name -> the ops that take items out of it
@@ -113,7 +113,7 @@ def _whole(
             continue
         viewed = result is not None and op not in profile.in_place and set(read.storages) & set(result.storages)
         handed = viewed or (op, index) in profile.grad_passthrough
-        found = max(found, _arrival(profile, readers, names[op], device) if handed else op)
+        found = max(found, arrival(profile, readers, names[op], device) if handed else op)
     return found
 
 
@@ -136,7 +136,7 @@ def _part_bytes(
         else sum(
             _item(profile, i).nbytes
             for i in taken
-            if _item(profile, i).requires_grad and _arrival(profile, readers, profile.op_names[i], device) >= 0
+            if _item(profile, i).requires_grad and arrival(profile, readers, profile.op_names[i], device) >= 0
         )
     )
     return nbytes if nbytes < read.nbytes else 0
@@ -151,25 +151,34 @@ def _view_arrival(profile: ActivationProfile, readers: Readers, items_of: ItemsO
     name = profile.op_names[op]
     taken = items_of.get(name)
     if taken is None:
-        return _arrival(profile, readers, name, device)
-    return max((_arrival(profile, readers, profile.op_names[item], device) for item in taken), default=-1)
+        return arrival(profile, readers, name, device)
+    return max((arrival(profile, readers, profile.op_names[item], device) for item in taken), default=-1)
 
 
-def _arrival(profile: ActivationProfile, readers: Readers, name: str, device: Hashable) -> int:
+def arrival(
+    profile: ActivationProfile,
+    readers: Readers,
+    name: str,
+    device: Hashable,
+    items_of: ItemsOf | None = None,
+    outputs: bool = True,
+) -> int:
     """Where the gradient of ``name`` arrives in the backward: at the last op on ``device`` that reads it, or a view
-    of it (views of views), and sends a gradient back; at the end for an output; -1 if none does."""
-    values, names = profile.values, profile.op_names
+    of it (views of views; with ``items_of``, the items of a tuple of views too, as ``broadcast_tensors``'), and
+    sends a gradient back; at the end for an output (unless not ``outputs``); -1 if none does."""
+    values, names, items_of = profile.values, profile.op_names, items_of or {}
     last, stack, seen = -1, [name], {name}
     while stack:
         here = stack.pop()
-        if here in profile.outputs:
+        if outputs and here in profile.outputs:
             last = len(names)
         storages = set(values[here].storages)
-        for op in readers.get((here, device), ()):
+        for op in (*readers.get((here, device), ()), *items_of.get(here, ())):
             result = values.get(names[op])
             if result is not None and not result.requires_grad:  # a detach: no gradient back
                 continue
-            last = max(last, op)
+            if op not in profile.items:  # an item has no backward of its own: its readers send it
+                last = max(last, op)
             viewed = result is not None and op not in profile.in_place and storages & set(result.storages)
             if viewed and names[op] not in seen:
                 seen.add(names[op])

@@ -307,11 +307,14 @@ def input_writers(graph: torch.fx.Graph, modules: Mapping[str, torch.nn.Module])
 
 def alias_root(node: torch.fx.Node) -> torch.fx.Node:
     """Follow view ops back to the node whose storage ``node`` shares."""
-    while True:
-        base = _view_base(node)
-        if base is None:
-            return node
+    return _followed(node, _view_base)
+
+
+def _followed(node: torch.fx.Node, step: Callable[[torch.fx.Node], torch.fx.Node | None]) -> torch.fx.Node:
+    """``node``, then ``step`` of it, and so on, to the last node ``step`` finds."""
+    while (base := step(node)) is not None:
         node = base
+    return node
 
 
 def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -341,11 +344,7 @@ def tensor_origin(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose tensor ``node`` is, the same object: followed back through ops that return what they wrote
     in place (``x.add_(1)``, ``F.relu(x, inplace=True)``, ``out=``), not through views (a view is a tensor of its
     own). A copy of ``node`` made for another device is a copy of its origin; one serves both."""
-    while True:
-        base = _returned_argument(node)
-        if base is None:
-            return node
-        node = base
+    return _followed(node, _returned_argument)
 
 
 def _returned_argument(node: torch.fx.Node) -> torch.fx.Node | None:
