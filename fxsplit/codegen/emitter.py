@@ -172,13 +172,14 @@ class _Emitter:
             if read.key in self.plan.replicas and device in self.plan.replicas[read.key].devices:
                 return self._replica(read, device)
         else:
-            origin = tensor_origin(read.node) if read.node is not None else None
-            if origin is not None and origin is not read.node and origin.op != "get_attr":
-                return self._fetch(Read(origin.name, origin, None, read.kind), device)  # one copy serves both names
             home = self.plan.placement[read.key]
         is_input = read.node is not None and read.node.op == "placeholder"
         if home == device and not is_input:
             return None
+        if read.weight is None and read.node is not None and not is_input:
+            origin = tensor_origin(read.node)
+            if origin is not read.node and origin.op != "get_attr":
+                return self._fetch(Read(origin.name, origin, None, read.kind), device)  # one copy serves both names
         version = self.versions.of(read)
         cached, region, made_at = self.copies.get((read.key, device), (None, None, None))
         if cached is not None and region in (None, self.grad_region) and made_at in (None, version):
