@@ -372,3 +372,20 @@ def test_an_input_read_under_two_names_after_a_write_is_copied_once_and_written_
         got, expected = split(mine), model(theirs)
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(mine, theirs)  # the caller's tensor is written as eager writes it
+
+
+def test_a_plan_that_copies_a_written_tensor_once_per_name_is_refused_saying_to_plan_again() -> None:
+    """A plan saved before one copy served both names lists a cut of ``add_`` beside that of ``a``."""
+    import dataclasses
+
+    x, pins = torch.randn(3, WIDTH), {"a": "cpu:0", "b": "cpu:1", "c": "cpu:1"}
+    options = {"example_inputs": (x,), "trace": "fx", "pins": pins, "output_device": "cpu:1", "mode": "weights"}
+    plan = fxsplit.plan(TwoNames(), BUDGETS, **options)
+    (cut,) = [c for c in plan.cuts if c.producer == "a"]
+    old = dataclasses.replace(plan, cuts=(*plan.cuts, dataclasses.replace(cut, producer="add_")))
+    with pytest.raises(
+        fxsplit.PlanMismatchError,
+        match=r"copies 'add_', the result of an in-place write.*plan again\):\n  plan lists add_: cpu:0 -> cpu:1",
+    ):
+        fxsplit.apply(TwoNames(), old, example_inputs=(x,))
+    fxsplit.apply(TwoNames(), plan, example_inputs=(x,))  # the plan as made now applies

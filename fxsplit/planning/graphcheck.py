@@ -15,6 +15,7 @@ from fxsplit.planning.build import cuts_for
 from fxsplit.planning.plan import Cut, Plan
 from fxsplit.planning.rules import budget_overruns
 from fxsplit.tracing.capture import Traced
+from fxsplit.tracing.graphinfo import tensor_origin
 from fxsplit.units import format_size
 
 __all__ = ["check_budgets", "check_cuts", "check_storage", "cut_text", "listing"]
@@ -82,10 +83,23 @@ def check_cuts(plan: Plan, traced: Traced, costs: GraphCosts) -> list[str]:
         stale = [f"plan lists {cut_text(c)}" for c in plan.cuts if _route(c) not in routes]
         listed = {_route(c) for c in plan.cuts}
         stale += [f"placement implies {cut_text(c)}" for c in expected if _route(c) not in listed]
+        nodes = {n.name: n for n in traced.graph_module.graph.nodes}
+        renamed = sorted(
+            c.producer
+            for c in plan.cuts
+            if _route(c) not in routes
+            and c.producer in nodes
+            and tensor_origin(nodes[c.producer]) is not nodes[c.producer]
+        )
+        why = (
+            f"the plan copies {', '.join(repr(n) for n in renamed)}, the result of an in-place write, apart from the "
+            "tensor it wrote, as fxsplit did before it copied one tensor once per device: plan again"
+            if renamed
+            else "was it edited?"
+        )
         raise PlanMismatchError(
             listing(
-                "the plan's cuts are not those its placement implies (was it edited?):",
-                stale or ["same cuts, different order"],
+                f"the plan's cuts are not those its placement implies ({why}):", stale or ["same cuts, different order"]
             )
         )
     return [
