@@ -238,12 +238,9 @@ def _op_values(
     position = index.get
     made: dict[torch.fx.Node, int] = {}  # origin of a written tensor -> its value's index
     for node in valued:
-        if writers and node in writers:
-            origin = tensor_origin(node)
-            if origin is not node and origin.op != "get_attr":
-                _merge_readers(values, made, origin, node, index)
-                value_nbytes[node.name] = _value_facts(node, dtype, sizes)[0]
-                continue
+        if writers and node in writers and _merged(values, made, tensor_origin(node), node, index):
+            value_nbytes[node.name] = _value_facts(node, dtype, sizes)[0]
+            continue
         users = node.users
         if len(users) == 1:  # most values: one reader, no set to sort
             reader = position(next(iter(users)))
@@ -275,19 +272,21 @@ def _op_values(
     return values, value_nbytes
 
 
-def _merge_readers(
+def _merged(
     values: list[Value],
     made: dict[torch.fx.Node, int],
     origin: torch.fx.Node,
     node: torch.fx.Node,
     index: Mapping[torch.fx.Node, int],
-) -> None:
-    """Add ``node``'s readers to the value of ``origin``, the tensor ``node`` returns."""
+) -> bool:
+    """Whether ``node``'s readers were added to the value of ``origin``, the tensor ``node`` returns (False: it is
+    no such op, or ``origin`` has no value to add them to)."""
+    if origin is node or origin not in made:
+        return False
     readers = {index[u] for u in node.users if u in index}
-    if not readers or origin not in made:
-        return
     value = values[made[origin]]
     values[made[origin]] = dataclasses.replace(value, consumers=tuple(sorted({*value.consumers, *readers})))
+    return True
 
 
 _Frozen = TypeVar("_Frozen")
