@@ -104,7 +104,8 @@ def _whole(
 ) -> int:
     """Where the first gradient of all of value ``name`` arrives from one of its readers ``read_by`` that is not a
     partial view (``views``): a full view's (a transpose), or one an op hands on as is (``stack([h])``'s, a
-    returned value's: from the start), where its own arrives; another op's at its backward; -1 if none sends one."""
+    returned value's: from the start), where its own arrives, and at the latest at the view (one read on another
+    device, whose copy's gradient comes home there); another op's at its backward; -1 if none sends one."""
     names, values, found = profile.op_names, profile.values, -1
     read, index = values[name], profile.positions.get(name, -1)
     for op in read_by:
@@ -113,7 +114,7 @@ def _whole(
             continue
         viewed = result is not None and op not in profile.in_place and set(read.storages) & set(result.storages)
         handed = viewed or (op, index) in profile.grad_passthrough
-        found = max(found, arrival(profile, readers, names[op], device) if handed else op)
+        found = max(found, max(op, arrival(profile, readers, names[op], device)) if handed else op)
     return found
 
 
@@ -123,7 +124,9 @@ def _part_bytes(
     """Bytes of the gradient op ``op``'s result gets if it is a smaller view of ``read`` with a backward of its own
     (not written in place) whose gradient autograd needs, else 0. A tuple of views (``chunk``, ``split``) read
     through its items gets those of the items some op reads (the rest get none), and its backward takes them all
-    at once."""
+    at once: a partial view even when they cover all of ``read``, since each item's gradient is a tensor of its
+    own until then (both halves of ``split(h)`` read on another device beside ``h``: 0.818 of the allocator when
+    counted as one gradient of all of ``h``)."""
     result = profile.values.get(profile.op_names[op])
     if result is None or not result.requires_grad or op in profile.in_place or op in profile.items:
         return 0
@@ -139,7 +142,7 @@ def _part_bytes(
             if _item(profile, i).requires_grad and arrival(profile, readers, profile.op_names[i], device) >= 0
         )
     )
-    return nbytes if nbytes < read.nbytes else 0
+    return nbytes if nbytes < read.nbytes or taken is not None else 0
 
 
 def _item(profile: ActivationProfile, op: int) -> ValueMemory:
