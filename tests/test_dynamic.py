@@ -259,3 +259,48 @@ def test_pipelines_of_a_fixed_batch_say_how_to_vary_it() -> None:
     piped = fxsplit.fxsplit(model, budgets(model), example_inputs=(torch.randn(8, 5, 8),), mode="weights", pipeline=4)
     with pytest.raises(FxsplitError, match="micro-batches of 2 rows.*dynamic_shapes='batch'"):
         piped(torch.randn(16, 5, 8))
+
+
+class _NormedSoftmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x)).softmax(-1)
+
+
+def test_the_activation_profile_of_a_dynamic_batch_counts_plain_bytes() -> None:
+    """Bytes of tensors whose batch is symbolic were SymInts; the fit loop hashed budgets made from them and
+    planning GPT-2 as a pipeline over a dynamic batch failed with torch's "unhashable type: non-nested SymInt"."""
+    from fxsplit.cost.build import build_problem
+    from fxsplit.memory.activations import profile_activations
+    from fxsplit.tracing.capture import trace
+
+    model = _NormedSoftmax()
+    traced = trace(model, example_inputs=(torch.randn(4, 16),), mode="export", dynamic_shapes="batch")
+    costs = build_problem(traced.graph_module, model, device_index={"cpu:0": 0})
+    profile = profile_activations(traced.graph_module, costs, training=True)
+    assert profile is not None
+    counts = [*profile.storage_bytes.values(), *(v.nbytes for v in profile.values.values())]
+    counts += [n for kind in ("internal", "backward_internal", "internal_saved") for n in profile.per_op(kind)]
+    assert counts and all(type(n) is int for n in counts)
+    fixed = profile_activations(
+        trace(model, example_inputs=(torch.randn(4, 16),), mode="export").graph_module, costs, training=True
+    )
+    assert fixed is not None and profile.storage_bytes == fixed.storage_bytes  # the example's batch, as if fixed
+
+
+def test_gpt2_pipeline_over_a_dynamic_batch_says_what_does_not_fit() -> None:
+    """The benchmarks' GPT-2 at 0.7 of its parameters per device needs the fit loop's second round, whose caps
+    came from those SymInt bytes: a TypeError from inside the partitioner, not the BudgetError that says why."""
+    from benchmarks.models import case_by_name
+
+    case = case_by_name("gpt2")
+    model, (ids,) = case.build(), case.inputs()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    budgets = {"cpu:0": int(total * 0.7), "cpu:1": int(total * 0.7)}
+    with pytest.raises(fxsplit.BudgetError, match=r"'cpu:1' needs .* short by"):
+        fxsplit.plan(
+            model, budgets, example_inputs=(torch.cat([ids, ids]),), trace="export", dynamic_shapes="batch", pipeline=2
+        )

@@ -32,6 +32,7 @@ from fxsplit.memory.allocations import Allocations
 from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory
 from fxsplit.memory.seed import seeds
 from fxsplit.planning.build import weights_by_node
+from fxsplit.tracing.dynamic import traced_size
 from fxsplit.tracing.fakeweights import fake_weights
 
 __all__ = ["graph_tensors", "profile_activations", "replace_graph_tensors"]
@@ -54,10 +55,10 @@ class _Storages:
         return found
 
     def scale(self, nbytes: int, dtype: torch.dtype) -> int:
-        """Bytes as if floating-point tensors had the planning dtype."""
+        """Bytes at the example inputs' sizes, as if floating-point tensors had the planning dtype."""
         if self.dtype is None or not dtype.is_floating_point:
-            return nbytes
-        return nbytes * self.dtype.itemsize // dtype.itemsize
+            return traced_size(nbytes)
+        return traced_size(nbytes) * self.dtype.itemsize // dtype.itemsize
 
     def value(self, value: Any) -> ValueMemory:
         tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]

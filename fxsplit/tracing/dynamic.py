@@ -35,6 +35,7 @@ __all__ = [
     "dynamic_shapes_for",
     "export_spec",
     "is_symbolic",
+    "traced_size",
 ]
 
 
@@ -112,6 +113,20 @@ def is_symbolic(size: Any) -> bool:
     return isinstance(size, torch.SymInt) and not is_concrete_int(size)
 
 
+def traced_size(size: Any) -> int:
+    """A size (or byte count) as a plain int: a symbolic one (a dynamic batch) at the example inputs' value.
+
+    >>> traced_size(12)
+    12
+    """
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        if hint is None:
+            raise ValueError(f"the size {size} has no value at the example inputs")
+        return int(hint)
+    return int(size)
+
+
 def check_kept_dynamic(graph_module: torch.fx.GraphModule, dynamic_shapes: Any) -> None:
     """For ``"batch"``: the inputs' batch size must have stayed symbolic; say which input's did not.
 
@@ -129,7 +144,7 @@ def check_kept_dynamic(graph_module: torch.fx.GraphModule, dynamic_shapes: Any) 
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             size = value.shape[0]
             symbolic = is_symbolic(size)
-            rows.append((node.name, int(size.node.hint) if symbolic else int(size), symbolic))  # type: ignore[attr-defined]
+            rows.append((node.name, traced_size(size), symbolic))
     varying = {size for _, size, symbolic in rows if symbolic}
     if not varying:
         fixed = [(name, size) for name, size, _ in rows]
