@@ -30,8 +30,10 @@ class PipelineConfig:
             Saves activation memory, costs a second forward in backward.
         batch_stats: what to do when the model normalises with batch
             statistics (BatchNorm in training), which micro-batches change,
-            or updates a parameter or buffer in place (once per micro-batch):
-            ``"warn"``, ``"error"`` or ``"allow"``.
+            updates a parameter or buffer in place (once per micro-batch), or
+            mixes the rows of the batch (a mean over it, a softmax along it:
+            :mod:`fxsplit.pipeline.rowmixing`): ``"warn"``, ``"error"`` or
+            ``"allow"``.
         broadcast: names of inputs given whole to every micro-batch instead of
             being split along dim 0 (e.g. a mask shared by all samples).
         processes: True when the stages will run one per process

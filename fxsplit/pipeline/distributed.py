@@ -47,6 +47,7 @@ from fxsplit.callsite import user_stacklevel
 from fxsplit.codegen.emitter import emit
 from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
 from fxsplit.options import PipelineConfig
+from fxsplit.pipeline.gpipe import mixing_message
 from fxsplit.pipeline.microbatch import first_microbatch
 from fxsplit.pipeline.replicabudget import replica_overruns, room_to_hold_back
 from fxsplit.pipeline.stages import StageSpec, split_stages
@@ -279,6 +280,9 @@ def pipeline_stages(
         options = {**options, "reserve": {d: reserved.get(d, 0) + room[d] for d in plan.devices}}
     if first is not None and first[0]:
         _warn_replanned(plan, first[1])
+    mixing = mixing_message(graph_module, chunks, allow="filter this FxsplitWarning")
+    if mixing:  # torch.distributed.pipelining runs each micro-batch on its own too, and joins outputs along dim 0
+        warnings.warn(FxsplitWarning(mixing), stacklevel=user_stacklevel())
     unalias_rows(stages.modules, graph_module)
     holding = held_weights(model, stages.modules, graph_module)
     return PipelineStages(plan, stages.specs, stages.modules, holding.tied, chunks, holding.paths, _rows=holding.rows)

@@ -22,13 +22,14 @@ micro-batch; ``PipelineConfig.batch_stats`` says whether that warns or
 raises, as it does for any other parameter or buffer the forward updates in
 place), for random ops (dropout draws in a different order), and for ops that
 mix the rows of a batch (a mean over the batch dimension sees one
-micro-batch's rows: these fxsplit does not detect).
+micro-batch's rows): :mod:`fxsplit.pipeline.rowmixing` finds those from the
+graph's shapes, and ``batch_stats`` governs them too.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, cast
+from typing import Any, Sequence, cast
 
 import torch
 import torch.fx
@@ -39,6 +40,7 @@ from fxsplit.errors import FxsplitError, FxsplitWarning
 from fxsplit.options import PipelineConfig
 from fxsplit.pipeline.batchstats import batch_stat_ops, state_written
 from fxsplit.pipeline.microbatch import gather, scatter
+from fxsplit.pipeline.rowmixing import row_mixing
 from fxsplit.pipeline.stages import StageSplit, split_stages
 from fxsplit.pipeline.streams import CudaCopies
 from fxsplit.planning.plan import Plan
@@ -81,6 +83,8 @@ class Pipeline(torch.nn.Module):
         object.__setattr__(self, "_split", split)  # not a submodule: its weights are the stages'
         self._cuda = CudaCopies() if any(s.device.startswith("cuda") for s in stages.specs) else None
         self._traced_rows = _traced_rows(split, stages, config)
+        allowed = config.batch_stats == "allow"
+        self._row_mixing = "" if allowed else mixing_message(split, config.chunks, config.broadcast)
 
     @property
     def split(self) -> torch.fx.GraphModule:
@@ -147,6 +151,8 @@ class Pipeline(torch.nn.Module):
                 "rows only, so the state (and what is computed from it) differs from the unsplit model's; use "
                 "chunks=1, or pass PipelineConfig(batch_stats='allow') where that is what you want"
             )
+        if self._row_mixing:
+            messages.append(self._row_mixing)
         for message in messages:
             if self.config.batch_stats == "error":
                 raise FxsplitError(message)
@@ -161,6 +167,28 @@ class Pipeline(torch.nn.Module):
                 f"{expected * self.config.chunks} rows (chunks x {expected}), or split again with "
                 "dynamic_shapes='batch' or trace='fx'"
             )
+
+
+def mixing_message(
+    graph_module: torch.fx.GraphModule,
+    chunks: int,
+    whole: Sequence[str] = (),
+    allow: str = "pass PipelineConfig(batch_stats='allow')",
+) -> str:
+    """What :func:`~fxsplit.pipeline.rowmixing.row_mixing` finds in ``graph_module`` (``whole``: inputs every
+    micro-batch gets whole), said for a pipeline of ``chunks`` micro-batches ("" when nothing, or one chunk);
+    ``allow``: how to accept it."""
+    if chunks == 1:
+        return ""
+    found = row_mixing(graph_module, whole=whole)
+    if not found:
+        return ""
+    listed = "; ".join(str(f) for f in found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+    return (
+        f"ops that mix the rows of the batch: {listed}; with {chunks} micro-batches each sees its own rows only, "
+        "so results differ from the unsplit model; compute them outside the model (on the joined outputs), use "
+        f"chunks=1, or {allow} where that is what you want"
+    )
 
 
 def _traced_rows(split: torch.fx.GraphModule, stages: StageSplit, config: PipelineConfig) -> int | None:

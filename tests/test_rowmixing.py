@@ -1,0 +1,191 @@
+"""Ops that mix the rows of a batch, which a pipeline's micro-batches change (:mod:`fxsplit.pipeline.rowmixing`).
+
+Before, a pipeline ran ``h - h.mean(0)`` once per micro-batch and returned outputs that differ from the unsplit
+model's, and nothing said so (the README listed it as undetected). Each case here is checked against what the
+pipeline really returns: the ops it names make the pipelined outputs differ, and the ones it leaves alone do not.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxsplit
+from fxsplit.pipeline.rowmixing import row_mixing
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn: Callable[..., Any], **modules: nn.Module) -> None:
+        super().__init__()
+        self.fn = fn
+        for name, module in modules.items():
+            self.add_module(name, module)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.fn(self, x)
+
+
+def _found(fn: Callable[..., Any], x: torch.Tensor, **modules: nn.Module) -> list[str] | None:
+    graph_module = torch.fx.symbolic_trace(_Fn(fn, **modules))
+    next(n for n in graph_module.graph.nodes if n.op == "placeholder").meta["val"] = x
+    found = row_mixing(graph_module)
+    return None if found is None else [f.node for f in found]
+
+
+X, SEQ = torch.randn(4, 8), torch.randn(4, 6, 8)
+CASES: list[tuple[str, Callable[..., Any], torch.Tensor, dict[str, nn.Module], list[str]]] = [
+    ("centred over the batch", lambda m, x: x - x.mean(0), X, {}, ["mean"]),
+    ("centred over features", lambda m, x: x - x.mean(-1, keepdim=True), X, {}, []),
+    ("softmax over the batch", lambda m, x: x.softmax(0), X, {}, ["softmax"]),
+    ("softmax over features", lambda m, x: F.softmax(x, dim=-1), X, {}, []),
+    ("cat along the batch", lambda m, x: torch.cat([x, x * 2]), X, {}, ["cat"]),
+    ("cat along features", lambda m, x: torch.cat([x, x * 2], -1), X, {}, []),
+    ("first row added to every row", lambda m, x: x[0] + x, X, {}, ["getitem"]),
+    ("cumsum over the batch", lambda m, x: x.cumsum(0), X, {}, ["cumsum"]),
+    ("flip over the batch", lambda m, x: torch.flip(x, [0]), X, {}, ["flip"]),
+    ("rows times rows", lambda m, x: x @ x.T, X, {}, ["matmul"]),
+    ("flattened batch first", lambda m, x: x.view(-1, 8) * 2, SEQ, {}, []),
+    ("flattened sequence first", lambda m, x: x.transpose(0, 1).reshape(-1, 8), SEQ, {}, ["reshape"]),
+    ("transposed and back", lambda m, x: x.transpose(0, 1).reshape(6, -1).transpose(0, 1), SEQ, {}, []),
+    ("returned sequence first", lambda m, x: x.transpose(0, 1), SEQ, {}, ["transpose"]),
+    ("a loss returned", lambda m, x: ((x * 2) ** 2).mean(), X, {}, []),
+    ("a loss beside the rows", lambda m, x: (x.abs().mean(), x * 2), X, {}, []),
+    ("a weight returned", lambda m, x: (x * 2, m.w.weight * 1), X, {"w": nn.Linear(3, 3)}, ["mul_1"]),
+    ("a dropped mean", lambda m, x: (x.mean(0), x * 2)[1], X, {}, []),
+    ("attention over each sample", lambda m, x: F.scaled_dot_product_attention(x, x, x), SEQ, {}, []),
+    (
+        "attention over the batch",
+        lambda m, x: F.scaled_dot_product_attention(*[x.transpose(0, 1)] * 3).transpose(0, 1),
+        SEQ,
+        {},
+        ["scaled_dot_product_attention"],
+    ),
+    ("LSTM fed batch first, sequence first", lambda m, x: m.rnn(x)[0], SEQ, {"rnn": nn.LSTM(8, 8)}, ["rnn"]),
+    ("LSTM batch first", lambda m, x: m.rnn(x)[0], SEQ, {"rnn": nn.LSTM(8, 8, batch_first=True)}, []),
+    ("MHA batch first", lambda m, x: m.a(x, x, x)[0], SEQ, {"a": nn.MultiheadAttention(8, 2, batch_first=True)}, []),
+    ("MHA sequence first", lambda m, x: m.a(x, x, x)[0], SEQ, {"a": nn.MultiheadAttention(8, 2)}, ["a"]),
+]
+
+
+@pytest.mark.parametrize(("fn", "x", "modules", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_the_ops_that_mix_rows_are_found_and_only_they(
+    fn: Callable[..., Any], x: torch.Tensor, modules: dict[str, nn.Module], expected: list[str]
+) -> None:
+    assert _found(fn, x, **modules) == expected
+
+
+@pytest.mark.parametrize(("fn", "x", "modules", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_what_is_found_is_what_changes_the_pipelined_outputs(
+    fn: Callable[..., Any], x: torch.Tensor, modules: dict[str, nn.Module], expected: list[str]
+) -> None:
+    """Each case run as a pipeline of 2 micro-batches against the unsplit model: outputs differ exactly where an
+    op or output is named (a 0-dim loss is averaged over the micro-batches, and that equals a mean's value)."""
+    torch.manual_seed(0)
+    model = _Fn(fn, **modules).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = fxsplit.fxsplit(
+            model, {"cpu:0": "1GiB"}, example_inputs=(x,), trace="fx", pipeline={"chunks": 2, "batch_stats": "allow"}
+        )
+        with torch.no_grad():
+            got, want = pipe(x), model(x)
+    got_leaves, want_leaves = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
+    same = all(
+        a.shape == b.shape and torch.allclose(a, b, atol=1e-5) for a, b in zip(got_leaves, want_leaves, strict=True)
+    )
+    assert same == (not expected), (got, want)
+
+
+def test_a_graph_whose_shapes_are_fixed_is_not_checked() -> None:
+    """A view to a literal size (as torch.export writes them without dynamic_shapes) does not run at twice the
+    batch: None, not an empty list."""
+    assert _found(lambda m, x: x.view(24, 8).mean(0), SEQ) is None
+
+
+class _Centring(nn.Module):
+    def __init__(self, counting: bool = False) -> None:
+        super().__init__()
+        self.l0, self.l1 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.counting = counting
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.counting:
+            self.calls.add_(1)
+        h = self.l0(x)
+        return self.l1(h - h.mean(0))
+
+
+@pytest.mark.parametrize(("trace", "dynamic"), [("fx", None), ("export", None), ("export", "batch")])
+def test_a_pipeline_warns_errors_or_allows_as_batch_stats_says(trace: str, dynamic: str | None) -> None:
+    x = torch.randn(8, 8)
+    options: dict[str, Any] = {"example_inputs": (x,), "trace": trace, "pins": {"l0": "cpu:0", "l1": "cpu:1"}}
+    if dynamic:
+        options["dynamic_shapes"] = dynamic
+    budgets = {"cpu:0": "1MiB", "cpu:1": "1MiB"}
+
+    def pipe(model: nn.Module, **config: Any) -> Any:
+        return fxsplit.fxsplit(model, budgets, pipeline={"chunks": 2, **config}, **options)
+
+    warned = pipe(_Centring())
+    with pytest.warns(fxsplit.FxsplitWarning, match=r"mix the rows of the batch: 'mean' reduces over"):
+        warned(x)
+    with pytest.raises(fxsplit.FxsplitError, match=r"mix the rows.*batch_stats='allow'"):
+        pipe(_Centring(), batch_stats="error")(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(_Centring(), batch_stats="allow")(x)
+        pipe(_Centring(), chunks=1)(x)
+
+
+def test_the_check_changes_nothing_of_the_model() -> None:
+    """It runs the graph on fake copies of the weights: a buffer the forward updates in place is as it was."""
+    model = _Centring(counting=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x = torch.randn(8, 8)
+        fxsplit.fxsplit(model, {"cpu:0": "1MiB"}, example_inputs=(x,), trace="export", pipeline={"chunks": 2})
+    assert int(model.calls) == 0
+
+
+@pytest.mark.slow  # GPT-2: ~6 s
+def test_gpt2_pipelined_over_a_dynamic_batch_mixes_no_rows() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, use_cache=False)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = fxsplit.fxsplit(
+            model,
+            {"cpu:0": "1GiB", "cpu:1": "1GiB"},
+            example_inputs=(ids,),
+            trace="export",
+            dynamic_shapes="batch",
+            pins={"transformer.h.1": "cpu:1", "lm_head": "cpu:1"},
+            pipeline={"chunks": 2},
+        )
+        with torch.no_grad():
+            out = pipe(ids)
+    assert row_mixing(pipe.split) == []
+    assert not [w for w in caught if "mix the rows" in str(w.message)]
+    torch.testing.assert_close(out.logits, reference(ids).logits)
+
+
+def test_stages_for_torch_distributed_pipelining_warn_too() -> None:
+    """``torch.distributed.pipelining`` runs each micro-batch on its own as well, and joins outputs along dim 0."""
+    x = torch.randn(8, 8)
+    budgets, pins = {"cpu:0": "1MiB", "cpu:1": "1MiB"}, {"l0": "cpu:0", "l1": "cpu:1"}
+    with pytest.warns(fxsplit.FxsplitWarning, match=r"mix the rows of the batch: 'mean'.*filter this FxsplitWarning"):
+        fxsplit.pipeline_stages(_Centring(), budgets, example_inputs=(x,), chunks=2, pins=pins)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fxsplit.pipeline_stages(_Centring(), budgets, example_inputs=(x,), chunks=1, pins=pins)
