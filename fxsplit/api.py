@@ -22,12 +22,12 @@ from fxsplit.cost.constraints import (
 )
 from fxsplit.cost.walk import one_walk
 from fxsplit.devices import require_usable
-from fxsplit.errors import SpecError
+from fxsplit.errors import ExampleInputError, SpecError
 from fxsplit.gcpause import gc_paused
 from fxsplit.optionparse import parse_options
 from fxsplit.options import Budgets, PipelineConfig
 from fxsplit.pipeline.gpipe import Pipeline, pipelined
-from fxsplit.pipeline.microbatch import first_microbatch
+from fxsplit.pipeline.microbatch import first_microbatch, on_one_microbatch
 from fxsplit.plangraph import GraphPlanning, Planned, plan_graph
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rowsplits import try_row_splits, wants_row_splits
@@ -120,15 +120,20 @@ def _trace_and_plan(
         example_inputs, example_kwargs = first_microbatch(example_inputs, example_kwargs, options.pipeline.chunks)
     if cast is not None:
         cast(dtype)  # the model as the checkpoint will fill it, so that the graph is of that dtype
-    traced = trace(
-        model,
-        example_inputs=example_inputs,
-        example_kwargs=example_kwargs,
-        mode=options.trace,
-        leaf_modules=resolve_leaf_modules(model, leaves, locate),
-        concrete_args=options.concrete_args,
-        dynamic_shapes=options.dynamic_shapes,
-    )
+    try:
+        traced = trace(
+            model,
+            example_inputs=example_inputs,
+            example_kwargs=example_kwargs,
+            mode=options.trace,
+            leaf_modules=resolve_leaf_modules(model, leaves, locate),
+            concrete_args=options.concrete_args,
+            dynamic_shapes=options.dynamic_shapes,
+        )
+    except ExampleInputError as error:
+        if isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
+            raise ExampleInputError(on_one_microbatch(str(error), options.pipeline.chunks)) from error
+        raise
     planning.enter_context(gc_paused())  # until the caller has dropped what it does not keep
     refuse_growing_state(traced.graph_module)
     pins = {str(k): device_option(f"pins[{str(k)!r}]", v) for k, v in (options.pins or {}).items()}

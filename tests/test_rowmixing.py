@@ -189,3 +189,14 @@ def test_stages_for_torch_distributed_pipelining_warn_too() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fxsplit.pipeline_stages(_Centring(), budgets, example_inputs=(x,), chunks=1, pins=pins)
+
+
+def test_a_model_that_cannot_run_on_one_micro_batch_is_told_why() -> None:
+    """A pipeline traces one micro-batch; ``x[3]`` of an example batch of 4 fails on its 2 rows. The error said
+    only that the model could not run on example inputs of 2 rows, which the user never passed."""
+    model = _Fn(lambda m, x: x * x[3])
+    with pytest.raises(fxsplit.ExampleInputError, match=r"(?s)chunks=2 the model is traced on one micro-batch.*"):
+        fxsplit.fxsplit(model, {"cpu:0": "1MiB"}, example_inputs=(torch.randn(4, 8),), pipeline={"chunks": 2})
+    with pytest.raises(fxsplit.ExampleInputError, match=r"(?s)index 3 is out of bounds.*use chunks=1"):
+        fxsplit.fxsplit(model, {"cpu:0": "1MiB"}, example_inputs=(torch.randn(4, 8),), pipeline={"chunks": 2})
+    assert _found(lambda m, x: x * x[3], torch.randn(4, 8)) == ["getitem"]

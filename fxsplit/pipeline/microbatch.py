@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitError, FxsplitWarning, SpecError
 
-__all__ = ["first_microbatch", "gather", "scatter"]
+__all__ = ["first_microbatch", "gather", "on_one_microbatch", "scatter"]
 
 
 def scatter(
@@ -167,6 +167,16 @@ def first_microbatch(
     return (
         tuple(first[: len(args)]) if example_inputs is not None else None,
         dict(zip(kwargs, first[len(args) :], strict=True)) if example_kwargs else None,
+    )
+
+
+def on_one_microbatch(message: str, chunks: int) -> str:
+    """``message`` (the model failed on the traced example inputs) said of a pipeline's first micro-batch."""
+    return (
+        f"with pipeline chunks={chunks} the model is traced on one micro-batch (the first 1/{chunks} of the example "
+        f"batch's rows: the example inputs below), and {message}\n  a model that needs more rows than one "
+        "micro-batch holds (it indexes a row of the batch, or reshapes it by a fixed batch size) mixes the rows of "
+        "the batch, which micro-batches cannot split: use chunks=1, or an example batch of chunks x the rows it needs"
     )
 
 
