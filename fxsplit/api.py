@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from contextlib import ExitStack
 from typing import Any, Callable, Mapping, TypeVar, overload
@@ -134,6 +135,9 @@ def _trace_and_plan(
         if isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
             raise ExampleInputError(on_one_microbatch(str(error), options.pipeline.chunks)) from error
         raise
+    if traced.shapes_missing and isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
+        said = on_one_microbatch(traced.shapes_missing, options.pipeline.chunks).replace("\n  ", "; ")
+        traced = dataclasses.replace(traced, shapes_missing=said)
     planning.enter_context(gc_paused())  # until the caller has dropped what it does not keep
     refuse_growing_state(traced.graph_module)
     pins = {str(k): device_option(f"pins[{str(k)!r}]", v) for k, v in (options.pins or {}).items()}

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from random_programs import generate
 
 import fxsplit
 from fxsplit.pipeline.rowmixing import row_mixing
@@ -200,3 +201,21 @@ def test_a_model_that_cannot_run_on_one_micro_batch_is_told_why() -> None:
     with pytest.raises(fxsplit.ExampleInputError, match=r"(?s)index 3 is out of bounds.*use chunks=1"):
         fxsplit.fxsplit(model, {"cpu:0": "1MiB"}, example_inputs=(torch.randn(4, 8),), pipeline={"chunks": 2})
     assert _found(lambda m, x: x * x[3], torch.randn(4, 8)) == ["getitem"]
+
+
+def test_a_model_reshaping_to_its_whole_batch_is_told_why_it_cannot_be_pipelined() -> None:
+    """Generated program 100 reshapes to ``(8, 8, 3)``, its whole example batch: fx traces it without sizes, whose
+    warning now says the trace ran one micro-batch, and the run's own error from inside the stage gets a note
+    naming the stage and the micro-batch (found by running generated programs as pipelines)."""
+    source, segments = generate(100)
+    namespace: dict[str, Any] = {"__name__": "program"}
+    exec(compile(source, "<program 100>", "exec"), namespace)  # noqa: S102 (our own generated source)
+    model, args = namespace["make"]()
+    assert "reshape(8, 8, 3)" in source and args[0].shape[0] == 8
+    options: dict[str, Any] = {"example_inputs": args, "trace": "fx", "pipeline": {"chunks": 2, "batch_stats": "allow"}}
+    pins = {segments[0]: "cpu:0", segments[-1]: "cpu:1"}
+    with pytest.warns(fxsplit.FxsplitWarning, match=r"activations not counted: with pipeline chunks=2 .* use chunks=1"):
+        pipe = fxsplit.fxsplit(model.eval(), {"cpu:0": "1GiB", "cpu:1": "1GiB"}, pins=pins, **options)
+    with pytest.raises(RuntimeError, match=r"shape '\[8, 8, 3\]' is invalid") as raised:
+        pipe(*args)
+    assert any("raised by stage 1 (cpu:1) on micro-batch 0 of 2" in note for note in raised.value.__notes__)

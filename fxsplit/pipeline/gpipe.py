@@ -123,10 +123,21 @@ class Pipeline(torch.nn.Module):
         if self._cuda is not None:
             inputs = self._cuda.copy_in(inputs, spec.device)
         module = self.stages[stage]
-        if torch.is_grad_enabled() and self.config.checkpoints(micro_batch, len(envs)):
-            outputs = checkpoint(module, *inputs, use_reentrant=False)
-        else:
-            outputs = module(*inputs)
+        try:
+            if torch.is_grad_enabled() and self.config.checkpoints(micro_batch, len(envs)):
+                outputs = checkpoint(module, *inputs, use_reentrant=False)
+            else:
+                outputs = module(*inputs)
+        except Exception as error:
+            note = getattr(error, "add_note", None)  # Python 3.11 on
+            if note is not None:
+                note(
+                    f"fxsplit: raised by stage {stage} ({spec.device}) on micro-batch {micro_batch} of {len(envs)}; "
+                    "each micro-batch holds its share of the batch's rows, so a model that needs the whole batch "
+                    "(a reshape to a fixed batch size, a row index beyond a micro-batch) cannot be pipelined: use "
+                    "chunks=1"
+                )
+            raise
         env.update(zip(spec.outputs, outputs, strict=True))
         for name in self._layout.release[stage]:
             env.pop(name, None)
