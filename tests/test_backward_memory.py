@@ -648,6 +648,16 @@ def test_an_output_copied_to_the_outputs_device_and_read_there(trace: str) -> No
         assert allocated[device] - 64 <= planned[device] <= allocated[device] * 1.02, (device, planned, allocated)
 
 
+def _exact_on_cpu0_covered_on_cpu1(gm: torch.fx.GraphModule, x: torch.Tensor) -> None:
+    """The plan of ``gm``'s training step is within 2% of the allocator on cpu:0 and at or above it on cpu:1."""
+    planned = {d: row["activations_peak"] for d, row in gm.meta["fxsplit_plan"].memory.items()}
+    for parameter in gm.parameters():
+        parameter.grad = None
+    allocated = allocated_peaks(gm, x, backward=True)
+    assert allocated["cpu:0"] - 64 <= planned["cpu:0"] <= allocated["cpu:0"] * 1.02, (planned, allocated)
+    assert planned["cpu:1"] >= allocated["cpu:1"] - 64, (planned, allocated)
+
+
 class SentAndBack(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -672,12 +682,7 @@ def test_a_sum_where_a_copys_gradient_comes_home_into_a_view_of_another() -> Non
         "the partitioner no longer sends v1 away and back at these budgets: pick budgets where it does",
         placement,
     )
-    planned = {d: row["activations_peak"] for d, row in gm.meta["fxsplit_plan"].memory.items()}
-    for parameter in gm.parameters():
-        parameter.grad = None
-    allocated = allocated_peaks(gm, x, backward=True)
-    assert allocated["cpu:0"] - 64 <= planned["cpu:0"] <= allocated["cpu:0"] * 1.02, (planned, allocated)
-    assert planned["cpu:1"] >= allocated["cpu:1"] - 64, (planned, allocated)
+    _exact_on_cpu0_covered_on_cpu1(gm, x)
 
 
 class _Tail(nn.Module):
@@ -1102,12 +1107,7 @@ def test_the_items_of_a_split_covering_a_value_wait_apart_from_its_gradient(mode
     options = {"example_inputs": (x,), "mode": "training", "optimizer": "sgd", "trace": trace}
     budgets = dict.fromkeys(["cpu:0", "cpu:1"], "1GiB")
     gm = fxsplit.fxsplit(model(), budgets, pins={"a": "cpu:0", "b": "cpu:1"}, **options)
-    planned = {d: row["activations_peak"] for d, row in gm.meta["fxsplit_plan"].memory.items()}
-    for parameter in gm.parameters():
-        parameter.grad = None
-    allocated = allocated_peaks(gm, x, backward=True)
-    assert allocated["cpu:0"] - 64 <= planned["cpu:0"] <= allocated["cpu:0"] * 1.02, (planned, allocated)
-    assert planned["cpu:1"] >= allocated["cpu:1"] - 64, (planned, allocated)
+    _exact_on_cpu0_covered_on_cpu1(gm, x)
 
 
 def _sink_graph_split(seed: int) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
