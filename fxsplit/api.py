@@ -28,7 +28,7 @@ from fxsplit.gcpause import gc_paused
 from fxsplit.optionparse import parse_options
 from fxsplit.options import Budgets, PipelineConfig
 from fxsplit.pipeline.gpipe import Pipeline, pipelined
-from fxsplit.pipeline.microbatch import first_microbatch, on_one_microbatch
+from fxsplit.pipeline.microbatch import argument_names, first_microbatch, on_one_microbatch
 from fxsplit.plangraph import GraphPlanning, Planned, plan_graph
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rowsplits import try_row_splits, wants_row_splits
@@ -118,7 +118,9 @@ def _trace_and_plan(
         example_inputs = (example_inputs,)
     example_kwargs = options.example_kwargs
     if isinstance(options.pipeline, PipelineConfig):  # trace one micro-batch: export fixes shapes
-        example_inputs, example_kwargs = first_microbatch(example_inputs, example_kwargs, options.pipeline.chunks)
+        example_inputs, example_kwargs = first_microbatch(
+            example_inputs, example_kwargs, options.pipeline.chunks, options.pipeline.broadcast, argument_names(model)
+        )
     if cast is not None:
         cast(dtype)  # the model as the checkpoint will fill it, so that the graph is of that dtype
     try:

@@ -107,5 +107,5 @@ def test_first_microbatch_needs_an_even_split() -> None:
         first_microbatch((torch.zeros(7, 1),), None, 2)
     with pytest.raises(fxsplit.SpecError, match="^pipeline: a batch of 2 rows .* cannot be split into 4"):
         first_microbatch((torch.zeros(2, 1),), None, 4)
-    with pytest.raises(fxsplit.SpecError, match=r"'example_kwargs\['mask'\]' has 3"):
+    with pytest.raises(fxsplit.SpecError, match=r"'mask' has 3 rows along dim 0 but 'example_inputs\[0\]' has 4"):
         first_microbatch((torch.zeros(4, 1),), {"mask": torch.zeros(3)}, 2)

@@ -386,3 +386,31 @@ def test_a_grad_mode_region_is_never_cut_by_the_pipelines_own_plan() -> None:
     }
     for lo, hi in spans:
         assert len({stage_of[ops[i].name] for i in range(lo, hi + 1) if ops[i].name in stage_of}) == 1
+
+
+class _Masked(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + mask.sum(0)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_an_input_broadcast_to_every_micro_batch_is_traced_whole(trace: str) -> None:
+    """``broadcast=("mask",)`` was honoured when running, not when tracing the first micro-batch: the trace split
+    the mask too (or refused it, saying to broadcast 'example_inputs[1]')."""
+    x, mask = torch.randn(4, 6, 8), torch.randn(5, 6, 8)
+    model = _Masked()
+    options: dict[str, Any] = {"example_inputs": (x, mask), "trace": trace}
+    with pytest.raises(fxsplit.SpecError, match=r"'mask' has 5 rows .* 'x' has 4.*broadcast=\('mask',\)"):
+        fxsplit.fxsplit(model, {"cpu:0": "1MiB"}, pipeline={"chunks": 2}, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe = fxsplit.fxsplit(model, {"cpu:0": "1MiB"}, pipeline={"chunks": 2, "broadcast": ("mask",)}, **options)
+        torch.testing.assert_close(pipe(x, mask), model(x, mask))
+        square = torch.randn(4, 6, 8)  # as many rows as the batch: still whole, not split with it
+        options["example_inputs"] = (x, square)
+        pipe = fxsplit.fxsplit(model, {"cpu:0": "1MiB"}, pipeline={"chunks": 2, "broadcast": ("mask",)}, **options)
+        torch.testing.assert_close(pipe(x, square), model(x, square))

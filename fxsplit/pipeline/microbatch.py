@@ -19,6 +19,7 @@ values (strings, ``None``, flags) come from the first micro-batch.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Collection, Mapping, Sequence
 
@@ -28,7 +29,7 @@ from torch.utils import _pytree as pytree
 from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitError, FxsplitWarning, SpecError
 
-__all__ = ["first_microbatch", "gather", "on_one_microbatch", "scatter"]
+__all__ = ["argument_names", "first_microbatch", "gather", "on_one_microbatch", "scatter"]
 
 
 def scatter(
@@ -137,12 +138,19 @@ def gather(outputs: Sequence[Any], rows: Sequence[int]) -> Any:
 
 
 def first_microbatch(
-    example_inputs: tuple[Any, ...] | None, example_kwargs: Mapping[str, Any] | None, chunks: int
+    example_inputs: tuple[Any, ...] | None,
+    example_kwargs: Mapping[str, Any] | None,
+    chunks: int,
+    broadcast: Collection[str] = (),
+    arg_names: Sequence[str] = (),
 ) -> tuple[tuple[Any, ...] | None, dict[str, Any] | None]:
     """The first of ``chunks`` micro-batches of the example inputs, to trace with.
 
     ``torch.export`` fixes shapes when it traces, so a pipelined model is traced
-    on one micro-batch; the example batch must split evenly.
+    on one micro-batch; the example batch must split evenly. Inputs named in
+    ``broadcast`` are given whole, as the pipeline gives them to every
+    micro-batch; ``arg_names``: the names of the positional inputs (the model's
+    ``forward`` arguments), which ``broadcast`` names.
 
     Raises:
         SpecError: the example batch does not split into equal micro-batches.
@@ -151,9 +159,9 @@ def first_microbatch(
         return example_inputs, dict(example_kwargs) if example_kwargs else None
     args = tuple(example_inputs or ())
     kwargs = dict(example_kwargs or {})
-    names = [f"example_inputs[{i}]" for i in range(len(args))] + [f"example_kwargs[{k!r}]" for k in kwargs]
+    names = [arg_names[i] if i < len(arg_names) else f"example_inputs[{i}]" for i in range(len(args))] + list(kwargs)
     try:
-        parts, rows = scatter([*args, *kwargs.values()], names, chunks)
+        parts, rows = scatter([*args, *kwargs.values()], names, chunks, broadcast)
     except FxsplitError as error:
         raise SpecError(f"pipeline: {error}") from error
     if len(set(rows)) > 1:
@@ -168,6 +176,24 @@ def first_microbatch(
         tuple(first[: len(args)]) if example_inputs is not None else None,
         dict(zip(kwargs, first[len(args) :], strict=True)) if example_kwargs else None,
     )
+
+
+def argument_names(model: torch.nn.Module) -> tuple[str, ...]:
+    """The names of ``model.forward``'s positional arguments, in order, up to a ``*args`` (none if unknown).
+
+    >>> argument_names(torch.nn.Linear(2, 2))
+    ('input',)
+    """
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    names = []
+    for parameter in parameters:
+        if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(parameter.name)
+    return tuple(names)
 
 
 def on_one_microbatch(message: str, chunks: int) -> str:
