@@ -48,7 +48,7 @@ from fxsplit.codegen.emitter import emit
 from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
 from fxsplit.options import PipelineConfig
 from fxsplit.pipeline.gpipe import mixing_message
-from fxsplit.pipeline.microbatch import first_microbatch
+from fxsplit.pipeline.microbatch import argument_names, first_microbatch
 from fxsplit.pipeline.replicabudget import replica_overruns, room_to_hold_back
 from fxsplit.pipeline.stages import StageSpec, split_stages
 from fxsplit.pipeline.tiedgrads import RowPiece, broadcast_held, held_weights, reduce_held, unalias_rows
@@ -335,7 +335,7 @@ def _apply(
 
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    args, kwargs = first_microbatch(example_inputs, options.get("example_kwargs"), chunks)
+    args, kwargs = first_microbatch(example_inputs, options.get("example_kwargs"), chunks, (), argument_names(model))
     traced, _, _ = checked_retrace(
         model,
         plan,
