@@ -13,9 +13,10 @@ dimension (returned as ``[T, B, ...]``, or with no batch dimension at all).
 :func:`row_mixing` finds these from shapes alone: it runs the graph on fake
 tensors twice, with the batch at its traced size and at twice that, and
 follows the dimensions that grow. That needs a graph whose shapes follow the
-batch: fx's, and torch.export's with ``dynamic_shapes="batch"``; a graph
-torch.export traced with fixed shapes cannot be run at another batch size
-(None). A mean over the samples taken into a loss the model returns (a 0-dim
+batch: fx's, and torch.export's with ``dynamic_shapes="batch"`` or without
+sizes written into it; one that torch.export traced with fixed shapes (a view
+to literal sizes, as Hugging Face models' are) does not run at another batch
+size and is not checked (None). A mean over the samples taken into a loss the model returns (a 0-dim
 value) is not counted here: the pipeline averages such outputs, weighted by
 rows (:mod:`fxsplit.pipeline.microbatch`).
 """
@@ -102,7 +103,7 @@ def _shapes_at(
     try:
         with mode:  # fake copies of the weights: an update in place (a counter, running stats) never reaches them
             inputs = [
-                pytree.tree_map(lambda v, b=b: _fake(mode, v, factor if b else 1), value)
+                pytree.tree_map(lambda v, b=b: _fake(v, factor if b else 1), value)
                 for value, b in zip(values, batched, strict=True)
             ]
             state = fake_weights(mode, graph_tensors(graph_module), requires_grad=lambda t: False)
@@ -118,7 +119,8 @@ def _shapes_at(
     return run.shapes
 
 
-def _fake(mode: FakeTensorMode, value: Any, factor: int) -> Any:
+def _fake(value: Any, factor: int) -> Any:
+    """An empty tensor (fake, made inside the mode) like the placeholder's ``value``, dim 0 times ``factor``."""
     if isinstance(value, torch.Tensor) or type(value).__name__ == "TensorMetadata":
         shape = [traced_size(size) for size in value.shape]
         if shape and factor != 1:
@@ -126,8 +128,7 @@ def _fake(mode: FakeTensorMode, value: Any, factor: int) -> Any:
         device = getattr(value, "device", torch.device("cpu"))
         if device.type in ("meta", "cpu"):  # cpu:1 is the CPU: the weights' fake copies say "cpu"
             device = torch.device("cpu")
-        made = torch.empty(shape, dtype=value.dtype, device=device)
-        return made
+        return torch.empty(shape, dtype=value.dtype, device=device)
     return value
 
 
