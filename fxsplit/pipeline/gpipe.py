@@ -132,10 +132,9 @@ class Pipeline(torch.nn.Module):
             note = getattr(error, "add_note", None)  # Python 3.11 on
             if note is not None:
                 note(
-                    f"fxsplit: raised by stage {stage} ({spec.device}) on micro-batch {micro_batch} of {len(envs)}; "
-                    "each micro-batch holds its share of the batch's rows, so a model that needs the whole batch "
-                    "(a reshape to a fixed batch size, a row index beyond a micro-batch) cannot be pipelined: use "
-                    "chunks=1"
+                    f"fxsplit: raised by stage {stage} ({spec.device}) on micro-batch {micro_batch} of {len(envs)}, "
+                    "which holds its share of the batch's rows; if the model needs the whole batch (a reshape to a "
+                    "fixed batch size, a row index beyond a micro-batch), it cannot be pipelined: use chunks=1"
                 )
             raise
         env.update(zip(spec.outputs, outputs, strict=True))
