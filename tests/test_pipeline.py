@@ -414,3 +414,26 @@ def test_an_input_broadcast_to_every_micro_batch_is_traced_whole(trace: str) -> 
         options["example_inputs"] = (x, square)
         pipe = fxsplit.fxsplit(model, {"cpu:0": "1MiB"}, pipeline={"chunks": 2, "broadcast": ("mask",)}, **options)
         torch.testing.assert_close(pipe(x, square), model(x, square))
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_saved_pipeline_plan_is_applied_as_a_pipeline(trace: str) -> None:
+    """``fxsplit.apply(model, plan, pipeline=...)``: a plan saved to YAML runs as the pipeline it was made for,
+    traced again on the first micro-batch (export fixes its sizes); apply took no ``pipeline`` before."""
+    torch.manual_seed(0)
+    model = Residual()
+    (x,) = _inputs("Residual")
+    options: dict[str, Any] = {"example_inputs": (x,), "trace": trace}
+    made = fxsplit.fxsplit(model, budgets(model, 2), pipeline=2, **options)
+    saved = made.meta["fxsplit_plan"].to_yaml()
+    reference = copy.deepcopy(model)
+    torch.manual_seed(0)
+    fresh = Residual()
+    pipe = fxsplit.apply(fresh, fxsplit.Plan.from_yaml(saved), example_inputs=(x,), pipeline=2)
+    assert isinstance(pipe, fxsplit.Pipeline) and pipe.code == made.code
+    torch.testing.assert_close(pipe(x), reference(x), atol=ATOL, rtol=1e-5)
+    with pytest.warns(fxsplit.FxsplitWarning, match=r"made for a pipeline of 2 micro-batches.*this one runs 4"):
+        fxsplit.apply(Residual(), fxsplit.Plan.from_yaml(saved), example_inputs=(x,), pipeline=4)
+    processes = {"chunks": 2, "processes": True}
+    with pytest.raises(fxsplit.SpecError, match=r"in this process.*pipeline_stages"):
+        fxsplit.apply(Residual(), fxsplit.Plan.from_yaml(saved), example_inputs=(x,), pipeline=processes)

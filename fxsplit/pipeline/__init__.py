@@ -6,6 +6,7 @@
 * :mod:`~fxsplit.pipeline.streams`: copies between CUDA devices on side streams.
 * :mod:`~fxsplit.pipeline.batchstats`: ops that depend on the whole batch (BatchNorm in training).
 * :mod:`~fxsplit.pipeline.rowmixing`: ops that mix the rows of a batch (a mean over it), found from shapes.
+* :mod:`~fxsplit.pipeline.reuse`: a saved plan run as a pipeline (``fxsplit.apply(..., pipeline=...)``).
 * :mod:`~fxsplit.pipeline.distributed`: per-stage modules for ``torch.distributed.pipelining`` (it plans
   when given budgets, through :mod:`fxsplit.api`, so this package does not import it).
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, overload
 
 import torch
 import torch.fx
@@ -31,7 +31,8 @@ from fxsplit.cost.build import GraphCosts, build_problem
 from fxsplit.cost.constraints import locator, resolve_leaf_modules
 from fxsplit.devices import require_usable
 from fxsplit.errors import FxsplitError, PlanMismatchError, SpecError
-from fxsplit.options import Budgets
+from fxsplit.options import Budgets, PipelineConfig
+from fxsplit.pipeline.reuse import first_microbatch_of, in_process_pipeline
 from fxsplit.planning.fingerprint import describe, differences
 from fxsplit.planning.graphcheck import check_budgets, check_cuts, check_storage, listing
 from fxsplit.planning.plan import Plan
@@ -42,6 +43,9 @@ from fxsplit.tracing.dynamic import dynamic_shapes_for
 from fxsplit.tracing.rowsplit import split_rows
 from fxsplit.units import format_size
 from fxsplit.validate import check_concrete_args, check_option_types, refuse_meta, require_module
+
+if TYPE_CHECKING:
+    from fxsplit.pipeline.gpipe import Pipeline
 
 __all__ = ["PlanCheck", "apply", "check_plan", "checked_retrace", "refuse_row_splits", "retrace"]
 
@@ -143,6 +147,7 @@ def _check_nodes(graph_module: torch.fx.GraphModule, plan: Plan) -> None:
         )
 
 
+@overload
 def apply(
     model: torch.nn.Module,
     plan: Plan,
@@ -151,8 +156,36 @@ def apply(
     checkpoint: Any = None,
     progress: bool | None = None,
     offload_dir: Any = None,
+    pipeline: None = None,
     **options: Any,
-) -> torch.fx.GraphModule:
+) -> torch.fx.GraphModule: ...
+
+
+@overload
+def apply(
+    model: torch.nn.Module,
+    plan: Plan,
+    *,
+    example_inputs: Any = None,
+    checkpoint: Any = None,
+    progress: bool | None = None,
+    offload_dir: Any = None,
+    pipeline: PipelineConfig | Mapping[str, Any] | int,
+    **options: Any,
+) -> Pipeline: ...
+
+
+def apply(
+    model: torch.nn.Module,
+    plan: Plan,
+    *,
+    example_inputs: Any = None,
+    checkpoint: Any = None,
+    progress: bool | None = None,
+    offload_dir: Any = None,
+    pipeline: Any = None,
+    **options: Any,
+) -> torch.fx.GraphModule | Pipeline:
     """Split ``model`` as ``plan`` says, without solving again: same plan, same generated code.
 
     The model is traced again (as the plan was: ``plan.trace``, its leaf
@@ -176,6 +209,12 @@ def apply(
         offload_dir: where to write the weights the plan stores on disk
             (default: the plan's ``offload["dir"]``), for a plan made on
             another machine; the split's plan records it.
+        pipeline: run the split as a :class:`fxsplit.Pipeline` (a
+            :class:`~fxsplit.PipelineConfig`, or its chunks), as
+            ``fxsplit.fxsplit(..., pipeline=...)`` does: ``example_inputs`` is
+            then a whole batch, traced on its first micro-batch. Best with a plan
+            made with the same ``pipeline`` (its memory counts those
+            micro-batches; other chunks warn).
 
     Before anything moves, the plan is checked as :func:`check_plan` checks
     it against its own budgets less its reserve.
@@ -210,6 +249,9 @@ def apply(
     _known_options(options, "apply")
     _require_plan(plan, "apply")
     refuse_row_splits(plan, "fxsplit.apply")
+    config = in_process_pipeline(plan, pipeline)
+    if config is not None:  # trace the first micro-batch, as the plan was
+        example_inputs, options = first_microbatch_of(model, example_inputs, options, config)
     if offload_dir is not None:
         plan = dataclasses.replace(plan, offload={**plan.offload, "dir": os.fspath(offload_dir)})
     require_usable([*plan.devices, plan.output_device], plan.budgets)
@@ -224,7 +266,12 @@ def apply(
             warn_uncast(model, plan.dtype)
         moved = move_weights(traced.graph_module, plan, loaded.not_loaded(costs.weights + costs.unused), model)
         try:
-            return guard_meta_weights(remember_non_persistent(emit(traced.graph_module, plan, model), model))
+            split = guard_meta_weights(remember_non_persistent(emit(traced.graph_module, plan, model), model))
+            if config is not None:
+                from fxsplit.pipeline.gpipe import pipelined  # the pipeline package builds on this one
+
+                return guard_meta_weights(remember_non_persistent(pipelined(split, config), model))
+            return split
         except BaseException:
             moved.undo()  # a failed call leaves the model as it was
             raise
