@@ -71,6 +71,8 @@ CASES: list[tuple[str, Callable[..., Any], torch.Tensor, dict[str, nn.Module], l
     ("LSTM fed batch first, sequence first", lambda m, x: m.rnn(x)[0], SEQ, {"rnn": nn.LSTM(8, 8)}, ["rnn"]),
     ("LSTM batch first", lambda m, x: m.rnn(x)[0], SEQ, {"rnn": nn.LSTM(8, 8, batch_first=True)}, []),
     ("MHA batch first", lambda m, x: m.a(x, x, x)[0], SEQ, {"a": nn.MultiheadAttention(8, 2, batch_first=True)}, []),
+    ("squeeze of one row", lambda m, x: x.squeeze() * 2, torch.randn(1, 8), {}, ["squeeze"]),
+    ("squeeze of a dimension", lambda m, x: x.squeeze(1) * 2, torch.randn(1, 1, 8), {}, []),
     ("MHA sequence first", lambda m, x: m.a(x, x, x)[0], SEQ, {"a": nn.MultiheadAttention(8, 2)}, ["a"]),
 ]
 
@@ -87,9 +89,11 @@ def test_what_is_found_is_what_changes_the_pipelined_outputs(
     fn: Callable[..., Any], x: torch.Tensor, modules: dict[str, nn.Module], expected: list[str]
 ) -> None:
     """Each case run as a pipeline of 2 micro-batches against the unsplit model: outputs differ exactly where an
-    op or output is named (a 0-dim loss is averaged over the micro-batches, and that equals a mean's value)."""
+    op or output is named (a 0-dim loss is averaged over the micro-batches, and that equals a mean's value). A
+    one-row case is the micro-batch of a batch of two."""
     torch.manual_seed(0)
     model = _Fn(fn, **modules).eval()
+    x = torch.cat([x, x.flip(-1)]) if x.shape[0] == 1 else x
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pipe = fxsplit.fxsplit(

@@ -162,10 +162,15 @@ def _leaves(value: Any) -> list[Any]:
     return list(pytree.tree_leaves(value))
 
 
+RANK_CHANGED = (-1,)  # a tensor whose rank differs between the two batch sizes (``squeeze()`` of one row)
+
+
 def _grown(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> tuple[int, ...] | None:
-    """The dimensions that grew with the batch (None: not a tensor, or not the same rank)."""
-    if a is None or b is None or len(a) != len(b):
+    """The dimensions that grew with the batch (None: not a tensor; :data:`RANK_CHANGED`: not the same rank)."""
+    if a is None or b is None:
         return None
+    if len(a) != len(b):
+        return RANK_CHANGED
     return tuple(d for d in range(len(a)) if a[d] != b[d])
 
 
@@ -185,9 +190,14 @@ def _reaching_outputs(graph_module: torch.fx.GraphModule) -> set[torch.fx.Node]:
 def _mixes(node: torch.fx.Node, grown: dict[str, list[Any]], traced: dict[str, Shapes]) -> str:
     """Why ``node`` mixes the rows of the batch, or ""."""
     inputs = [(i, dims) for i in node.all_input_nodes for dims in grown.get(i.name, ()) if dims]
-    if not inputs:
+    if not inputs or any(dims == RANK_CHANGED for _, dims in inputs):  # the op that changed the rank is named
         return ""
     results = [dims for dims in grown[node.name] if dims is not None]
+    if RANK_CHANGED in results:
+        return (
+            "changes its result's number of dimensions with the batch size (a squeeze() of a micro-batch of one "
+            "row drops the batch dimension): squeeze the dimensions it means by number"
+        )
     if any(len(dims) > 1 for dims in results) and all(len(dims) == 1 for _, dims in inputs):
         return "joins rows of the batch with each other: its result grows with the batch in two dimensions"
     if results and not any(results) and not _scalar_tail(node, traced):
@@ -310,7 +320,7 @@ def _module_over_batch(graph_module: torch.fx.GraphModule, node: torch.fx.Node, 
     module = graph_module.get_submodule(str(node.target))
     batch_first = getattr(module, "batch_first", None)
     dims = grown.get(node.args[0].name, [None])[0]
-    if not isinstance(batch_first, bool) or not dims:
+    if not isinstance(batch_first, bool) or not dims or dims == RANK_CHANGED:
         return ""
     expected = 0 if batch_first else 1
     if dims[0] != expected:
@@ -338,7 +348,7 @@ def _outputs_joined_wrong(
         if not isinstance(leaf, torch.fx.Node) or leaf.name in reported or len(grown.get(leaf.name, ())) != 1:
             continue
         dims, shape = grown[leaf.name][0], traced[leaf.name][0]
-        if dims is None or shape is None or not shape or dims == (0,):
+        if dims is None or shape is None or not shape or dims in ((0,), RANK_CHANGED):
             continue
         if dims:
             why = f"is returned with its batch in dim {dims[0]}, but micro-batches' outputs are joined along dim 0"
