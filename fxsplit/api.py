@@ -23,7 +23,7 @@ from fxsplit.cost.constraints import (
 )
 from fxsplit.cost.walk import one_walk
 from fxsplit.devices import require_usable
-from fxsplit.errors import ExampleInputError, SpecError
+from fxsplit.errors import SpecError, TraceError
 from fxsplit.gcpause import gc_paused
 from fxsplit.optionparse import parse_options
 from fxsplit.options import Budgets, PipelineConfig
@@ -133,9 +133,9 @@ def _trace_and_plan(
             concrete_args=options.concrete_args,
             dynamic_shapes=options.dynamic_shapes,
         )
-    except ExampleInputError as error:
+    except TraceError as error:  # torch.export's own failure too (a reshape to the whole batch's size)
         if isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
-            raise ExampleInputError(on_one_microbatch(str(error), options.pipeline.chunks)) from error
+            raise type(error)(on_one_microbatch(str(error), options.pipeline.chunks)) from error
         raise
     if traced.shapes_missing and isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
         said = on_one_microbatch(traced.shapes_missing, options.pipeline.chunks).replace("\n  ", "; ")

@@ -262,3 +262,16 @@ def test_generated_programs_as_pipelines_differ_exactly_where_rows_are_mixed(see
     pairs = zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True)
     same = all(a.shape == b.shape and torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in pairs)
     assert found is not None and bool(found) == (seed in MIXING_PROGRAMS) and same == (not found), (found, same)
+
+
+def test_torch_exports_own_failure_on_one_micro_batch_is_told_why() -> None:
+    """Generated program 17 reshapes to ``(16, 8, 8)``, its whole example batch; torch.export fails on the first
+    micro-batch with a TraceError (not the ExampleInputError of a model that fails eagerly), which said nothing of
+    the micro-batch."""
+    source, _ = generate(17)
+    namespace: dict[str, Any] = {"__name__": "program"}
+    exec(compile(source, "<program 17>", "exec"), namespace)  # noqa: S102 (our own generated source)
+    model, args = namespace["make"]()
+    assert "(16, 8, 8)" in source and args[0].shape[0] == 16
+    with pytest.raises(fxsplit.TraceError, match=r"(?s)chunks=2 the model is traced on one micro-batch.*use chunks=1"):
+        fxsplit.fxsplit(model.eval(), {"cpu:0": "1GiB"}, example_inputs=args, trace="export", pipeline=2)

@@ -197,12 +197,12 @@ def argument_names(model: torch.nn.Module) -> tuple[str, ...]:
 
 
 def on_one_microbatch(message: str, chunks: int) -> str:
-    """``message`` (the model failed on the traced example inputs) said of a pipeline's first micro-batch."""
+    """``message`` (tracing failed on the traced example inputs) said of a pipeline's first micro-batch."""
     return (
         f"with pipeline chunks={chunks} the model is traced on one micro-batch (the first 1/{chunks} of the example "
-        f"batch's rows), and {message}\n  a model that needs more rows than one "
-        "micro-batch holds (it indexes a row of the batch, or reshapes it by a fixed batch size) mixes the rows of "
-        "the batch, which micro-batches cannot split: use chunks=1, or an example batch of chunks x the rows it needs"
+        f"batch's rows), and {message}\n  if the model needs more rows than one micro-batch holds (it indexes a row "
+        "of the batch, or reshapes it by a fixed batch size), it mixes the rows of the batch, which micro-batches "
+        "cannot split: use chunks=1, or an example batch of chunks x the rows it needs"
     )
 
 
