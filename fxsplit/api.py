@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from contextlib import ExitStack
 from typing import Any, Callable, Mapping, TypeVar, overload
 
 import torch
 import torch.fx
 
+from fxsplit.callsite import user_stacklevel
 from fxsplit.check import verify_split
 from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.checkpoint.cast import CastForLoad, warn_uncast
@@ -23,11 +25,11 @@ from fxsplit.cost.constraints import (
 )
 from fxsplit.cost.walk import one_walk
 from fxsplit.devices import require_usable
-from fxsplit.errors import SpecError, TraceError
+from fxsplit.errors import FxsplitError, FxsplitWarning, SpecError, TraceError
 from fxsplit.gcpause import gc_paused
 from fxsplit.optionparse import parse_options
 from fxsplit.options import Budgets, PipelineConfig
-from fxsplit.pipeline.gpipe import Pipeline, pipelined
+from fxsplit.pipeline.gpipe import Pipeline, mixing_message, pipelined
 from fxsplit.pipeline.microbatch import argument_names, first_microbatch, on_one_microbatch
 from fxsplit.plangraph import GraphPlanning, Planned, plan_graph
 from fxsplit.planning.plan import Plan
@@ -186,7 +188,20 @@ def plan(model: torch.nn.Module, budgets: Any = None, *, example_inputs: Any = N
         >>> [(c.producer, c.destination, c.nbytes) for c in p.cuts]
         [('relu', 'cpu:1', 2048)]
     """
-    return _planned(model, budgets, example_inputs, options, False, keep=lambda planned: planned.plan)
+    return _planned(model, budgets, example_inputs, options, False, keep=_plan_checked_for_rows)
+
+
+def _plan_checked_for_rows(planned: Planned) -> Plan:
+    """The plan; for a pipeline, warn (or raise, with ``batch_stats="error"``) where the model mixes the rows of
+    the batch, as the pipeline itself would: a plan made to decide what to rent should say so before."""
+    config = planned.options.pipeline if planned.options is not None else None
+    if isinstance(config, PipelineConfig) and config.batch_stats != "allow":
+        said = mixing_message(planned.traced.graph_module, config.chunks, config.broadcast)
+        if said and config.batch_stats == "error":
+            raise FxsplitError(said)
+        if said:
+            warnings.warn(FxsplitWarning(said), stacklevel=user_stacklevel())
+    return planned.plan
 
 
 @overload

@@ -275,3 +275,21 @@ def test_torch_exports_own_failure_on_one_micro_batch_is_told_why() -> None:
     assert "(16, 8, 8)" in source and args[0].shape[0] == 16
     with pytest.raises(fxsplit.TraceError, match=r"(?s)chunks=2 the model is traced on one micro-batch.*use chunks=1"):
         fxsplit.fxsplit(model.eval(), {"cpu:0": "1GiB"}, example_inputs=args, trace="export", pipeline=2)
+
+
+def test_planning_a_pipeline_says_so_before_anything_runs() -> None:
+    """``fxsplit.plan(..., pipeline=...)`` on a model built on meta (weights not needed, as when deciding what to
+    rent) warns or raises as the pipeline would; the check runs on empty tensors, so meta weights do not stop it."""
+    with torch.device("meta"):
+        model = _Centring()
+    x = torch.randn(8, 8, device="meta")
+    budgets = {"cpu:0": "1MiB", "cpu:1": "1MiB"}
+    with pytest.warns(fxsplit.FxsplitWarning, match=r"mix the rows of the batch: 'mean' reduces over"):
+        fxsplit.plan(model, budgets, example_inputs=(x,), trace="export", pipeline=2)
+    options: dict[str, Any] = {"example_inputs": (x,), "trace": "export"}
+    with pytest.raises(fxsplit.FxsplitError, match=r"mix the rows of the batch"):
+        fxsplit.plan(model, budgets, pipeline={"chunks": 2, "batch_stats": "error"}, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fxsplit.plan(model, budgets, pipeline={"chunks": 2, "batch_stats": "allow"}, **options)
+        fxsplit.plan(model, budgets, **options)

@@ -36,7 +36,6 @@ from torch.utils import _pytree as pytree
 from fxsplit.memory.activations import graph_tensors
 from fxsplit.tracing.dynamic import traced_size
 from fxsplit.tracing.example_inputs import quiet_fake_tensor_log
-from fxsplit.tracing.fakeweights import fake_weights
 
 __all__ = ["RowMixing", "row_mixing"]
 
@@ -106,7 +105,7 @@ def _shapes_at(
                 pytree.tree_map(lambda v, b=b: _fake(v, factor if b else 1), value)
                 for value, b in zip(values, batched, strict=True)
             ]
-            state = fake_weights(mode, graph_tensors(graph_module), requires_grad=lambda t: False)
+            state = _empty_like_each(graph_tensors(graph_module))
         with (
             mode,
             torch.no_grad(),
@@ -117,6 +116,17 @@ def _shapes_at(
     except Exception:  # noqa: BLE001 (a graph that cannot run at this batch size is not checked)
         return None
     return run.shapes
+
+
+def _empty_like_each(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Name -> an empty tensor (fake, made inside the mode) like each weight, one per tensor object (a tied one under
+    each of its names); on the CPU for weights on meta, whose shapes are all the check needs."""
+    made: dict[int, torch.Tensor] = {}
+    for _, tensor in named:
+        if id(tensor) not in made:
+            device = "cpu" if tensor.device.type in ("cpu", "meta") else tensor.device
+            made[id(tensor)] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    return {name: made[id(tensor)] for name, tensor in named}
 
 
 def _fake(value: Any, factor: int) -> Any:
