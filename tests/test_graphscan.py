@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fxsplit.attrpath import attr_at
 from fxsplit.cost.build import model_tensors, tensor_reads
 from fxsplit.cost.scan import scan_graph
 from fxsplit.cost.walk import ModulePaths, module_table
@@ -129,3 +130,20 @@ def test_module_paths_find_every_module_of_the_table_and_refuse_others() -> None
     with pytest.raises(KeyError):
         paths["nothing.here"]
     assert dict(paths) == table and len(paths) == len(table)
+
+
+def test_module_paths_reach_every_attribute_as_attr_at_does() -> None:
+    model = Shared()
+    model.block[0].register_parameter("extra", None)  # a parameter slot holding None
+    model.block[0].plain = torch.ones(2)  # a tensor attribute that is neither parameter nor buffer
+    paths = ModulePaths(model)
+    names = [name for name, _ in model.named_parameters()] + [name for name, _ in model.named_buffers()]
+    for path in [*names, "block.0.plain", "block.0.extra", "block.0", "block", "scale", "head.weight"]:
+        assert paths.attribute(path) is attr_at(model, path), path
+    assert paths.attribute("head.weight") is model.embed.weight  # tied: one tensor under both names
+    for missing in ("block.0.nothing", "nothing.weight", "block.0.extra.shape"):
+        with pytest.raises(AttributeError) as found:
+            paths.attribute(missing)
+        with pytest.raises(AttributeError) as expected:
+            attr_at(model, missing)
+        assert str(found.value) == str(expected.value)

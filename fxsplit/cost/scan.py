@@ -14,8 +14,7 @@ from typing import Mapping
 import torch
 import torch.fx
 
-from fxsplit.attrpath import attr_at
-from fxsplit.cost.walk import named_tensors
+from fxsplit.cost.walk import ModulePaths, named_tensors
 
 __all__ = ["GraphScan", "Read", "module_tensors", "scan_graph"]
 
@@ -52,14 +51,14 @@ class GraphScan:
 
 def scan_graph(
     graph_module: torch.fx.GraphModule,
-    modules: Mapping[str, torch.nn.Module],
+    modules: ModulePaths,
     known: Mapping[int, tuple[list[str], torch.Tensor, bool]],
 ) -> GraphScan:
     """The ops, labels and tensor reads of ``graph_module``'s graph.
 
     Args:
         graph_module: the traced graph.
-        modules: its submodules by path.
+        modules: its submodules by path (:class:`ModulePaths` of ``graph_module``).
         known: the model's tensors (:func:`~fxsplit.cost.build.model_tensors`), for their names.
     """
     ops: list[torch.fx.Node] = []
@@ -109,7 +108,7 @@ def scan_graph(
             if op == "placeholder":
                 valued.append(node)
             elif op == "get_attr":
-                attr = attr_at(graph_module, str(node.target))
+                attr = modules.attribute(str(node.target))
                 if isinstance(attr, torch.Tensor):
                     attr_reads.append((entry(node, attr, str(node.target))[3], node))
             continue
