@@ -38,6 +38,7 @@ from fxsplit.planning.weightmap import device_map_homes, pins_as_device_map, ref
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import trace
+from fxsplit.tracing.checkpoints import checkpointing_message
 from fxsplit.validate import check_concrete_args, device_option, refuse_growing_state, refuse_meta, require_module
 
 __all__ = ["Planned", "fxsplit", "plan", "trace_and_plan"]
@@ -142,6 +143,9 @@ def _trace_and_plan(
     if traced.shapes_missing and isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
         said = on_one_microbatch(traced.shapes_missing, options.pipeline.chunks).replace("\n  ", "; ")
         traced = dataclasses.replace(traced, shapes_missing=said)
+    pipeline_recomputes = isinstance(options.pipeline, PipelineConfig) and options.pipeline.checkpoint != "never"
+    if traced.checkpointed and options.mode == "training" and not pipeline_recomputes:
+        warnings.warn(FxsplitWarning(checkpointing_message(traced.checkpointed)), stacklevel=user_stacklevel())
     planning.enter_context(gc_paused())  # until the caller has dropped what it does not keep
     refuse_growing_state(traced.graph_module)
     pins = {str(k): device_option(f"pins[{str(k)!r}]", v) for k, v in (options.pins or {}).items()}

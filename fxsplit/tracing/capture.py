@@ -18,6 +18,7 @@ fx traces the model, with a :class:`~fxsplit.errors.FxsplitWarning` that says wh
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
@@ -30,6 +31,7 @@ from torch.fx.graph import CodeGen, _PyTreeCodeGen
 from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitWarning, TraceError
 from fxsplit.options import TRACE_MODES
+from fxsplit.tracing.checkpoints import plain_checkpoints
 from fxsplit.tracing.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_inputs, export_spec
 from fxsplit.tracing.example_inputs import check_example_inputs, quiet_fake_tensor_log
 from fxsplit.tracing.example_inputs import first_line as _first_line
@@ -51,6 +53,8 @@ class Traced:
         has_shapes: whether nodes carry ``meta["val"]`` with shapes and dtypes.
         notes: what happened on the way (e.g. why export fell back to fx).
         shapes_missing: why nodes carry no shapes, when ``has_shapes`` is False.
+        checkpointed: what the forward ran under ``torch.utils.checkpoint`` (module paths), traced as plain calls
+            (:mod:`fxsplit.tracing.checkpoints`).
     """
 
     graph_module: torch.fx.GraphModule
@@ -58,6 +62,7 @@ class Traced:
     has_shapes: bool
     notes: tuple[str, ...] = ()
     shapes_missing: str | None = None
+    checkpointed: tuple[str, ...] = ()
 
 
 class _LeafTracer(torch.fx.Tracer):
@@ -127,7 +132,7 @@ def trace(
             raise TraceError(f"{_export_message(export_error)}\n\nfx also failed: {fx_error}") from fx_error
         note = f"torch.export failed, used torch.fx: {_first_line(export_error)}"
         warnings.warn(FxsplitWarning(_fallback_message(export_error, traced)), stacklevel=user_stacklevel())
-        return Traced(traced.graph_module, traced.method, traced.has_shapes, (note,), traced.shapes_missing)
+        return dataclasses.replace(traced, notes=(note,))
     return _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
 
 
@@ -167,7 +172,7 @@ _FLAT_WEIGHTS_ONLY = r"The tensor attributes (?:self\.[\w.]*_flat_weights\[\d+\]
 
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic_shapes: Any) -> Traced:
     spec = export_spec(model, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
-    with refusing_inference_mode("torch.export"), warnings.catch_warnings():
+    with refusing_inference_mode("torch.export"), warnings.catch_warnings(), plain_checkpoints(model) as met:
         # nn.LSTM/GRU/RNN keep their parameters in a list (_flat_weights) that torch.export reads as attributes
         # "assigned during export" and asks to register as buffers: the split holds them as parameters anyway
         warnings.filterwarnings("ignore", message=_FLAT_WEIGHTS_ONLY, category=UserWarning)
@@ -179,7 +184,7 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     check_kept_dynamic(graph_module, dynamic_shapes)
     graph_module.meta[TRACED_INPUTS] = describe_inputs(graph_module.graph)
     _default_constant_keywords(graph_module, kwargs)
-    return Traced(graph_module, "export", True)
+    return Traced(graph_module, "export", True, checkpointed=tuple(met))
 
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
@@ -250,7 +255,7 @@ def _symbolic(
     tracer = _LeafTracer(leaf_types, leaf_names)
     held = [(path, m, dict(m._parameters), dict(m._buffers)) for path, m in model.named_modules(remove_duplicate=False)]
     try:
-        with recording_grad_mode(tracer):
+        with recording_grad_mode(tracer), plain_checkpoints(model) as met:
             graph = tracer.trace(model, concrete_args=dict(concrete_args) if concrete_args else None)
     except TraceError:
         raise  # ours: names the construct fx cannot keep
@@ -266,10 +271,11 @@ def _symbolic(
             "(`self.steps.add_(1)`), or trace with torch.export (example_inputs=(...), trace='export'), which "
             "keeps such updates (the model is as it was)"
         )
-    name = type(model).__name__
+    name, checkpointed = type(model).__name__, tuple(met)
     graph_module = torch.fx.GraphModule(tracer.root, graph, name)
     if example_inputs is None and not example_kwargs:
-        return Traced(graph_module, "fx", False, shapes_missing="no example_inputs, so the graph has no sizes")
+        missing = "no example_inputs, so the graph has no sizes"
+        return Traced(graph_module, "fx", False, shapes_missing=missing, checkpointed=checkpointed)
     failures = []  # the first says what went wrong with the inputs as given
     for args, kwargs in _example_variants(model, tuple(example_inputs or ()), dict(example_kwargs or {})):
         failures.append(_propagate_shapes(graph_module, args, kwargs))
@@ -278,10 +284,11 @@ def _symbolic(
     failure = failures[0] if failures[-1] is not None else None
     args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
     if failure is None:
-        return Traced(graph_module, "fx", True)
+        return Traced(graph_module, "fx", True, checkpointed=checkpointed)
     if not checked:
         check_example_inputs(model, args, kwargs)
-    return Traced(graph_module, "fx", False, shapes_missing=f"running the fx graph on fake tensors failed: {failure}")
+    missing = f"running the fx graph on fake tensors failed: {failure}"
+    return Traced(graph_module, "fx", False, shapes_missing=missing, checkpointed=checkpointed)
 
 
 def _put_back(held: list[tuple[str, torch.nn.Module, dict[str, Any], dict[str, Any]]]) -> list[str]:
