@@ -140,7 +140,7 @@ class ModulePaths(Mapping[str, torch.nn.Module]):
         owner_path, _, name = path.rpartition(".")
         owner = self.get(owner_path)
         if owner is not None:
-            found = owner._parameters.get(name)
+            found: torch.Tensor | None = owner._parameters.get(name)
             if found is None:
                 found = owner._buffers.get(name)
             if found is not None:
