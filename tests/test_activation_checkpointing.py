@@ -219,3 +219,27 @@ def test_hugging_face_gradient_checkpointing(reentrant: bool) -> None:
             pins={"transformer.h.1": "cpu:1"},
             loss=lambda out: out.logits.square().mean(),
         )
+
+
+def test_a_reentrant_checkpoint_of_inputs_without_grad_still_gives_gradients() -> None:
+    """Eager PyTorch gives the block no gradient here (its inputs do not require grad); the split gives the
+    gradient the block has without checkpointing, as documented in :mod:`fxsplit.tracing.checkpoints`."""
+
+    class First(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block, self.head = Block(), nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.block, x, use_reentrant=True))
+
+    torch.manual_seed(0)
+    model = First()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    with pytest.warns(FxsplitWarning, match="1 call: 'block'"):
+        gm = fxsplit.fxsplit(model, _budgets(model), example_inputs=(x,), mode="training", pins={"head": "cpu:1"})
+    gm(x).sum().backward()
+    plain.head(plain.block(x)).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=name: f"grad of {n}: {m}")

@@ -18,6 +18,14 @@ alike, and holds the activations a plain call holds; the memory model counts
 those. The caller says so (:func:`checkpointing_message`), in training, where the
 recomputation would have saved memory.
 
+Two things a plain call does differently from eager checkpointing. A reentrant
+checkpoint whose inputs do not require grad gives its parameters no gradient in
+eager PyTorch (torch warns "None of the inputs have requires_grad=True"); the
+split gives them their gradient. And recomputation hides an in-place write to a
+tensor that backward needs; a model that relies on that fails in the split's
+backward with torch's "modified by an inplace operation" error, as the same
+model without checkpointing does.
+
 >>> import torch
 >>> from torch.utils.checkpoint import checkpoint
 >>> layer = torch.nn.Linear(2, 2)
