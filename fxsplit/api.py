@@ -39,6 +39,7 @@ from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import trace
 from fxsplit.tracing.checkpoints import checkpointing_message
+from fxsplit.tracing.customgrad import custom_backward_message
 from fxsplit.validate import check_concrete_args, device_option, refuse_growing_state, refuse_meta, require_module
 
 __all__ = ["Planned", "fxsplit", "plan", "trace_and_plan"]
@@ -143,6 +144,11 @@ def _trace_and_plan(
     if traced.shapes_missing and isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
         said = on_one_microbatch(traced.shapes_missing, options.pipeline.chunks).replace("\n  ", "; ")
         traced = dataclasses.replace(traced, shapes_missing=said)
+    if traced.custom_backward:  # the graph lacks their backward: no training plan, a warning for any other
+        said = custom_backward_message(traced.custom_backward, options.mode == "training")
+        if options.mode == "training":
+            raise TraceError(said)
+        warnings.warn(FxsplitWarning(said), stacklevel=user_stacklevel())
     pipeline_recomputes = isinstance(options.pipeline, PipelineConfig) and options.pipeline.checkpoint != "never"
     if traced.checkpointed and options.mode == "training" and not pipeline_recomputes:
         warnings.warn(FxsplitWarning(checkpointing_message(traced.checkpointed)), stacklevel=user_stacklevel())

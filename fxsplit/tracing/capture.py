@@ -32,6 +32,7 @@ from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitWarning, TraceError
 from fxsplit.options import TRACE_MODES
 from fxsplit.tracing.checkpoints import plain_checkpoints
+from fxsplit.tracing.customgrad import recording_functions
 from fxsplit.tracing.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_inputs, export_spec
 from fxsplit.tracing.example_inputs import check_example_inputs, quiet_fake_tensor_log
 from fxsplit.tracing.example_inputs import first_line as _first_line
@@ -55,6 +56,8 @@ class Traced:
         shapes_missing: why nodes carry no shapes, when ``has_shapes`` is False.
         checkpointed: what the forward ran under ``torch.utils.checkpoint`` (module paths), traced as plain calls
             (:mod:`fxsplit.tracing.checkpoints`).
+        custom_backward: the custom autograd Functions the forward called, whose backward the graph lacks
+            (:mod:`fxsplit.tracing.customgrad`).
     """
 
     graph_module: torch.fx.GraphModule
@@ -63,6 +66,7 @@ class Traced:
     notes: tuple[str, ...] = ()
     shapes_missing: str | None = None
     checkpointed: tuple[str, ...] = ()
+    custom_backward: tuple[str, ...] = ()
 
 
 class _LeafTracer(torch.fx.Tracer):
@@ -172,7 +176,12 @@ _FLAT_WEIGHTS_ONLY = r"The tensor attributes (?:self\.[\w.]*_flat_weights\[\d+\]
 
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic_shapes: Any) -> Traced:
     spec = export_spec(model, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
-    with refusing_inference_mode("torch.export"), warnings.catch_warnings(), plain_checkpoints(model) as met:
+    with (
+        refusing_inference_mode("torch.export"),
+        warnings.catch_warnings(),
+        plain_checkpoints(model) as met,
+        recording_functions() as functions,
+    ):
         # nn.LSTM/GRU/RNN keep their parameters in a list (_flat_weights) that torch.export reads as attributes
         # "assigned during export" and asks to register as buffers: the split holds them as parameters anyway
         warnings.filterwarnings("ignore", message=_FLAT_WEIGHTS_ONLY, category=UserWarning)
@@ -184,7 +193,7 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     check_kept_dynamic(graph_module, dynamic_shapes)
     graph_module.meta[TRACED_INPUTS] = describe_inputs(graph_module.graph)
     _default_constant_keywords(graph_module, kwargs)
-    return Traced(graph_module, "export", True, checkpointed=tuple(met))
+    return Traced(graph_module, "export", True, checkpointed=tuple(met), custom_backward=tuple(functions))
 
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
@@ -255,7 +264,7 @@ def _symbolic(
     tracer = _LeafTracer(leaf_types, leaf_names)
     held = [(path, m, dict(m._parameters), dict(m._buffers)) for path, m in model.named_modules(remove_duplicate=False)]
     try:
-        with recording_grad_mode(tracer), plain_checkpoints(model) as met:
+        with recording_grad_mode(tracer), plain_checkpoints(model) as met, recording_functions() as functions:
             graph = tracer.trace(model, concrete_args=dict(concrete_args) if concrete_args else None)
     except TraceError:
         raise  # ours: names the construct fx cannot keep
@@ -271,11 +280,11 @@ def _symbolic(
             "(`self.steps.add_(1)`), or trace with torch.export (example_inputs=(...), trace='export'), which "
             "keeps such updates (the model is as it was)"
         )
-    name, checkpointed = type(model).__name__, tuple(met)
-    graph_module = torch.fx.GraphModule(tracer.root, graph, name)
+    graph_module = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    traced = Traced(graph_module, "fx", True, checkpointed=tuple(met), custom_backward=tuple(functions))
     if example_inputs is None and not example_kwargs:
         missing = "no example_inputs, so the graph has no sizes"
-        return Traced(graph_module, "fx", False, shapes_missing=missing, checkpointed=checkpointed)
+        return dataclasses.replace(traced, has_shapes=False, shapes_missing=missing)
     failures = []  # the first says what went wrong with the inputs as given
     for args, kwargs in _example_variants(model, tuple(example_inputs or ()), dict(example_kwargs or {})):
         failures.append(_propagate_shapes(graph_module, args, kwargs))
@@ -284,11 +293,11 @@ def _symbolic(
     failure = failures[0] if failures[-1] is not None else None
     args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
     if failure is None:
-        return Traced(graph_module, "fx", True, checkpointed=checkpointed)
+        return traced
     if not checked:
         check_example_inputs(model, args, kwargs)
     missing = f"running the fx graph on fake tensors failed: {failure}"
-    return Traced(graph_module, "fx", False, shapes_missing=missing, checkpointed=checkpointed)
+    return dataclasses.replace(traced, has_shapes=False, shapes_missing=missing)
 
 
 def _put_back(held: list[tuple[str, torch.nn.Module, dict[str, Any], dict[str, Any]]]) -> list[str]:
