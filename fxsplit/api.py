@@ -39,7 +39,7 @@ from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import trace
 from fxsplit.tracing.checkpoints import checkpointing_message
-from fxsplit.tracing.customgrad import custom_backward_message
+from fxsplit.tracing.customgrad import custom_backward_message, fx_for_custom_functions
 from fxsplit.validate import check_concrete_args, device_option, refuse_growing_state, refuse_meta, require_module
 
 __all__ = ["Planned", "fxsplit", "plan", "trace_and_plan"]
@@ -127,16 +127,19 @@ def _trace_and_plan(
         )
     if cast is not None:
         cast(dtype)  # the model as the checkpoint will fill it, so that the graph is of that dtype
+    tracing = functools.partial(
+        trace,
+        model,
+        example_inputs=example_inputs,
+        example_kwargs=example_kwargs,
+        leaf_modules=resolve_leaf_modules(model, leaves, locate),
+        concrete_args=options.concrete_args,
+        dynamic_shapes=options.dynamic_shapes,
+    )
     try:
-        traced = trace(
-            model,
-            example_inputs=example_inputs,
-            example_kwargs=example_kwargs,
-            mode=options.trace,
-            leaf_modules=resolve_leaf_modules(model, leaves, locate),
-            concrete_args=options.concrete_args,
-            dynamic_shapes=options.dynamic_shapes,
-        )
+        traced = tracing(mode=options.trace)
+        if traced.custom_backward and options.mode == "training" and options.trace == "auto":
+            traced = fx_for_custom_functions(tracing, traced)  # fx keeps their backward: trace it with fx
     except TraceError as error:  # torch.export's own failure too (a reshape to the whole batch's size)
         if isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
             raise type(error)(on_one_microbatch(str(error), options.pipeline.chunks)) from error

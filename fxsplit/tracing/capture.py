@@ -32,7 +32,7 @@ from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitWarning, TraceError
 from fxsplit.options import TRACE_MODES
 from fxsplit.tracing.checkpoints import plain_checkpoints
-from fxsplit.tracing.customgrad import recording_functions
+from fxsplit.tracing.customgrad import note_aliases, recording_functions, unfollowed_message
 from fxsplit.tracing.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_inputs, export_spec
 from fxsplit.tracing.example_inputs import check_example_inputs, quiet_fake_tensor_log
 from fxsplit.tracing.example_inputs import first_line as _first_line
@@ -57,7 +57,8 @@ class Traced:
         checkpointed: what the forward ran under ``torch.utils.checkpoint`` (module paths), traced as plain calls
             (:mod:`fxsplit.tracing.checkpoints`).
         custom_backward: the custom autograd Functions the forward called, whose backward the graph lacks
-            (:mod:`fxsplit.tracing.customgrad`).
+            (:mod:`fxsplit.tracing.customgrad`; torch.export).
+        custom_kept: the custom autograd Functions kept whole, one node per call (torch.fx).
     """
 
     graph_module: torch.fx.GraphModule
@@ -67,6 +68,7 @@ class Traced:
     shapes_missing: str | None = None
     checkpointed: tuple[str, ...] = ()
     custom_backward: tuple[str, ...] = ()
+    custom_kept: tuple[str, ...] = ()
 
 
 class _LeafTracer(torch.fx.Tracer):
@@ -193,7 +195,7 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     check_kept_dynamic(graph_module, dynamic_shapes)
     graph_module.meta[TRACED_INPUTS] = describe_inputs(graph_module.graph)
     _default_constant_keywords(graph_module, kwargs)
-    return Traced(graph_module, "export", True, checkpointed=tuple(met), custom_backward=tuple(functions))
+    return Traced(graph_module, "export", True, checkpointed=tuple(met), custom_backward=tuple(functions.dropped))
 
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
@@ -264,7 +266,7 @@ def _symbolic(
     tracer = _LeafTracer(leaf_types, leaf_names)
     held = [(path, m, dict(m._parameters), dict(m._buffers)) for path, m in model.named_modules(remove_duplicate=False)]
     try:
-        with recording_grad_mode(tracer), plain_checkpoints(model) as met, recording_functions() as functions:
+        with recording_grad_mode(tracer), plain_checkpoints(model) as met, recording_functions(keep=True) as functions:
             graph = tracer.trace(model, concrete_args=dict(concrete_args) if concrete_args else None)
     except TraceError:
         raise  # ours: names the construct fx cannot keep
@@ -281,7 +283,7 @@ def _symbolic(
             "keeps such updates (the model is as it was)"
         )
     graph_module = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
-    traced = Traced(graph_module, "fx", True, checkpointed=tuple(met), custom_backward=tuple(functions))
+    traced = Traced(graph_module, "fx", True, checkpointed=tuple(met), custom_kept=tuple(functions.kept))
     if example_inputs is None and not example_kwargs:
         missing = "no example_inputs, so the graph has no sizes"
         return dataclasses.replace(traced, has_shapes=False, shapes_missing=missing)
@@ -293,6 +295,8 @@ def _symbolic(
     failure = failures[0] if failures[-1] is not None else None
     args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
     if failure is None:
+        if functions.kept and (unfollowed := note_aliases(graph_module)):
+            raise TraceError(unfollowed_message(unfollowed))
         return traced
     if not checked:
         check_example_inputs(model, args, kwargs)

@@ -15,6 +15,7 @@ import torch
 import torch.fx
 
 from fxsplit.attrpath import attr_at
+from fxsplit.tracing.customgrad import FUNCTION_RESULT
 from fxsplit.tracing.gradmode import is_grad_mode_node
 from fxsplit.tracing.nnmodules import TENSOR_MODULES
 from fxsplit.tracing.viewops import VIEW_ATTRS, VIEW_FUNCTIONS, VIEW_METHODS
@@ -201,6 +202,9 @@ def mutated_inputs(node: torch.fx.Node, modules: Mapping[str, torch.nn.Module]) 
         name = getattr(target, "__name__", "")
         if (_is_inplace_name(name) or _inplace_by_argument(node)) and first is not None:
             mutated.append(first)
+        kept = node.meta.get(FUNCTION_RESULT)  # a custom Function that wrote an argument (ctx.mark_dirty)
+        if kept is not None and kept[0] == "write":
+            mutated.append(kept[1])
         if target is operator.setitem and first is not None:
             mutated.append(first)
         if _is_stat(name):
@@ -318,6 +322,8 @@ def _followed(node: torch.fx.Node, step: Callable[[torch.fx.Node], torch.fx.Node
 
 
 def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    if node.op == "call_function" and FUNCTION_RESULT in node.meta:  # a custom Function returned an argument's memory
+        return node.meta[FUNCTION_RESULT][1]  # type: ignore[no-any-return]
     out = node.kwargs.get("out") if node.op in ("call_function", "call_method") else None
     if isinstance(out, torch.fx.Node) and not isinstance(node.target, torch._ops.OpOverload):
         return out  # torch.add(a, b, out=buf) returns buf
@@ -358,6 +364,9 @@ def _returned_argument(node: torch.fx.Node) -> torch.fx.Node | None:
         if len(returns) == 1 and returns[0].alias_info is not None and returns[0].alias_info.is_write:
             return _aliased_argument(node, target)
         return None
+    kept = node.meta.get(FUNCTION_RESULT) if node.op == "call_function" else None
+    if kept is not None:  # a custom Function's result: the argument itself when it wrote it in place
+        return kept[1] if kept[0] == "write" else None  # type: ignore[no-any-return]
     if isinstance(out, torch.fx.Node):
         return out
     if not node.args or not isinstance(node.args[0], torch.fx.Node):

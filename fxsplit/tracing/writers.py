@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.fx
 
+from fxsplit.tracing.customgrad import kept_function
 from fxsplit.tracing.graphinfo import (
     _inplace_flag,
     _inplace_position,
@@ -69,8 +70,8 @@ def _rule(op: str, target: object) -> tuple[int, bool]:
             positions, stat = _schema_writes(target)
             return (_ALWAYS, True) if positions or stat else (_NEVER, False)
         name = getattr(target, "__name__", "")
-        if _is_inplace_name(name) or target is operator.setitem or _is_stat(name):
-            return _ALWAYS, True
+        if _is_inplace_name(name) or target is operator.setitem or _is_stat(name) or kept_function(target):
+            return _ALWAYS, True  # (a kept custom Function's call says in its node's meta whether it wrote)
         try:
             position = _inplace_position(target)  # type: ignore[arg-type]
         except TypeError:  # an unhashable callable
