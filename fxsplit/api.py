@@ -39,7 +39,6 @@ from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import trace
 from fxsplit.tracing.checkpoints import checkpointing_message
-from fxsplit.tracing.customgrad import custom_backward_message, fx_for_custom_functions
 from fxsplit.validate import check_concrete_args, device_option, refuse_growing_state, refuse_meta, require_module
 
 __all__ = ["Planned", "fxsplit", "plan", "trace_and_plan"]
@@ -127,19 +126,16 @@ def _trace_and_plan(
         )
     if cast is not None:
         cast(dtype)  # the model as the checkpoint will fill it, so that the graph is of that dtype
-    tracing = functools.partial(
-        trace,
-        model,
-        example_inputs=example_inputs,
-        example_kwargs=example_kwargs,
-        leaf_modules=resolve_leaf_modules(model, leaves, locate),
-        concrete_args=options.concrete_args,
-        dynamic_shapes=options.dynamic_shapes,
-    )
     try:
-        traced = tracing(mode=options.trace)
-        if traced.custom_backward and options.mode == "training" and options.trace == "auto":
-            traced = fx_for_custom_functions(tracing, traced)  # fx keeps their backward: trace it with fx
+        traced = trace(
+            model,
+            example_inputs=example_inputs,
+            example_kwargs=example_kwargs,
+            mode=options.trace,
+            leaf_modules=resolve_leaf_modules(model, leaves, locate),
+            concrete_args=options.concrete_args,
+            dynamic_shapes=options.dynamic_shapes,
+        )
     except TraceError as error:  # torch.export's own failure too (a reshape to the whole batch's size)
         if isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
             raise type(error)(on_one_microbatch(str(error), options.pipeline.chunks)) from error
@@ -147,11 +143,6 @@ def _trace_and_plan(
     if traced.shapes_missing and isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
         said = on_one_microbatch(traced.shapes_missing, options.pipeline.chunks).replace("\n  ", "; ")
         traced = dataclasses.replace(traced, shapes_missing=said)
-    if traced.custom_backward:  # the graph lacks their backward: no training plan, a warning for any other
-        said = custom_backward_message(traced.custom_backward, options.mode == "training")
-        if options.mode == "training":
-            raise TraceError(said)
-        warnings.warn(FxsplitWarning(said), stacklevel=user_stacklevel())
     pipeline_recomputes = isinstance(options.pipeline, PipelineConfig) and options.pipeline.checkpoint != "never"
     if traced.checkpointed and options.mode == "training" and not pipeline_recomputes:
         warnings.warn(FxsplitWarning(checkpointing_message(traced.checkpointed)), stacklevel=user_stacklevel())

@@ -56,9 +56,8 @@ class Traced:
         shapes_missing: why nodes carry no shapes, when ``has_shapes`` is False.
         checkpointed: what the forward ran under ``torch.utils.checkpoint`` (module paths), traced as plain calls
             (:mod:`fxsplit.tracing.checkpoints`).
-        custom_backward: the custom autograd Functions the forward called, whose backward the graph lacks
-            (:mod:`fxsplit.tracing.customgrad`; torch.export).
-        custom_kept: the custom autograd Functions kept whole, one node per call (torch.fx).
+        custom_kept: the custom autograd Functions the forward called, kept whole, one node per call
+            (:mod:`fxsplit.tracing.customgrad`).
     """
 
     graph_module: torch.fx.GraphModule
@@ -67,7 +66,6 @@ class Traced:
     notes: tuple[str, ...] = ()
     shapes_missing: str | None = None
     checkpointed: tuple[str, ...] = ()
-    custom_backward: tuple[str, ...] = ()
     custom_kept: tuple[str, ...] = ()
 
 
@@ -182,7 +180,7 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         refusing_inference_mode("torch.export"),
         warnings.catch_warnings(),
         plain_checkpoints(model) as met,
-        recording_functions() as functions,
+        recording_functions(keep="export") as functions,
     ):
         # nn.LSTM/GRU/RNN keep their parameters in a list (_flat_weights) that torch.export reads as attributes
         # "assigned during export" and asks to register as buffers: the split holds them as parameters anyway
@@ -195,7 +193,9 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     check_kept_dynamic(graph_module, dynamic_shapes)
     graph_module.meta[TRACED_INPUTS] = describe_inputs(graph_module.graph)
     _default_constant_keywords(graph_module, kwargs)
-    return Traced(graph_module, "export", True, checkpointed=tuple(met), custom_backward=tuple(functions.dropped))
+    if functions.kept:
+        note_aliases(graph_module)
+    return Traced(graph_module, "export", True, checkpointed=tuple(met), custom_kept=tuple(functions.kept))
 
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
@@ -266,7 +266,7 @@ def _symbolic(
     tracer = _LeafTracer(leaf_types, leaf_names)
     held = [(path, m, dict(m._parameters), dict(m._buffers)) for path, m in model.named_modules(remove_duplicate=False)]
     try:
-        with recording_grad_mode(tracer), plain_checkpoints(model) as met, recording_functions(keep=True) as functions:
+        with recording_grad_mode(tracer), plain_checkpoints(model) as met, recording_functions(keep="fx") as functions:
             graph = tracer.trace(model, concrete_args=dict(concrete_args) if concrete_args else None)
     except TraceError:
         raise  # ours: names the construct fx cannot keep

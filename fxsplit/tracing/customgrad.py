@@ -1,27 +1,27 @@
-"""Custom autograd Functions met while tracing: kept whole by torch.fx, traced through by torch.export.
+"""Custom autograd Functions met while tracing: each call kept whole, so the split runs its backward.
 
 A ``torch.autograd.Function`` subclass defines its own backward (a gradient
 reversal layer returns ``-grad``; a straight-through estimator passes the
-gradient of ``round`` through unchanged). Left to themselves, both tracers
-record the ops of its ``forward`` and drop its ``backward``, so a split would
-compute the model's values but, in backward, the gradients of those ops
+gradient of ``round`` through unchanged; Bloom's GeLU and RecurrentGemma's
+clipped square root in Hugging Face transformers). Left to themselves, both
+tracers record the ops of its ``forward`` and drop its ``backward``, so a split
+would compute the model's values but, in backward, the gradients of those ops
 (``-grad`` becomes ``grad``, the estimator's gradient becomes zero).
 
 :func:`recording_functions` wraps ``Function.apply`` while a tracer runs
 (torch's own Functions aside: activation checkpointing is
-:mod:`fxsplit.tracing.checkpoints`):
+:mod:`fxsplit.tracing.checkpoints`) and keeps each call on traced values as one
+node that calls the Function:
 
-* under torch.fx (``keep=True``), a call on traced values becomes one graph
-  node whose target, :func:`function_call`, calls the Function's ``apply``:
-  the split runs the Function as written, backward included;
-* under torch.export (``keep=False``), the call runs as before and is recorded:
-  the graph holds its forward's ops only, and :func:`custom_backward_message`
-  says what that means (a training plan is refused, any other plan warns).
+* torch.fx (``keep="fx"``): a ``call_function`` node whose target,
+  :func:`function_call`, calls the Function's ``apply``;
+* torch.export (``keep="export"``): an op of :mod:`fxsplit.tracing.functionop`,
+  which export keeps as one node and which calls ``apply`` when run.
 
-A kept call is opaque to the graph, so :func:`note_aliases` (after the fx
-graph's shapes are known) records where its result is its argument, written in
-place (``ctx.mark_dirty``), or a view of it (``x.view_as(x)``), for the
-analysis of in-place writes (:mod:`fxsplit.tracing.graphinfo`).
+A kept call is opaque to the graph, so :func:`note_aliases` (once the graph's
+shapes are known) records where its result is its argument, written in place
+(``ctx.mark_dirty``), or a view of it (``x.view_as(x)``), for the analysis of
+in-place writes (:mod:`fxsplit.tracing.graphinfo`).
 
 >>> import torch
 >>> class Flip(torch.autograd.Function):
@@ -36,7 +36,7 @@ analysis of in-place writes (:mod:`fxsplit.tracing.graphinfo`).
 >>> met.dropped
 ['Flip']
 >>> graph = torch.fx.Graph()
->>> with recording_functions(keep=True) as met:
+>>> with recording_functions(keep="fx") as met:
 ...     x = torch.fx.Proxy(graph.placeholder("x"), torch.fx.proxy.GraphAppendingTracer(graph))
 ...     _ = Flip.apply(x)
 >>> met.kept, [node.target.__name__ for node in graph.nodes if node.op == "call_function"]
@@ -45,9 +45,8 @@ analysis of in-place writes (:mod:`fxsplit.tracing.graphinfo`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import warnings
+import operator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -56,16 +55,14 @@ import torch
 import torch.fx
 from torch.autograd.function import Function
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
-from fxsplit.callsite import user_stacklevel
+from fxsplit.tracing.functionop import exported_call, function_of_op, inside_kept_call
 
 __all__ = [
     "FUNCTION_RESULT",
     "FunctionCalls",
-    "custom_backward_message",
     "function_call",
-    "fx_for_custom_functions",
     "kept_function",
     "note_aliases",
     "recording_functions",
@@ -82,8 +79,9 @@ class FunctionCalls:
     """The custom Functions a trace met (qualified names, in call order).
 
     Attributes:
-        kept: called on traced values and kept as one graph node each (torch.fx).
-        dropped: run while tracing, so the graph holds their forward's ops and lacks their backward.
+        kept: called on traced values and kept as one graph node each.
+        dropped: run while tracing, on no traced value (their result is a constant of the graph), or (``keep=""``)
+            on any: the graph then holds their forward's ops and lacks their backward.
     """
 
     kept: list[str] = field(default_factory=list)
@@ -91,21 +89,25 @@ class FunctionCalls:
 
 
 @contextmanager
-def recording_functions(keep: bool = False) -> Iterator[FunctionCalls]:
-    """Inside the block, each call of a ``torch.autograd.Function`` defined outside torch is recorded; with
-    ``keep`` (torch.fx tracing), a call with a :class:`torch.fx.Proxy` among its arguments becomes a node
-    (:func:`function_call`) instead of running. Any other call runs as before."""
+def recording_functions(keep: str = "") -> Iterator[FunctionCalls]:
+    """Inside the block, each call of a ``torch.autograd.Function`` defined outside torch is recorded. ``keep``
+    says what becomes of a call on traced values: ``"fx"``, one node (:func:`function_call`) when a
+    :class:`torch.fx.Proxy` is among its arguments; ``"export"``, one op (:func:`~fxsplit.tracing.functionop.
+    exported_call`) when a tensor is; ``""``, nothing: it runs as before, and the graph gets its forward's ops."""
     met = FunctionCalls()
     original = Function.__dict__["apply"]
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if cls.__module__.startswith("torch."):
+        if cls.__module__.startswith("torch.") or inside_kept_call():  # (a call inside a kept one is part of it)
             return original.__func__(cls, *args, **kwargs)
-        if keep:
+        if keep == "fx":
             proxy = next((a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.fx.Proxy)), None)
             if proxy is not None:
                 met.kept.append(cls.__qualname__)
-                return proxy.tracer.create_proxy("call_function", function_call(cls), args, kwargs)
+                return _fx_node(cls, proxy.tracer, args, kwargs)
+        elif keep == "export" and any(isinstance(a, torch.Tensor) for a in tree_leaves((args, kwargs))):
+            met.kept.append(cls.__qualname__)
+            return exported_call(cls, original.__func__, args, kwargs)
         met.dropped.append(cls.__qualname__)
         return original.__func__(cls, *args, **kwargs)
 
@@ -124,6 +126,11 @@ def function_call(function: type) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
         return function.apply(*args, **kwargs)  # type: ignore[attr-defined]
 
+    return _named(call, function)
+
+
+def _named(call: Callable[..., Any], function: type) -> Callable[..., Any]:
+    """``call``, named ``<Function>_apply`` and marked as running ``function`` (:func:`kept_function`)."""
     call.__name__ = call.__qualname__ = f"{function.__name__}_apply"
     call.__module__ = function.__module__
     call.__doc__ = f"{function.__qualname__}.apply, kept whole in the traced graph (fxsplit)"
@@ -131,15 +138,63 @@ def function_call(function: type) -> Callable[..., Any]:
     return call
 
 
+_PLAIN = (
+    torch.fx.Proxy,
+    int,
+    float,
+    bool,
+    str,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+"""What a node's arguments can hold as they are."""
+
+
+def _fx_node(function: type, tracer: torch.fx.proxy.TracerBase, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The node of a call on traced values: ``function_call(function)(*args, **kwargs)`` when a node's arguments
+    can hold them; else a call of the traced values alone, the other arguments (an object, a tensor constant)
+    bound into its target as they were (:func:`_bound_call`)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    if all(isinstance(leaf, _PLAIN) for leaf in leaves):
+        return tracer.create_proxy("call_function", function_call(function), args, kwargs)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.fx.Proxy)]
+    target = _bound_call(function, spec, leaves, positions)
+    return tracer.create_proxy("call_function", target, tuple(leaves[i] for i in positions), {})
+
+
+def _bound_call(function: type, spec: TreeSpec, leaves: list[Any], positions: list[int]) -> Callable[..., Any]:
+    """A target like :func:`function_call`'s for one call: it takes the traced values (``positions`` among
+    ``leaves``, the flat arguments of structure ``spec``) and puts them among the others."""
+    constants = [None if i in positions else leaf for i, leaf in enumerate(leaves)]
+
+    def call(*traced: Any) -> Any:
+        given = list(constants)
+        for position, value in zip(positions, traced, strict=True):
+            given[position] = value
+        args, kwargs = tree_unflatten(given, spec)
+        return function.apply(*args, **kwargs)  # type: ignore[attr-defined]
+
+    return _named(call, function)
+
+
 def kept_function(target: object) -> type | None:
-    """The Function class a node target calls, when it is a :func:`function_call`; else None."""
+    """The Function class a node target calls, when it is a :func:`function_call` or an op of
+    :mod:`~fxsplit.tracing.functionop`; else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        return function_of_op(target)
     return getattr(target, "fxsplit_function", None) if callable(target) else None
 
 
 def note_aliases(graph_module: torch.fx.GraphModule) -> list[str]:
-    """Record :data:`FUNCTION_RESULT` on each kept call (with shapes) whose one tensor result is an argument,
-    written in place, or a view of one. Returns the Functions whose result holds an argument's memory inside a
-    tuple or list (what :data:`FUNCTION_RESULT` cannot say).
+    """Record :data:`FUNCTION_RESULT` where a kept call's result holds an argument's memory: on a torch.fx call
+    whose one tensor result is an argument, written in place, or a view of one; on the ``getitem`` of a
+    torch.export op's result that is a view of an argument or the argument itself (export reads a tensor the
+    Function wrote through that ``getitem`` from then on, so it is a view for the analysis of writes). Returns
+    the Functions, traced by fx, whose result holds an argument's memory inside a tuple or list (what
+    :data:`FUNCTION_RESULT` cannot say).
 
     Each call is run once more, alone, on fake tensors of its arguments' sizes: the shapes pass keeps copies of
     its values, so only a fresh call shows whether the result is the argument itself (``ctx.mark_dirty``)."""
@@ -160,9 +215,15 @@ def note_aliases(graph_module: torch.fx.GraphModule) -> list[str]:
                 )
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), functools.partial(_fake_of, fakes))
         with mode, torch.no_grad():
-            result = function.apply(*args, **kwargs)  # type: ignore[attr-defined]
+            result = node.target(*args, **kwargs)
         storages = {_storage(fake): argument for argument, fake in fakes.items()}
-        if isinstance(result, torch.Tensor):
+        if isinstance(node.target, torch._ops.OpOverload):  # a list of tensors, read by getitem nodes
+            for user in node.users:
+                index = user.args[1] if user.target is operator.getitem else None
+                source = storages.get(_storage(result[index])) if isinstance(index, int) else None
+                if source is not None:
+                    user.meta[FUNCTION_RESULT] = ("view", source)
+        elif isinstance(result, torch.Tensor):
             source = storages.get(_storage(result))
             if source is not None:
                 written = any(result is fake for fake in fakes.values())
@@ -178,45 +239,6 @@ def _fake_of(fakes: dict[torch.fx.Node, Any], node: torch.fx.Node) -> Any:
 
 def _storage(tensor: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(tensor.untyped_storage())
-
-
-def custom_backward_message(met: Sequence[str], training: bool) -> str:
-    """Why a split of a model that calls the custom Functions ``met`` (non-empty) cannot train, and what to do."""
-    unique = list(dict.fromkeys(met))
-    shown = ", ".join(map(repr, unique[:4])) + (f" and {len(unique) - 4} more" if len(unique) > 4 else "")
-    what = (
-        f"the model calls custom autograd Functions ({shown}) whose backward the torch.export graph cannot keep: "
-        "it holds the ops of their forward, so the split's outputs are the model's but its gradients would not be"
-    )
-    fix = "trace with trace='fx', which keeps each Function call whole, backward included"
-    if training:
-        return f"{what}; fxsplit refuses to plan it for training. To train it, {fix}"
-    return f"{what}: do not train this split. To train, {fix}, and plan with mode='training'"
-
-
-def fx_for_custom_functions(tracing: Callable[..., Any], exported: Any) -> Any:
-    """For a training plan with ``trace="auto"``: the torch.fx trace of a model whose torch.export graph
-    (``exported``, a :class:`~fxsplit.tracing.capture.Traced`) lacks custom Functions' backward, with a warning
-    that says so. ``tracing(mode=...)`` traces the model. Raises the refusal, with fx's failure, when fx cannot
-    trace it."""
-    from fxsplit.errors import FxsplitWarning, TraceError
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FxsplitWarning)  # what fx says is below; its own notes are not
-            traced = tracing(mode="fx")
-    except TraceError as error:
-        refusal = custom_backward_message(exported.custom_backward, training=True)
-        raise TraceError(f"{refusal}\n\ntorch.fx failed too: {error}") from error
-    shown = ", ".join(map(repr, dict.fromkeys(exported.custom_backward)))
-    warnings.warn(
-        FxsplitWarning(
-            f"the model calls custom autograd Functions ({shown}) whose backward torch.export drops; fxsplit traced "
-            "it with torch.fx instead, which keeps each call whole. Pass trace='fx' to choose fx (no warning)"
-        ),
-        stacklevel=user_stacklevel(),
-    )
-    return dataclasses.replace(traced, notes=(*traced.notes, "torch.export drops custom Functions' backward"))
 
 
 def unfollowed_message(functions: Sequence[str]) -> str:
