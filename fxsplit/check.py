@@ -321,6 +321,11 @@ class DeviceChecker(TorchDispatchMode):
     (as CUDA accepts CPU scalars); a 0-dim tensor on ``"cpu:1"`` may not.
     ``copy_`` may write across devices, as it can on GPUs.
 
+    A tensor on ``"cpu:1"`` says its device is the plain ``"cpu"``, so ``x.type_as(y)`` (``x.to(y)``, as torch's
+    decomposition of ``type_as`` runs it) asks for a copy to ``"cpu"`` where on GPUs it would ask for ``y``'s
+    device. Unless the plain ``"cpu"`` is one of the plan's devices, such a copy of a tensor on ``"cpu:k"`` stays
+    on ``"cpu:k"``. (A factory op given ``device=y.device`` still makes its result on the host.)
+
     Use it around forward passes: autograd on the CPU skips the copy back in
     backward (source and destination are the same memory), so gradients do
     not keep their logical device. ``torch.tensor(data, device=...)`` reaches
@@ -350,6 +355,7 @@ class DeviceChecker(TorchDispatchMode):
                     for (_, held_on), (_, copy) in store.held.items():
                         self._tags[copy] = _logical(held_on)
         self.ops_checked = 0
+        self._host_placed = plan is not None and any(_logical(d) == "cpu" for d in plan.devices)
 
     def tag(self, tensor: torch.Tensor, device: str) -> None:
         """Say that ``tensor`` lives on ``device``."""
@@ -377,6 +383,8 @@ class DeviceChecker(TorchDispatchMode):
         self.ops_checked += 1
         out = func(*args, **kwargs)
         device = kwargs.get("device")
+        if name == "_to_copy" and device is not None and not self._host_placed and _logical(device) == "cpu":
+            device = None  # to another tensor's device, read as the plain "cpu" (see the class docstring)
         if device is not None:
             result: str | None = _logical(device)
         elif name in _WRITES_ACROSS:

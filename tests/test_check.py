@@ -252,6 +252,17 @@ def test_device_checker_rules() -> None:
             a * torch.full((), 2.0, device="cpu:1")  # a 0-dim tensor on another accelerator is not a scalar
         with pytest.raises(InvariantError, match=r"\['cpu', 'cpu:0'\]"):
             a + torch.ones(3)  # the host is a device too
+        # a tensor on a logical device says "cpu": a copy to a tensor's device stays where it was
+        assert checker.device_of(b.type_as(a.double())) == checker.device_of(b.to(a.device, torch.int64)) == "cpu:1"
+        with pytest.raises(InvariantError, match=r"\['cpu', 'cpu:1'\]"):
+            b + torch.zeros(3, device=b.device)  # a factory op given that device makes its result on the host
+
+
+def test_device_checker_copies_to_the_host_when_it_is_a_device() -> None:
+    plan = split()[1].meta["fxsplit_plan"]
+    with DeviceChecker(dataclasses.replace(plan, devices=(*plan.devices, "cpu"))) as checker:
+        b = torch.randn(3).to("cpu:1")
+        assert checker.device_of(b.to("cpu", torch.float64)) == "cpu"
 
 
 def test_device_checker_tags_weights_from_the_plan() -> None:
