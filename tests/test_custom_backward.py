@@ -468,6 +468,65 @@ def test_two_functions_of_one_name_get_an_op_each() -> None:
     assert len(ops) == 2 and {kept_function(op) for op in ops} == {first, second}
 
 
+class FirstRows(Function):
+    """``2 * x[:n]``, ``n`` a size computed from the input; backward ``-grad``, padded back."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, n: int) -> torch.Tensor:
+        ctx.missing = x.shape[0] - n  # type: ignore[attr-defined]
+        return 2 * x[:n]
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return -torch.nn.functional.pad(grad, (0, 0, 0, ctx.missing)), None  # type: ignore[attr-defined]
+
+
+class AllButLast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(FirstRows.apply(self.first(x), x.shape[0] - 1))
+
+
+@pytest.mark.parametrize("trace", TRACES)
+def test_a_size_argument_follows_the_input_under_dynamic_shapes(trace: str) -> None:
+    """Traced on 4 rows, called on 7: the size is computed on each call, not the traced one kept."""
+    torch.manual_seed(0)
+    model = AllButLast()
+    reference = copy.deepcopy(model)
+    options = {"mode": "training", "trace": trace, "pins": PINS}
+    dynamic = {"dynamic_shapes": "batch"} if trace == "export" else {}
+    gm = fxsplit.fxsplit(model, LARGE, example_inputs=(torch.randn(4, 8),), **options, **dynamic)
+    x = torch.randn(7, 8)
+    out, expected = gm(x), reference(x)
+    assert out.shape == (6, 4)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_same_grads(model, reference)
+
+
+def test_a_size_in_the_result_under_dynamic_shapes_is_refused_by_export() -> None:
+    class ReturnsSize(Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+            return 2 * x, x.shape[0]
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor, _: object) -> torch.Tensor:
+            return grad
+
+    class Uses(Model):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h, n = ReturnsSize.apply(self.first(x))
+            return self.last(h) * n
+
+    with pytest.raises(TraceError, match=r"'.*ReturnsSize' returns a number computed from a dynamic size"):
+        fxsplit.plan(Uses(Reverse), LARGE, example_inputs=(torch.randn(4, 8),), trace="export", dynamic_shapes="batch")
+
+
 def test_a_leaf_module_still_runs_the_function_as_written() -> None:
     torch.manual_seed(0)
     model = Model(StraightThrough)

@@ -209,10 +209,9 @@ def note_aliases(graph_module: torch.fx.GraphModule) -> list[str]:
         fakes: dict[torch.fx.Node, Any] = {}
         for argument in node.all_input_nodes:
             value = argument.meta.get("val")
-            if isinstance(value, torch.Tensor):
-                fakes[argument] = mode.from_tensor(
-                    torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-                )
+            if isinstance(value, torch.Tensor):  # (at the example inputs' sizes, under dynamic shapes)
+                shape, stride = [int(d) for d in value.shape], [int(d) for d in value.stride()]
+                fakes[argument] = mode.from_tensor(torch.empty_strided(shape, stride, dtype=value.dtype, device="meta"))
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), functools.partial(_fake_of, fakes))
         with mode, torch.no_grad():
             result = node.target(*args, **kwargs)
@@ -234,7 +233,10 @@ def note_aliases(graph_module: torch.fx.GraphModule) -> list[str]:
 
 
 def _fake_of(fakes: dict[torch.fx.Node, Any], node: torch.fx.Node) -> Any:
-    return fakes[node] if node in fakes else node.meta.get("val")
+    if node in fakes:
+        return fakes[node]
+    value = node.meta.get("val")
+    return int(value) if isinstance(value, torch.SymInt) else value
 
 
 def _storage(tensor: torch.Tensor) -> StorageWeakRef:

@@ -5,16 +5,17 @@ drops its backward. While export traces, :func:`exported_call` (installed by
 :func:`~fxsplit.tracing.customgrad.recording_functions`) routes each call of a
 Function defined outside torch through an op of its own,
 ``torch.ops.fxsplit_functions.<Function>``, registered here once per Function
-class. Its schema is ``(Tensor[] tensors, int call) -> Tensor[]``: the call's
-tensor arguments, and the number of its :class:`CallSite`, which holds
-everything else (the Function, where the tensors go among the other
-arguments, the non-tensor arguments as they were, the structure of the
-result). Its kernel is registered for ``CompositeImplicitAutograd``, which
+class. Its schema is ``(Tensor[] tensors, SymInt[] sizes, int call) ->
+Tensor[]``: the call's tensor arguments, the sizes among its arguments (which
+a graph with dynamic shapes computes on each call), and the number of its
+:class:`CallSite`, which holds everything else (the Function, where the
+tensors and sizes go among the other arguments, the other arguments as they
+were, the structure of the result). Its kernel is registered for ``CompositeImplicitAutograd``, which
 torch.export keeps as one node; run, it rebuilds the arguments and calls
 ``Function.apply``, so autograd records the Function's own backward.
 
 A call site lives as long as the process: the split's code refers to it by
-number (``torch.ops.fxsplit_functions.GeLUFunction.default([x], 3)``).
+number (``torch.ops.fxsplit_functions.GeLUFunction.default([x], [], 3)``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from fxsplit.errors import TraceError
 
 __all__ = ["NAMESPACE", "CallSite", "exported_call", "function_of_op", "inside_kept_call"]
 
@@ -39,8 +42,9 @@ class CallSite:
     Attributes:
         function: the ``torch.autograd.Function`` subclass.
         spec: the structure of ``(args, kwargs)``.
-        leaves: its leaves, None where a tensor goes (the tensors come with each run, in order).
+        leaves: its leaves, None where a tensor or a size goes (they come with each run, in order).
         tensor_positions: where the tensors go among ``leaves``.
+        size_positions: where the sizes (``torch.SymInt``, under dynamic shapes) go among ``leaves``.
         result: the structure of the result and its non-tensor leaves (None where a tensor goes), once run.
     """
 
@@ -48,6 +52,7 @@ class CallSite:
     spec: TreeSpec
     leaves: list[Any]
     tensor_positions: list[int]
+    size_positions: list[int]
     result: tuple[TreeSpec, list[Any]] | None = None
 
 
@@ -66,12 +71,15 @@ def exported_call(function: type, original: Callable[..., Any], args: tuple[Any,
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     if not positions:
         return original(function, *args, **kwargs)
-    tensors = [leaves[i] for i in positions]
-    site = CallSite(function, spec, [None if i in positions else leaf for i, leaf in enumerate(leaves)], positions)
+    sizes = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.SymInt)]
+    if any(isinstance(leaf, (torch.SymFloat, torch.SymBool)) for leaf in leaves):
+        raise TraceError(_symbolic_message(function, "takes"))
+    taken = {*positions, *sizes}
+    site = CallSite(function, spec, [None if i in taken else leaf for i, leaf in enumerate(leaves)], positions, sizes)
     with _LOCK:
         _SITES.append(site)
         number = len(_SITES) - 1
-    outputs = _op_for(function)(tensors, number)
+    outputs = _op_for(function)([leaves[i] for i in positions], [leaves[i] for i in sizes], number)
     assert site.result is not None  # the kernel ran on the tracer's fake tensors, which recorded it
     shape, constants = site.result
     produced = iter(outputs)
@@ -83,12 +91,13 @@ def function_of_op(target: object) -> type | None:
     return _FUNCTIONS.get(target) if isinstance(target, torch._ops.OpOverload) else None  # type: ignore[arg-type]
 
 
-def _run(tensors: list[torch.Tensor], number: int) -> list[torch.Tensor]:
-    """The kernel: the Function called on the site's arguments with ``tensors`` in place; its tensors returned."""
+def _run(tensors: list[torch.Tensor], sizes: list[int], number: int) -> list[torch.Tensor]:
+    """The kernel: the Function called on the site's arguments with ``tensors`` and ``sizes`` in place; the tensors
+    of its result returned."""
     site = _SITES[number]
     leaves = list(site.leaves)
-    for position, tensor in zip(site.tensor_positions, tensors, strict=True):
-        leaves[position] = tensor
+    for position, value in zip([*site.tensor_positions, *site.size_positions], [*tensors, *sizes], strict=True):
+        leaves[position] = value
     args, kwargs = tree_unflatten(leaves, site.spec)
     _inside.depth = _depth() + 1
     try:
@@ -96,9 +105,20 @@ def _run(tensors: list[torch.Tensor], number: int) -> list[torch.Tensor]:
     finally:
         _inside.depth -= 1
     flat, shape = tree_flatten(result)
+    if any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in flat):
+        raise TraceError(_symbolic_message(site.function, "returns"))
     if site.result is None:
         site.result = (shape, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in flat])
     return [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
+
+
+def _symbolic_message(function: type, does: str) -> str:
+    what = "takes a float or a bool" if does == "takes" else "returns a number"
+    return (
+        f"the custom autograd Function {function.__qualname__!r} {what} computed from a dynamic size, which "
+        "fxsplit cannot keep beside the Function's call in a torch.export graph; trace with trace='fx', or keep "
+        "that size static (dynamic_shapes=None)"
+    )
 
 
 def inside_kept_call() -> bool:
@@ -132,7 +152,7 @@ def _op_for(function: type) -> torch._ops.OpOverload:
         while _defined(name):  # two Functions of one name (defined in two places), or this module loaded twice
             count += 1
             name = f"{base}_{count}"
-        _library.define(f"{name}(Tensor[] tensors, int call) -> Tensor[]")
+        _library.define(f"{name}(Tensor[] tensors, SymInt[] sizes, int call) -> Tensor[]")
         _library.impl(name, _run, "CompositeImplicitAutograd")
         op = getattr(getattr(torch.ops, NAMESPACE), name).default
         _OPS[function], _FUNCTIONS[op] = op, function
