@@ -18,24 +18,25 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections import Counter
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from fxsplit.attrpath import attr_at
 from fxsplit.cost.build import GraphCosts, Weight
 from fxsplit.memory.activationprofile import without_dead_gradients
 from fxsplit.memory.allocations import Allocations
+from fxsplit.memory.graphtensors import graph_tensors, replace_graph_tensors
 from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory
 from fxsplit.memory.seed import seeds
 from fxsplit.planning.build import weights_by_node
 from fxsplit.tracing.dynamic import traced_size
 from fxsplit.tracing.fakeweights import fake_weights
+from fxsplit.tracing.keptcheckpoint import checkpoint_of
 
-__all__ = ["graph_tensors", "profile_activations", "replace_graph_tensors"]
+__all__ = ["graph_tensors", "profile_activations", "replace_graph_tensors"]  # (the first and last: graphtensors)
 
 
 class _Storages:
@@ -79,6 +80,8 @@ class _Recorder(torch.fx.Interpreter):
         self.saved: dict[int, list[int]] = {}
         self.written: dict[str, str] = {}  # an op that writes in place -> the node whose tensor it writes
         self.items: set[int] = set()  # ops that take an item out of a tuple or list
+        self.stashes: list[torch.Tensor] = []  # what kept checkpoints hold beside their inputs
+        self.recompute_extra: dict[int, int] = {}  # a kept checkpoint -> bytes its backward holds beyond its ops'
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is torch.ops.aten.scaled_dot_product_attention.default:
@@ -108,6 +111,14 @@ class _Recorder(torch.fx.Interpreter):
                 written = next((a for a in n.all_input_nodes if self.env.get(a) is value), None)
                 if written is not None:
                     self.written[n.name] = written.name
+            if (kept := checkpoint_of(n)) is not None:  # held for its backward to recompute from: its inputs
+                for held in (self.env.get(a) for a in n.all_input_nodes if a.op != "get_attr"):
+                    for tensor in (t for t in tree_leaves(held) if isinstance(t, torch.Tensor)):
+                        self.pack(tensor)
+                if kept.stashed_bytes():  # and the generator's state, to replay random ops; its backward forks the
+                    self.stashes.append(torch.empty(kept.stashed_bytes(), dtype=torch.uint8))  # generator: a copy
+                    self.pack(self.stashes[-1])
+                    self.recompute_extra[self.current] = kept.stashed_bytes()
         self.current = -1
         return value
 
@@ -195,40 +206,6 @@ def _fake_weights(graph_module: torch.fx.GraphModule, mode: Any, training: bool)
         return training and isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad
 
     return fake_weights(mode, graph_tensors(graph_module), trained)
-
-
-def graph_tensors(graph_module: torch.fx.GraphModule) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor the graph reads by name: parameters, buffers and the tensors
-    ``get_attr`` nodes read (constants), under each of their names (a tied one several times)."""
-    named = [
-        *graph_module.named_parameters(remove_duplicate=False),
-        *graph_module.named_buffers(remove_duplicate=False),
-    ]
-    for node in graph_module.graph.nodes:
-        if node.op == "get_attr":
-            attr = attr_at(graph_module, str(node.target), None)
-            if isinstance(attr, torch.Tensor):
-                named.append((str(node.target), attr))
-    return [(name, tensor) for name, tensor in named if tensor is not None]
-
-
-def replace_graph_tensors(
-    graph_module: torch.fx.GraphModule, make: Callable[[str, torch.Tensor], torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Every tensor the graph reads by name (:func:`graph_tensors`) -> ``make(name, tensor)``, for
-    ``_reparametrize_module``. ``make`` is called once per tensor, with its first name, and tied names share what
-    it made. The graph is not modified.
-    """
-    made: dict[str, torch.Tensor] = {}
-    by_id: dict[int, torch.Tensor] = {}
-    for name, tensor in graph_tensors(graph_module):
-        if name in made:
-            continue
-        replacement = by_id.get(id(tensor))
-        if replacement is None:
-            replacement = by_id[id(tensor)] = make(name, tensor)
-        made[name] = replacement
-    return made
 
 
 def _fake_input(value: Any, mode: Any) -> Any:
@@ -389,7 +366,7 @@ def _backward_internal(
             if shared:
                 held = max(storages.nbytes[key] for key in shared)
                 extra = max(extra, allocations.incoming.get(i, 0) + nbytes - held)
-        found.append(peaks.get(i, 0) + extra)
+        found.append(peaks.get(i, 0) + extra + recorder.recompute_extra.get(i, 0))
     return tuple(found)
 
 

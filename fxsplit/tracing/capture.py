@@ -31,13 +31,14 @@ from torch.fx.graph import CodeGen, _PyTreeCodeGen
 from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitWarning, TraceError
 from fxsplit.options import TRACE_MODES
-from fxsplit.tracing.checkpoints import plain_checkpoints
-from fxsplit.tracing.customgrad import note_aliases, recording_functions, unfollowed_message
+from fxsplit.tracing.checkpoints import Checkpointed, plain_checkpoints
+from fxsplit.tracing.customgrad import FunctionCalls, note_aliases, recording_functions, unfollowed_message
 from fxsplit.tracing.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_inputs, export_spec
 from fxsplit.tracing.example_inputs import check_example_inputs, quiet_fake_tensor_log
 from fxsplit.tracing.example_inputs import first_line as _first_line
 from fxsplit.tracing.example_inputs import user_frame as _user_frame
-from fxsplit.tracing.fakeweights import fake_weights
+from fxsplit.tracing.fakeweights import fake_weights, named_tensors
+from fxsplit.tracing.functionop import holding_call_sites
 from fxsplit.tracing.gradmode import recording_grad_mode, refusing_inference_mode
 
 __all__ = ["TRACE_MODES", "Traced", "trace"]
@@ -55,7 +56,7 @@ class Traced:
         notes: what happened on the way (e.g. why export fell back to fx).
         shapes_missing: why nodes carry no shapes, when ``has_shapes`` is False.
         checkpointed: what the forward ran under ``torch.utils.checkpoint`` (module paths), traced as plain calls
-            (:mod:`fxsplit.tracing.checkpoints`).
+            (:mod:`fxsplit.tracing.checkpoints`); checkpoint_kept: what it kept whole, recomputed by the split.
         custom_kept: the custom autograd Functions the forward called, kept whole, one node per call
             (:mod:`fxsplit.tracing.customgrad`).
     """
@@ -66,6 +67,7 @@ class Traced:
     notes: tuple[str, ...] = ()
     shapes_missing: str | None = None
     checkpointed: tuple[str, ...] = ()
+    checkpoint_kept: tuple[str, ...] = ()
     custom_kept: tuple[str, ...] = ()
 
 
@@ -179,23 +181,23 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     with (
         refusing_inference_mode("torch.export"),
         warnings.catch_warnings(),
-        plain_checkpoints(model) as met,
+        plain_checkpoints(model, keep="export") as met,
         recording_functions(keep="export") as functions,
+        holding_call_sites() as attach,
     ):
-        # nn.LSTM/GRU/RNN keep their parameters in a list (_flat_weights) that torch.export reads as attributes
-        # "assigned during export" and asks to register as buffers: the split holds them as parameters anyway
+        # RNNs' _flat_weights, which export would have registered as buffers: the split holds them as parameters
         warnings.filterwarnings("ignore", message=_FLAT_WEIGHTS_ONLY, category=UserWarning)
         exported = torch.export.export(model, args, kwargs or None, strict=False, dynamic_shapes=spec)
-    graph_module = exported.module()
+        attach(graph_module := exported.module())
     if not isinstance(graph_module, torch.fx.GraphModule):  # pragma: no cover - torch internals
         raise TraceError("torch.export returned an unflattened module; fxsplit needs a flat graph")
     graph_module.training = model.training  # the mode export baked into the graph
     check_kept_dynamic(graph_module, dynamic_shapes)
     graph_module.meta[TRACED_INPUTS] = describe_inputs(graph_module.graph)
     _default_constant_keywords(graph_module, kwargs)
-    if functions.kept:
+    if functions.kept or met.kept:
         note_aliases(graph_module)
-    return Traced(graph_module, "export", True, checkpointed=tuple(met), custom_kept=tuple(functions.kept))
+    return Traced(graph_module, "export", True, **_met(met, functions))
 
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
@@ -266,7 +268,11 @@ def _symbolic(
     tracer = _LeafTracer(leaf_types, leaf_names)
     held = [(path, m, dict(m._parameters), dict(m._buffers)) for path, m in model.named_modules(remove_duplicate=False)]
     try:
-        with recording_grad_mode(tracer), plain_checkpoints(model) as met, recording_functions(keep="fx") as functions:
+        with (
+            recording_grad_mode(tracer),
+            plain_checkpoints(model, "fx") as met,
+            recording_functions(keep="fx") as functions,
+        ):
             graph = tracer.trace(model, concrete_args=dict(concrete_args) if concrete_args else None)
     except TraceError:
         raise  # ours: names the construct fx cannot keep
@@ -283,7 +289,7 @@ def _symbolic(
             "keeps such updates (the model is as it was)"
         )
     graph_module = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
-    traced = Traced(graph_module, "fx", True, checkpointed=tuple(met), custom_kept=tuple(functions.kept))
+    traced = Traced(graph_module, "fx", True, **_met(met, functions))
     if example_inputs is None and not example_kwargs:
         missing = "no example_inputs, so the graph has no sizes"
         return dataclasses.replace(traced, has_shapes=False, shapes_missing=missing)
@@ -295,13 +301,18 @@ def _symbolic(
     failure = failures[0] if failures[-1] is not None else None
     args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
     if failure is None:
-        if functions.kept and (unfollowed := note_aliases(graph_module)):
+        if (functions.kept or met.kept) and (unfollowed := note_aliases(graph_module)):
             raise TraceError(unfollowed_message(unfollowed))
         return traced
     if not checked:
         check_example_inputs(model, args, kwargs)
     missing = f"running the fx graph on fake tensors failed: {failure}"
     return dataclasses.replace(traced, has_shapes=False, shapes_missing=missing)
+
+
+def _met(met: Checkpointed, functions: FunctionCalls) -> dict[str, Any]:
+    """:class:`Traced`'s fields for the checkpoint calls and custom Functions a trace met."""
+    return {"checkpointed": tuple(met.plain), "checkpoint_kept": tuple(met.kept), "custom_kept": tuple(functions.kept)}
 
 
 def _put_back(held: list[tuple[str, torch.nn.Module, dict[str, Any], dict[str, Any]]]) -> list[str]:
@@ -336,7 +347,7 @@ def _propagate_shapes(
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
         # Run on fake copies of the weights, so in-place updates (BatchNorm's
         # running stats) never reach the user's tensors.
-        state = fake_weights(mode, _named_tensors(graph_module), requires_grad=lambda t: t.requires_grad)
+        state = fake_weights(mode, named_tensors(graph_module), requires_grad=lambda t: t.requires_grad)
         with quiet_fake_tensor_log(), _reparametrize_module(graph_module, state, tie_weights=True, strict=False):
             FakeTensorProp(graph_module, mode).propagate(*fake)
         for node in placeholders[len(flat) :]:  # an input not given, left at its default (attn_mask=None)
@@ -349,11 +360,6 @@ def _propagate_shapes(
     finally:
         torch._C._set_grad_enabled(grad_enabled)
     return None
-
-
-def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    found = list(module.named_parameters(remove_duplicate=False))
-    return found + [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
 
 
 def _fx_message(error: BaseException, examples: str | None = None) -> str:

@@ -1,4 +1,4 @@
-"""Activation checkpointing met while tracing: each ``torch.utils.checkpoint`` call traced as a plain call, and named.
+"""Activation checkpointing met while tracing: a call kept whole where it can be, else traced as a plain call.
 
 ``checkpoint(fn, *args, use_reentrant=True)`` runs ``fn`` under ``no_grad``
 inside an autograd Function that recomputes it in backward. Neither tracer
@@ -10,12 +10,16 @@ non-reentrant form (``use_reentrant=False``, Hugging Face's
 ``gradient_checkpointing_enable`` too) traced to the plain forward, its
 recomputation dropped without a word.
 
-While tracing, :func:`plain_checkpoints` has every checkpoint call (``checkpoint``,
-``checkpoint_sequential``, either form) run its function as a plain call, with
-grad mode as it is around the call, and records what was checkpointed. The
-graph then computes what the unsplit model computes, values and gradients
-alike, and holds the activations a plain call holds; the memory model counts
-those. The caller says so (:func:`checkpointing_message`), in training, where the
+While tracing, :func:`plain_checkpoints` handles every checkpoint call
+(``checkpoint``, ``checkpoint_sequential``, either form). Under torch.export
+(``keep="export"``) a call of the model's modules is kept whole and recomputed
+by the split (:mod:`fxsplit.tracing.keptcheckpoint`). Any other call (under
+torch.fx, which runs nothing while tracing and so cannot know what a kept call
+would return; a function closing over a tensor) runs its function as a plain
+call, with grad mode as it is around the call, and is recorded: the graph
+then computes what the unsplit model computes, values and gradients alike,
+and holds the activations a plain call holds; the memory model counts those.
+The caller says so (:func:`checkpointing_message`), in training, where the
 recomputation would have saved memory.
 
 Two things a plain call does differently from eager checkpointing. A reentrant
@@ -32,7 +36,7 @@ model without checkpointing does.
 >>> model = torch.nn.Sequential(layer)
 >>> with plain_checkpoints(model) as met:
 ...     out = checkpoint(layer, torch.ones(1, 2), use_reentrant=True)
->>> met, out.requires_grad
+>>> met.plain, out.requires_grad
 (['0'], True)
 """
 
@@ -40,54 +44,91 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-__all__ = ["checkpointing_message", "plain_checkpoints"]
+from fxsplit.tracing.functionop import inside_kept_call
+from fxsplit.tracing.keptcheckpoint import CHECKPOINT_OPTIONS, kept_checkpoint
 
-_REENTRANT = "CheckpointFunction"  # what checkpoint(use_reentrant=True) calls .apply on
-_NON_REENTRANT = "_checkpoint_without_reentrant_generator"  # what use_reentrant=False steps through, twice
+__all__ = ["Checkpointed", "checkpointing_message", "plain_checkpoints"]
+
+
+@dataclass
+class Checkpointed:
+    """What the checkpoint calls met while tracing checkpointed, in call order: modules of the model by path.
+
+    Attributes:
+        plain: traced as plain calls (their activations kept).
+        kept: kept whole, recomputed by the split (:mod:`fxsplit.tracing.keptcheckpoint`).
+    """
+
+    plain: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
 
 
 @contextmanager
-def plain_checkpoints(model: torch.nn.Module) -> Iterator[list[str]]:
-    """Inside the block, ``torch.utils.checkpoint`` calls run their function plainly; yields the names of what they
-    checkpointed, in call order (filled as the block runs): a module of ``model`` by its path."""
-    met: list[str] = []
+def plain_checkpoints(model: torch.nn.Module, keep: str = "") -> Iterator[Checkpointed]:
+    """Inside the block, ``torch.utils.checkpoint`` calls run their function plainly, or (``keep="export"``, a
+    torch.export trace) are kept whole where they can be (:func:`~fxsplit.tracing.keptcheckpoint.
+    kept_checkpoint`); yields what they checkpointed, filled as the block runs.
+
+    The calls are caught where ``checkpoint`` itself (wrapped by ``torch._disable_dynamo``) looks up what to run,
+    and a direct ``CheckpointFunction.apply`` on the class: nothing another module could import while the block
+    runs is replaced (``torch.distributed``'s composable checkpoint imports torch's non-reentrant generator by
+    name, lazily, and would have kept a stand-in for good)."""
+    found = Checkpointed()
     paths: dict[int, str] = {}
 
-    def name_of(function: Callable[..., Any]) -> str:
+    def walked() -> dict[int, str]:
         if not paths:  # walked at the first checkpoint call only
             paths.update((id(module), path) for path, module in model.named_modules())
-        return _name_of(function, paths)
+        return paths
 
-    originals = {name: getattr(torch_checkpoint, name, None) for name in (_REENTRANT, _NON_REENTRANT)}
-    if any(found is None for found in originals.values()):  # another torch: its checkpoint is traced as it is
-        yield met
+    def plain(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not inside_kept_call():  # (a kept call's own checkpoint, run on the tracer's values)
+            found.plain.append(_name_of(function, walked()))
+        return function(*args, **kwargs)
+
+    public = torch_checkpoint.checkpoint
+    inner = getattr(public, "__wrapped__", None)
+    reentrant = getattr(torch_checkpoint, "CheckpointFunction", None)
+    if inner is None or reentrant is None or "__dynamo_disable" not in getattr(public, "__code__", _NO_CODE).co_names:
+        yield found  # another torch: its checkpoint calls are traced as they are
         return
 
-    class PlainCall:
-        """Stands in for ``CheckpointFunction``: ``apply(function, preserve_rng_state, *args)``."""
+    def call(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None, **options: Any) -> Any:
+        kwargs = {k: v for k, v in options.items() if k not in CHECKPOINT_OPTIONS}
+        if use_reentrant is not False and kwargs:
+            return inner(function, *args, use_reentrant=use_reentrant, **options)  # torch refuses it: let it say so
+        if keep == "export":
+            kept = kept_checkpoint(function, args, options, use_reentrant, walked())
+            if kept is not None:
+                found.kept.append(kept[0])
+                return kept[1]
+        return plain(function, args, kwargs)
 
-        @staticmethod
-        def apply(function: Callable[..., Any], _preserve: bool, *args: Any) -> Any:
-            met.append(name_of(function))
-            return function(*args)
+    def apply(function: Callable[..., Any], _preserve: bool, *args: Any) -> Any:
+        return plain(function, args, {})
 
-    def plain_steps(function: Callable[..., Any], *_args: Any, **_kwargs: Any) -> Iterator[None]:
-        """Stands in for the non-reentrant generator: checkpoint() calls the function itself between its steps."""
-        met.append(name_of(function))
-        yield  # once: checkpoint() calls the function after it, and expects no second yield
-
-    setattr(torch_checkpoint, _REENTRANT, PlainCall)
-    setattr(torch_checkpoint, _NON_REENTRANT, plain_steps)
+    before, own = inner.__dict__.get("__dynamo_disable"), reentrant.__dict__.get("apply")
+    inner.__dynamo_disable, reentrant.apply = call, staticmethod(apply)
     try:
-        yield met
+        yield found
     finally:
-        for name, found in originals.items():
-            setattr(torch_checkpoint, name, found)
+        if own is None:
+            del reentrant.apply
+        else:
+            reentrant.apply = own
+        if before is None:
+            inner.__dict__.pop("__dynamo_disable", None)
+        else:
+            inner.__dynamo_disable = before
+
+
+_NO_CODE = (lambda: None).__code__
 
 
 def _name_of(function: Callable[..., Any], paths: Mapping[int, str]) -> str:
@@ -127,7 +168,9 @@ def checkpointing_message(met: Sequence[str]) -> str:
     return (
         f"the model checkpoints activations (torch.utils.checkpoint, {calls}: {shown}); the split runs these as "
         "plain calls, so its gradients are the model's but it keeps their activations instead of recomputing "
-        "them, and the plan counts them kept. To recompute activations, pipeline the model with "
-        "pipeline=PipelineConfig(checkpoint='always') (each stage checkpointed per micro-batch); to silence this, "
-        "turn the model's checkpointing off before splitting (Hugging Face: model.gradient_checkpointing_disable())"
+        "them, and the plan counts them kept. To recompute activations, trace with trace='export' (the default "
+        "with example inputs), which keeps each checkpoint call of a module whole (a function that closes over a "
+        "tensor it cannot keep), or pipeline the model with pipeline=PipelineConfig(checkpoint='always') (each "
+        "stage checkpointed per micro-batch); to silence this, turn the model's checkpointing off before "
+        "splitting (Hugging Face: model.gradient_checkpointing_disable())"
     )

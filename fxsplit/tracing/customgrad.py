@@ -58,6 +58,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
 from fxsplit.tracing.functionop import exported_call, function_of_op, inside_kept_call
+from fxsplit.tracing.keptcheckpoint import is_kept_checkpoint, label_kept_checkpoints
 
 __all__ = [
     "FUNCTION_RESULT",
@@ -200,11 +201,12 @@ def note_aliases(graph_module: torch.fx.GraphModule) -> list[str]:
     its values, so only a fresh call shows whether the result is the argument itself (``ctx.mark_dirty``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    label_kept_checkpoints(graph_module)
     unfollowed = []
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     for node in graph_module.graph.nodes:
-        function = kept_function(node.target) if node.op == "call_function" else None
-        if function is None or "val" not in node.meta:
+        name = _kept_name(node.target) if node.op == "call_function" else None
+        if name is None or "val" not in node.meta:
             continue
         fakes: dict[torch.fx.Node, Any] = {}
         for argument in node.all_input_nodes:
@@ -228,8 +230,16 @@ def note_aliases(graph_module: torch.fx.GraphModule) -> list[str]:
                 written = any(result is fake for fake in fakes.values())
                 node.meta[FUNCTION_RESULT] = ("write" if written else "view", source)
         elif any(_storage(t) in storages for t in tree_leaves(result) if isinstance(t, torch.Tensor)):
-            unfollowed.append(function.__qualname__)
+            unfollowed.append(name)
     return unfollowed
+
+
+def _kept_name(target: object) -> str | None:
+    """What a node's target runs whole, a custom Function or a checkpoint call, by name; None for other targets."""
+    function = kept_function(target)
+    if function is not None:
+        return repr(function.__qualname__)
+    return "a checkpoint" if is_kept_checkpoint(target) else None
 
 
 def _fake_of(fakes: dict[torch.fx.Node, Any], node: torch.fx.Node) -> Any:
@@ -243,12 +253,12 @@ def _storage(tensor: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(tensor.untyped_storage())
 
 
-def unfollowed_message(functions: Sequence[str]) -> str:
-    """Why fxsplit cannot split a model whose kept Functions ``functions`` return an argument's memory in a tuple."""
-    shown = ", ".join(map(repr, dict.fromkeys(functions)))
+def unfollowed_message(calls: Sequence[str]) -> str:
+    """Why fxsplit cannot split a model whose kept calls ``calls`` (custom Functions, checkpoints; names) return an
+    argument's memory in a tuple."""
+    shown = ", ".join(dict.fromkeys(calls))
     return (
-        f"the custom autograd Functions {shown} return, among several results, a tensor that is one of their "
-        "arguments or a view of one; fxsplit keeps each call whole under torch.fx and cannot follow that memory "
-        "across devices. Return one tensor from such a Function, or a new one (x.clone() for x), or trace with "
-        "trace='export' for a split that is not trained (it runs the Function's forward ops)"
+        f"{shown} return, among several results, a tensor that is one of their arguments or a view of one; "
+        "fxsplit keeps each such call whole under torch.fx and cannot follow that memory across devices. Return "
+        "one tensor, or a new one (x.clone() for x), or trace with trace='export', which follows it"
     )

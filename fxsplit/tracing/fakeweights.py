@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["fake_weights"]
+__all__ = ["fake_weights", "named_tensors"]
 
 
 def fake_weights(
@@ -45,6 +45,12 @@ def fake_weights(
                 fake.requires_grad_(True)
         found[name] = fake
     return found
+
+
+def named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every parameter and buffer of ``module``, under each of its names."""
+    found = list(module.named_parameters(remove_duplicate=False))
+    return found + [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
 
 
 def _storage(tensor: torch.Tensor) -> int | None:

@@ -26,6 +26,7 @@ from fxsplit.tracing.graphinfo import (
     _schema_writes,
     mutated_inputs,
 )
+from fxsplit.tracing.keptcheckpoint import is_kept_checkpoint
 
 __all__ = ["writing_ops"]
 
@@ -70,7 +71,13 @@ def _rule(op: str, target: object) -> tuple[int, bool]:
             positions, stat = _schema_writes(target)
             return (_ALWAYS, True) if positions or stat else (_NEVER, False)
         name = getattr(target, "__name__", "")
-        if _is_inplace_name(name) or target is operator.setitem or _is_stat(name) or kept_function(target):
+        if (
+            _is_inplace_name(name)
+            or target is operator.setitem
+            or _is_stat(name)
+            or kept_function(target)
+            or is_kept_checkpoint(target)
+        ):
             return _ALWAYS, True  # (a kept custom Function's call says in its node's meta whether it wrote)
         try:
             position = _inplace_position(target)  # type: ignore[arg-type]

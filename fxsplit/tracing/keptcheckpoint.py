@@ -1,0 +1,248 @@
+"""Activation checkpointing kept: a ``torch.utils.checkpoint`` call becomes one node that checkpoints it again.
+
+Traced through, a checkpoint call leaves its function's ops in the graph and
+its recomputation out. While torch.export traces,
+:func:`~fxsplit.tracing.checkpoints.plain_checkpoints` catches each call of
+``torch.utils.checkpoint.checkpoint`` (``checkpoint_sequential`` and Hugging
+Face's ``gradient_checkpointing_enable`` call it too) and, where
+:func:`kept_checkpoint` can, records it whole: one node whose inputs are the call's tensors and the
+parameters and buffers of the modules it runs, and which calls
+``checkpoint`` when run, with the call's own options
+(:class:`CheckpointedCall`). The split then holds what eager checkpointing
+holds, the call's inputs, and recomputes the rest in backward, on the device
+that runs the node.
+
+The node is an op of :mod:`fxsplit.tracing.functionop`,
+``torch.ops.fxsplit_functions.checkpointed``. The weights are inputs so that
+the partitioner places them with the node, and the call runs its modules with
+them (``torch.func.functional_call``'s substitution), so it reads the weights
+where the split put them. This is torch.export's alone: the op's result is
+what the call returned on the tracer's values, a tensor or a tuple, which
+torch.fx, running no code while it traces, cannot know.
+
+Each kept call is recomputed the non-reentrant way (``use_reentrant=False``,
+PyTorch's recommended form, whose memory fxsplit models exactly), whatever
+the model chose. Where that would differ, a reentrant checkpoint of inputs
+that need no gradient, the call runs as eager PyTorch runs it: without
+gradients (torch's warning included), so its parameters get none.
+
+A call is kept when grad mode is on (else there is nothing to recompute), the
+function runs modules of the model (itself a module, a bound method of one, a
+``functools.partial`` of either, or a function whose closure holds modules or
+a list of them, as ``checkpoint_sequential``'s segments do) and holds no
+tensor of its own in a closure (such a tensor would be a constant of the graph,
+not the value of this call). Any other call is traced as a plain call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx
+import torch.utils.checkpoint as torch_checkpoint
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from fxsplit.tracing.functionop import call_site, define_op, inside_kept_call, kept_op_call
+
+__all__ = [
+    "CHECKPOINT_OPTIONS",
+    "CheckpointedCall",
+    "checkpoint_of",
+    "is_kept_checkpoint",
+    "kept_checkpoint",
+    "label_kept_checkpoints",
+]
+
+_NO_CONTEXT = getattr(torch_checkpoint, "noop_context_fn", None)
+_op: torch._ops.OpOverload | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointedCall:
+    """One checkpoint call kept whole: called with ``(weights, bound, args, kwargs)`` it runs
+    ``checkpoint(function, *args, **kwargs)`` as the model did, ``weights`` standing in for its modules' own.
+
+    Attributes:
+        function: the checkpointed function, partials taken apart (their arguments come in ``bound``).
+        owners: the modules of the model it runs.
+        names: per weight, the index of its owner and its name there.
+        reentrant: ``use_reentrant`` as the model chose (the call is recomputed the non-reentrant way).
+        options: ``checkpoint``'s other options as given (``preserve_rng_state``, ``context_fn``, ...).
+        path: what it checkpoints, for the generated code and messages.
+    """
+
+    function: Callable[..., Any]
+    owners: tuple[torch.nn.Module, ...]
+    names: tuple[tuple[int, str], ...]
+    reentrant: bool
+    options: Mapping[str, Any] = field(default_factory=dict)
+    path: str = ""
+
+    def __call__(self, weights: list[torch.Tensor], bound: Any, args: Any, kwargs: Any) -> Any:
+        leaves, spec = tree_flatten((bound, args, kwargs))
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+        def region(*tensors: torch.Tensor) -> Any:
+            given = list(leaves)
+            for position, tensor in zip(positions, tensors, strict=True):
+                given[position] = tensor
+            (bound_args, bound_kwargs), call_args, call_kwargs = tree_unflatten(given, spec)
+            with self._weights(weights):
+                return self.function(*bound_args, *call_args, **{**bound_kwargs, **call_kwargs})
+
+        inputs = [leaves[i] for i in positions]
+        if self.reentrant and torch.is_grad_enabled() and not any(t.requires_grad for t in inputs):
+            # a reentrant checkpoint of inputs that need no gradient gives none, to its parameters either
+            warnings.warn("None of the inputs have requires_grad=True. Gradients will be None", stacklevel=2)
+            with torch.no_grad():
+                return region(*inputs)
+        return torch_checkpoint.checkpoint(region, *inputs, use_reentrant=False, **self.options)  # (see the module)
+
+    def stashed_bytes(self) -> int:
+        """Host bytes the call holds until its backward beside its inputs: the CPU generator's state (and, on
+        GPUs, a few bytes per device), stashed to replay random ops when it recomputes."""
+        return torch.get_rng_state().numel() if self.options.get("preserve_rng_state", True) else 0
+
+    def _weights(self, weights: list[torch.Tensor]) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for index, owner in enumerate(self.owners):
+            own = {name: w for (at, name), w in zip(self.names, weights, strict=True) if at == index}
+            stack.enter_context(_reparametrize_module(owner, own, tie_weights=True, strict=False))
+        return stack
+
+
+def checkpoint_of(node: torch.fx.Node) -> CheckpointedCall | None:
+    """The kept checkpoint call ``node`` runs, or None."""
+    if node.op != "call_function" or not is_kept_checkpoint(node.target):
+        return None
+    call = call_site(node.args[2]).run  # type: ignore[arg-type]
+    return call if isinstance(call, CheckpointedCall) else None
+
+
+def is_kept_checkpoint(target: object) -> bool:
+    """Whether a node's target runs a kept checkpoint call."""
+    return _op is not None and target is _op
+
+
+def kept_checkpoint(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    options: dict[str, Any],
+    use_reentrant: bool | None,
+    paths: Mapping[int, str],
+) -> tuple[str, Any] | None:
+    """``checkpoint(function, *args, use_reentrant=..., **options)`` met by a torch.export trace, kept whole (see
+    the module docstring): ``(its path, its result)``; None when it cannot be kept. ``paths``: the model's
+    modules by id."""
+    call = _kept(function, args, options, use_reentrant, paths)
+    if call is None:
+        return None
+    call_kwargs = {k: v for k, v in options.items() if k not in CHECKPOINT_OPTIONS}
+    bound, _ = _bound_arguments(function)
+    weights = [_weight(call, at, name) for at, name in call.names]
+    arguments = (weights, bound, args, call_kwargs)
+    return call.path, kept_op_call(_checkpoint_op(), call, f"the checkpoint of {call.path!r}", arguments, {})
+
+
+CHECKPOINT_OPTIONS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+"""``checkpoint``'s own keyword arguments; any other is the function's."""
+
+
+def _kept(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    options: dict[str, Any],
+    use_reentrant: bool | None,
+    paths: Mapping[int, str],
+) -> CheckpointedCall | None:
+    """The call as a :class:`CheckpointedCall`, or None when it is not kept (see the module docstring)."""
+    if not torch.is_grad_enabled() or inside_kept_call():
+        return None
+    reentrant = True if use_reentrant is None else use_reentrant  # torch's default
+    call_kwargs = {k: v for k, v in options.items() if k not in CHECKPOINT_OPTIONS}
+    if reentrant and call_kwargs:
+        return None  # torch refuses it: let it say so
+    bound, base = _bound_arguments(function)
+    if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves((bound, args, call_kwargs))):
+        return None
+    owners: list[torch.nn.Module] = []
+    candidates = [base, getattr(base, "__self__", None), *bound[0][:1]]
+    closure = _closure(base)
+    if any(isinstance(leaf, (torch.Tensor, torch.fx.Proxy)) for leaf in tree_leaves(list(closure.values()))):
+        return None  # a tensor of its own: not this call's value
+    if _SEGMENT in getattr(base, "__qualname__", "") and {"start", "end", "functions"} <= closure.keys():
+        closure = {"segment": closure["functions"][closure["start"] : closure["end"] + 1]}  # the modules it runs
+    for held in closure.values():
+        candidates += list(held) if isinstance(held, (list, tuple)) else [held]
+    for candidate in candidates:
+        if isinstance(candidate, torch.nn.Module) and id(candidate) in paths and candidate not in owners:
+            owners.append(candidate)
+    names = tuple(
+        (at, name)
+        for at, owner in enumerate(owners)
+        for name, tensor in [*owner.named_parameters(remove_duplicate=False), *owner.named_buffers()]
+        if tensor is not None
+    )
+    path = ", ".join(paths[id(owner)] or "the model" for owner in owners) or getattr(base, "__qualname__", "call")
+    chosen = {k: v for k, v in options.items() if k in CHECKPOINT_OPTIONS}
+    return CheckpointedCall(base, tuple(owners), names, reentrant, chosen, path)
+
+
+_SEGMENT = "checkpoint_sequential.<locals>.run_function"
+"""The qualified name of what runs a segment of ``checkpoint_sequential``: modules ``start`` to ``end`` of a list."""
+
+
+def _closure(function: Callable[..., Any]) -> dict[str, Any]:
+    """The variables a function closes over (of a bound method, its function's), by name (filled cells only)."""
+    function = getattr(function, "__func__", function)
+    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None) or ()
+    found = {}
+    for name, cell in zip(code.co_freevars if code else (), cells, strict=False):
+        try:
+            found[name] = cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            continue
+    return found
+
+
+def _bound_arguments(function: Callable[..., Any]) -> tuple[tuple[list[Any], dict[str, Any]], Callable[..., Any]]:
+    """``((positional, keyword), base)``: the arguments ``functools.partial`` bound into ``function``, and what
+    they are bound to."""
+    positional: list[Any] = []
+    keywords: dict[str, Any] = {}
+    while isinstance(function, functools.partial):
+        positional = [*function.args, *positional]
+        keywords = {**function.keywords, **keywords}
+        function = function.func
+    return (positional, keywords), function
+
+
+def _weight(call: CheckpointedCall, at: int, name: str) -> Any:
+    owner: Any = call.owners[at]
+    for part in name.split("."):
+        owner = getattr(owner, part)
+    return owner
+
+
+def _checkpoint_op() -> torch._ops.OpOverload:
+    global _op
+    if _op is None:
+        _op = define_op("checkpointed")
+    return _op
+
+
+def label_kept_checkpoints(graph_module: torch.fx.GraphModule) -> None:
+    """Give each kept call of one module that module's path as its innermost module (``nn_module_stack``): the
+    call is made from its caller's forward, but it runs the module, and pins and plans name it by its path."""
+    for node in graph_module.graph.nodes:
+        call = checkpoint_of(node)
+        if call is not None and len(call.owners) == 1 and call.path != "the model":
+            stack = dict(node.meta.get("nn_module_stack") or {})
+            stack[call.path] = (call.path, type(call.owners[0]))
+            node.meta["nn_module_stack"] = stack
