@@ -37,8 +37,8 @@ from fxsplit.tracing.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_
 from fxsplit.tracing.example_inputs import check_example_inputs, quiet_fake_tensor_log
 from fxsplit.tracing.example_inputs import first_line as _first_line
 from fxsplit.tracing.example_inputs import user_frame as _user_frame
-from fxsplit.tracing.fakeweights import fake_weights, named_tensors
 from fxsplit.tracing.functionop import holding_call_sites
+from fxsplit.tracing.fxshapes import propagate_shapes
 from fxsplit.tracing.gradmode import recording_grad_mode, refusing_inference_mode
 
 __all__ = ["TRACE_MODES", "Traced", "trace"]
@@ -295,7 +295,7 @@ def _symbolic(
         return dataclasses.replace(traced, has_shapes=False, shapes_missing=missing)
     failures = []  # the first says what went wrong with the inputs as given
     for args, kwargs in _example_variants(model, tuple(example_inputs or ()), dict(example_kwargs or {})):
-        failures.append(_propagate_shapes(graph_module, args, kwargs))
+        failures.append(propagate_shapes(graph_module, args, kwargs))
         if failures[-1] is None:
             break
     failure = failures[0] if failures[-1] is not None else None
@@ -326,40 +326,6 @@ def _put_back(held: list[tuple[str, torch.nn.Module, dict[str, Any], dict[str, A
                     table[name] = tensor
                     assigned.append(f"{path}.{name}" if path else name)
     return assigned
-
-
-def _propagate_shapes(
-    graph_module: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-) -> str | None:
-    """Record ``meta["val"]`` on every node by running on fake tensors; why that failed, or None."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
-    unknown = sorted(set(kwargs) - {str(n.target) for n in placeholders[len(args) :]})
-    if unknown:
-        return f"example_kwargs {unknown} are not inputs of the traced graph"
-    flat = list(args) + [kwargs[n.target] for n in placeholders[len(args) :] if n.target in kwargs]
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    grad_enabled = torch.is_grad_enabled()  # the graph may set it (recorded no_grad blocks)
-    try:
-        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
-        # Run on fake copies of the weights, so in-place updates (BatchNorm's
-        # running stats) never reach the user's tensors.
-        state = fake_weights(mode, named_tensors(graph_module), requires_grad=lambda t: t.requires_grad)
-        with quiet_fake_tensor_log(), _reparametrize_module(graph_module, state, tie_weights=True, strict=False):
-            FakeTensorProp(graph_module, mode).propagate(*fake)
-        for node in placeholders[len(flat) :]:  # an input not given, left at its default (attn_mask=None)
-            if "val" not in node.meta and node.args and not isinstance(node.args[0], torch.Tensor):
-                node.meta["val"] = node.args[0]
-    except Exception as error:  # noqa: BLE001 - shapes are an optimisation; plan without them (and say so)
-        for node in graph_module.graph.nodes:
-            node.meta.pop("val", None)
-        return _first_line(error)
-    finally:
-        torch._C._set_grad_enabled(grad_enabled)
-    return None
 
 
 def _fx_message(error: BaseException, examples: str | None = None) -> str:
