@@ -130,6 +130,13 @@ def _hf(kind: str) -> nn.Module:
     )
 
 
+def _checkpointed(kind: str) -> nn.Module:
+    """The Hugging Face model with ``gradient_checkpointing_enable`` (each block recomputed in backward)."""
+    model = _hf(kind)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+    return model
+
+
 def _ids() -> torch.Tensor:
     return torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
 
@@ -144,6 +151,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], dic
     "gpt2": (lambda: _hf("gpt2"), _ids, {"use_cache": False}, "export"),
     "bert": (lambda: _hf("bert"), _ids, {}, "export"),
     "llama": (lambda: _hf("llama"), _ids, {"use_cache": False}, "export"),
+    "gpt2 (checkpointed)": (lambda: _checkpointed("gpt2"), _ids, {"use_cache": False}, "export"),
+    "llama (checkpointed)": (lambda: _checkpointed("llama"), _ids, {"use_cache": False}, "export"),
     "vit": (lambda: _hf("vit"), lambda: torch.randn(4, 3, 32, 32), {}, "export"),
 }
 
