@@ -140,49 +140,15 @@ def kept_checkpoint(
     """``checkpoint(function, *args, use_reentrant=..., **options)`` met by a torch.export trace, kept whole (see
     the module docstring): ``(its path, its result)``; None when it cannot be kept. ``paths``: the model's
     modules by id."""
-    call = _kept(function, args, options, use_reentrant, paths)
-    if call is None:
-        return None
-    call_kwargs = {k: v for k, v in options.items() if k not in CHECKPOINT_OPTIONS}
-    bound, _ = _bound_arguments(function)
-    weights = [_weight(call, at, name) for at, name in call.names]
-    arguments = (weights, bound, args, call_kwargs)
-    return call.path, kept_op_call(_checkpoint_op(), call, f"the checkpoint of {call.path!r}", arguments, {})
-
-
-CHECKPOINT_OPTIONS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
-"""``checkpoint``'s own keyword arguments; any other is the function's."""
-
-
-def _kept(
-    function: Callable[..., Any],
-    args: tuple[Any, ...],
-    options: dict[str, Any],
-    use_reentrant: bool | None,
-    paths: Mapping[int, str],
-) -> CheckpointedCall | None:
-    """The call as a :class:`CheckpointedCall`, or None when it is not kept (see the module docstring)."""
     if not torch.is_grad_enabled() or inside_kept_call():
         return None
-    reentrant = True if use_reentrant is None else use_reentrant  # torch's default
     call_kwargs = {k: v for k, v in options.items() if k not in CHECKPOINT_OPTIONS}
-    if reentrant and call_kwargs:
-        return None  # torch refuses it: let it say so
     bound, base = _bound_arguments(function)
     if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves((bound, args, call_kwargs))):
         return None
-    owners: list[torch.nn.Module] = []
-    candidates = [base, getattr(base, "__self__", None), *bound[0][:1]]
-    closure = _closure(base)
-    if any(isinstance(leaf, (torch.Tensor, torch.fx.Proxy)) for leaf in tree_leaves(list(closure.values()))):
-        return None  # a tensor of its own: not this call's value
-    if _SEGMENT in getattr(base, "__qualname__", "") and {"start", "end", "functions"} <= closure.keys():
-        closure = {"segment": closure["functions"][closure["start"] : closure["end"] + 1]}  # the modules it runs
-    for held in closure.values():
-        candidates += list(held) if isinstance(held, (list, tuple)) else [held]
-    for candidate in candidates:
-        if isinstance(candidate, torch.nn.Module) and id(candidate) in paths and candidate not in owners:
-            owners.append(candidate)
+    owners = _owners(base, bound[0][:1], paths)
+    if owners is None:
+        return None
     names = tuple(
         (at, name)
         for at, owner in enumerate(owners)
@@ -191,7 +157,33 @@ def _kept(
     )
     path = ", ".join(paths[id(owner)] or "the model" for owner in owners) or getattr(base, "__qualname__", "call")
     chosen = {k: v for k, v in options.items() if k in CHECKPOINT_OPTIONS}
-    return CheckpointedCall(base, tuple(owners), names, reentrant, chosen, path)
+    reentrant = True if use_reentrant is None else use_reentrant  # torch's default
+    call = CheckpointedCall(base, tuple(owners), names, reentrant, chosen, path)
+    weights = [_weight(call, at, name) for at, name in names]
+    arguments = (weights, bound, args, call_kwargs)
+    return path, kept_op_call(_checkpoint_op(), call, f"the checkpoint of {path!r}", arguments, {})
+
+
+CHECKPOINT_OPTIONS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+"""``checkpoint``'s own keyword arguments; any other is the function's."""
+
+
+def _owners(base: Callable[..., Any], first: list[Any], paths: Mapping[int, str]) -> list[torch.nn.Module] | None:
+    """The model's modules ``base`` runs: itself, its ``self``, ``first`` (a partial's first argument), modules
+    its closure holds; None when its closure holds a tensor (a value of the graph the call would not see)."""
+    candidates = [base, getattr(base, "__self__", None), *first]
+    closure = _closure(base)
+    if any(isinstance(leaf, (torch.Tensor, torch.fx.Proxy)) for leaf in tree_leaves(list(closure.values()))):
+        return None
+    if _SEGMENT in getattr(base, "__qualname__", "") and {"start", "end", "functions"} <= closure.keys():
+        closure = {"segment": closure["functions"][closure["start"] : closure["end"] + 1]}  # the modules it runs
+    for held in closure.values():
+        candidates += list(held) if isinstance(held, (list, tuple)) else [held]
+    owners: list[torch.nn.Module] = []
+    for candidate in candidates:
+        if isinstance(candidate, torch.nn.Module) and id(candidate) in paths and candidate not in owners:
+            owners.append(candidate)
+    return owners
 
 
 _SEGMENT = "checkpoint_sequential.<locals>.run_function"
