@@ -59,7 +59,6 @@ __all__ = [
     "label_kept_checkpoints",
 ]
 
-_NO_CONTEXT = getattr(torch_checkpoint, "noop_context_fn", None)
 _op: torch._ops.OpOverload | None = None
 
 
