@@ -83,35 +83,21 @@ def _budgets(model: nn.Module) -> dict[str, int]:
 PINS = {"pre": "cpu:0", "blocks.2": "cpu:1"}
 
 
+@pytest.mark.parametrize("trace", TRACES)
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_under_export_checkpointed_blocks_are_kept_whole_with_the_models_gradients(reentrant: bool) -> None:
+def test_checkpointed_blocks_are_kept_whole_with_the_models_gradients(trace: str, reentrant: bool) -> None:
+    """torch.export: one op per call; torch.fx: the call traced, then its nodes folded into one call."""
     torch.manual_seed(0)
     model = Skip(reentrant)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FxsplitWarning)
-        gm = split_and_compare(
-            model, _budgets(model), (torch.randn(8, 16),), trace="export", mode="training", pins=PINS
-        )
+        gm = split_and_compare(model, _budgets(model), (torch.randn(8, 16),), mode="training", pins=PINS, trace=trace)
     assert all(p.grad is not None for p in model.blocks.parameters())  # split_and_compare compared them
-    assert gm.code.count("torch.ops.fxsplit_functions.checkpointed.default(") == 4
+    kept = "torch.ops.fxsplit_functions.checkpointed.default(" if trace == "export" else "fxsplit_checkpointed_blocks_"
+    assert gm.code.count(kept) == 4
     placement = gm.meta["fxsplit_plan"].param_devices
     assert placement["blocks.2.up.weight"] == placement["blocks.2.down.bias"] == "cpu:1"  # pinned by its path
     assert issubclass(torch_checkpoint.CheckpointFunction, torch.autograd.Function)  # put back
-
-
-@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_under_fx_checkpointed_blocks_are_plain_calls_with_the_models_gradients_and_a_warning(
-    reentrant: bool,
-) -> None:
-    """torch.fx runs no code while it traces, so what a kept call returns (a tensor, a tuple) is not known there:
-    fx traces each call as a plain call, keeping its activations, and says so."""
-    torch.manual_seed(0)
-    model = Skip(reentrant)
-    with pytest.warns(FxsplitWarning, match=r"4 calls: 'blocks.0', 'blocks.1', 'blocks.2', 'blocks.3'") as caught:
-        gm = split_and_compare(model, _budgets(model), (torch.randn(8, 16),), trace="fx", mode="training", pins=PINS)
-    said = str(next(w.message for w in caught if issubclass(w.category, FxsplitWarning)))
-    assert "trace='export'" in said and "PipelineConfig(checkpoint='always')" in said
-    assert "checkpoint" not in gm.code
 
 
 class Wide(nn.Module):
@@ -131,8 +117,11 @@ class Wide(nn.Module):
         return self.head(h)
 
 
+@pytest.mark.parametrize("trace", TRACES)
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_the_plan_covers_what_the_allocator_holds_and_less_than_without_checkpoints(reentrant: bool) -> None:
+def test_the_plan_covers_what_the_allocator_holds_and_less_than_without_checkpoints(
+    trace: str, reentrant: bool
+) -> None:
     """Each block's input and the generator state it stashes are held to its backward, which recomputes it (and
     copies the generator's state while it does): the plan is the allocator's peak per device, or above it by at
     most that copy where it is not at the peak, and well below the same model's without checkpointing."""
@@ -148,7 +137,7 @@ def test_the_plan_covers_what_the_allocator_holds_and_less_than_without_checkpoi
         options = {
             "mode": "training",
             "optimizer": "sgd",
-            "trace": "export",
+            "trace": trace,
             "pins": {"pre": "cpu:0", "blocks.3": "cpu:1"},
         }
         gm = fxsplit.fxsplit(model, budgets, example_inputs=(x,), **options)
@@ -162,7 +151,8 @@ def test_the_plan_covers_what_the_allocator_holds_and_less_than_without_checkpoi
         assert nbytes < 0.8 * peaks[None][device], peaks
 
 
-def test_checkpoint_sequential_and_a_checkpointed_function() -> None:
+@pytest.mark.parametrize("trace", TRACES)
+def test_checkpoint_sequential_and_a_checkpointed_function(trace: str) -> None:
     """``checkpoint_sequential``'s segments run two blocks each: the first is kept, reading those blocks' weights
     (torch runs the last one plainly); the plain function is kept too (it runs no module)."""
     torch.manual_seed(0)
@@ -170,13 +160,14 @@ def test_checkpoint_sequential_and_a_checkpointed_function() -> None:
     pins = {"pre": "cpu:0", "body.2": "cpu:1"}
     with warnings.catch_warnings():
         warnings.simplefilter("error", FxsplitWarning)
-        split_and_compare(model, _budgets(model), (torch.randn(8, 16),), trace="export", mode="training", pins=pins)
-    traced = fxsplit_trace(model, example_inputs=(torch.randn(8, 16),), mode="export")
+        split_and_compare(model, _budgets(model), (torch.randn(8, 16),), trace=trace, mode="training", pins=pins)
+    traced = fxsplit_trace(model, example_inputs=(torch.randn(8, 16),), mode=trace)
     # torch runs the last segment plainly
     assert traced.checkpoint_kept == ("body.0, body.1", "_scaled_tanh") and not traced.checkpointed
 
 
-def test_a_call_whose_closure_holds_a_tensor_is_traced_plainly_with_a_warning() -> None:
+@pytest.mark.parametrize("trace", TRACES)
+def test_a_call_whose_closure_holds_a_tensor_is_traced_plainly_with_a_warning(trace: str) -> None:
     class Closes(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -190,9 +181,9 @@ def test_a_call_whose_closure_holds_a_tensor_is_traced_plainly_with_a_warning() 
     model = Closes()
     pins = {"pre": "cpu:0", "head": "cpu:1"}
     with pytest.warns(FxsplitWarning, match=r"1 call: 'the model'") as caught:
-        split_and_compare(model, _budgets(model), (torch.randn(8, 16),), trace="export", mode="training", pins=pins)
+        split_and_compare(model, _budgets(model), (torch.randn(8, 16),), trace=trace, mode="training", pins=pins)
     said = str(next(w.message for w in caught if issubclass(w.category, FxsplitWarning)))
-    assert "recomputing" in said and "PipelineConfig(checkpoint='always')" in said
+    assert "recomputing" in said and "argument" in said and "PipelineConfig(checkpoint='always')" in said
 
 
 @pytest.mark.parametrize("mode", ["inference", "weights"])
@@ -309,7 +300,8 @@ class First(nn.Module):
         return self.head(checkpoint(self.block, x, use_reentrant=True))
 
 
-def test_a_kept_reentrant_checkpoint_of_inputs_without_grad_gives_none_as_eager_does() -> None:
+@pytest.mark.parametrize("trace", TRACES)
+def test_a_kept_reentrant_checkpoint_of_inputs_without_grad_gives_none_as_eager_does(trace: str) -> None:
     """torch warns and gives the block no gradient (its input needs none); the kept call does the same."""
     torch.manual_seed(0)
     model = First()
@@ -317,10 +309,10 @@ def test_a_kept_reentrant_checkpoint_of_inputs_without_grad_gives_none_as_eager_
     x = torch.randn(8, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch's "None of the inputs have requires_grad=True"
-        gm = fxsplit.fxsplit(model, _budgets(model), example_inputs=(x,), mode="training", pins={"head": "cpu:1"})
+        options = {"mode": "training", "pins": {"head": "cpu:1"}, "trace": trace}
+        gm = fxsplit.fxsplit(model, _budgets(model), example_inputs=(x,), **options)
         gm(x).sum().backward()
         reference(x).sum().backward()
-    assert gm.meta["fxsplit_plan"].trace == "export"
     assert all(p.grad is None for p in model.block.parameters())
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert (p.grad is None) == (q.grad is None), name
@@ -328,20 +320,32 @@ def test_a_kept_reentrant_checkpoint_of_inputs_without_grad_gives_none_as_eager_
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=name: f"grad of {n}: {m}")
 
 
-def test_a_plain_reentrant_checkpoint_of_inputs_without_grad_still_gives_gradients() -> None:
-    """Traced plainly (fx), the call does not know its inputs need no gradient: the split gives the block the
+class FirstScaled(nn.Module):
+    """``First`` whose checkpointed function closes over a value of the forward (so it is a plain call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = Block(), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.new_ones(()) * 2
+        return self.head(checkpoint(lambda t: self.block(t) * scale, x, use_reentrant=True))
+
+
+@pytest.mark.parametrize("trace", TRACES)
+def test_a_plain_reentrant_checkpoint_of_inputs_without_grad_still_gives_gradients(trace: str) -> None:
+    """Traced plainly, the call does not know its inputs need no gradient: the split gives the block the
     gradient it has without checkpointing, where eager PyTorch gives none (documented in
     :mod:`fxsplit.tracing.checkpoints`)."""
     torch.manual_seed(0)
-    model = First()
+    model = FirstScaled()
     plain = copy.deepcopy(model)
     x = torch.randn(8, 16)
-    with pytest.warns(FxsplitWarning, match="1 call: 'block'"):
-        gm = fxsplit.fxsplit(
-            model, _budgets(model), example_inputs=(x,), mode="training", pins={"head": "cpu:1"}, trace="fx"
-        )
+    with pytest.warns(FxsplitWarning, match="1 call: 'the model'"):
+        options = {"mode": "training", "pins": {"head": "cpu:1"}, "trace": trace}
+        gm = fxsplit.fxsplit(model, _budgets(model), example_inputs=(x,), **options)
     gm(x).sum().backward()
-    plain.head(plain.block(x)).sum().backward()
+    plain.head(plain.block(x) * 2).sum().backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=name: f"grad of {n}: {m}")
 

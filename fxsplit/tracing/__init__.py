@@ -5,10 +5,11 @@
 * :mod:`~fxsplit.tracing.example_inputs`: can the model run its example inputs?
 * :mod:`~fxsplit.tracing.dynamic`: which input sizes an export graph keeps variable.
 * :mod:`~fxsplit.tracing.gradmode`: ``torch.no_grad()`` regions kept in the graph.
-* :mod:`~fxsplit.tracing.checkpoints`: ``torch.utils.checkpoint`` calls kept whole under torch.export
-  (:mod:`~fxsplit.tracing.keptcheckpoint`: the split recomputes them), else traced as plain calls (gradients
-  kept); :mod:`~fxsplit.tracing.customgrad`, custom autograd Functions kept whole, one node per call (their
-  backward included; :mod:`~fxsplit.tracing.functionop`, the op that holds a kept call in a torch.export graph).
+* :mod:`~fxsplit.tracing.checkpoints`: ``torch.utils.checkpoint`` calls kept whole
+  (:mod:`~fxsplit.tracing.keptcheckpoint`: the split recomputes them; :mod:`~fxsplit.tracing.fxcheckpoint`, folded
+  under torch.fx), else traced as plain calls (gradients kept); :mod:`~fxsplit.tracing.customgrad`, custom
+  autograd Functions kept whole, one node per call (their backward included; :mod:`~fxsplit.tracing.functionop`,
+  the op that holds a kept call in a torch.export graph).
 * :mod:`~fxsplit.tracing.graphinfo`: facts about nodes that later stages share;
   :mod:`~fxsplit.tracing.viewops`, the ops whose result shares its input's storage;
   :mod:`~fxsplit.tracing.writers`, the ops of a graph that write an input in place.

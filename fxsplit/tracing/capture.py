@@ -38,6 +38,7 @@ from fxsplit.tracing.example_inputs import check_example_inputs, quiet_fake_tens
 from fxsplit.tracing.example_inputs import first_line as _first_line
 from fxsplit.tracing.example_inputs import user_frame as _user_frame
 from fxsplit.tracing.functionop import holding_call_sites
+from fxsplit.tracing.fxcheckpoint import fold_regions
 from fxsplit.tracing.fxshapes import propagate_shapes
 from fxsplit.tracing.gradmode import recording_grad_mode, refusing_inference_mode
 
@@ -288,6 +289,8 @@ def _symbolic(
             "(`self.steps.add_(1)`), or trace with torch.export (example_inputs=(...), trace='export'), which "
             "keeps such updates (the model is as it was)"
         )
+    folded, left = fold_regions(graph, met.regions, tracer.root, met.paths)
+    met.kept, met.plain = folded, [*met.plain, *left]
     graph_module = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     traced = Traced(graph_module, "fx", True, **_met(met, functions))
     if example_inputs is None and not example_kwargs:

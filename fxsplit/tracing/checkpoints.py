@@ -11,16 +11,15 @@ non-reentrant form (``use_reentrant=False``, Hugging Face's
 recomputation dropped without a word.
 
 While tracing, :func:`plain_checkpoints` handles every checkpoint call
-(``checkpoint``, ``checkpoint_sequential``, either form). Under torch.export
-(``keep="export"``) a call of the model's modules is kept whole and recomputed
-by the split (:mod:`fxsplit.tracing.keptcheckpoint`). Any other call (under
-torch.fx, which runs nothing while tracing and so cannot know what a kept call
-would return; a function closing over a tensor) runs its function as a plain
-call, with grad mode as it is around the call, and is recorded: the graph
-then computes what the unsplit model computes, values and gradients alike,
-and holds the activations a plain call holds; the memory model counts those.
-The caller says so (:func:`checkpointing_message`), in training, where the
-recomputation would have saved memory.
+(``checkpoint``, ``checkpoint_sequential``, either form). A call of the model's
+modules is kept whole and recomputed by the split
+(:mod:`fxsplit.tracing.keptcheckpoint`). A call whose function closes over a
+tensor of the forward (``checkpoint(lambda t: block(t) * h, x)``) cannot be: it
+runs its function as a plain call, with grad mode as it is around the call, and
+is recorded. The graph then computes what the unsplit model computes, values
+and gradients alike, and holds the activations a plain call holds; the memory
+model counts those. The caller says so (:func:`checkpointing_message`), in
+training, where the recomputation would have saved memory.
 
 Two things a plain call does differently from eager checkpointing. A reentrant
 checkpoint whose inputs do not require grad gives its parameters no gradient in
@@ -48,10 +47,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+import torch.fx
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_leaves
 
 from fxsplit.tracing.functionop import inside_kept_call
-from fxsplit.tracing.keptcheckpoint import CHECKPOINT_OPTIONS, kept_checkpoint
+from fxsplit.tracing.fxcheckpoint import Region
+from fxsplit.tracing.keptcheckpoint import CHECKPOINT_OPTIONS, CheckpointedCall, checkpointed_call, kept_checkpoint
 
 __all__ = ["Checkpointed", "checkpointing_message", "plain_checkpoints"]
 
@@ -67,20 +69,24 @@ class Checkpointed:
 
     plain: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
+    regions: list[Region] = field(default_factory=list)  # torch.fx: calls to fold (fold_regions) once traced
+    paths: dict[int, str] = field(default_factory=dict)  # the model's modules by id (walked at the first call)
 
 
 @contextmanager
 def plain_checkpoints(model: torch.nn.Module, keep: str = "") -> Iterator[Checkpointed]:
-    """Inside the block, ``torch.utils.checkpoint`` calls run their function plainly, or (``keep="export"``, a
-    torch.export trace) are kept whole where they can be (:func:`~fxsplit.tracing.keptcheckpoint.
-    kept_checkpoint`); yields what they checkpointed, filled as the block runs.
+    """Inside the block, ``torch.utils.checkpoint`` calls run their function plainly, or (``keep``: ``"export"``
+    or ``"fx"``, the tracer) are kept whole where they can be (:func:`~fxsplit.tracing.keptcheckpoint.
+    kept_checkpoint`; under fx, traced and then folded, :mod:`fxsplit.tracing.fxcheckpoint`); yields what they
+    checkpointed, filled as the block runs.
 
     The calls are caught where ``checkpoint`` itself (wrapped by ``torch._disable_dynamo``) looks up what to run,
     and a direct ``CheckpointFunction.apply`` on the class: nothing another module could import while the block
     runs is replaced (``torch.distributed``'s composable checkpoint imports torch's non-reentrant generator by
     name, lazily, and would have kept a stand-in for good)."""
     found = Checkpointed()
-    paths: dict[int, str] = {}
+    paths = found.paths
+    depth = [0]  # fx: how many kept calls are being traced (one inside another is part of it)
 
     def walked() -> dict[int, str]:
         if not paths:  # walked at the first checkpoint call only
@@ -88,7 +94,7 @@ def plain_checkpoints(model: torch.nn.Module, keep: str = "") -> Iterator[Checkp
         return paths
 
     def plain(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not inside_kept_call():  # (a kept call's own checkpoint, run on the tracer's values)
+        if not inside_kept_call() and not depth[0]:  # (a kept call's own checkpoint, run on the tracer's values)
             found.plain.append(_name_of(function, walked()))
         return function(*args, **kwargs)
 
@@ -108,7 +114,27 @@ def plain_checkpoints(model: torch.nn.Module, keep: str = "") -> Iterator[Checkp
             if kept is not None:
                 found.kept.append(kept[0])
                 return kept[1]
+        elif keep == "fx" and not depth[0]:
+            chosen = checkpointed_call(function, args, options, use_reentrant, walked(), torch.fx.Proxy)
+            if chosen is not None:
+                return traced_whole(chosen[0], chosen[1], function, args, kwargs)
         return plain(function, args, kwargs)
+
+    def traced_whole(
+        kept: CheckpointedCall, arguments: Any, function: Callable[..., Any], args: Any, kwargs: dict[str, Any]
+    ) -> Any:
+        """Trace the call plainly, noting the nodes it makes (a :class:`Region` to fold)."""
+        graph = next(a for a in tree_leaves(arguments) if isinstance(a, torch.fx.Proxy)).tracer.graph
+        before = next(reversed(graph.nodes), None)
+        depth[0] += 1
+        try:
+            result = function(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+        nodes = list(graph.nodes)
+        start = nodes.index(before) + 1 if before is not None else 0
+        found.regions.append(Region(kept, arguments, result, nodes[start:]))
+        return result
 
     def apply(function: Callable[..., Any], _preserve: bool, *args: Any) -> Any:
         return plain(function, args, {})
@@ -166,11 +192,11 @@ def checkpointing_message(met: Sequence[str]) -> str:
     shown = ", ".join(map(repr, unique[:4])) + (f" and {len(unique) - 4} more" if len(unique) > 4 else "")
     calls = f"{len(met)} call{'s' if len(met) != 1 else ''}"
     return (
-        f"the model checkpoints activations (torch.utils.checkpoint, {calls}: {shown}); the split runs these as "
-        "plain calls, so its gradients are the model's but it keeps their activations instead of recomputing "
-        "them, and the plan counts them kept. To recompute activations, trace with trace='export' (the default "
-        "with example inputs), which keeps each checkpoint call of a module whole (a function that closes over a "
-        "tensor it cannot keep), or pipeline the model with pipeline=PipelineConfig(checkpoint='always') (each "
-        "stage checkpointed per micro-batch); to silence this, turn the model's checkpointing off before "
-        "splitting (Hugging Face: model.gradient_checkpointing_disable())"
+        f"the model checkpoints activations (torch.utils.checkpoint, {calls}: {shown}) with functions that close "
+        "over a tensor of the forward, which fxsplit cannot keep as one call; the split runs these as plain calls, "
+        "so its gradients are the model's but it keeps their activations instead of recomputing them, and the "
+        "plan counts them kept. To recompute activations, pass such a tensor to checkpoint as an argument (each "
+        "call of the model's modules is then kept whole and recomputed), or pipeline the model with "
+        "pipeline=PipelineConfig(checkpoint='always') (each stage checkpointed per micro-batch); to silence this, "
+        "turn the model's checkpointing off before splitting (Hugging Face: model.gradient_checkpointing_disable())"
     )

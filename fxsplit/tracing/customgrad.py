@@ -218,7 +218,7 @@ def note_aliases(graph_module: torch.fx.GraphModule) -> list[str]:
         with mode, torch.no_grad():
             result = node.target(*args, **kwargs)
         storages = {_storage(fake): argument for argument, fake in fakes.items()}
-        if isinstance(node.target, torch._ops.OpOverload):  # a list of tensors, read by getitem nodes
+        if isinstance(node.target, torch._ops.OpOverload) or is_kept_checkpoint(node.target):  # read by getitem
             for user in node.users:
                 index = user.args[1] if user.target is operator.getitem else None
                 source = storages.get(_storage(result[index])) if isinstance(index, int) else None

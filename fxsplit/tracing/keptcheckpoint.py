@@ -1,24 +1,25 @@
 """Activation checkpointing kept: a ``torch.utils.checkpoint`` call becomes one node that checkpoints it again.
 
 Traced through, a checkpoint call leaves its function's ops in the graph and
-its recomputation out. While torch.export traces,
+its recomputation out. While a tracer runs,
 :func:`~fxsplit.tracing.checkpoints.plain_checkpoints` catches each call of
 ``torch.utils.checkpoint.checkpoint`` (``checkpoint_sequential`` and Hugging
 Face's ``gradient_checkpointing_enable`` call it too) and, where
-:func:`kept_checkpoint` can, records it whole: one node whose inputs are the call's tensors and the
-parameters and buffers of the modules it runs, and which calls
-``checkpoint`` when run, with the call's own options
+:func:`checkpointed_call` can, records it whole: one node whose inputs are the
+call's tensors and the parameters and buffers of the modules it runs, and which
+calls ``checkpoint`` when run, with the call's own options
 (:class:`CheckpointedCall`). The split then holds what eager checkpointing
 holds, the call's inputs, and recomputes the rest in backward, on the device
 that runs the node.
 
-The node is an op of :mod:`fxsplit.tracing.functionop`,
-``torch.ops.fxsplit_functions.checkpointed``. The weights are inputs so that
-the partitioner places them with the node, and the call runs its modules with
-them (``torch.func.functional_call``'s substitution), so it reads the weights
-where the split put them. This is torch.export's alone: the op's result is
-what the call returned on the tracer's values, a tensor or a tuple, which
-torch.fx, running no code while it traces, cannot know.
+Under torch.export the node is an op of :mod:`fxsplit.tracing.functionop`,
+``torch.ops.fxsplit_functions.checkpointed`` (:func:`kept_checkpoint`). torch.fx
+runs no code while it traces, so what a call returns is known only once it is
+traced: there the call is traced plainly and its nodes then folded into one
+(:mod:`fxsplit.tracing.fxcheckpoint`). The weights are inputs so that the
+partitioner places them with the node, and the call runs its modules with them
+(``torch.func.functional_call``'s substitution), so it reads the weights where
+the split put them.
 
 Each kept call is recomputed the non-reentrant way (``use_reentrant=False``,
 PyTorch's recommended form, whose memory fxsplit models exactly), whatever
@@ -55,6 +56,7 @@ __all__ = [
     "CheckpointedCall",
     "checkpoint_of",
     "is_kept_checkpoint",
+    "checkpointed_call",
     "kept_checkpoint",
     "label_kept_checkpoints",
 ]
@@ -120,13 +122,14 @@ def checkpoint_of(node: torch.fx.Node) -> CheckpointedCall | None:
     """The kept checkpoint call ``node`` runs, or None."""
     if node.op != "call_function" or not is_kept_checkpoint(node.target):
         return None
-    call = call_site(node.args[2]).run  # type: ignore[arg-type]
+    call = getattr(node.target, "fxsplit_checkpoint", None) or call_site(node.args[2]).run  # type: ignore[arg-type]
     return call if isinstance(call, CheckpointedCall) else None
 
 
 def is_kept_checkpoint(target: object) -> bool:
-    """Whether a node's target runs a kept checkpoint call."""
-    return _op is not None and target is _op
+    """Whether a node's target runs a kept checkpoint call (an op of torch.export's, a torch.fx call's function:
+    :mod:`fxsplit.tracing.fxcheckpoint`)."""
+    return (_op is not None and target is _op) or getattr(target, "fxsplit_checkpoint", None) is not None
 
 
 def kept_checkpoint(
@@ -139,11 +142,31 @@ def kept_checkpoint(
     """``checkpoint(function, *args, use_reentrant=..., **options)`` met by a torch.export trace, kept whole (see
     the module docstring): ``(its path, its result)``; None when it cannot be kept. ``paths``: the model's
     modules by id."""
+    found = checkpointed_call(function, args, options, use_reentrant, paths, torch.Tensor)
+    if found is None:
+        return None
+    call, arguments = found
+    weights = [_weight(call, at, name) for at, name in call.names]
+    return call.path, kept_op_call(
+        _checkpoint_op(), call, f"the checkpoint of {call.path!r}", (weights, *arguments), {}
+    )
+
+
+def checkpointed_call(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    options: dict[str, Any],
+    use_reentrant: bool | None,
+    paths: Mapping[int, str],
+    traced: type,
+) -> tuple[CheckpointedCall, tuple[Any, Any, Any]] | None:
+    """The call as a :class:`CheckpointedCall` and its ``(bound, args, kwargs)``, or None when it cannot be kept
+    (see the module docstring). ``traced``: the type of the tracer's values (a tensor, a torch.fx proxy)."""
     if not torch.is_grad_enabled() or inside_kept_call():
         return None
     call_kwargs = {k: v for k, v in options.items() if k not in CHECKPOINT_OPTIONS}
     bound, base = _bound_arguments(function)
-    if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves((bound, args, call_kwargs))):
+    if not any(isinstance(leaf, traced) for leaf in tree_leaves((bound, args, call_kwargs))):
         return None
     owners = _owners(base, bound[0][:1], paths)
     if owners is None:
@@ -157,10 +180,7 @@ def kept_checkpoint(
     path = ", ".join(paths[id(owner)] or "the model" for owner in owners) or getattr(base, "__qualname__", "call")
     chosen = {k: v for k, v in options.items() if k in CHECKPOINT_OPTIONS}
     reentrant = True if use_reentrant is None else use_reentrant  # torch's default
-    call = CheckpointedCall(base, tuple(owners), names, reentrant, chosen, path)
-    weights = [_weight(call, at, name) for at, name in names]
-    arguments = (weights, bound, args, call_kwargs)
-    return path, kept_op_call(_checkpoint_op(), call, f"the checkpoint of {path!r}", arguments, {})
+    return CheckpointedCall(base, tuple(owners), names, reentrant, chosen, path), (bound, args, call_kwargs)
 
 
 CHECKPOINT_OPTIONS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
