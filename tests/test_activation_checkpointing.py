@@ -431,3 +431,42 @@ def test_tracing_leaves_nothing_of_itself_in_torch() -> None:
     del model, gm
     gc.collect()
     assert gone() is None
+
+
+class Bound(nn.Module):
+    """Checkpoints a method of the model itself, which runs one block per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.blocks, self.head = nn.Linear(16, 16), nn.ModuleList(Block() for _ in range(4)), nn.Linear(16, 4)
+
+    def _run(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        return self.blocks[k](h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        for k in range(4):
+            h = h + checkpoint(self._run, k, h, use_reentrant=False)
+        return self.head(h)
+
+
+def test_under_fx_a_call_of_the_whole_model_is_kept_reading_only_the_weights_it_reads() -> None:
+    torch.manual_seed(0)
+    model = Bound()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FxsplitWarning)
+        gm = split_and_compare(model, _budgets(model), (torch.randn(8, 16),), trace="fx", mode="training", pins=PINS)
+    assert gm.code.count("fxsplit_checkpointed_the_model") == 4
+    placement = gm.meta["fxsplit_plan"].param_devices
+    assert placement["blocks.0.up.weight"] == "cpu:0" and placement["blocks.3.up.weight"] == "cpu:1"
+
+
+def test_under_export_a_call_of_the_whole_model_is_a_plain_call_with_a_warning() -> None:
+    """Its op would read every weight of the model (and pins of its blocks would name no op): not kept."""
+    torch.manual_seed(0)
+    model = Bound()
+    with pytest.warns(FxsplitWarning, match=r"4 calls: 'the model'.*run the whole model"):
+        gm = split_and_compare(
+            model, _budgets(model), (torch.randn(8, 16),), trace="export", mode="training", pins=PINS
+        )
+    assert "checkpointed" not in gm.code

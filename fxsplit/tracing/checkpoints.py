@@ -193,10 +193,12 @@ def checkpointing_message(met: Sequence[str]) -> str:
     calls = f"{len(met)} call{'s' if len(met) != 1 else ''}"
     return (
         f"the model checkpoints activations (torch.utils.checkpoint, {calls}: {shown}) with functions that close "
-        "over a tensor of the forward, which fxsplit cannot keep as one call; the split runs these as plain calls, "
+        "over a tensor of the forward, or (torch.export) that run the whole model, which fxsplit cannot keep as "
+        "one call; the split runs these as plain calls, "
         "so its gradients are the model's but it keeps their activations instead of recomputing them, and the "
-        "plan counts them kept. To recompute activations, pass such a tensor to checkpoint as an argument (each "
-        "call of the model's modules is then kept whole and recomputed), or pipeline the model with "
+        "plan counts them kept. To recompute activations, pass such a tensor to checkpoint as an argument, and "
+        "checkpoint a submodule (or trace with trace='fx'): each such call is kept whole and recomputed; or "
+        "pipeline the model with "
         "pipeline=PipelineConfig(checkpoint='always') (each stage checkpointed per micro-batch); to silence this, "
         "turn the model's checkpointing off before splitting (Hugging Face: model.gradient_checkpointing_disable())"
     )

@@ -15,6 +15,7 @@ value made outside it in place, is left as traced (a plain call).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -78,12 +79,14 @@ def _fold(
             return False  # writes a value made outside it
     if any(node in inside for node in inputs):
         return False
-    call = region.call
-    owners = [paths[id(owner)] for owner in call.owners]
+    owners = [paths[id(owner)] for owner in region.call.owners]
+    read = _weights_read(region.nodes, modules)  # only these: a function closing over the model runs a part of it
+    names = tuple((at, name) for at, name in region.call.names if _path(owners[at], name) in read)
+    call = dataclasses.replace(region.call, names=names)
     constants = [None if i in positions else leaf for i, leaf in enumerate(leaves)]
     first = region.nodes[0]
     with graph.inserting_before(first):
-        weights = [graph.get_attr(f"{owners[at]}.{name}" if owners[at] else name) for at, name in call.names]
+        weights = [graph.get_attr(_path(owners[at], name)) for at, name in call.names]
         node = graph.call_function(_runner(call, spec, constants, positions, outputs), (*weights, *inputs))
         node.meta["nn_module_stack"] = dict(first.meta.get("nn_module_stack") or {})
         items = [graph.call_function(operator.getitem, (node, k)) for k in range(len(outputs))]
@@ -92,6 +95,23 @@ def _fold(
     for old in reversed(region.nodes):
         graph.erase_node(old)
     return True
+
+
+def _path(owner: str, name: str) -> str:
+    return f"{owner}.{name}" if owner else name
+
+
+def _weights_read(nodes: Sequence[torch.fx.Node], modules: Mapping[str, torch.nn.Module]) -> set[str]:
+    """The qualified names of the parameters and buffers ``nodes`` read (``get_attr``, a ``call_module``'s own)."""
+    read = set()
+    for node in nodes:
+        if node.op == "get_attr":
+            read.add(str(node.target))
+        elif node.op == "call_module":
+            module = modules[str(node.target)]
+            read.update(_path(str(node.target), name) for name, _ in module.named_parameters(remove_duplicate=False))
+            read.update(_path(str(node.target), name) for name, _ in module.named_buffers(remove_duplicate=False))
+    return read
 
 
 def _runner(

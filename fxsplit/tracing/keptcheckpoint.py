@@ -32,7 +32,9 @@ function runs modules of the model (itself a module, a bound method of one, a
 ``functools.partial`` of either, or a function whose closure holds modules or
 a list of them, as ``checkpoint_sequential``'s segments do) and holds no
 tensor of its own in a closure (such a tensor would be a constant of the graph,
-not the value of this call). Any other call is traced as a plain call.
+not the value of this call); under torch.export, the modules it runs are not
+the whole model (its op would read every weight). Any other call is traced as
+a plain call.
 """
 
 from __future__ import annotations
@@ -161,7 +163,9 @@ def checkpointed_call(
     traced: type,
 ) -> tuple[CheckpointedCall, tuple[Any, Any, Any]] | None:
     """The call as a :class:`CheckpointedCall` and its ``(bound, args, kwargs)``, or None when it cannot be kept
-    (see the module docstring). ``traced``: the type of the tracer's values (a tensor, a torch.fx proxy)."""
+    (see the module docstring). ``traced``: the type of the tracer's values (a tensor, a torch.fx proxy). Under
+    torch.export a call that runs the model itself (a method of it, a function closing over it) is not kept: its
+    op would read every weight of the model (under fx the folded call reads what its nodes read)."""
     if not torch.is_grad_enabled() or inside_kept_call():
         return None
     call_kwargs = {k: v for k, v in options.items() if k not in CHECKPOINT_OPTIONS}
@@ -169,8 +173,8 @@ def checkpointed_call(
     if not any(isinstance(leaf, traced) for leaf in tree_leaves((bound, args, call_kwargs))):
         return None
     owners = _owners(base, bound[0][:1], paths)
-    if owners is None:
-        return None
+    if owners is None or (traced is torch.Tensor and any(not paths[id(owner)] for owner in owners)):
+        return None  # (torch.export: a call that runs the whole model would read every weight, and pins none)
     names = tuple(
         (at, name)
         for at, owner in enumerate(owners)
