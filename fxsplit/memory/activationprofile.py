@@ -72,9 +72,10 @@ class ActivationProfile:
         items: the ops that take an item out of a tuple or list they read (``getitem``): no backward of their
             own, and no gradient of their own to add; the tuple's op's backward takes every item's gradient at
             once (``split``'s concatenates them, ``unbind``'s stacks them).
-        renewed: ``(i, k)``: op ``i`` shares a storage with op ``k``'s result (it writes it in place) and its backward
-            returns a new tensor as the gradient of ``k``'s result. Where the gradient ``i`` received was also handed
-            to another value (``v.add_(h)`` hands it to ``h`` too), that one waits while the new one lives.
+        renewed: ``(i, k)``: op ``i`` shares a storage with op ``k``'s result (it writes it in place, or is a view of
+            it) and its backward returns a new tensor as the gradient of ``k``'s result. Where the gradient ``i``
+            received was also handed to another value (``v.add_(h)`` hands it to ``h`` too; ``cat([a, h[:, 3:]])``
+            hands parts of its own to ``a`` and the slice), that one waits while the new one lives.
         repeated_outputs: the outputs the graph returns more than once (``(y, y)``). Each return gets a gradient
             of its own from the loss; they are added, one by one, into the first as the backward starts.
     """

@@ -6,8 +6,9 @@
   the op that reads its result.
 * :func:`apart_receivers`: a gradient handed on as is to several values, summed with another gradient of one of
   them while another still holds it: the sum is a tensor apart.
-* :func:`renewed_apart`: below an in-place op whose backward makes a new gradient for the storage it wrote, that
-  gradient is a tensor apart from the one handed on to another value, which waits there still.
+* :func:`renewed_apart`: below an in-place op (or a slice) whose backward makes a new gradient for the storage it
+  wrote (or views), that gradient is a tensor apart from the one handed on to another value, which waits there
+  still.
 * :func:`foreign_sums`: a sum made out of place into the gradient of a value read on another device happens on
   the value's device, when the gradient of its copy arrives there.
 """
@@ -136,30 +137,35 @@ def handed_from(
 
 
 def renewed_apart(
-    renewals: list[tuple[int, int, int, int, int]], members: Mapping[int, list[tuple[int, int, int, int]]]
+    renewals: list[tuple[int, int, int, int, int, int]], members: Mapping[int, list[tuple[int, int, int, int]]]
 ) -> list[tuple[int, int, int, int]]:
-    """``(storage, first, last, nbytes)``: the gradients of written storages that are tensors apart from their
+    """``(storage, first, last, nbytes)``: the gradients of renewed storages that are tensors apart from their
     group's.
 
-    ``renewals``: ``(group, storage, op, alloc, nbytes)``: the backward of ``op`` (an in-place op) makes a new
-    gradient for ``storage`` (made at ``alloc``, of ``nbytes``), in the group of storages whose gradient is one
-    tensor handed on (``group``, :func:`one_tensor`). ``members``: each group's ``(storage, first, last, by)``: its
-    span, and the last op whose backward handed it its gradient (-1: none). Below ``op``, down to ``alloc``, the
-    new gradient lives beside the one ``op`` received wherever another member handed that one (by an op after
-    ``op``) still holds it; one handed on by an op before ``op`` is the new one (``y.add_(h); y.relu_()``).
+    ``renewals``: ``(group, storage, op, alloc, nbytes, sender)``: the backward of ``op`` (an in-place op, or a
+    view) makes a new gradient for ``storage`` (made at ``alloc``, of ``nbytes``), in the group of storages whose
+    gradient is one tensor handed on (``group``, :func:`one_tensor`). ``members``: each group's ``(storage, first,
+    last, by)``: its span, and the last op whose backward handed it its gradient (-1: none). Below ``op``, down to
+    ``alloc``, the new gradient lives beside the one ``op`` received wherever another member handed that one (by
+    an op after ``op``; for a view, ``sender``, the op that handed the view its gradient: the view's siblings) still
+    holds it; one handed on by an op before ``op`` is the new one (``y.add_(h); y.relu_()``).
     ``v = h * 1.5; v.mul_(0.5); v.add_(h)``: the add hands the loss's gradient to ``h``, where it waits for the
     multiply's, which the in-place multiply's new one gives it (0.82 of the allocator when counted as one tensor).
+    ``cat([a, h[..., 3:]])``: the slice's backward makes ``h``'s gradient, while ``a``'s part of the ``cat``'s
+    waits (0.93 when counted as one tensor).
 
-    >>> renewed_apart([(0, 1, 2, 1, 64)], {0: [(1, 0, 5, -1), (0, 0, 3, 3)]})
+    >>> renewed_apart([(0, 1, 2, 1, 64, -1)], {0: [(1, 0, 5, -1), (0, 0, 3, 3)]})
     [(1, 1, 1, 64)]
+    >>> renewed_apart([(0, 1, 2, 1, 64, 4)], {0: [(1, 0, 5, 4), (0, 0, 3, 3)]})  # a view: only its sender's others
+    []
     """
     found = []
-    for group, storage, op, alloc, nbytes in renewals:
+    for group, storage, op, alloc, nbytes, sender in renewals:
         low, high = alloc, op - 1
         overlaps = [
             (max(first, low), min(last, high))
             for index, first, last, by in members.get(group, ())
-            if index != storage and by > op and max(first, low) <= min(last, high)
+            if index != storage and by > op and (sender < 0 or by == sender) and max(first, low) <= min(last, high)
         ]
         if overlaps:
             found.append((storage, min(a for a, _ in overlaps), max(b for _, b in overlaps), nbytes))
