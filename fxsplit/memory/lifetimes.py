@@ -242,13 +242,13 @@ class _Walk:
             # an in-place op's new gradient waits beside what any later op handed its group; a view's, beside what
             # its sender (the op that handed the view its gradient) handed the view's siblings
             written = op in self.profile.in_place
-            for index in self.on.get((self.profile.op_names[other], self.device_of[other]), {}).values():
-                if index is None or len(members.get(find(index), ())) < 2:
+            for renewed in self.on.get((self.profile.op_names[other], self.device_of[other]), {}).values():
+                if renewed is None or len(members.get(find(renewed), ())) < 2:
                     continue
-                sender = -1 if written else handed_by.get(index, -1)
+                sender = -1 if written else handed_by.get(renewed, -1)
                 if written or sender >= 0:
-                    storage = self.storages[index]
-                    renewals.append((find(index), index, op, storage.alloc, storage.nbytes, sender))
+                    storage = self.storages[renewed]
+                    renewals.append((find(renewed), renewed, op, storage.alloc, storage.nbytes, sender))
         found += [(self.storages[i].device, a, b, n) for i, a, b, n in renewed_apart(renewals, members)]
         return found + seeds
 
