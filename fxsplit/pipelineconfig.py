@@ -30,7 +30,8 @@ class PipelineConfig:
             Saves activation memory, costs a second forward in backward.
         batch_stats: what to do when the model normalises with batch
             statistics (BatchNorm in training), which micro-batches change,
-            updates a parameter or buffer in place (once per micro-batch), or
+            updates a parameter or buffer in place (once per micro-batch),
+            draws random numbers (dropout in training: per micro-batch), or
             mixes the rows of the batch (a mean over it, a softmax along it:
             :mod:`fxsplit.pipeline.rowmixing`): ``"warn"``, ``"error"`` or
             ``"allow"``.

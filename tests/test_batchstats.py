@@ -1,4 +1,4 @@
-"""Ops whose result depends on the whole batch (fxsplit.pipeline.batchstats): batch norm in training."""
+"""Ops whose result depends on the whole batch (fxsplit.pipeline.batchstats): batch norm in training; random draws."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxsplit.pipeline.batchstats import batch_stat_ops
+from fxsplit.pipeline.batchstats import batch_stat_ops, random_ops
 from fxsplit.tracing.capture import trace
 
 
@@ -59,3 +59,57 @@ def test_a_model_without_batch_norm_has_none() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.GroupNorm(2, 4), nn.Dropout())
     assert batch_stat_ops(torch.fx.symbolic_trace(model)) == []
     assert batch_stat_ops(trace(model, example_inputs=(torch.randn(3, 4),), mode="export").graph_module) == []
+
+
+class Draws(nn.Module):
+    """Dropout as a module and as functions, with p = 0 and in eval; ``rand_like``; an RReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop, self.never, self.rrelu = nn.Dropout(0.1), nn.Dropout(0.0), nn.RReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = F.dropout(x, 0.2, self.training)
+        b = F.dropout(x, p=0.0, training=True)  # draws nothing
+        c = torch.dropout(x, 0.3, True)  # trained whatever the mode
+        return self.drop(a) + self.never(b) + c + torch.rand_like(x) + self.rrelu(x)
+
+
+def test_random_ops_in_training_and_in_eval() -> None:
+    model = Draws()
+    assert random_ops(torch.fx.symbolic_trace(model)) == ["dropout", "dropout_2", "drop", "rand_like", "rrelu"]
+    assert random_ops(torch.fx.symbolic_trace(model.eval())) == ["dropout_2", "rand_like"]
+
+
+def test_random_ops_of_export_graphs() -> None:
+    x = (torch.randn(3, 4),)
+    training = trace(Draws().train(), example_inputs=x, mode="export").graph_module
+    found = {str(node.target) for node in training.graph.nodes if node.name in random_ops(training)}
+    assert found == {"aten.dropout.default", "aten.rand_like.default", "aten.rrelu.default"}
+    assert len(random_ops(training)) == 5
+    evaluating = trace(Draws().eval(), example_inputs=x, mode="export").graph_module
+    assert len(random_ops(evaluating)) == 2  # torch.dropout(x, 0.3, True) and rand_like
+
+
+def test_a_model_without_random_ops_has_none() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0), nn.ReLU(), nn.LayerNorm(4))
+    assert random_ops(torch.fx.symbolic_trace(model)) == []
+    assert random_ops(trace(model, example_inputs=(torch.randn(3, 4),), mode="export").graph_module) == []
+
+
+class Attention(nn.Module):
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        plain = F.scaled_dot_product_attention(q, q, q)
+        dropped = F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+        by_position = F.scaled_dot_product_attention(q, q, q, None, 0.2)
+        return plain + dropped + by_position
+
+
+def test_attention_draws_only_with_a_dropout_probability() -> None:
+    """Attention is tagged as seeded whatever its ``dropout_p``: only a probability above 0 draws (GPT-2's attention
+    in eval, or with attention dropout 0, is no random op)."""
+    names = ["scaled_dot_product_attention_1", "scaled_dot_product_attention_2"]
+    assert random_ops(torch.fx.symbolic_trace(Attention())) == names
+    assert (
+        random_ops(trace(Attention(), example_inputs=(torch.randn(2, 2, 4, 8),), mode="export").graph_module) == names
+    )

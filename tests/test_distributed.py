@@ -384,3 +384,22 @@ def test_stages_are_planned_with_room_for_a_tied_weight_copy() -> None:
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
     return value if isinstance(value, tuple) else (value,)
+
+
+def test_stages_of_a_model_that_draws_random_numbers_say_so() -> None:
+    """Each rank runs its micro-batches one by one, so dropout draws per micro-batch, as in fxsplit's own pipeline."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 32), torch.nn.Dropout(0.1)
+    )
+    x = (torch.randn(4, 16),)
+    room = {"cpu:0": "1MiB", "cpu:1": "1MiB"}
+    pins = {"0": "cpu:0", "2": "cpu:1"}
+    with pytest.warns(
+        fxsplit.FxsplitWarning,
+        match=r"ops '_1' \(in '1'\), '_3' \(in '3'\) draw random numbers .*filter this FxsplitWarning",
+    ):
+        fxsplit.pipeline_stages(model, room, mode="training", example_inputs=x, chunks=2, pins=pins, trace="fx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fxsplit.pipeline_stages(model.eval(), room, mode="weights", example_inputs=x, chunks=2, pins=pins)
+        fxsplit.pipeline_stages(model.train(), room, mode="training", example_inputs=x, chunks=1, pins=pins)

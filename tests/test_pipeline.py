@@ -212,6 +212,56 @@ def test_state_updated_in_place_warns_errors_or_is_allowed(trace: str) -> None:
         pipe(chunks=1)(x)  # one micro-batch: the unsplit model's update
 
 
+class _Dropping(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.b = torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # two draws: each micro-batch draws both in turn
+        return self.b(
+            self.drop(torch.relu(self.a(x))) + torch.nn.functional.dropout(x.repeat(1, 2), 0.5, self.training)
+        )
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_dropout_in_training_warns_errors_or_is_allowed(trace: str) -> None:
+    """Found by a fuzz of random programs: dropout drew its masks per micro-batch, in the schedule's order, so a
+    pipelined training step differed from the unsplit model's with the same seed, and nothing said so."""
+    x = torch.randn(8, 8)
+    torch.manual_seed(0)
+    model = _Dropping()
+    reference = copy.deepcopy(model)
+
+    def pipe(**config: Any) -> Any:
+        return fxsplit.fxsplit(
+            copy.deepcopy(model),
+            {"cpu:0": "1MiB", "cpu:1": "1MiB"},
+            example_inputs=(x,),
+            trace=trace,
+            mode="training",
+            pins={"a": "cpu:0", "b": "cpu:1"},
+            pipeline=config,
+        )
+
+    warned = pipe(chunks=2)
+    torch.manual_seed(1)
+    with pytest.warns(
+        fxsplit.FxsplitWarning, match=r"ops '\w+'( \(in 'drop'\))?, '\w+' draw random numbers .*with 2 micro-batches"
+    ):
+        out = warned(x)
+    torch.manual_seed(1)
+    assert not torch.allclose(out, reference(x))  # what the warning says: other masks
+    with pytest.raises(fxsplit.FxsplitError, match=r"draw random numbers.*batch_stats='allow'"):
+        pipe(chunks=2, batch_stats="error")(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(chunks=2, batch_stats="allow")(x)
+        torch.manual_seed(1)
+        single = pipe(chunks=1)(x)  # one micro-batch: the unsplit model's draws
+        torch.manual_seed(1)
+        torch.testing.assert_close(single, reference(x))
+
+
 def test_plan_that_sends_a_value_back_cannot_be_staged() -> None:
     model = MLP()
     x = _inputs("MLP")

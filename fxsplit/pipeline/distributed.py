@@ -47,7 +47,8 @@ from fxsplit.callsite import user_stacklevel
 from fxsplit.codegen.emitter import emit
 from fxsplit.errors import BudgetError, FxsplitError, FxsplitWarning, SpecError
 from fxsplit.options import PipelineConfig
-from fxsplit.pipeline.gpipe import mixing_message
+from fxsplit.pipeline.batchstats import labelled, random_ops
+from fxsplit.pipeline.gpipe import mixing_message, random_message
 from fxsplit.pipeline.microbatch import argument_names, first_microbatch
 from fxsplit.pipeline.replicabudget import replica_overruns, room_to_hold_back
 from fxsplit.pipeline.stages import StageSpec, split_stages
@@ -283,6 +284,12 @@ def pipeline_stages(
     mixing = mixing_message(graph_module, chunks, allow="filter this FxsplitWarning")
     if mixing:  # torch.distributed.pipelining runs each micro-batch on its own too, and joins outputs along dim 0
         warnings.warn(FxsplitWarning(mixing), stacklevel=user_stacklevel())
+    drawn = [label for module in stages.modules for label in labelled(module, random_ops(module))]
+    if drawn and chunks > 1:  # each rank draws per micro-batch, as fxsplit's own pipeline does
+        warnings.warn(
+            FxsplitWarning(random_message(drawn, chunks, allow="filter this FxsplitWarning")),
+            stacklevel=user_stacklevel(),
+        )
     unalias_rows(stages.modules, graph_module)
     holding = held_weights(model, stages.modules, graph_module)
     return PipelineStages(plan, stages.specs, stages.modules, holding.tied, chunks, holding.paths, _rows=holding.rows)

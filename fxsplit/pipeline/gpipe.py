@@ -20,7 +20,8 @@ batch statistics (BatchNorm in training: each micro-batch is normalised with
 its own statistics, and running statistics are updated once per
 micro-batch; ``PipelineConfig.batch_stats`` says whether that warns or
 raises, as it does for any other parameter or buffer the forward updates in
-place), for random ops (dropout draws in a different order), and for ops that
+place), for random ops (dropout draws per micro-batch, in another order: also said, or refused, as
+``batch_stats`` says), and for ops that
 mix the rows of a batch (a mean over the batch dimension sees one
 micro-batch's rows): :mod:`fxsplit.pipeline.rowmixing` finds those from the
 graph's shapes, and ``batch_stats`` governs them too.
@@ -38,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitError, FxsplitWarning
 from fxsplit.options import PipelineConfig
-from fxsplit.pipeline.batchstats import batch_stat_ops, state_written
+from fxsplit.pipeline.batchstats import batch_stat_ops, labelled, random_ops, state_written
 from fxsplit.pipeline.microbatch import gather, scatter
 from fxsplit.pipeline.rowmixing import row_mixing
 from fxsplit.pipeline.stages import StageSplit, split_stages
@@ -163,6 +164,9 @@ class Pipeline(torch.nn.Module):
             )
         if self._row_mixing:
             messages.append(self._row_mixing)
+        drawn = [label for module in self._layout.modules for label in labelled(module, random_ops(module))]
+        if drawn:
+            messages.append(random_message(drawn, self.config.chunks))
         for message in messages:
             if self.config.batch_stats == "error":
                 raise FxsplitError(message)
@@ -198,6 +202,19 @@ def mixing_message(
         f"ops that mix the rows of the batch: {listed}; with {chunks} micro-batches each sees its own rows only, "
         "so results differ from the unsplit model; compute them outside the model (on the joined outputs), use "
         f"chunks=1, or {allow} where that is what you want"
+    )
+
+
+def random_message(drawn: Sequence[str], chunks: int, allow: str = "pass PipelineConfig(batch_stats='allow')") -> str:
+    """What to say of ops that draw random numbers (:func:`~fxsplit.pipeline.batchstats.random_ops`, each
+    :func:`~fxsplit.pipeline.batchstats.labelled`) in a pipeline of ``chunks`` micro-batches; ``allow``: how to
+    accept it."""
+    named = ", ".join(drawn[:3]) + (f" and {len(drawn) - 3} more" if len(drawn) > 3 else "")
+    return (
+        f"ops {named} draw random numbers (dropout in training); with {chunks} micro-batches they draw them per "
+        "micro-batch, in the pipeline's order, so the numbers (and the outputs and gradients) can differ from the "
+        "unsplit model's with the same seed (two such ops, or one on a GPU), though drawn from the same "
+        f"distribution; call .eval() to compare, use chunks=1, or {allow} where that is what you want"
     )
 
 
