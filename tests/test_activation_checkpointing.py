@@ -100,6 +100,58 @@ def test_checkpointed_blocks_are_kept_whole_with_the_models_gradients(trace: str
     assert issubclass(torch_checkpoint.CheckpointFunction, torch.autograd.Function)  # put back
 
 
+class ReturnsNone(nn.Module):
+    """Each checkpointed block returns ``(h, None)``, as Hugging Face layers return an unused attention map: the
+    ``None`` is a leaf of the result beside the tensor (under export, stop 39's code took it for a tensor's place and
+    failed with an empty ``StopIteration``: Falcon, T5, DeBERTa-v2 and Swin with gradient checkpointing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(_Pair() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        for block in self.blocks:
+            h, nothing = checkpoint(block, h, use_reentrant=False)
+            assert nothing is None
+        return h
+
+
+class _Pair(Block):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return x + super().forward(x), None
+
+
+class Chained(nn.Module):
+    """``h = checkpoint(block, h)``, call after call: each call reads what the one before returned (under torch.fx,
+    stop 39's code folded the first call, then gave the second its erased result node: a KeyError from deep in
+    planning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return h
+
+
+@pytest.mark.parametrize("trace", TRACES)
+@pytest.mark.parametrize("make", [ReturnsNone, Chained], ids=["returns-none", "chained"])
+def test_checkpointed_blocks_chained_or_returning_none_beside_their_tensor(make: type, trace: str) -> None:
+    torch.manual_seed(0)
+    model = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FxsplitWarning)
+        gm = split_and_compare(model, _budgets(model), (torch.randn(8, 16),), mode="training", pins=PINS, trace=trace)
+    kept = "torch.ops.fxsplit_functions.checkpointed.default(" if trace == "export" else "fxsplit_checkpointed_blocks_"
+    assert gm.code.count(kept) == 4
+
+
 class Wide(nn.Module):
     """Six blocks of 64 -> 256 -> 64 on a batch of 32, each checkpointed (or not), with a residual."""
 

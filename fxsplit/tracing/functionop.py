@@ -66,7 +66,8 @@ class CallSite:
         leaves: its leaves, None where a tensor or a size goes (they come with each run, in order).
         tensor_positions: where the tensors go among ``leaves``.
         size_positions: where the sizes (``torch.SymInt``, under dynamic shapes) go among ``leaves``.
-        result: the structure of the result and its non-tensor leaves (None where a tensor goes), once run.
+        result: the structure of the result, its leaves (None where a tensor goes) and where its tensors go among
+            them (a leaf may be None itself: a layer returning ``(hidden, None)``), once run.
     """
 
     run: Callable[..., Any]
@@ -75,7 +76,7 @@ class CallSite:
     leaves: list[Any]
     tensor_positions: list[int]
     size_positions: list[int]
-    result: tuple[TreeSpec, list[Any]] | None = None
+    result: tuple[TreeSpec, list[Any], tuple[int, ...]] | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CallSite:
         return self  # one site, however many copies of the graph call it (a deep copy would copy the model)
@@ -125,9 +126,11 @@ def kept_op_call(
     getattr(_made, "sites", []).append(site)
     outputs = op([leaves[i] for i in positions], [leaves[i] for i in sizes], number)
     assert site.result is not None  # the kernel ran on the tracer's fake tensors, which recorded it
-    shape, results = site.result
-    produced = iter(outputs)
-    return tree_unflatten([next(produced) if leaf is None else leaf for leaf in results], shape)
+    shape, results, places = site.result
+    leaves = list(results)
+    for place, output in zip(places, outputs, strict=True):
+        leaves[place] = output
+    return tree_unflatten(leaves, shape)
 
 
 def _forget(number: int, _: object) -> None:
@@ -187,7 +190,8 @@ def _run(tensors: list[torch.Tensor], sizes: list[int], number: int) -> list[tor
     if any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in flat):
         raise TraceError(_symbolic_message(site.name, "returns"))
     if site.result is None:
-        site.result = (shape, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in flat])
+        places = tuple(i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor))
+        site.result = (shape, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in flat], places)
     return [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
 
 

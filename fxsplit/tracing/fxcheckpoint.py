@@ -55,20 +55,26 @@ def fold_regions(
     modules = dict(root.named_modules())
     folded: list[str] = []
     left: list[str] = []
+    renamed: dict[torch.fx.Node, torch.fx.Node] = {}  # a folded call's result -> the item of its node that holds it
     for region in regions:
-        (folded if _fold(graph, region, modules, paths) else left).append(region.call.path)
+        (folded if _fold(graph, region, modules, paths, renamed) else left).append(region.call.path)
     return folded, left
 
 
 def _fold(
-    graph: torch.fx.Graph, region: Region, modules: Mapping[str, torch.nn.Module], paths: Mapping[int, str]
+    graph: torch.fx.Graph,
+    region: Region,
+    modules: Mapping[str, torch.nn.Module],
+    paths: Mapping[int, str],
+    renamed: dict[torch.fx.Node, torch.fx.Node],
 ) -> bool:
     inside = set(region.nodes)
     if not inside:
         return False
     leaves, spec = tree_flatten(region.arguments)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.fx.Proxy)]
-    inputs = [leaves[i].node for i in positions]
+    # an argument that an earlier folded call returned (blocks chained call to call) is now that call's item
+    inputs = [renamed.get(leaves[i].node, leaves[i].node) for i in positions]
     results, _ = tree_flatten(region.result)
     outputs = [i for i, leaf in enumerate(results) if isinstance(leaf, torch.fx.Proxy) and leaf.node in inside]
     made = {results[i].node for i in outputs}
@@ -92,6 +98,7 @@ def _fold(
         items = [graph.call_function(operator.getitem, (node, k)) for k in range(len(outputs))]
     for item, i in zip(items, outputs, strict=True):
         results[i].node.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)
+        renamed[results[i].node] = item
     for old in reversed(region.nodes):
         graph.erase_node(old)
     return True
