@@ -343,6 +343,54 @@ def test_hugging_face_gradient_checkpointing(reentrant: bool) -> None:
     assert {plan.param_devices[f"transformer.h.{k}.mlp.c_fc.weight"] for k in (0, 1)} == {"cpu:0", "cpu:1"}
 
 
+def test_hugging_face_mixture_of_experts_with_gradient_checkpointing() -> None:
+    """Found by a sweep of Hugging Face families: Mixtral's experts choose ``grouped_mm`` unless compiling, and that
+    op's fake kernel takes only bfloat16 on the CPU; export traced the fallback, but fxsplit's own runs of the kept
+    calls on fake tensors (after the trace, and the recomputation) took ``grouped_mm`` and failed, blamed on the
+    example inputs. Kept calls run on fakes as export traced them."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attention_dropout=0.0,
+    )
+    model = transformers.MixtralForCausalLM(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 128, (2, 12))
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FxsplitWarning)  # activations counted too
+        gm = fxsplit.fxsplit(
+            model,
+            {"cpu:0": "4MiB", "cpu:1": "4MiB"},
+            example_inputs=(ids,),
+            example_kwargs={"use_cache": False},
+            trace="export",
+            mode="training",
+            pins={"model.layers.0": "cpu:0", "model.layers.1": "cpu:1"},
+        )
+    assert gm.code.count("torch.ops.fxsplit_functions.checkpointed.default(") == 2
+    assert not torch.compiler.is_compiling()  # the flags are put back
+    # compared without the DeviceChecker: the experts make their sums with device=hidden.device, which is "cpu" for a
+    # tensor on logical cpu:0, so the checker takes them for host tensors (on GPUs it is the layer's own device)
+    out, expected = gm(ids, use_cache=False), reference(ids, use_cache=False)
+    torch.testing.assert_close(out.logits, expected.logits)
+    out.logits.square().mean().backward()
+    expected.logits.square().mean().backward()
+    grads = dict(reference.named_parameters())
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, grads[name].grad, msg=name)
+
+
 class First(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -30,7 +30,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -43,6 +43,7 @@ __all__ = [
     "holding_call_sites",
     "NAMESPACE",
     "CallSite",
+    "as_traced",
     "call_site",
     "define_op",
     "exported_call",
@@ -183,7 +184,8 @@ def _run(tensors: list[torch.Tensor], sizes: list[int], number: int) -> list[tor
     args, kwargs = tree_unflatten(leaves, site.spec)
     _inside.depth = _depth() + 1
     try:
-        result = site.run(*args, **kwargs)
+        with as_traced(tensors):
+            result = site.run(*args, **kwargs)
     finally:
         _inside.depth -= 1
     flat, shape = tree_flatten(result)
@@ -193,6 +195,26 @@ def _run(tensors: list[torch.Tensor], sizes: list[int], number: int) -> list[tor
         places = tuple(i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor))
         site.result = (shape, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in flat], places)
     return [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
+
+
+@contextmanager
+def as_traced(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Around a kept call run on fake tensors (planning's runs of the graph, after the trace): torch's compiling and
+    exporting flags set, as torch.export set them when it traced the call, so that code choosing its path by them
+    takes the path the trace took (Hugging Face's mixture of experts: its fallback, not ``grouped_mm``, whose fake
+    kernel takes only bfloat16 on the CPU, though its real one runs float32)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    compiler = torch.compiler
+    if not any(isinstance(t, FakeTensor) for t in tensors) or compiler.is_compiling():
+        yield
+        return
+    flags = compiler._is_compiling_flag, compiler._is_exporting_flag
+    compiler._is_compiling_flag = compiler._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag, compiler._is_exporting_flag = flags
 
 
 def _symbolic_message(name: str, does: str) -> str:

@@ -51,7 +51,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from fxsplit.tracing.functionop import call_site, define_op, inside_kept_call, kept_op_call
+from fxsplit.tracing.functionop import as_traced, call_site, define_op, inside_kept_call, kept_op_call
 
 __all__ = [
     "CHECKPOINT_OPTIONS",
@@ -96,7 +96,7 @@ class CheckpointedCall:
             for position, tensor in zip(positions, tensors, strict=True):
                 given[position] = tensor
             (bound_args, bound_kwargs), call_args, call_kwargs = tree_unflatten(given, spec)
-            with self._weights(weights):
+            with self._weights(weights), as_traced(tensors):  # on fakes, its recomputation too takes the traced path
                 return self.function(*bound_args, *call_args, **{**bound_kwargs, **call_kwargs})
 
         inputs = [leaves[i] for i in positions]
