@@ -43,12 +43,14 @@ def memory_model(
         if profile is None and uncounted is None:
             uncounted = _inputs_without_values(traced.graph_module)
     if uncounted is not None:
+        data = "depends on the values of the data" in uncounted  # no other example inputs would size it
+        fix = "" if data else " or pass example_inputs the model runs on"
         warnings.warn(
             FxsplitWarning(
                 f"activations not counted: {uncounted}; this plan charges parameters and buffers{_also(spec)} but no "
                 f"activations (nor cut sizes, where the graph has no sizes), although mode={spec.mode!r} counts them: "
-                "leave room for them in the budgets or pass example_inputs the model runs on (mode='weights' plans "
-                "without activations and without this warning)"
+                f"leave room for them in the budgets{fix} (mode='weights' plans without activations and without this "
+                "warning)"
             ),
             stacklevel=user_stacklevel(),
         )

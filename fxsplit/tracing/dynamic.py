@@ -122,7 +122,10 @@ def traced_size(size: Any) -> int:
     if isinstance(size, torch.SymInt):
         hint = size.node.hint
         if hint is None:
-            raise ValueError(f"the size {size} has no value at the example inputs")
+            raise ValueError(
+                f"the size {size} depends on the values of the data (as the tokens a router sends to each expert), "
+                "so the example inputs give it no value"
+            )
         return int(hint)
     return int(size)
 
