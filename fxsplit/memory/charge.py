@@ -17,6 +17,7 @@ from fxsplit.gcpause import gc_paused
 from fxsplit.memory.activations import profile_activations
 from fxsplit.memory.model import MemoryModel, MemorySpec
 from fxsplit.tracing.capture import Traced
+from fxsplit.tracing.dynamic import DataDependentSize
 from fxsplit.tracing.rowsplit import row_shards
 
 __all__ = ["memory_model"]
@@ -31,7 +32,7 @@ def memory_model(
     Also why the activations are not counted where ``spec`` counts them (warned), else None.
     """
     trainable = _trainable(costs, model, traced.graph_module) if spec.training else {}  # only training charges them
-    profile, uncounted = None, None
+    profile, uncounted, data_sized = None, None, False
     if spec.counts_activations and not traced.has_shapes:
         uncounted = traced.shapes_missing or "the traced graph has no sizes"
     elif spec.counts_activations:
@@ -40,11 +41,11 @@ def memory_model(
         except Exception as error:  # noqa: BLE001 - fake execution of any graph can raise anything
             first = (str(error).strip().splitlines() or [""])[0]
             uncounted = f"profiling them on fake tensors failed ({type(error).__name__}: {first})"
+            data_sized = isinstance(error, DataDependentSize)  # no other example inputs would size it
         if profile is None and uncounted is None:
             uncounted = _inputs_without_values(traced.graph_module)
     if uncounted is not None:
-        data = "depends on the values of the data" in uncounted  # no other example inputs would size it
-        fix = "" if data else " or pass example_inputs the model runs on"
+        fix = "" if data_sized else " or pass example_inputs the model runs on"
         warnings.warn(
             FxsplitWarning(
                 f"activations not counted: {uncounted}; this plan charges parameters and buffers{_also(spec)} but no "

@@ -18,7 +18,7 @@ import torch.fx
 from fxsplit.planning.plan import Plan
 from fxsplit.tracing.graphinfo import module_path
 
-__all__ = ["batch_stat_ops", "labelled", "random_ops", "state_written"]
+__all__ = ["batch_stat_ops", "drawing", "labelled", "random_candidates", "random_ops", "state_written"]
 
 
 def batch_stat_ops(graph_module: torch.fx.GraphModule) -> list[str]:
@@ -84,20 +84,31 @@ def random_ops(graph_module: torch.fx.GraphModule) -> list[str]:
         >>> random_ops(gm), random_ops(gm.eval())
         (['_1'], [])
     """
+    return drawing(random_candidates(graph_module))
+
+
+def random_candidates(graph_module: torch.fx.GraphModule) -> list[tuple[str, torch.nn.Module | None]]:
+    """The nodes of ``graph_module`` that may draw random numbers, found once: ``(name, module)`` for a module that
+    draws in training (dropout, RReLU), ``(name, None)`` for a call that draws as it was traced (its arguments are
+    fixed). :func:`drawing` says which draw in the modules' current mode, without walking the graph again."""
     modules = dict(graph_module.named_modules())
-    found = []
+    found: list[tuple[str, torch.nn.Module | None]] = []
     for node in graph_module.graph.nodes:
         if node.op == "call_module":
             module = modules.get(str(node.target))
-            drawn = module is not None and module.training and _random_module(module)
+            if isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU)):
+                found.append((node.name, module))
         elif node.op in ("call_function", "call_method"):
             op = _seeded(node.target)
-            drawn = op is not None and _draws(node, op)
-        else:
-            drawn = False
-        if drawn:
-            found.append(node.name)
+            if op is not None and _draws(node, op):
+                found.append((node.name, None))
     return found
+
+
+def drawing(candidates: list[tuple[str, torch.nn.Module | None]]) -> list[str]:
+    """The names of :func:`random_candidates` that draw now: calls always, modules in training (dropout with
+    ``p > 0``)."""
+    return [name for name, module in candidates if module is None or (module.training and _random_module(module))]
 
 
 def _random_module(module: torch.nn.Module) -> bool:
@@ -150,6 +161,8 @@ def _draws(node: torch.fx.Node, op: torch._ops.OpOverload) -> bool:
 def labelled(graph_module: torch.fx.GraphModule, names: list[str]) -> list[str]:
     """``'node' (in 'module.path')`` for each named node of ``graph_module`` (the path left out where it is the
     node's own name or the root)."""
+    if not names:
+        return []
     nodes = {node.name: node for node in graph_module.graph.nodes}
     found = []
     for name in names:

@@ -20,11 +20,11 @@ batch statistics (BatchNorm in training: each micro-batch is normalised with
 its own statistics, and running statistics are updated once per
 micro-batch; ``PipelineConfig.batch_stats`` says whether that warns or
 raises, as it does for any other parameter or buffer the forward updates in
-place), for random ops (dropout draws per micro-batch, in another order: also said, or refused, as
-``batch_stats`` says), and for ops that
-mix the rows of a batch (a mean over the batch dimension sees one
-micro-batch's rows): :mod:`fxsplit.pipeline.rowmixing` finds those from the
-graph's shapes, and ``batch_stats`` governs them too.
+place), for random ops (dropout draws per micro-batch, in another order;
+said or refused as ``batch_stats`` says), and for ops that mix the rows of a
+batch (a mean over the batch dimension sees one micro-batch's rows):
+:mod:`fxsplit.pipeline.rowmixing` finds those from the graph's shapes, and
+``batch_stats`` governs them too.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitError, FxsplitWarning
 from fxsplit.options import PipelineConfig
-from fxsplit.pipeline.batchstats import batch_stat_ops, labelled, random_ops, state_written
+from fxsplit.pipeline.batchstats import batch_stat_ops, drawing, labelled, random_candidates, state_written
 from fxsplit.pipeline.microbatch import gather, scatter
 from fxsplit.pipeline.rowmixing import row_mixing
 from fxsplit.pipeline.stages import StageSplit, split_stages
@@ -86,6 +86,9 @@ class Pipeline(torch.nn.Module):
         self._traced_rows = _traced_rows(split, stages, config)
         allowed = config.batch_stats == "allow"
         self._row_mixing = "" if allowed else mixing_message(split, config.chunks, config.broadcast)
+        self._random = [  # found once; which draw depends on the modules' mode at each call
+            (module, random_candidates(module)) for module in stages.modules
+        ]
 
     @property
     def split(self) -> torch.fx.GraphModule:
@@ -164,7 +167,7 @@ class Pipeline(torch.nn.Module):
             )
         if self._row_mixing:
             messages.append(self._row_mixing)
-        drawn = [label for module in self._layout.modules for label in labelled(module, random_ops(module))]
+        drawn = [label for module, found in self._random for label in labelled(module, drawing(found))]
         if drawn:
             messages.append(random_message(drawn, self.config.chunks))
         for message in messages:

@@ -29,6 +29,7 @@ from fxsplit.options import DYNAMIC_SHAPES
 
 __all__ = [
     "TRACED_INPUTS",
+    "DataDependentSize",
     "check_kept_dynamic",
     "describe",
     "describe_inputs",
@@ -113,6 +114,11 @@ def is_symbolic(size: Any) -> bool:
     return isinstance(size, torch.SymInt) and not is_concrete_int(size)
 
 
+class DataDependentSize(ValueError):
+    """A size that depends on the values of the data (torch.export's unbacked size): no example inputs give it a
+    value."""
+
+
 def traced_size(size: Any) -> int:
     """A size (or byte count) as a plain int: a symbolic one (a dynamic batch) at the example inputs' value.
 
@@ -122,7 +128,7 @@ def traced_size(size: Any) -> int:
     if isinstance(size, torch.SymInt):
         hint = size.node.hint
         if hint is None:
-            raise ValueError(
+            raise DataDependentSize(
                 f"the size {size} depends on the values of the data (as the tokens a router sends to each expert), "
                 "so the example inputs give it no value"
             )
