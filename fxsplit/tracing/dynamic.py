@@ -114,9 +114,9 @@ def is_symbolic(size: Any) -> bool:
     return isinstance(size, torch.SymInt) and not is_concrete_int(size)
 
 
-class DataDependentSize(ValueError):
+class DataDependentSize(FxsplitError, ValueError):
     """A size that depends on the values of the data (torch.export's unbacked size): no example inputs give it a
-    value."""
+    value. Raised where a size is read as a number; planning catches it and plans without activations (warned)."""
 
 
 def traced_size(size: Any) -> int:
