@@ -337,12 +337,16 @@ class DeviceChecker(TorchDispatchMode):
         plan: whose ``param_devices`` say where weights live.
         *modules: modules whose tensors, looked up by those names, get tagged
             (the split module; the original model too, if it is used).
+        host_anywhere: a tensor made on the plain ``"cpu"`` may go anywhere, unless the plan places something
+            there. For models that make tensors with ``device=x.device`` (Mixtral's experts) and ops whose torch
+            implementation does (attention's causal mask): on logical devices that is the host, on GPUs
+            ``x``'s device. A copy fxsplit makes always goes to one of the plan's devices, so this misses none.
 
     Raises:
         InvariantError: from the op that mixes devices, naming them.
     """
 
-    def __init__(self, plan: Plan | None = None, *modules: torch.nn.Module) -> None:
+    def __init__(self, plan: Plan | None = None, *modules: torch.nn.Module, host_anywhere: bool = False) -> None:
         super().__init__()
         self._tags: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         for module in modules:
@@ -356,6 +360,7 @@ class DeviceChecker(TorchDispatchMode):
                         self._tags[copy] = _logical(held_on)
         self.ops_checked = 0
         self._host_placed = plan is not None and any(_logical(d) == "cpu" for d in plan.devices)
+        self._host_anywhere = host_anywhere and not self._host_placed
 
     def tag(self, tensor: torch.Tensor, device: str) -> None:
         """Say that ``tensor`` lives on ``device``."""
@@ -382,11 +387,16 @@ class DeviceChecker(TorchDispatchMode):
             )
         self.ops_checked += 1
         out = func(*args, **kwargs)
-        device = kwargs.get("device")
-        if name == "_to_copy" and device is not None and not self._host_placed and _logical(device) == "cpu":
-            device = None  # to another tensor's device, read as the plain "cpu" (see the class docstring)
-        if device is not None:
-            result: str | None = _logical(device)
+        device, anywhere = kwargs.get("device"), False
+        if device is not None and not self._host_placed and _logical(device) == "cpu":
+            if name == "_to_copy":
+                device = None  # to another tensor's device, read as the plain "cpu" (see the class docstring)
+            else:
+                anywhere = self._host_anywhere  # made on the host: anywhere (``host_anywhere``), else on the host
+        if anywhere:
+            result: str | None = None
+        elif device is not None:
+            result = _logical(device)
         elif name in _WRITES_ACROSS:
             result = self._tags.get(tensors[0]) if tensors else None
         else:

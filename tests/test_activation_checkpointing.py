@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import fxsplit
 from fxsplit import FxsplitWarning, PipelineConfig
+from fxsplit.check import DeviceChecker
 from fxsplit.tracing import trace as fxsplit_trace
 from fxsplit.tracing.checkpoints import checkpointing_message, plain_checkpoints
 from tests.helpers import split_and_compare
@@ -380,9 +381,11 @@ def test_hugging_face_mixture_of_experts_with_gradient_checkpointing() -> None:
         )
     assert gm.code.count("torch.ops.fxsplit_functions.checkpointed.default(") == 2
     assert not torch.compiler.is_compiling()  # the flags are put back
-    # compared without the DeviceChecker: the experts make their sums with device=hidden.device, which is "cpu" for a
-    # tensor on logical cpu:0, so the checker takes them for host tensors (on GPUs it is the layer's own device)
-    out, expected = gm(ids, use_cache=False), reference(ids, use_cache=False)
+    # the experts make their sums with device=hidden.device: "cpu" for a tensor on logical cpu:0 (on GPUs, its device)
+    with DeviceChecker(gm.meta["fxsplit_plan"], gm, model, host_anywhere=True) as checker:
+        out = gm(ids, use_cache=False)
+    assert checker.ops_checked > 0
+    expected = reference(ids, use_cache=False)
     torch.testing.assert_close(out.logits, expected.logits)
     out.logits.square().mean().backward()
     expected.logits.square().mean().backward()

@@ -307,3 +307,23 @@ def test_check_option_runs_the_checkers(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(fxsplit.plangraph, "make_plan", over_budget)
     with pytest.raises(InvariantError, match="but may hold 300 B: over by"):
         fxsplit.plan(model(), BUDGETS, mode="weights", example_inputs=(x,), check=True)
+
+
+def test_device_checker_can_take_tensors_made_on_the_host_for_anywhere() -> None:
+    """``device=x.device`` of a tensor on a logical device is the host; so is attention's own causal mask."""
+    plan = split()[1].meta["fxsplit_plan"]
+    q = torch.randn(2, 6, 8)  # 3-d: the math path, which makes the mask
+    with pytest.raises(InvariantError, match=r"mixes tensors on devices \['cpu', 'cpu:1'\]"):
+        with DeviceChecker(plan):  # by default the host is a device of its own
+            torch.nn.functional.scaled_dot_product_attention(*[q.to("cpu:1")] * 3, is_causal=True)
+    with DeviceChecker(plan, host_anywhere=True) as checker:
+        b, k = torch.randn(3).to("cpu:1"), q.to("cpu:1")
+        assert checker.device_of(b + torch.zeros(3, device=b.device)) == "cpu:1"
+        assert checker.device_of(torch.ones(3)) is None
+        assert checker.device_of(torch.nn.functional.scaled_dot_product_attention(k, k, k, is_causal=True)) == "cpu:1"
+        with pytest.raises(InvariantError, match="mixes"):
+            b + torch.randn(3).to("cpu:0")  # logical devices are still told apart
+    with DeviceChecker(dataclasses.replace(plan, devices=(*plan.devices, "cpu")), host_anywhere=True) as checker:
+        assert checker.device_of(torch.ones(3)) == "cpu"  # the plan places the host: a device like the others
+        with pytest.raises(InvariantError, match=r"\['cpu', 'cpu:1'\]"):
+            torch.randn(3).to("cpu:1") + torch.ones(3)
