@@ -98,3 +98,80 @@ def test_rotary_buffers_built_on_meta_are_reported(tmp_path: Path) -> None:
     quoted = (Path(__file__).parents[1] / "docs" / "CHECKPOINTS.md").read_text().split("## Buffers that no")[1]
     quoted = quoted.split("```text\n")[1].split("```")[0]  # docs/CHECKPOINTS.md quotes these lines
     assert set(quoted.splitlines()) <= {line.strip() for line in str(raised.value).splitlines()}
+
+
+def _gpt_neox() -> Any:
+    return transformers.GPTNeoXForCausalLM(
+        transformers.GPTNeoXConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=1000
+        )
+    )
+
+
+def _mixtral() -> Any:  # batched_mm experts: the grouped ones branch on the weights' device, which is meta here
+    config = transformers.MixtralConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        num_local_experts=4,
+        vocab_size=1000,
+        max_position_embeddings=32,
+    )
+    return transformers.MixtralForCausalLM._from_config(config, experts_implementation="batched_mm")
+
+
+def _keys(directory: Path) -> set[str]:
+    from safetensors import safe_open
+
+    found: set[str] = set()
+    for path in directory.glob("*.safetensors"):
+        with safe_open(path, "pt") as handle:
+            found.update(handle.keys())
+    return found
+
+
+def test_a_checkpoint_naming_a_tensor_as_transformers_once_did_is_read_under_the_models_name(tmp_path: Path) -> None:
+    """GPT-NeoX (Pythia) checkpoints call the head ``embed_out``; transformers 5's model calls it ``lm_head`` and
+    renames it when it loads, and ``save_pretrained`` writes the old name. So does fxsplit, by transformers' rules."""
+    _save(_gpt_neox, tmp_path)
+    assert "embed_out.weight" in _keys(tmp_path) and "lm_head.weight" not in _keys(tmp_path)
+    expected = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()(IDS, use_cache=False).logits
+    split = _split(_empty_from_config(tmp_path), tmp_path)
+    torch.testing.assert_close(split(IDS).logits, expected, rtol=0, atol=0)
+    later = fxsplit.fxsplit(  # loaded into the split afterwards: the split remembers the model's names
+        _empty_from_config(tmp_path),
+        BUDGETS,
+        example_inputs=(IDS,),
+        example_kwargs={"use_cache": False},
+        mode="weights",
+        checkpoint=False,
+    )
+    fxsplit.load_checkpoint(later, tmp_path)
+    torch.testing.assert_close(later(IDS).logits, expected, rtol=0, atol=0)
+
+
+def test_experts_stored_one_by_one_are_stacked_as_the_model_holds_them(tmp_path: Path) -> None:
+    """Mixtral's checkpoints hold each expert's w1, w2, w3; the model holds each layer's experts stacked
+    (``gate_up_proj``, ``down_proj``). They are stacked when read, also into the offload storage on disk."""
+    _save(_mixtral, tmp_path)
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in _keys(tmp_path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="batched_mm")
+    expected = reference.eval()(IDS, use_cache=False).logits
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    with fxsplit.empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="batched_mm").eval()
+    assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == (4, 128, 32)
+    split = fxsplit.fxsplit(
+        model,
+        {"cpu:0": "220KiB", "cpu:1": "220KiB"},
+        example_inputs=(IDS,),
+        example_kwargs={"use_cache": False},
+        mode="weights",
+        checkpoint=tmp_path,
+        offload={"disk": "1MiB", "dir": str(tmp_path / "offload")},
+    )
+    plan = split.meta["fxsplit_plan"]
+    assert any(name.endswith(("gate_up_proj", "down_proj")) for name, where in plan.streamed.items() if where == "disk")
+    torch.testing.assert_close(split(IDS).logits, expected, rtol=0, atol=0)

@@ -2,6 +2,7 @@
 
 * :mod:`~fxsplit.checkpoint.formats`: find the files, read headers, map data.
 * :mod:`~fxsplit.checkpoint.match`: check a checkpoint against the tensors to fill.
+* :mod:`~fxsplit.checkpoint.renamed`: a Hugging Face checkpoint under the model's names (transformers' conversions).
 * :mod:`~fxsplit.checkpoint.load`: read each tensor onto its device, then commit.
 * :mod:`~fxsplit.checkpoint.empty`: build a model with its parameters on meta.
 * :mod:`~fxsplit.checkpoint.progress`: the progress bar while loading.

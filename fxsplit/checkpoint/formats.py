@@ -72,6 +72,8 @@ class Entry:
         dtype_name: the dtype as the file spells it (``"BF16"``, ``"torch.float32"``).
         file: the file it is in.
         nbytes: bytes of its data in the file.
+        key: its key in the file when ``name`` is the model's name for it (a renamed tensor:
+            :mod:`~fxsplit.checkpoint.renamed`), else empty.
     """
 
     name: str
@@ -80,6 +82,7 @@ class Entry:
     dtype_name: str
     file: Path
     nbytes: int
+    key: str = ""
 
 
 class _SafetensorsFile:
@@ -217,8 +220,12 @@ class TableOfContents:
         entry = self.entries[name]
         for source in self.files:
             if source.path == entry.file:
-                return source.tensor(name)
+                return source.tensor(entry.key or name)
         raise KeyError(name)  # pragma: no cover - entries come from files
+
+    def mappable(self, name: str) -> bool:
+        """Whether :meth:`keep` can hand out ``name`` as a view of its file (a safetensors file's tensor)."""
+        return self.entries[name].file.suffix == ".safetensors"
 
     def keep(self, name: str) -> torch.Tensor:
         """The safetensors tensor ``name`` as a view of its mapped file that stays valid after :meth:`close`."""
@@ -226,7 +233,7 @@ class TableOfContents:
         for source in self.files:
             if source.path == entry.file and isinstance(source, _SafetensorsFile):
                 source.kept = True
-                return source.tensor(name)
+                return source.tensor(entry.key or name)
         raise KeyError(name)
 
     def close(self) -> None:

@@ -30,18 +30,22 @@ from fxsplit.checkpoint.empty import tensor_like
 from fxsplit.checkpoint.formats import TableOfContents, read_table
 from fxsplit.checkpoint.match import Match, Slot, match
 from fxsplit.checkpoint.progress import Progress
+from fxsplit.checkpoint.renamed import conversions_of, model_names
 from fxsplit.checkpoint.write import store_on_disk
 from fxsplit.cost.build import Weight, model_tensors
 from fxsplit.cost.walk import named_tensors
 from fxsplit.errors import CheckpointError
 from fxsplit.planning.plan import Plan
 
-__all__ = ["ModelLoad", "NON_PERSISTENT", "load_checkpoint", "prepare", "remember_non_persistent"]
+__all__ = ["CONVERSIONS", "ModelLoad", "NON_PERSISTENT", "load_checkpoint", "prepare", "remember_non_persistent"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 NON_PERSISTENT = "fxsplit_non_persistent"
 """``split.meta`` key: names of the model's non-persistent buffers (not expected in a checkpoint)."""
+CONVERSIONS = "fxsplit_checkpoint_names"
+"""``split.meta`` key: how transformers names the model's tensors in its checkpoints
+(:func:`~fxsplit.checkpoint.renamed.conversions_of`), or None."""
 
 
 def non_persistent_names(module: torch.nn.Module) -> frozenset[str]:
@@ -56,11 +60,12 @@ def non_persistent_names(module: torch.nn.Module) -> frozenset[str]:
 def remember_non_persistent(split: Any, model: torch.nn.Module) -> Any:
     """Record the model's non-persistent buffer names on ``split`` and keep those buffers out of its state
     dict (a graph module's copy of a buffer forgets it), so that the two state dicts load strictly into
-    each other; return ``split``."""
+    each other; also how its checkpoints name its tensors, for :func:`load_checkpoint`. Return ``split``."""
     from fxsplit.pipeline.gpipe import Pipeline
 
     names = non_persistent_names(model)
     split.meta[NON_PERSISTENT] = names
+    split.meta[CONVERSIONS] = conversions_of(model)
     stages = split.stages if isinstance(split, Pipeline) else ()  # not a model's own child named "stages"
     ours = {id(tensor) for _, tensor, _ in named_tensors(model)}
     for holder in [split, *stages]:  # a Pipeline's stages hold them under the model's names
@@ -106,8 +111,9 @@ class ModelLoad:
     def __init__(self, model: torch.nn.Module, checkpoint: PathLike, progress: bool | None) -> None:
         self.model = model
         self.progress = progress
-        self.table = read_table(checkpoint)
         self.slots = slots_of([model], non_persistent_names(model))
+        names = {name for slot in self.slots for name in slot.names}
+        self.table = model_names(read_table(checkpoint), conversions_of(model), names)
         match(self.slots, self.table)  # fail early; matched again on load, against the traced graph too
 
     @contextlib.contextmanager
@@ -197,9 +203,10 @@ def load_checkpoint(split: torch.nn.Module, checkpoint: PathLike, *, progress: b
         )
     stages = getattr(split, "stages", None)  # a Pipeline holds its weights in its stages
     holders = list(stages) if isinstance(stages, torch.nn.ModuleList) else [split]
-    table = read_table(checkpoint)
+    slots = _with_tied(slots_of(holders, meta.get(NON_PERSISTENT)), plan.tied)
+    names = {name for slot in slots for name in slot.names} | set(plan.tensors)
+    table = model_names(read_table(checkpoint), meta.get(CONVERSIONS), names)
     try:
-        slots = _with_tied(slots_of(holders, meta.get(NON_PERSISTENT)), plan.tied)
         found = match(slots, table, also_known=plan.tensors)
         _load(found, table, plan, holders, progress)  # nothing fails after the commit: no undo needed
     finally:
@@ -292,7 +299,7 @@ def _onto_disk(
     rewrite: dict[str, tuple[int, Match]] = {}
     for index, item in zip(indices, found, strict=True):
         dtype = _dtype(item.slot, plan)
-        if item.entry.file.suffix == ".safetensors" and item.entry.dtype == dtype:
+        if table.mappable(item.entry.name) and item.entry.dtype == dtype:
             views[index] = table.keep(item.entry.name)
             bar.advance(item.entry.nbytes)
         else:
