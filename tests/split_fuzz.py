@@ -1,0 +1,177 @@
+"""Generated programs (:mod:`random_programs`) split and compared with the unsplit model: a fuzz to run by hand.
+
+Each seed's program is split as the seed says (torch.fx or torch.export; training, inference or weights mode; 2 or
+3 devices; each segment pinned, or budgets at a part of the one-device total; replicas on half of the inference
+runs), run in float64 under a :class:`~fxsplit.check.DeviceChecker` (``host_anywhere``: attention's causal mask)
+beside an unsplit deep copy, and its outputs, every parameter's gradient and the buffers compared.
+:func:`run_seed` says how it went:
+
+* ``equal``: the split computed what the model computes;
+* ``refused``: fxsplit refused the plan with one of its own errors (a budget that cannot hold it, pins that
+  split one in-place write);
+* ``eager_fails``: the unsplit program itself does not run (the generator makes some that do not);
+* ``wrong``: outputs, gradients or buffers differ; ``crash``: any other exception, from planning or the split.
+
+``tests/test_split_fuzz.py`` runs a fixed set of seeds in CI. By hand, every seed in its own process::
+
+    python tests/split_fuzz.py 40000 40200        # seeds [40000, 40200): a tally, and each wrong or crash
+
+It exits 1 when a seed is ``wrong`` or ``crash``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import subprocess
+import sys
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from random_programs import generate
+from torch.utils._pytree import tree_flatten
+
+import fxsplit
+from fxsplit.check import DeviceChecker
+
+__all__ = ["scenario", "run_seed"]
+
+BAD = ("wrong", "crash")
+
+
+def scenario(seed: int) -> dict[str, Any]:
+    """How ``seed``'s program is split: trace, mode, devices, pins or budgets' share, replicas."""
+    draw = random.Random(seed * 104729 + 7)
+    mode = draw.choice(["training", "training", "inference", "weights"])
+    return {
+        "trace": draw.choice(["fx", "export"]),
+        "mode": mode,
+        "devices": draw.choice([2, 2, 3]),
+        "pinned": draw.random() < 0.4,
+        "share": round(draw.uniform(0.45, 1.0), 3),
+        "replicate": mode != "training" and draw.random() < 0.5,
+    }
+
+
+def _program(seed: int) -> tuple[Any, tuple[Any, ...], list[str]]:
+    source, segments = generate(seed)
+    namespace: dict[str, Any] = {"__name__": "program"}
+    exec(compile(source, f"<program {seed}>", "exec"), namespace)  # noqa: S102 (our own generated source)
+    model, args = namespace["make"]()
+    model = model.double()
+    args = tuple(a.double() if a.is_floating_point() else a for a in args)
+    return model, args, segments
+
+
+def _loss(out: Any) -> torch.Tensor:
+    """Every floating output that needs a gradient, weighted so the gradients differ from element to element."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i, t in enumerate(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad):
+        weights = torch.linspace(0.5, 1.5, t.numel(), dtype=torch.float64).reshape(t.shape)
+        total = total + ((t.double() * weights).sum() * (i + 1)).to("cpu")
+    return total
+
+
+def _differences(out: Any, expected: Any, model: Any, reference: Any) -> list[str]:
+    found = []
+    got, want = tree_flatten(out)[0], tree_flatten(expected)[0]
+    if len(got) != len(want):
+        return [f"{len(got)} outputs, eager gives {len(want)}"]
+    for i, (a, e) in enumerate(zip(got, want, strict=True)):
+        if isinstance(e, torch.Tensor):
+            if not isinstance(a, torch.Tensor) or a.shape != e.shape or not torch.allclose(a, e, rtol=1e-9, atol=1e-12):
+                found.append(f"output {i}")
+    grads = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        g, e = p.grad, grads[name].grad
+        if (g is None) != (e is None) or (g is not None and not torch.allclose(g, e, rtol=1e-9, atol=1e-12)):
+            found.append(f"grad of {name}")
+    state = reference.state_dict()
+    found += [f"state {n}" for n, t in model.state_dict().items() if not torch.allclose(t, state[n], equal_nan=True)]
+    return found
+
+
+def run_seed(seed: int) -> dict[str, Any]:
+    """Split ``seed``'s program as :func:`scenario` says and compare it with eager: ``{"seed", "outcome", ...}``."""
+    how = scenario(seed)
+    result: dict[str, Any] = {"seed": seed, **how}
+    model, args, segments = _program(seed)
+    reference = copy.deepcopy(model)
+    try:
+        torch.manual_seed(seed)  # the same random numbers (dropout) for both
+        expected = reference(*args)
+        eager_loss = _loss(expected)
+        if eager_loss.requires_grad and how["mode"] == "training":
+            eager_loss.backward()
+    except Exception as error:  # noqa: BLE001 - the generator makes programs that do not run
+        return {**result, "outcome": "eager_fails", "error": f"{type(error).__name__}: {error}"[:300]}
+    devices = [f"cpu:{k}" for k in range(how["devices"])]
+    options: dict[str, Any] = {"mode": how["mode"], "trace": how["trace"], "example_inputs": args}
+    if how["mode"] == "training":
+        options["optimizer"] = "sgd"
+    if how["replicate"]:
+        options["replicate"] = True
+    try:
+        if how["pinned"] and len(segments) > 1:  # the first segment on the first device, the last on the last
+            draw = random.Random(seed)
+            homes = sorted([0, len(devices) - 1, *(draw.randrange(len(devices)) for _ in segments[2:])])
+            options["pins"] = {segment: devices[k] for segment, k in zip(segments, homes, strict=True)}
+            budgets = dict.fromkeys(devices, 1 << 34)
+        else:
+            alone = fxsplit.plan(copy.deepcopy(model), {"cpu:0": 1 << 34}, **options)
+            total = alone.memory["cpu:0"]["total"] if alone.memory else alone.device_bytes["cpu:0"]
+            budgets = {d: max(1, int(total * how["share"])) for d in devices}
+        gm = fxsplit.fxsplit(model, budgets, **options)
+    except fxsplit.FxsplitError as error:
+        return {**result, "outcome": "refused", "error": f"{type(error).__name__}: {error}"[:300]}
+    except Exception as error:  # noqa: BLE001 - any other error is a finding
+        return {**result, "outcome": "crash", "error": f"{type(error).__name__}: {error}"[:300], "at": _where(error)}
+    try:
+        torch.manual_seed(seed)
+        with DeviceChecker(gm.meta["fxsplit_plan"], gm, model, host_anywhere=True):  # attention's causal mask
+            out = gm(*args)
+        if how["mode"] == "training":
+            loss = _loss(out)
+            if loss.requires_grad:
+                loss.backward()
+    except Exception as error:  # noqa: BLE001
+        return {**result, "outcome": "crash", "error": f"{type(error).__name__}: {error}"[:300], "at": _where(error)}
+    differ = _differences(out, expected, model, reference)
+    used = sorted(set(gm.meta["fxsplit_plan"].placement.values()))
+    return {**result, "outcome": "wrong" if differ else "equal", "differ": differ[:5], "used": used}
+
+
+def _where(error: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/fxsplit/" in f.filename]
+    return f"{frames[-1].filename.split('/fxsplit/')[-1]}:{frames[-1].lineno}" if frames else ""
+
+
+def main(first: int, last: int) -> int:
+    """Run seeds ``[first, last)``, each in its own process (3 minutes at most); print the tally."""
+    tally: Counter[str] = Counter()
+    here = Path(__file__).parent
+    for seed in range(first, last):
+        code = f"import json, split_fuzz; print(json.dumps(split_fuzz.run_seed({seed})))"
+        try:
+            ran = subprocess.run(
+                [sys.executable, "-c", code], cwd=here, capture_output=True, text=True, timeout=180, check=False
+            )
+            lines = ran.stdout.strip().splitlines()
+            row = json.loads(lines[-1]) if ran.returncode == 0 and lines else None
+            if row is None:
+                row = {"seed": seed, "outcome": "crash", "error": ran.stderr.strip().splitlines()[-1:]}
+        except subprocess.TimeoutExpired:
+            row = {"seed": seed, "outcome": "timeout"}
+        tally[row["outcome"]] += 1
+        if row["outcome"] in (*BAD, "timeout"):
+            print(json.dumps(row), flush=True)
+    print(dict(tally))
+    return 1 if any(tally[o] for o in BAD) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))
