@@ -108,7 +108,7 @@ def _gpt_neox() -> Any:
     )
 
 
-def _mixtral() -> Any:  # batched_mm experts: the grouped ones branch on the weights' device, which is meta here
+def _mixtral() -> Any:
     config = transformers.MixtralConfig(
         num_hidden_layers=2,
         hidden_size=32,
@@ -119,7 +119,19 @@ def _mixtral() -> Any:  # batched_mm experts: the grouped ones branch on the wei
         vocab_size=1000,
         max_position_embeddings=32,
     )
-    return transformers.MixtralForCausalLM._from_config(config, experts_implementation="batched_mm")
+    return transformers.MixtralForCausalLM(config)
+
+
+def _falcon() -> Any:  # its attention indexes with a list (qkv[..., [-2], :]): export makes that a constant
+    return transformers.FalconForCausalLM(
+        transformers.FalconConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000)
+    )
+
+
+def _gptj() -> Any:  # its rotary table is a buffer, which empty_weights keeps real
+    return transformers.GPTJForCausalLM(
+        transformers.GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=1000, n_positions=32)
+    )
 
 
 def _keys(directory: Path) -> set[str]:
@@ -157,11 +169,8 @@ def test_experts_stored_one_by_one_are_stacked_as_the_model_holds_them(tmp_path:
     (``gate_up_proj``, ``down_proj``). They are stacked when read, also into the offload storage on disk."""
     _save(_mixtral, tmp_path)
     assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in _keys(tmp_path)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="batched_mm")
-    expected = reference.eval()(IDS, use_cache=False).logits
-    config = transformers.AutoConfig.from_pretrained(tmp_path)
-    with fxsplit.empty_weights():
-        model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="batched_mm").eval()
+    expected = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()(IDS, use_cache=False).logits
+    model = _empty_from_config(tmp_path)
     assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == (4, 128, 32)
     split = fxsplit.fxsplit(
         model,
@@ -175,3 +184,25 @@ def test_experts_stored_one_by_one_are_stacked_as_the_model_holds_them(tmp_path:
     plan = split.meta["fxsplit_plan"]
     assert any(name.endswith(("gate_up_proj", "down_proj")) for name, where in plan.streamed.items() if where == "disk")
     torch.testing.assert_close(split(IDS).logits, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("factory", [_falcon, _gptj, _mixtral], ids=["falcon", "gptj", "mixtral"])
+def test_a_model_built_on_meta_is_traced_as_it_runs_on_its_inputs_device(tmp_path: Path, factory: Any) -> None:
+    """Export cannot mix meta weights with real inputs, and on meta the code runs otherwise: Falcon's index lists
+    became constants on meta (no data, so the split could not run), GPT-J's real rotary table met meta activations
+    (export failed), Mixtral's experts counted tokens as the non-CPU branch does (int histc, which the CPU lacks).
+    The weights are fakes on the inputs' device while export runs."""
+    _save(factory, tmp_path)
+    expected = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()(IDS, use_cache=False).logits
+    split = _split(_empty_from_config(tmp_path), tmp_path)
+    torch.testing.assert_close(split(IDS).logits, expected, rtol=0, atol=0)
+    later = fxsplit.fxsplit(  # loaded afterwards: the constants the trace made are no checkpoint's
+        _empty_from_config(tmp_path),
+        BUDGETS,
+        example_inputs=(IDS,),
+        example_kwargs={"use_cache": False},
+        mode="weights",
+        checkpoint=False,
+    )
+    fxsplit.load_checkpoint(later, tmp_path)
+    torch.testing.assert_close(later(IDS).logits, expected, rtol=0, atol=0)

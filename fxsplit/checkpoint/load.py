@@ -203,7 +203,9 @@ def load_checkpoint(split: torch.nn.Module, checkpoint: PathLike, *, progress: b
         )
     stages = getattr(split, "stages", None)  # a Pipeline holds its weights in its stages
     holders = list(stages) if isinstance(stages, torch.nn.ModuleList) else [split]
-    slots = _with_tied(slots_of(holders, meta.get(NON_PERSISTENT)), plan.tied)
+    # the model's non-persistent buffers, and the split's own (constants the trace made: remember_non_persistent)
+    kept_out = frozenset(meta.get(NON_PERSISTENT) or ()).union(*(non_persistent_names(h) for h in holders))
+    slots = _with_tied(slots_of(holders, kept_out), plan.tied)
     names = {name for slot in slots for name in slot.names} | set(plan.tensors)
     table = model_names(read_table(checkpoint), meta.get(CONVERSIONS), names)
     try:

@@ -178,7 +178,7 @@ def profile_activations(
     from torch.nn.utils.stateless import _reparametrize_module
 
     with mode:
-        fakes = _fake_weights(graph_module, mode, training)
+        fakes = _fake_weights(graph_module, mode, training, _inputs_device(placeholders))
         inputs = [_fake_input(n.meta["val"], mode) for n in placeholders]
     grad = torch.enable_grad() if training else torch.no_grad()
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
@@ -201,11 +201,20 @@ def profile_activations(
     return _profile(graph_module, costs, recorder, storages, fakes, training)
 
 
-def _fake_weights(graph_module: torch.fx.GraphModule, mode: Any, training: bool) -> dict[str, torch.Tensor]:
+def _fake_weights(
+    graph_module: torch.fx.GraphModule, mode: Any, training: bool, meta_on: torch.device | None
+) -> dict[str, torch.Tensor]:
     def trained(tensor: torch.Tensor) -> bool:
         return training and isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad
 
-    return fake_weights(mode, graph_tensors(graph_module), trained)
+    return fake_weights(mode, graph_tensors(graph_module), trained, meta_on)
+
+
+def _inputs_device(placeholders: list[torch.fx.Node]) -> torch.device | None:
+    """The device of the graph's tensor inputs when it is not ``meta``: where the model's ``meta`` weights were
+    when it was exported (:mod:`fxsplit.tracing.metaweights`), so their fakes go there too."""
+    devices = [v.device for n in placeholders if isinstance(v := n.meta["val"], torch.Tensor)]
+    return next((d for d in devices if d.type != "meta"), None)
 
 
 def _fake_input(value: Any, mode: Any) -> Any:

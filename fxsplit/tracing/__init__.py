@@ -1,7 +1,8 @@
 """Stage 1, tracing: the user's model -> an FX graph, without changing the model.
 
 * :mod:`~fxsplit.tracing.capture`: :func:`trace`, torch.export with a torch.fx fallback; an fx graph's shapes come
-  from :mod:`~fxsplit.tracing.fxshapes`.
+  from :mod:`~fxsplit.tracing.fxshapes`; a model with weights on meta is exported with them as fakes on its inputs'
+  device (:mod:`~fxsplit.tracing.metaweights`).
 * :mod:`~fxsplit.tracing.example_inputs`: can the model run its example inputs?
 * :mod:`~fxsplit.tracing.dynamic`: which input sizes an export graph keeps variable.
 * :mod:`~fxsplit.tracing.gradmode`: ``torch.no_grad()`` regions kept in the graph.

@@ -19,9 +19,10 @@ fx traces the model, with a :class:`~fxsplit.errors.FxsplitWarning` that says wh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.fx
@@ -41,6 +42,7 @@ from fxsplit.tracing.functionop import holding_call_sites
 from fxsplit.tracing.fxcheckpoint import fold_regions
 from fxsplit.tracing.fxshapes import propagate_shapes
 from fxsplit.tracing.gradmode import recording_grad_mode, refusing_inference_mode
+from fxsplit.tracing.metaweights import fake_weights_on, inputs_device
 
 __all__ = ["TRACE_MODES", "Traced", "trace"]
 
@@ -121,10 +123,10 @@ def trace(
     leaves = list(leaf_modules)
     if mode == "export" or (mode == "auto" and has_examples):
         export_error: Exception | None = None
-        for args, kwargs in _example_variants(model, tuple(example_inputs or ()), dict(example_kwargs or {})):
+        for attempt in _export_attempts(model, tuple(example_inputs or ()), dict(example_kwargs or {}), dynamic_shapes):
             try:
                 with quiet_fake_tensor_log():
-                    return _export(model, args, kwargs, dynamic_shapes)
+                    return attempt()
             except TraceError:
                 raise  # ours, already specific (dynamic_shapes not kept)
             except Exception as error:  # noqa: BLE001 - torch raises many kinds
@@ -141,6 +143,28 @@ def trace(
         warnings.warn(FxsplitWarning(_fallback_message(export_error, traced)), stacklevel=user_stacklevel())
         return dataclasses.replace(traced, notes=(note,))
     return _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
+
+
+def _export_attempts(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic_shapes: Any
+) -> Iterator[Callable[[], Traced]]:
+    """Export on the example inputs as given. A model with weights on ``meta`` and real inputs is first exported
+    with its weights as fakes on the inputs' device (:mod:`fxsplit.tracing.metaweights`: the code it runs there),
+    then as given, and last with the inputs on ``meta`` too (:func:`_example_variants`)."""
+    device = inputs_device(model, args, kwargs)
+    if device is not None:
+
+        def on_fake_weights() -> Traced:
+            with fake_weights_on(model, device) as (mode, restore):
+                fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+                traced = _export(model, fake_args, fake_kwargs, dynamic_shapes)
+            restore(traced.graph_module)
+            return traced
+
+        yield on_fake_weights
+    yield functools.partial(_export, model, args, kwargs, dynamic_shapes)
+    for meta_args, meta_kwargs in list(_example_variants(model, args, kwargs))[1:]:
+        yield functools.partial(_export, model, meta_args, meta_kwargs, dynamic_shapes)
 
 
 def _example_variants(

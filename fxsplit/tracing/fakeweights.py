@@ -19,7 +19,10 @@ __all__ = ["fake_weights", "named_tensors"]
 
 
 def fake_weights(
-    mode: Any, named: Iterable[tuple[str, torch.Tensor | None]], requires_grad: Callable[[torch.Tensor], bool]
+    mode: Any,
+    named: Iterable[tuple[str, torch.Tensor | None]],
+    requires_grad: Callable[[torch.Tensor], bool],
+    meta_on: torch.device | None = None,
 ) -> dict[str, Any]:
     """Name -> fake copy in ``mode`` of each tensor of ``named`` (None entries are left out).
 
@@ -27,6 +30,8 @@ def fake_weights(
         mode: the ``FakeTensorMode`` the run uses.
         named: ``(name, tensor)`` pairs; a tensor under several names is one fake.
         requires_grad: whether a tensor's fake requires grad.
+        meta_on: the device of the fake of a tensor on ``meta`` (None: ``meta``), for a graph exported with the
+            model's meta weights as fakes on its inputs' device (:mod:`fxsplit.tracing.metaweights`).
     """
     pairs = [(name, tensor) for name, tensor in named if tensor is not None]
     holders: dict[int | None, int] = {}  # storage -> how many tensor objects hold it
@@ -40,7 +45,8 @@ def fake_weights(
         if fake is None:
             key = _storage(tensor)
             alone = key is not None and holders[key] == 1 and _plain(tensor)
-            fake = made[id(tensor)] = _empty_fake(mode, tensor) if alone else mode.from_tensor(tensor.detach())
+            on = meta_on if meta_on is not None and tensor.is_meta else tensor.device
+            fake = made[id(tensor)] = _empty_fake(mode, tensor, on) if alone else mode.from_tensor(tensor.detach())
             if requires_grad(tensor):
                 fake.requires_grad_(True)
         found[name] = fake
@@ -73,9 +79,9 @@ def _plain(tensor: torch.Tensor) -> bool:
     )
 
 
-def _empty_fake(mode: Any, tensor: torch.Tensor) -> Any:
+def _empty_fake(mode: Any, tensor: torch.Tensor, device: torch.device) -> Any:
     from torch._subclasses.fake_tensor import FakeTensor
 
     with torch._C._DisableTorchDispatch():  # a mode may be active: the meta tensor is plain
         meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-    return FakeTensor(mode, meta, tensor.device)
+    return FakeTensor(mode, meta, device)
