@@ -20,6 +20,7 @@ from fxsplit.codegen.emitter import emit, move_weights
 from fxsplit.cost.constraints import (
     check_constraints,
     locator,
+    placing_nothing,
     resolve_leaf_modules,
     together_groups,
 )
@@ -149,6 +150,8 @@ def _trace_and_plan(
     planning.enter_context(gc_paused())  # until the caller has dropped what it does not keep
     refuse_growing_state(traced.graph_module)
     pins = {str(k): device_option(f"pins[{str(k)!r}]", v) for k, v in (options.pins or {}).items()}
+    vacuous = placing_nothing(traced.graph_module, model, pins) if pins else set()
+    pins = {k: v for k, v in pins.items() if k not in vacuous}
     together = together_groups(options.together)
     try:
         check_constraints(traced.graph_module, model, devices, pins, together, locate)

@@ -213,3 +213,34 @@ def test_pins_are_not_blamed_when_the_model_fits_only_out_of_order_and_stage_ord
         fxsplit.plan(model, budgets, contiguous=True, pins={"0": "cpu:0"}, **options)
     assert "not with its pins" not in str(pinned.value)
     assert str(pinned.value).split(";")[0] == str(in_order.value).split(";")[0]
+
+
+class WithIdentities(nn.Module):
+    """timm's shape: an identity and a dropout between the layers (no ops once traced in eval, no weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.drop, self.mid = nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 8)
+        self.norm, self.head = nn.Identity(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.mid(self.drop(self.embed(x)))))
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_pin_on_a_module_with_nothing_to_place_says_nothing(trace: str) -> None:
+    """Found by pinning timm models' first and last children: ``patch_drop`` (an identity) was refused as a module
+    that runs no op, and the pins, which leave the middle free, are no device map either. It has no op and no
+    weight: nothing to place, so its pin is met; the others still hold, and the middle is placed freely."""
+    model = WithIdentities().eval()
+    pins = {"embed": "cpu:0", "drop": "cpu:0", "norm": "cpu:1", "head": "cpu:1"}
+    budgets, inputs = {"cpu:0": 2000, "cpu:1": 2000}, (torch.randn(2, 8),)
+    plan = fxsplit.plan(model, budgets, example_inputs=inputs, pins=pins, trace=trace, mode="weights")
+    devices = plan.param_devices
+    assert (devices["embed.weight"], devices["head.weight"], devices["mid.weight"] in ("cpu:0", "cpu:1")) == (
+        "cpu:0",
+        "cpu:1",
+        True,
+    )
+    with pytest.raises(fxsplit.SpecError, match="no module of the model matches 'nrom'"):  # a typo is still one
+        fxsplit.plan(model, budgets, example_inputs=inputs, pins={"nrom": "cpu:1"})

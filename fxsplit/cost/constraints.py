@@ -31,6 +31,7 @@ __all__ = [
     "check_constraints",
     "explain_infeasible_pins",
     "locator",
+    "placing_nothing",
     "resolve_leaf_modules",
     "together_groups",
 ]
@@ -130,6 +131,22 @@ def _ops(graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 def _hits(pattern: str, ops: list[torch.fx.Node], labels: list[str]) -> list[int]:
     return [i for i, node in enumerate(ops) if path_matches(pattern, labels[i]) or node.name == pattern]
+
+
+def placing_nothing(graph_module: torch.fx.GraphModule, model: torch.nn.Module, pins: Mapping[str, str]) -> set[str]:
+    """The pins whose modules run no op of the graph and hold no parameter or buffer: an ``nn.Identity``, a
+    dropout export left out (timm's ``patch_drop``, ``fc_norm``). There is nothing of them to place, so such a pin
+    says nothing; a pattern that names no module at all is still an error (:func:`check_constraints`)."""
+    ops = _ops(graph_module)
+    labels = [module_path(n) for n in ops]
+    modules = dict(model.named_modules())
+    found = set()
+    for pattern in pins:
+        named = [m for path, m in modules.items() if path and path_matches(pattern, path)]
+        holds = any(next(m.parameters(), None) is not None or next(m.buffers(), None) is not None for m in named)
+        if named and not holds and not _hits(pattern, ops, labels):
+            found.add(pattern)
+    return found
 
 
 def _no_match(pattern: str, model: torch.nn.Module) -> str:
