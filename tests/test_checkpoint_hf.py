@@ -57,7 +57,7 @@ def _empty_from_config(directory: Path) -> Any:
         return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def _split(model: Any, directory: Path | str) -> torch.fx.GraphModule:
+def _split(model: Any, directory: Path | str | bool) -> torch.fx.GraphModule:
     return fxsplit.fxsplit(
         model, BUDGETS, example_inputs=(IDS,), example_kwargs={"use_cache": False}, mode="weights", checkpoint=directory
     )
@@ -144,24 +144,22 @@ def _keys(directory: Path) -> set[str]:
     return found
 
 
+def _loaded_now_and_later(directory: Path) -> None:
+    """Split with ``checkpoint=directory``, and split without weights then ``load_checkpoint``: both give the
+    logits ``from_pretrained`` gives, to the bit."""
+    expected = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()(IDS, use_cache=False).logits
+    torch.testing.assert_close(_split(_empty_from_config(directory), directory)(IDS).logits, expected, rtol=0, atol=0)
+    later = _split(_empty_from_config(directory), False)
+    fxsplit.load_checkpoint(later, directory)
+    torch.testing.assert_close(later(IDS).logits, expected, rtol=0, atol=0)
+
+
 def test_a_checkpoint_naming_a_tensor_as_transformers_once_did_is_read_under_the_models_name(tmp_path: Path) -> None:
     """GPT-NeoX (Pythia) checkpoints call the head ``embed_out``; transformers 5's model calls it ``lm_head`` and
     renames it when it loads, and ``save_pretrained`` writes the old name. So does fxsplit, by transformers' rules."""
     _save(_gpt_neox, tmp_path)
     assert "embed_out.weight" in _keys(tmp_path) and "lm_head.weight" not in _keys(tmp_path)
-    expected = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()(IDS, use_cache=False).logits
-    split = _split(_empty_from_config(tmp_path), tmp_path)
-    torch.testing.assert_close(split(IDS).logits, expected, rtol=0, atol=0)
-    later = fxsplit.fxsplit(  # loaded into the split afterwards: the split remembers the model's names
-        _empty_from_config(tmp_path),
-        BUDGETS,
-        example_inputs=(IDS,),
-        example_kwargs={"use_cache": False},
-        mode="weights",
-        checkpoint=False,
-    )
-    fxsplit.load_checkpoint(later, tmp_path)
-    torch.testing.assert_close(later(IDS).logits, expected, rtol=0, atol=0)
+    _loaded_now_and_later(tmp_path)  # later: the split remembers the model's names
 
 
 def test_experts_stored_one_by_one_are_stacked_as_the_model_holds_them(tmp_path: Path) -> None:
@@ -193,16 +191,4 @@ def test_a_model_built_on_meta_is_traced_as_it_runs_on_its_inputs_device(tmp_pat
     (export failed), Mixtral's experts counted tokens as the non-CPU branch does (int histc, which the CPU lacks).
     The weights are fakes on the inputs' device while export runs."""
     _save(factory, tmp_path)
-    expected = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()(IDS, use_cache=False).logits
-    split = _split(_empty_from_config(tmp_path), tmp_path)
-    torch.testing.assert_close(split(IDS).logits, expected, rtol=0, atol=0)
-    later = fxsplit.fxsplit(  # loaded afterwards: the constants the trace made are no checkpoint's
-        _empty_from_config(tmp_path),
-        BUDGETS,
-        example_inputs=(IDS,),
-        example_kwargs={"use_cache": False},
-        mode="weights",
-        checkpoint=False,
-    )
-    fxsplit.load_checkpoint(later, tmp_path)
-    torch.testing.assert_close(later(IDS).logits, expected, rtol=0, atol=0)
+    _loaded_now_and_later(tmp_path)  # later: the constants the trace made are no checkpoint's
