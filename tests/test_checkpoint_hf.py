@@ -192,3 +192,17 @@ def test_a_model_built_on_meta_is_traced_as_it_runs_on_its_inputs_device(tmp_pat
     The weights are fakes on the inputs' device while export runs."""
     _save(factory, tmp_path)
     _loaded_now_and_later(tmp_path)  # later: the constants the trace made are no checkpoint's
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_a_model_on_meta_is_planned_as_the_same_model_with_its_weights(mode: str) -> None:
+    """Traced with its meta weights as fakes on the inputs' device, the empty model gets the plan its loaded twin
+    gets: the same placement, cuts and memory rows."""
+    config = _llama().config
+    with fxsplit.empty_weights():
+        empty = transformers.LlamaForCausalLM(config)
+    options = {"example_inputs": (IDS,), "example_kwargs": {"use_cache": False, "labels": IDS}, "mode": mode}
+    planned = [fxsplit.plan(m, {"cpu:0": "4MiB", "cpu:1": "4MiB"}, **options) for m in (empty, _llama())]
+    assert all(t.is_meta for t in empty.parameters())
+    assert planned[0].placement == planned[1].placement and planned[0].cuts == planned[1].cuts
+    assert planned[0].memory == planned[1].memory
