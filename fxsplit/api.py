@@ -52,7 +52,7 @@ def trace_and_plan(
     raw: Mapping[str, Any],
     *,
     runnable: bool = False,
-    cast: Callable[[str | None], None] | None = None,
+    cast: Callable[[str | None], bool] | None = None,
 ) -> Planned:
     """Trace and plan; with ``runnable``, first refuse devices that cannot be used here (the split will run in
     this process, so it splits no op's rows: :mod:`fxsplit.planning.rowsplits`); ``cast`` is called with the
@@ -70,7 +70,7 @@ def _planned(
     raw: Mapping[str, Any],
     runnable: bool,
     keep: Callable[[Planned], _Kept],
-    cast: Callable[[str | None], None] | None = None,
+    cast: Callable[[str | None], bool] | None = None,
 ) -> _Kept:
     """``keep`` of what :func:`trace_and_plan` makes.
 
@@ -93,7 +93,7 @@ def _trace_and_plan(
     raw: Mapping[str, Any],
     runnable: bool,
     planning: ExitStack,
-    cast: Callable[[str | None], None] | None = None,
+    cast: Callable[[str | None], bool] | None = None,
 ) -> Planned:
     require_module(model)
     explicit = set(raw) - {"spec"}
@@ -125,8 +125,7 @@ def _trace_and_plan(
         example_inputs, example_kwargs = first_microbatch(
             example_inputs, example_kwargs, options.pipeline.chunks, options.pipeline.broadcast, argument_names(model)
         )
-    if cast is not None:
-        cast(dtype)  # the model as the checkpoint will fill it, so that the graph is of that dtype
+    as_traced = cast is not None and cast(dtype)  # the model as the checkpoint fills it: its graph of those dtypes
     try:
         traced = trace(
             model,
@@ -173,6 +172,7 @@ def _trace_and_plan(
         locate,
         homes,
         (example_inputs, example_kwargs),
+        as_traced=as_traced,
     )
     planned = plan_graph(job)
     if not runnable and wants_row_splits(options, homes):  # stages in processes of their own

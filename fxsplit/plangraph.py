@@ -72,6 +72,9 @@ class GraphPlanning:
         inputs: the example inputs (positional, keyword), one micro-batch of them with a pipeline.
         measured: with ``profile=True``, each op's measured seconds, kept across plans of a rewritten graph
             (:func:`~fxsplit.planning.timing.timing_for`'s ``seen``).
+        as_traced: the model was cast to ``dtype`` before it was traced (a checkpoint fills it): its parameters and
+            buffers count at the dtypes they now have (a non-persistent float32 rotary table stays float32: see
+            :mod:`fxsplit.checkpoint.cast`), not all at ``dtype``. Activations still count at ``dtype``.
     """
 
     model: torch.nn.Module
@@ -87,6 +90,7 @@ class GraphPlanning:
     homes: Mapping[str, str] | None
     inputs: tuple[Any, Mapping[str, Any] | None]
     measured: dict[tuple[Any, ...], float] = field(default_factory=dict)
+    as_traced: bool = False
 
     @property
     def devices(self) -> list[str]:
@@ -103,7 +107,7 @@ def plan_graph(job: GraphPlanning) -> Planned:
         device_index={d: i for i, d in enumerate(job.devices)},
         pins=job.pins,
         together=job.together,
-        dtype=float_dtype,
+        dtype=None if job.as_traced else float_dtype,  # weights as they are, once cast for the checkpoint
     )
     refuse_split_writes(costs.problem, job.devices)
     memory, uncounted = memory_model(

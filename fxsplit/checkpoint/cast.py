@@ -5,9 +5,15 @@ split runs a bf16 model. Its graph must be that model's: a trace bakes the
 dtypes it saw into the graph (torch.export's ``_assert_tensor_metadata``
 checks, a mask made with ``dtype=self.weight.dtype``), and a graph traced at
 float32 then fails, or computes in float32, on bf16 weights. So the floating
-parameters and buffers are cast first, as ``model.to(dtype)`` casts them (the
-same tensor objects, new data; on ``meta`` this costs nothing), and put back
-if the call fails.
+parameters and persistent buffers are cast first (the same tensor objects, new
+data; on ``meta`` this costs nothing), and put back if the call fails.
+
+Non-persistent buffers are no checkpoint's: the model computes them when it is
+built (a rotary embedding's ``inv_freq``), and keeps them at the dtype it made
+them, as transformers' ``from_pretrained(dtype=...)`` does (a bf16 rotary
+table would turn every position's angle by a bf16 rounding). So the plan counts
+the model's tensors at the dtypes they have once cast (:class:`CastForLoad`
+says so), not as if all were the plan's dtype.
 """
 
 from __future__ import annotations
@@ -25,11 +31,17 @@ __all__ = ["CastForLoad", "cast_floating", "warn_uncast"]
 
 
 def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[], None]:
-    """Give every floating parameter and buffer of ``model`` the ``dtype``; returns what undoes it."""
+    """Give every floating parameter and persistent buffer of ``model`` the ``dtype``; returns what undoes it."""
     changed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    computed = {  # non-persistent buffers: the model's own, kept at their dtype
+        id(buffer)
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and name in module._non_persistent_buffers_set
+    }
     seen: set[int] = set()
     for _, tensor, _ in named_tensors(model):
-        if id(tensor) in seen or not tensor.is_floating_point() or tensor.dtype == dtype:
+        if id(tensor) in seen or id(tensor) in computed or not tensor.is_floating_point() or tensor.dtype == dtype:
             continue
         seen.add(id(tensor))
         changed.append((tensor, tensor.data))
@@ -44,16 +56,19 @@ def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[], No
 
 class CastForLoad:
     """``with CastForLoad(model, loads) as cast:`` ... ``cast(dtype)`` casts ``model`` (when ``loads``: a
-    checkpoint will fill it) to the plan's dtype once it is known; the cast is undone if the block fails."""
+    checkpoint will fill it) to the plan's dtype once it is known, and says whether it did: then the model holds
+    what the split will hold, and its trace the dtypes the split runs at. The cast is undone if the block fails."""
 
     def __init__(self, model: torch.nn.Module, loads: bool) -> None:
         self.model = model
         self.loads = loads
         self.undo: list[Callable[[], None]] = []
 
-    def __call__(self, dtype: str | None) -> None:
+    def __call__(self, dtype: str | None) -> bool:
         if self.loads and dtype:
             self.undo.append(cast_floating(self.model, getattr(torch, dtype)))
+            return True
+        return False
 
     def __enter__(self) -> CastForLoad:
         return self
