@@ -202,7 +202,7 @@ def profile_activations(
 
 
 def _fake_weights(
-    graph_module: torch.fx.GraphModule, mode: Any, training: bool, meta_on: torch.device | None
+    graph_module: torch.fx.GraphModule, mode: Any, training: bool, meta_on: torch.device | None = None
 ) -> dict[str, torch.Tensor]:
     def trained(tensor: torch.Tensor) -> bool:
         return training and isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad
