@@ -284,7 +284,11 @@ def test_a_plan_that_copies_more_than_the_partitioner_counted_is_planned_again()
     usage[1]["cpu:0"]["total"] = 120
     usage.extend([usage[1]] * 10)
     calls.clear()
-    with pytest.raises(fxsplit.BudgetError, match=r"'cpu:0' needs 120 B .* budget is 100 B: .* short by 20 B"):
+    with pytest.raises(
+        fxsplit.BudgetError,
+        match=r"no split fxsplit tried fits; in the last one tried, 'cpu:0' needs 120 B .* budget is 100 B: .* "
+        r"short by 20 B",
+    ):
         fit_budgets(Model(), budgets, solve)  # type: ignore[arg-type]
 
 

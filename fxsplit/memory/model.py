@@ -325,7 +325,9 @@ class MemoryModel:
                 f"{format_size(row['total'] - budget)} ({row['total'] - budget} bytes)"
             )
         return BudgetError(
-            f"with {self.spec.describe()} no split fits: " + "; ".join(problems) + f"; {advice('activations_peak')}"
+            f"with {self.spec.describe()} no split fxsplit tried fits; in the last one tried, "
+            + "; ".join(problems)
+            + f"; {advice('activations_peak')}"
         )
 
 
