@@ -72,9 +72,9 @@ class GraphPlanning:
         inputs: the example inputs (positional, keyword), one micro-batch of them with a pipeline.
         measured: with ``profile=True``, each op's measured seconds, kept across plans of a rewritten graph
             (:func:`~fxsplit.planning.timing.timing_for`'s ``seen``).
-        as_traced: the model was cast to ``dtype`` before it was traced (a checkpoint fills it): its parameters and
-            buffers count at the dtypes they now have (a non-persistent float32 rotary table stays float32: see
-            :mod:`fxsplit.checkpoint.cast`), not all at ``dtype``. Activations still count at ``dtype``.
+        as_traced: the model was cast to ``dtype`` before it was traced (a checkpoint fills it): its tensors count
+            at the dtypes traced, which are the split's (a float32 rotary table, :mod:`fxsplit.checkpoint.cast`; a
+            loss's float32 logits), not all at ``dtype``.
     """
 
     model: torch.nn.Module
@@ -100,14 +100,14 @@ class GraphPlanning:
 def plan_graph(job: GraphPlanning) -> Planned:
     """The plan of ``job.traced``'s graph as it is now (costs, memory, op times, partition, plan)."""
     traced, options, model = job.traced, job.options, job.model
-    float_dtype = getattr(torch, job.dtype) if job.dtype else None
+    float_dtype = getattr(torch, job.dtype) if job.dtype and not job.as_traced else None  # sizes as if of dtype
     costs = build_problem(
         traced.graph_module,
         model,
         device_index={d: i for i, d in enumerate(job.devices)},
         pins=job.pins,
         together=job.together,
-        dtype=None if job.as_traced else float_dtype,  # weights as they are, once cast for the checkpoint
+        dtype=float_dtype,
     )
     refuse_split_writes(costs.problem, job.devices)
     memory, uncounted = memory_model(

@@ -11,9 +11,11 @@ data; on ``meta`` this costs nothing), and put back if the call fails.
 Non-persistent buffers are no checkpoint's: the model computes them when it is
 built (a rotary embedding's ``inv_freq``), and keeps them at the dtype it made
 them, as transformers' ``from_pretrained(dtype=...)`` does (a bf16 rotary
-table would turn every position's angle by a bf16 rounding). So the plan counts
-the model's tensors at the dtypes they have once cast (:class:`CastForLoad`
-says so), not as if all were the plan's dtype.
+table would turn every position's angle by a bf16 rounding). The graph is then
+traced at the dtypes the split runs at, so the plan counts its tensors as traced
+(:class:`CastForLoad` says so), not as if all were the plan's dtype: a causal
+LM's loss casts the bf16 logits to float32, and counted at bf16 that tensor
+was half its size.
 """
 
 from __future__ import annotations
