@@ -231,3 +231,20 @@ def test_a_float32_checkpoint_split_as_bfloat16_computes_what_transformers_loads
     with torch.no_grad():
         for device, peak in allocated_peaks(split, IDS, internal=True, **kwargs).items():
             assert planned[device] >= peak, (device, planned[device], peak)
+
+
+def test_a_split_does_not_depend_on_transformers_finding_its_checkpoint_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every split of a transformers model asks for its checkpoint names (for a later load_checkpoint); should
+    transformers' own lookup fail on a model, the split is made as before, reading names as they are."""
+    import transformers.conversion_mapping as mapping
+
+    from fxsplit.checkpoint.load import CONVERSIONS
+
+    def broken(model: Any, *args: Any, **kwargs: Any) -> Any:
+        raise AttributeError("no config for this model")
+
+    monkeypatch.setattr(mapping, "get_model_conversion_mapping", broken)
+    model = _gpt2().eval()
+    split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(IDS,), example_kwargs={"use_cache": False}, mode="weights")
+    assert split.meta[CONVERSIONS] is None
+    torch.testing.assert_close(split(IDS).logits, model(IDS, use_cache=False).logits, rtol=0, atol=0)

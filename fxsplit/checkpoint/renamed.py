@@ -54,7 +54,10 @@ def conversions_of(model: torch.nn.Module) -> Conversions | None:
         from transformers.core_model_loading import WeightConverter, WeightRenaming
     except ImportError:  # a transformers without them converts nothing
         return None
-    transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]  # a transformers model, as checked
+    try:
+        transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]  # a transformers model, as checked
+    except Exception:  # noqa: BLE001 - transformers' own lookup failed on this model: read names as they are, and a
+        return None  # checkpoint in another layout is then reported name by name (every split asks, loading or not)
     return Conversions(
         renamings=tuple(t for t in transforms if isinstance(t, WeightRenaming)),
         converters=tuple(t for t in transforms if isinstance(t, WeightConverter)),
