@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fxsplit.cost import walk
-from fxsplit.cost.build import GraphCosts, Weight, _frozen, build_problem, model_tensors, named_tensors, path_matches
+from fxsplit.cost.build import GraphCosts, Weight, _new, build_problem, model_tensors, named_tensors, path_matches
 from fxsplit.cost.walk import module_table, one_walk
 from fxsplit.errors import SpecError
 from fxsplit.partition.problem import Value
@@ -167,9 +167,10 @@ def test_one_walk_lists_the_tensors_once_per_model() -> None:
     assert named_tensors(model) is not first
 
 
-def test_values_and_weights_made_without_init_equal_constructed_ones() -> None:
+def test_values_and_weights_made_from_tuples_equal_constructed_ones() -> None:
     fields = {"name": "x", "nbytes": 4, "start": 1, "consumers": (1, 3), "weight": 4, "movable": False}
-    made = _frozen(Value, dict(fields))
-    assert made == Value(**fields) and repr(made) == repr(Value(**fields)) and made.last == 3
+    made = _new(Value, tuple(fields.values()))
+    assert type(made) is Value and made == Value(**fields) and repr(made) == repr(Value(**fields)) and made.last == 3
+    assert made._replace(nbytes=0) == Value(**{**fields, "nbytes": 0})
     weight = {"names": ("a", "b"), "nbytes": 8, "is_buffer": False, "nodes": ("n",)}
-    assert _frozen(Weight, dict(weight)) == Weight(**weight)
+    assert _new(Weight, tuple(weight.values())) == Weight(**weight)

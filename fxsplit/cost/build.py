@@ -8,9 +8,8 @@ one byte, so the partitioner then minimises the number of values cut.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.fx
@@ -51,9 +50,9 @@ __all__ = [
 UNKNOWN_VALUE_BYTES = 1
 
 
-@dataclass(frozen=True)
-class Weight:
-    """One parameter or buffer tensor, with every name it has in the model.
+class Weight(NamedTuple):
+    """One parameter or buffer tensor, with every name it has in the model (a named tuple, as
+    :class:`~fxsplit.partition.problem.Value` is: one per tensor; change one with ``weight._replace(...)``).
 
     Attributes:
         names: qualified names in the user's model (several when tied); the
@@ -172,22 +171,14 @@ def build_problem(
     module_buffers = scan.module_buffers
     for key, (names, tensor, is_buffer, users, nodes) in read.items():
         nbytes = _tensor_bytes(tensor, dtype)
-        weight = {"names": tuple(names), "nbytes": nbytes, "is_buffer": is_buffer, "nodes": tuple(nodes)}
-        weights.append(_frozen(Weight, weight))
+        weights.append(_new(Weight, (tuple(names), nbytes, is_buffer, tuple(nodes))))
         if not users:
             weight_values.append(-1)
             continue
         readers = tuple(sorted(set(users))) if len(users) > 1 else tuple(users)
         weight_values.append(len(values))
-        value = {
-            "name": names[0],
-            "nbytes": nbytes,
-            "start": readers[0],
-            "consumers": readers,
-            "weight": nbytes,
-            "movable": not module_buffers or key not in module_buffers,
-        }
-        values.append(_frozen(Value, value))
+        movable = not module_buffers or key not in module_buffers
+        values.append(_new(Value, (names[0], nbytes, readers[0], readers, nbytes, movable)))
         if writes and ("weight", key) in writes:  # a written buffer lives where its first reader runs
             writes[("weight", key)].add(readers[0])
     unused = (
@@ -201,8 +192,8 @@ def build_problem(
     )
     aliases = _unread_aliases(weights, weight_values, unused, read, known, covered_sources(graph_module))
     if aliases:
-        weights = [dataclasses.replace(w, nbytes=0) if w.names[0] in aliases else w for w in weights]
-        unused = [dataclasses.replace(w, nbytes=0) if w.names[0] in aliases else w for w in unused]
+        weights = [w._replace(nbytes=0) if w.names[0] in aliases else w for w in weights]
+        unused = [w._replace(nbytes=0) if w.names[0] in aliases else w for w in unused]
 
     labels = scan.labels
     problem = PartitionProblem(
@@ -247,8 +238,25 @@ def _op_values(
             consumers: tuple[int, ...] = () if reader is None else (reader,)
         else:
             consumers = tuple(sorted({index[u] for u in users if u in index}))
-        nbytes, kind = _value_facts(node, dtype, sizes)
-        value_nbytes[node.name] = nbytes
+        meta = node.meta  # one tensor of known shape (most values): its bytes here, without a call
+        value: Any = meta["val"] if "val" in meta else meta.get("tensor_meta")
+        numel: object = None
+        nbytes: int | None
+        kind: str | None
+        if type(value) is TensorMetadata or isinstance(value, torch.Tensor):
+            try:
+                numel = value.shape.numel()  # torch.Size's own product; a symbolic size: a SymInt, or it fails
+            except Exception:  # noqa: BLE001
+                numel = None
+        if type(numel) is int:
+            per = sizes.get(value.dtype)
+            if per is None:
+                per = sizes[value.dtype] = element_size(value.dtype, dtype)
+            nbytes, kind = numel * per, TENSOR
+        else:
+            nbytes, kind = _value_facts(node, dtype, sizes)
+        name = node.name
+        value_nbytes[name] = nbytes
         if not consumers:
             continue
         if kind is None:
@@ -256,19 +264,8 @@ def _op_values(
         at = position(node)
         if writers:
             made[node] = len(values)
-        values.append(
-            _frozen(
-                Value,
-                {
-                    "name": node.name,
-                    "nbytes": 0 if kind == NONTENSOR else (nbytes if nbytes is not None else UNKNOWN_VALUE_BYTES),
-                    "start": consumers[0] if at is None else at,
-                    "consumers": consumers,
-                    "weight": 0,
-                    "movable": True,
-                },
-            )
-        )
+        size = 0 if kind == NONTENSOR else (nbytes if nbytes is not None else UNKNOWN_VALUE_BYTES)
+        values.append(_new(Value, (name, size, consumers[0] if at is None else at, consumers, 0, True)))
     return values, value_nbytes
 
 
@@ -285,33 +282,11 @@ def _merged(
         return False
     readers = {index[u] for u in node.users if u in index}
     value = values[made[origin]]
-    values[made[origin]] = dataclasses.replace(value, consumers=tuple(sorted({*value.consumers, *readers})))
+    values[made[origin]] = value._replace(consumers=tuple(sorted({*value.consumers, *readers})))
     return True
 
 
-_Frozen = TypeVar("_Frozen")
-_FILLED: dict[
-    type, bool
-] = {  # the fields the cost model fills, in order; a class whose fields differ is constructed as usual
-    cls: tuple(cls.__dataclass_fields__) == names and not hasattr(cls, "__post_init__")
-    for cls, names in (
-        (Value, ("name", "nbytes", "start", "consumers", "weight", "movable")),
-        (Weight, ("names", "nbytes", "is_buffer", "nodes")),
-    )
-}
-_new, _setattr = object.__new__, object.__setattr__
-_FILLED_CLASSES = frozenset(cls for cls, filled in _FILLED.items() if filled)
-
-
-def _frozen(cls: type[_Frozen], fields: dict[str, Any]) -> _Frozen:
-    """``cls(**fields)`` for a frozen dataclass (Value, Weight), ``fields`` all of its fields in order: the same
-    object, made without the generated ``__init__``'s ``object.__setattr__`` per field (half the time; the
-    cost model makes one Value and one Weight per op)."""
-    if cls in _FILLED_CLASSES:
-        made = _new(cls)
-        _setattr(made, "__dict__", fields)
-        return made
-    return cls(**fields)
+_new = tuple.__new__  # a named tuple from a tuple of all its fields, without its ``__new__``'s keyword handling
 
 
 def _value_facts(

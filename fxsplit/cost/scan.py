@@ -95,8 +95,9 @@ def scan_graph(
                 continue
             at, module = len(ops), modules[target]
             for name, tensor in module_tensors(module) if module._modules else _leaf_tensors(module):
-                entry(node, tensor, target, name)[3].append(at)
-                if not isinstance(tensor, torch.nn.Parameter):
+                found = entry(node, tensor, target, name)
+                found[3].append(at)
+                if found[2]:  # a buffer (known from the model's walk: the tensor itself is not touched again)
                     module_buffers.add(id(tensor))
             label = target
         elif op == "call_function" or op == "call_method":

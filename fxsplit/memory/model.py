@@ -101,7 +101,7 @@ class MemoryModel:
             if index >= 0:
                 charged = weight.nbytes + (sum(self.state_bytes(weight.names[0], weight.nbytes)) if training else 0)
                 if values[index].weight != charged:  # else the same value as it is
-                    values[index] = dataclasses.replace(values[index], weight=charged)
+                    values[index] = values[index]._replace(weight=charged)
         extra: tuple[int, ...] = ()
         transient: tuple[int, ...] = ()
         if self.profile is not None:

@@ -57,7 +57,7 @@ def with_output_reader(
             latest[value.name] = index
     for name, index in latest.items():  # a weight too: returned, it is copied from its home like an activation
         by_name.pop(name)
-        values[index] = dataclasses.replace(values[index], consumers=(*values[index].consumers, reader))
+        values[index] = values[index]._replace(consumers=(*values[index].consumers, reader))
     values += [Value(name, nbytes, start, (reader,)) for name, (nbytes, start) in by_name.items()]
     pinned = dict(problem.pinned)
     if device is not None:

@@ -301,11 +301,11 @@ def free_readers(
     for index, value in enumerate(problem.values):
         consumers = tuple(op + shift for op in value.consumers)
         if index in homes and value.movable:
-            values.append(dataclasses.replace(value, start=homes[index], consumers=consumers))
+            values.append(value._replace(start=homes[index], consumers=consumers))
             continue
         if index in homes:
             pinned.update({op + shift: start[op] for op in (value.start, *value.consumers)})
-        values.append(dataclasses.replace(value, start=value.start + shift, consumers=consumers))
+        values.append(value._replace(start=value.start + shift, consumers=consumers))
     pad = (0,) * num_devices
     anchored = PartitionProblem(
         op_names=tuple(f"<weights on device {d}>" for d in range(num_devices)) + problem.op_names,

@@ -103,7 +103,7 @@ def replicated_problem(problem: PartitionProblem, groups: dict[int, tuple[tuple[
     values: list[Value] = []
     for index, value in enumerate(problem.values):
         if index in groups:
-            values.extend(dataclasses.replace(value, start=ops[0], consumers=ops) for ops in groups[index])
+            values.extend(value._replace(start=ops[0], consumers=ops) for ops in groups[index])
         else:
             values.append(value)
     return dataclasses.replace(problem, values=tuple(values))

@@ -52,7 +52,7 @@ def without_weight_copies(problem: PartitionProblem, weight_values: Sequence[int
     each device that reads one holds it (``held``: charged to every such device's budget)."""
     weights = {index for index in weight_values if index >= 0}
     values = tuple(
-        dataclasses.replace(value, nbytes=0) if index in weights and value.nbytes else value
+        value._replace(nbytes=0) if index in weights and value.nbytes else value
         for index, value in enumerate(problem.values)
     )
     return dataclasses.replace(problem, values=values, held=tuple(sorted(weights)))
