@@ -101,9 +101,10 @@ def run_seed(seed: int) -> dict[str, Any]:
     result: dict[str, Any] = {"seed": seed, **how}
     model, args, segments = _program(seed)
     reference = copy.deepcopy(model)
+    eager_args = tuple(a.clone() for a in args)  # each run its own inputs: a program may write one in place
     try:
         torch.manual_seed(seed)  # the same random numbers (dropout) for both
-        expected = reference(*args)
+        expected = reference(*eager_args)
         eager_loss = _loss(expected)
         if eager_loss.requires_grad and how["mode"] == "training":
             eager_loss.backward()
@@ -130,10 +131,11 @@ def run_seed(seed: int) -> dict[str, Any]:
         return {**result, "outcome": "refused", "error": f"{type(error).__name__}: {error}"[:300]}
     except Exception as error:  # noqa: BLE001 - any other error is a finding
         return {**result, "outcome": "crash", "error": f"{type(error).__name__}: {error}"[:300], "at": _where(error)}
+    run_args = tuple(a.clone() for a in args)
     try:
         torch.manual_seed(seed)
         with DeviceChecker(gm.meta["fxsplit_plan"], gm, model, host_anywhere=True):  # attention's causal mask
-            out = gm(*args)
+            out = gm(*run_args)
         if how["mode"] == "training":
             loss = _loss(out)
             if loss.requires_grad:
@@ -141,6 +143,7 @@ def run_seed(seed: int) -> dict[str, Any]:
     except Exception as error:  # noqa: BLE001
         return {**result, "outcome": "crash", "error": f"{type(error).__name__}: {error}"[:300], "at": _where(error)}
     differ = _differences(out, expected, model, reference)
+    differ += [f"input {i}" for i, (a, e) in enumerate(zip(run_args, eager_args, strict=True)) if not torch.equal(a, e)]
     used = sorted(set(gm.meta["fxsplit_plan"].placement.values()))
     return {**result, "outcome": "wrong" if differ else "equal", "differ": differ[:5], "used": used}
 

@@ -40,6 +40,14 @@ def test_a_generated_program_split_computes_what_it_computes_unsplit(seed: int) 
     assert len(found["used"]) > 1, found  # really split
 
 
+def test_a_program_that_writes_its_input_writes_the_callers_tensor_as_eager_does() -> None:
+    """Seed 43218 doubles a slice of its input through ``v0.view(16, -1)[..., 125:580].mul_(2.0)`` and reads it
+    after: eager and the split each get their own copy of the inputs (one run's write must not reach the other's
+    inputs, which once made this seed look wrong), and the split must leave the caller's copy as eager leaves its."""
+    found = run_seed(43218)
+    assert found["outcome"] == "equal", found  # outputs, and the input as each run left it ("input 0" otherwise)
+
+
 def test_the_command_runs_each_seed_in_its_own_process_and_says_how_it_went(capsys: pytest.CaptureFixture[str]) -> None:
     import split_fuzz
 
