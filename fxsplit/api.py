@@ -14,7 +14,7 @@ import torch.fx
 from fxsplit.callsite import user_stacklevel
 from fxsplit.check import verify_split
 from fxsplit.checkpoint import prepare, remember_non_persistent
-from fxsplit.checkpoint.cast import CastForLoad, warn_uncast
+from fxsplit.checkpoint.cast import CastForLoad, PlanningCast, warn_uncast
 from fxsplit.checkpoint.unloaded import guard_meta_weights
 from fxsplit.codegen.emitter import emit, move_weights
 from fxsplit.cost.constraints import (
@@ -126,20 +126,26 @@ def _trace_and_plan(
             example_inputs, example_kwargs, options.pipeline.chunks, options.pipeline.broadcast, argument_names(model)
         )
     as_traced = cast is not None and cast(dtype)  # the model as the checkpoint fills it: its graph of those dtypes
+    at_dtype = PlanningCast(model, dtype) if cast is None else None  # plan(): a meta model cast, free, till the end
+    if at_dtype is not None:
+        planning.callback(at_dtype.undo)
+    tracing = functools.partial(
+        trace,
+        model,
+        example_inputs=example_inputs,
+        example_kwargs=example_kwargs,
+        mode=options.trace,
+        leaf_modules=resolve_leaf_modules(model, leaves, locate),
+        concrete_args=options.concrete_args,
+        dynamic_shapes=options.dynamic_shapes,
+    )
     try:
-        traced = trace(
-            model,
-            example_inputs=example_inputs,
-            example_kwargs=example_kwargs,
-            mode=options.trace,
-            leaf_modules=resolve_leaf_modules(model, leaves, locate),
-            concrete_args=options.concrete_args,
-            dynamic_shapes=options.dynamic_shapes,
-        )
+        traced = at_dtype.traced(tracing) if at_dtype is not None else tracing()
     except TraceError as error:  # torch.export's own failure too (a reshape to the whole batch's size)
         if isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
             raise type(error)(on_one_microbatch(str(error), options.pipeline.chunks)) from error
         raise
+    as_traced = as_traced or (at_dtype is not None and at_dtype.cast)
     if traced.shapes_missing and isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
         said = on_one_microbatch(traced.shapes_missing, options.pipeline.chunks).replace("\n  ", "; ")
         traced = dataclasses.replace(traced, shapes_missing=said)
@@ -173,6 +179,7 @@ def _trace_and_plan(
         homes,
         (example_inputs, example_kwargs),
         as_traced=as_traced,
+        given=at_dtype.given if at_dtype is not None else None,
     )
     planned = plan_graph(job)
     if not runnable and wants_row_splits(options, homes):  # stages in processes of their own
@@ -184,7 +191,9 @@ def plan(model: torch.nn.Module, budgets: Any = None, *, example_inputs: Any = N
     """Decide where every op, parameter and buffer of ``model`` goes; run nothing.
 
     Works on models built on the ``meta`` device (no weights needed). Takes the
-    same arguments as :func:`fxsplit`. The model is not modified.
+    same arguments as :func:`fxsplit`. The model is not modified (with ``dtype=``,
+    a ``meta`` model is traced cast to it, as its checkpoint split will run, and
+    put back: :class:`~fxsplit.checkpoint.cast.PlanningCast`).
 
     Example:
         >>> import torch, fxsplit

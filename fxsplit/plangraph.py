@@ -74,7 +74,10 @@ class GraphPlanning:
             (:func:`~fxsplit.planning.timing.timing_for`'s ``seen``).
         as_traced: the model was cast to ``dtype`` before it was traced (a checkpoint fills it): its tensors count
             at the dtypes traced, which are the split's (a float32 rotary table, :mod:`fxsplit.checkpoint.cast`; a
-            loss's float32 logits), not all at ``dtype``.
+            loss's float32 logits), not all at ``dtype``; also when :func:`fxsplit.plan` cast a meta model for the
+            trace (:class:`~fxsplit.checkpoint.cast.PlanningCast`).
+        given: the model's structure before such a cast (the plan records it: :mod:`fxsplit.planning.fingerprint`),
+            None when the model is planned as it is.
     """
 
     model: torch.nn.Module
@@ -91,6 +94,7 @@ class GraphPlanning:
     inputs: tuple[Any, Mapping[str, Any] | None]
     measured: dict[tuple[Any, ...], float] = field(default_factory=dict)
     as_traced: bool = False
+    given: tuple[str, dict[str, str], tuple[tuple[str, ...], ...]] | None = None
 
     @property
     def devices(self) -> list[str]:
@@ -160,7 +164,7 @@ def plan_graph(job: GraphPlanning) -> Planned:
     if made.memory:  # what the rows count, in words: the mode, the optimizer and its step
         made = dataclasses.replace(made, memory_counts=memory.counts(made))
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None
-    made = record_origin(made, model, job.dtype, job.leaves, dynamic, traced.graph_module)
+    made = record_origin(made, model, job.dtype, job.leaves, dynamic, traced.graph_module, given=job.given)
     if uncounted is not None:
         made = dataclasses.replace(made, activations_not_counted=uncounted)
     if timing is not None:

@@ -8,6 +8,7 @@ logits with the model ``from_pretrained`` loads from the same directory.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -231,6 +232,54 @@ def test_a_float32_checkpoint_split_as_bfloat16_computes_what_transformers_loads
     with torch.no_grad():
         for device, peak in allocated_peaks(split, IDS, internal=True, **kwargs).items():
             assert planned[device] >= peak, (device, planned[device], peak)
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_a_meta_model_planned_as_bfloat16_gets_the_plan_of_its_bfloat16_checkpoint_split(
+    tmp_path: Path, mode: str
+) -> None:
+    """``fxsplit.plan(meta_model, dtype="bfloat16")`` (sizing a deployment before renting it) traces the model cast
+    to bf16, free on ``meta``, and counts what it traced, as the checkpoint split does: the plan is the split's
+    own. Traced at float32 and scaled, it counted the float32 softmax and norms of a bf16 Llama as bf16, and its
+    activations were under the split's. The model is left as given, and the plan, recorded as of it, applies."""
+    _save(_llama, tmp_path)
+    kwargs = {"use_cache": False, **({"labels": IDS} if mode == "training" else {})}
+    options = {"example_inputs": (IDS,), "example_kwargs": kwargs, "dtype": "bfloat16", "mode": mode}
+    budgets = {"cpu:0": "2MiB", "cpu:1": "2MiB"}
+    model = _empty_from_config(tmp_path)
+    given = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+    planned = fxsplit.plan(model, budgets, **options)
+    assert {name: tensor.dtype for name, tensor in model.state_dict().items()} == given
+    split = fxsplit.fxsplit(_empty_from_config(tmp_path), budgets, checkpoint=tmp_path, **options)
+    made = split.meta["fxsplit_plan"]
+    assert planned.memory == made.memory
+    assert planned.placement == made.placement and planned.cuts == made.cuts
+    assert planned.tensors["lm_head.weight"].startswith("float32")  # the model as given
+    saved = fxsplit.Plan.from_yaml(planned.to_yaml())
+    applied = fxsplit.apply(
+        _empty_from_config(tmp_path), saved, example_inputs=(IDS,), example_kwargs=kwargs, checkpoint=tmp_path
+    )
+    torch.testing.assert_close(applied(IDS, **kwargs).logits, split(IDS, **kwargs).logits, rtol=0, atol=0)
+
+
+def test_a_meta_model_whose_cast_does_not_trace_on_its_inputs_is_planned_as_given_and_says_so() -> None:
+    """Float32 pixels into a convolution cast to bf16 do not run: the plan falls back to the model as given,
+    counted as bf16, with a warning that says so and what to pass; bf16 pixels plan the bf16 model, silently."""
+    with fxsplit.empty_weights():
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(288, 4)
+        )
+    pixels = torch.randn(2, 3, 8, 8)
+    for trace in ("fx", "export"):
+        with pytest.warns(fxsplit.FxsplitWarning, match="the model cast to bfloat16 could not be traced.*Input type"):
+            fallback = fxsplit.plan(model, {"cpu:0": "1MiB"}, example_inputs=(pixels,), dtype="bfloat16", trace=trace)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cast = fxsplit.plan(
+                model, {"cpu:0": "1MiB"}, example_inputs=(pixels.bfloat16(),), dtype="bfloat16", trace=trace
+            )
+        assert fallback.memory == cast.memory  # no op here computes at another dtype
+        assert all(p.dtype == torch.float32 and p.is_meta for p in model.parameters())
 
 
 def test_a_split_does_not_depend_on_transformers_finding_its_checkpoint_names(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,20 +21,21 @@ was half its size.
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
 from fxsplit.callsite import user_stacklevel
 from fxsplit.cost.walk import named_tensors
-from fxsplit.errors import FxsplitWarning
+from fxsplit.errors import FxsplitWarning, TraceError
 
-__all__ = ["CastForLoad", "cast_floating", "warn_uncast"]
+__all__ = ["CastForLoad", "PlanningCast", "cast_floating", "warn_uncast"]
+
+_Traced = TypeVar("_Traced")
 
 
-def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[], None]:
-    """Give every floating parameter and persistent buffer of ``model`` the ``dtype``; returns what undoes it."""
-    changed: list[tuple[torch.Tensor, torch.Tensor]] = []
+def _castable(model: torch.nn.Module, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The floating parameters and persistent buffers of ``model`` not yet of ``dtype``, each tensor once."""
     computed = {  # non-persistent buffers: the model's own, kept at their dtype
         id(buffer)
         for module in model.modules()
@@ -42,10 +43,23 @@ def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[], No
         if buffer is not None and name in module._non_persistent_buffers_set
     }
     seen: set[int] = set()
+    found = []
     for _, tensor, _ in named_tensors(model):
         if id(tensor) in seen or id(tensor) in computed or not tensor.is_floating_point() or tensor.dtype == dtype:
             continue
         seen.add(id(tensor))
+        found.append(tensor)
+    return found
+
+
+def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[], None]:
+    """Give every floating parameter and persistent buffer of ``model`` the ``dtype``; returns what undoes it."""
+    return _cast(_castable(model, dtype), dtype)
+
+
+def _cast(tensors: list[torch.Tensor], dtype: torch.dtype) -> Callable[[], None]:
+    changed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for tensor in tensors:
         changed.append((tensor, tensor.data))
         tensor.data = tensor.data.to(dtype)
 
@@ -79,6 +93,77 @@ class CastForLoad:
         if error is not None:  # a failed call leaves the model as it was
             for undo in reversed(self.undo):
                 undo()
+
+
+class PlanningCast:
+    """``fxsplit.plan(model, dtype=...)`` of a model built on ``meta``: the model cast to the planned dtype while
+    it is traced and planned (free: no data), :meth:`undo` after.
+
+    The graph is then the one the split of the checkpoint loaded at that dtype runs, and the plan counts its
+    tensors as traced (:class:`CastForLoad` does the same with a checkpoint): a bf16 Llama's attention softmax
+    and norms compute in float32, tensors a plan of the float32 model counted as bf16, at half their size. A
+    model with real floating weights is not cast (that would copy them); its plan counts floating tensors as
+    ``dtype``.
+
+    Attributes:
+        cast: the model holds the planned dtype (cast here, or already so): count its tensors as traced.
+        given: the model's structure before the cast (:func:`~fxsplit.planning.fingerprint.describe`), which the
+            plan records, so that it applies to the model as given; None when nothing was cast.
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: str | None) -> None:
+        from fxsplit.planning.fingerprint import describe
+
+        self.dtype = dtype
+        self.cast = False
+        self.given: tuple[str, dict[str, str], tuple[tuple[str, ...], ...]] | None = None
+        self._undo: Callable[[], None] | None = None
+        if not dtype:
+            return
+        tensors = _castable(model, getattr(torch, dtype))
+        if tensors and all(tensor.is_meta for tensor in tensors):
+            self.given = describe(model)
+            self._undo = _cast(tensors, getattr(torch, dtype))
+        self.cast = not tensors or self._undo is not None
+
+    def undo(self) -> None:
+        """Put the model's dtypes back (again: nothing)."""
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+
+    def traced(self, tracing: Callable[[], _Traced]) -> _Traced:
+        """``tracing()`` of the model as it is now; when the cast model fails to trace, or (torch.fx) its shapes
+        cannot be found (float inputs of another dtype than the cast weights), the cast is undone, with a warning
+        that the plan counts floating tensors as the dtype, and the model as given is traced."""
+        try:
+            made = tracing()
+        except TraceError as error:
+            if not self._fall_back(str(error)):
+                raise
+            return tracing()
+        missing = getattr(made, "shapes_missing", None)
+        if missing and self._fall_back(str(missing)):
+            return tracing()
+        return made
+
+    def _fall_back(self, said: str) -> bool:
+        """Undo the cast (False: there was none) and warn why."""
+        if self._undo is None:
+            return False
+        self.undo()
+        self.cast, self.given = False, None
+        first = said.strip().splitlines()[0] if said.strip() else "no reason given"
+        warnings.warn(
+            FxsplitWarning(
+                f"the model cast to {self.dtype} could not be traced ({first}); it was traced at its own dtypes and "
+                f"its floating tensors are counted as {self.dtype}, so work the {self.dtype} model does at another "
+                f"dtype (a float32 softmax, norm or loss) is counted as {self.dtype}; pass floating example inputs "
+                f"of {self.dtype} to plan the model as it will run"
+            ),
+            stacklevel=user_stacklevel(),
+        )
+        return True
 
 
 def warn_uncast(model: torch.nn.Module, dtype: str | None) -> None:

@@ -132,10 +132,13 @@ def record_origin(
     leaves: Sequence[type | str],
     dynamic: str | None = None,
     graph_module: Any = None,
+    *,
+    given: tuple[str, dict[str, str], tuple[tuple[str, ...], ...]] | None = None,
 ) -> Any:
     """The plan with what it was made from: the model's structure (and the tensors only its trace holds),
-    the planning dtype, how to re-trace (and which ops' rows the graph splits)."""
-    fingerprint, tensors, tied = describe(model)
+    the planning dtype, how to re-trace (and which ops' rows the graph splits). ``given``: the structure of the
+    model as the caller gave it, when it was cast for planning (:func:`describe` of it then)."""
+    fingerprint, tensors, tied = given if given is not None else describe(model)
     constants = graph_constants(made.param_devices, tensors, graph_module) if graph_module is not None else {}
     if graph_module is not None:
         from fxsplit.planning.rowsplits import recorded_splits
