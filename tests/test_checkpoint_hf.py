@@ -262,6 +262,34 @@ def test_a_meta_model_planned_as_bfloat16_gets_the_plan_of_its_bfloat16_checkpoi
     torch.testing.assert_close(applied(IDS, **kwargs).logits, split(IDS, **kwargs).logits, rtol=0, atol=0)
 
 
+class _NormedScores(torch.nn.Module):
+    """A batch norm (its statistics: buffers ``empty_weights()`` keeps real) and scores softmaxed in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.proj(x))
+        return (h @ h.T).float().softmax(-1).to(h.dtype) @ h
+
+
+def test_a_model_with_meta_parameters_and_real_buffers_is_planned_at_the_dtype_and_given_back() -> None:
+    """Parameters on ``meta`` and the norm's statistics real, as ``empty_weights()`` builds: cast for the trace
+    (the buffers copied), planned as the bf16 model is, and the buffers put back as they were."""
+    with fxsplit.empty_weights():
+        empty = _NormedScores().eval()
+    statistics = empty.norm.running_var
+    x = torch.randn(64, 16)
+    options = {"mode": "inference", "trace": "export"}
+    planned = fxsplit.plan(empty, {"cpu:0": "1MiB"}, example_inputs=(x.bfloat16(),), dtype="bfloat16", **options)
+    cast = fxsplit.plan(_NormedScores().eval().bfloat16(), {"cpu:0": "1MiB"}, example_inputs=(x.bfloat16(),), **options)
+    assert planned.memory["cpu:0"]["activations_peak"] == cast.memory["cpu:0"]["activations_peak"]
+    assert empty.norm.running_var is statistics and statistics.dtype == torch.float32 and not statistics.is_meta
+    assert torch.equal(statistics, torch.ones(16)) and empty.proj.weight.is_meta
+
+
 def test_a_meta_model_whose_cast_does_not_trace_on_its_inputs_is_planned_as_given_and_says_so() -> None:
     """Float32 pixels into a convolution cast to bf16 do not run: the plan falls back to the model as given,
     counted as bf16, with a warning that says so and what to pass; bf16 pixels plan the bf16 model, silently."""

@@ -96,13 +96,14 @@ class CastForLoad:
 
 
 class PlanningCast:
-    """``fxsplit.plan(model, dtype=...)`` of a model built on ``meta``: the model cast to the planned dtype while
-    it is traced and planned (free: no data), :meth:`undo` after.
+    """``fxsplit.plan(model, dtype=...)`` of a model whose parameters are on ``meta``: the model cast to the
+    planned dtype while it is traced and planned (free: no data; real buffers, as ``fxsplit.empty_weights()``
+    keeps them, are copied), :meth:`undo` after.
 
     The graph is then the one the split of the checkpoint loaded at that dtype runs, and the plan counts its
     tensors as traced (:class:`CastForLoad` does the same with a checkpoint): a bf16 Llama's attention softmax
     and norms compute in float32, tensors a plan of the float32 model counted as bf16, at half their size. A
-    model with real floating weights is not cast (that would copy them); its plan counts floating tensors as
+    model with real floating parameters is not cast (that would copy them); its plan counts floating tensors as
     ``dtype``.
 
     Attributes:
@@ -121,7 +122,8 @@ class PlanningCast:
         if not dtype:
             return
         tensors = _castable(model, getattr(torch, dtype))
-        if tensors and all(tensor.is_meta for tensor in tensors):
+        # real buffers are cast too (copied, and put back after): fxsplit.empty_weights() keeps buffers real
+        if tensors and all(t.is_meta for t in tensors if isinstance(t, torch.nn.Parameter)):
             self.given = describe(model)
             self._undo = _cast(tensors, getattr(torch, dtype))
         self.cast = not tensors or self._undo is not None
