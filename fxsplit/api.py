@@ -38,7 +38,7 @@ from fxsplit.planning.rowsplits import try_row_splits, wants_row_splits
 from fxsplit.planning.weightmap import device_map_homes, pins_as_device_map, refuse_with_map
 from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
-from fxsplit.tracing.capture import trace
+from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.checkpoints import checkpointing_message
 from fxsplit.validate import check_concrete_args, device_option, refuse_growing_state, refuse_meta, require_module
 
@@ -126,25 +126,33 @@ def _trace_and_plan(
             example_inputs, example_kwargs, options.pipeline.chunks, options.pipeline.broadcast, argument_names(model)
         )
     as_traced = cast is not None and cast(dtype)  # the model as the checkpoint fills it: its graph of those dtypes
-    at_dtype = PlanningCast(model, dtype) if cast is None else None  # plan(): a meta model cast, free, till the end
+    at_dtype = (  # plan(): the model as it runs at the dtype (free: meta), till the end
+        PlanningCast(model, dtype, (example_inputs, example_kwargs), stand_in=not options.profile)
+        if cast is None
+        else None
+    )
     if at_dtype is not None:
         planning.callback(at_dtype.undo)
-    tracing = functools.partial(
-        trace,
-        model,
-        example_inputs=example_inputs,
-        example_kwargs=example_kwargs,
-        mode=options.trace,
-        leaf_modules=resolve_leaf_modules(model, leaves, locate),
-        concrete_args=options.concrete_args,
-        dynamic_shapes=options.dynamic_shapes,
-    )
+
+    def tracing(inputs: Any, kwargs: Mapping[str, Any] | None) -> Traced:
+        return trace(
+            model,
+            example_inputs=inputs,
+            example_kwargs=kwargs,
+            mode=options.trace,
+            leaf_modules=resolve_leaf_modules(model, leaves, locate),
+            concrete_args=options.concrete_args,
+            dynamic_shapes=options.dynamic_shapes,
+        )
+
     try:
-        traced = at_dtype.traced(tracing) if at_dtype is not None else tracing()
+        traced = at_dtype.traced(tracing) if at_dtype is not None else tracing(example_inputs, example_kwargs)
     except TraceError as error:  # torch.export's own failure too (a reshape to the whole batch's size)
         if isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
             raise type(error)(on_one_microbatch(str(error), options.pipeline.chunks)) from error
         raise
+    if at_dtype is not None:  # what was traced: the inputs at the dtype (on meta, with stand-in weights)
+        example_inputs, example_kwargs = at_dtype.inputs
     as_traced = as_traced or (at_dtype is not None and at_dtype.cast)
     if traced.shapes_missing and isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
         said = on_one_microbatch(traced.shapes_missing, options.pipeline.chunks).replace("\n  ", "; ")
@@ -191,9 +199,10 @@ def plan(model: torch.nn.Module, budgets: Any = None, *, example_inputs: Any = N
     """Decide where every op, parameter and buffer of ``model`` goes; run nothing.
 
     Works on models built on the ``meta`` device (no weights needed). Takes the
-    same arguments as :func:`fxsplit`. The model is not modified (with ``dtype=``,
-    a ``meta`` model is traced cast to it, as its checkpoint split will run, and
-    put back: :class:`~fxsplit.checkpoint.cast.PlanningCast`).
+    same arguments as :func:`fxsplit`. The model is not modified: with ``dtype=``,
+    the model as it runs at the dtype is traced and planned (a ``meta`` model
+    cast, free; empty meta tensors standing in for real weights), and the model's
+    own tensors are put back (:class:`~fxsplit.checkpoint.cast.PlanningCast`).
 
     Example:
         >>> import torch, fxsplit

@@ -296,24 +296,24 @@ def test_a_model_with_meta_parameters_and_real_buffers_is_planned_at_the_dtype_a
     assert torch.equal(statistics, torch.ones(16)) and empty.proj.weight.is_meta
 
 
-def test_a_meta_model_whose_cast_does_not_trace_on_its_inputs_is_planned_as_given_and_says_so() -> None:
-    """Float32 pixels into a convolution cast to bf16 do not run: the plan falls back to the model as given,
-    counted as bf16, with a warning that says so and what to pass; bf16 pixels plan the bf16 model, silently."""
+def test_a_meta_model_planned_at_a_dtype_is_fed_its_floating_inputs_at_that_dtype() -> None:
+    """Float32 pixels into a convolution cast to bf16 would not run: the plan feeds the bf16 model bf16 pixels, as
+    it will be fed, silently, and so plans what bf16 pixels plan."""
     with fxsplit.empty_weights():
         model = torch.nn.Sequential(
             torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(288, 4)
         )
     pixels = torch.randn(2, 3, 8, 8)
     for trace in ("fx", "export"):
-        with pytest.warns(fxsplit.FxsplitWarning, match="the model cast to bfloat16 could not be traced.*Input type"):
-            fallback = fxsplit.plan(model, {"cpu:0": "1MiB"}, example_inputs=(pixels,), dtype="bfloat16", trace=trace)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
+            given = fxsplit.plan(model, {"cpu:0": "1MiB"}, example_inputs=(pixels,), dtype="bfloat16", trace=trace)
             cast = fxsplit.plan(
                 model, {"cpu:0": "1MiB"}, example_inputs=(pixels.bfloat16(),), dtype="bfloat16", trace=trace
             )
-        assert fallback.memory == cast.memory  # no op here computes at another dtype
+        assert given.memory == cast.memory and given.placement == cast.placement
         assert all(p.dtype == torch.float32 and p.is_meta for p in model.parameters())
+        assert pixels.dtype == torch.float32
 
 
 def test_a_split_does_not_depend_on_transformers_finding_its_checkpoint_names(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,11 +21,13 @@ was half its size.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from fxsplit.callsite import user_stacklevel
+from fxsplit.checkpoint import standin
+from fxsplit.checkpoint.standin import planning_inputs
 from fxsplit.cost.walk import named_tensors
 from fxsplit.errors import FxsplitWarning, TraceError
 
@@ -36,12 +38,7 @@ _Traced = TypeVar("_Traced")
 
 def _castable(model: torch.nn.Module, dtype: torch.dtype) -> list[torch.Tensor]:
     """The floating parameters and persistent buffers of ``model`` not yet of ``dtype``, each tensor once."""
-    computed = {  # non-persistent buffers: the model's own, kept at their dtype
-        id(buffer)
-        for module in model.modules()
-        for name, buffer in module._buffers.items()
-        if buffer is not None and name in module._non_persistent_buffers_set
-    }
+    computed = {id(buffer) for buffer in _computed_buffers(model)}  # kept at their dtype
     seen: set[int] = set()
     found = []
     for _, tensor, _ in named_tensors(model):
@@ -50,6 +47,16 @@ def _castable(model: torch.nn.Module, dtype: torch.dtype) -> list[torch.Tensor]:
         seen.add(id(tensor))
         found.append(tensor)
     return found
+
+
+def _computed_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The non-persistent buffers of ``model``: the model computes them (no checkpoint holds them)."""
+    return [
+        buffer
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and name in module._non_persistent_buffers_set
+    ]
 
 
 def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[], None]:
@@ -96,36 +103,54 @@ class CastForLoad:
 
 
 class PlanningCast:
-    """``fxsplit.plan(model, dtype=...)`` of a model whose parameters are on ``meta``: the model cast to the
-    planned dtype while it is traced and planned (free: no data; real buffers, as ``fxsplit.empty_weights()``
-    keeps them, are copied), :meth:`undo` after.
+    """``fxsplit.plan(model, dtype=...)``: the model as it will run at the planned dtype, while it is traced and
+    planned, :meth:`undo` after. The graph is then the one a split of the model at that dtype runs, and the plan
+    counts its tensors as traced (:class:`CastForLoad` does the same with a checkpoint): a bf16 Llama's attention
+    softmax and norms compute in float32, tensors a plan of the float32 model counted as bf16, at half their size.
 
-    The graph is then the one the split of the checkpoint loaded at that dtype runs, and the plan counts its
-    tensors as traced (:class:`CastForLoad` does the same with a checkpoint): a bf16 Llama's attention softmax
-    and norms compute in float32, tensors a plan of the float32 model counted as bf16, at half their size. A
-    model with real floating parameters is not cast (that would copy them); its plan counts floating tensors as
-    ``dtype``.
+    A model whose parameters are on ``meta`` is cast (free: no data; real buffers, as ``fxsplit.empty_weights()``
+    keeps them, are copied). In a model with real floating parameters, empty meta tensors of the dtype stand in
+    for its parameters and buffers (:mod:`fxsplit.checkpoint.standin`; nothing is copied), and the example
+    inputs go to ``meta``; not with ``profile=True``, which runs the ops (``stand_in=False``): that plan counts
+    floating tensors as ``dtype``. Floating example inputs are planned at the dtype, as the model is fed.
 
     Attributes:
         cast: the model holds the planned dtype (cast here, or already so): count its tensors as traced.
         given: the model's structure before the cast (:func:`~fxsplit.planning.fingerprint.describe`), which the
             plan records, so that it applies to the model as given; None when nothing was cast.
+        inputs: the example inputs to trace and plan with: ``(positional, keyword)``.
     """
 
-    def __init__(self, model: torch.nn.Module, dtype: str | None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        dtype: str | None,
+        inputs: tuple[Any, Any] = (None, None),
+        *,
+        stand_in: bool = True,
+    ) -> None:
         from fxsplit.planning.fingerprint import describe
 
         self.dtype = dtype
         self.cast = False
         self.given: tuple[str, dict[str, str], tuple[tuple[str, ...], ...]] | None = None
+        self.inputs = self._as_given = inputs
+        self._fed = any(given is not None for given in inputs)
         self._undo: Callable[[], None] | None = None
         if not dtype:
             return
-        tensors = _castable(model, getattr(torch, dtype))
-        # real buffers are cast too (copied, and put back after): fxsplit.empty_weights() keeps buffers real
-        if tensors and all(t.is_meta for t in tensors if isinstance(t, torch.nn.Parameter)):
+        target = getattr(torch, dtype)
+        tensors = _castable(model, target)
+        parameters = [t for t in tensors if isinstance(t, torch.nn.Parameter)]
+        if tensors and all(t.is_meta for t in parameters):  # real buffers are cast too (copied, put back after)
             self.given = describe(model)
-            self._undo = _cast(tensors, getattr(torch, dtype))
+            self._undo = _cast(tensors, target)
+            self.inputs = planning_inputs(inputs, target, on_meta=False)
+        elif parameters and stand_in and self._fed:  # without inputs there are no activations to count
+            given = describe(model)
+            self._undo = standin.stand_in(model, target)
+            if self._undo is not None:
+                self.given, self.inputs = given, planning_inputs(inputs, target, on_meta=True)
         self.cast = not tensors or self._undo is not None
 
     def undo(self) -> None:
@@ -134,19 +159,20 @@ class PlanningCast:
             self._undo()
             self._undo = None
 
-    def traced(self, tracing: Callable[[], _Traced]) -> _Traced:
-        """``tracing()`` of the model as it is now; when the cast model fails to trace, or (torch.fx) its shapes
-        cannot be found (float inputs of another dtype than the cast weights), the cast is undone, with a warning
-        that the plan counts floating tensors as the dtype, and the model as given is traced."""
+    def traced(self, tracing: Callable[[Any, Any], _Traced]) -> _Traced:
+        """``tracing(*self.inputs)`` of the model as it is now; when the cast model fails to trace, or (torch.fx)
+        its shapes cannot be found (an op the dtype or ``meta`` does not support), the cast is undone, with a
+        warning that the plan counts floating tensors as the dtype, and the model as given is traced on the
+        inputs as given."""
         try:
-            made = tracing()
+            made = tracing(*self.inputs)
         except TraceError as error:
             if not self._fall_back(str(error)):
                 raise
-            return tracing()
-        missing = getattr(made, "shapes_missing", None)
-        if missing and self._fall_back(str(missing)):
-            return tracing()
+            return tracing(*self.inputs)
+        missing = getattr(made, "shapes_missing", None)  # (expected without inputs: the cast weights still count)
+        if missing and self._fed and self._fall_back(str(missing)):
+            return tracing(*self.inputs)
         return made
 
     def _fall_back(self, said: str) -> bool:
@@ -154,14 +180,14 @@ class PlanningCast:
         if self._undo is None:
             return False
         self.undo()
-        self.cast, self.given = False, None
+        self.cast, self.given, self.inputs = False, None, self._as_given
         first = said.strip().splitlines()[0] if said.strip() else "no reason given"
         warnings.warn(
             FxsplitWarning(
                 f"the model cast to {self.dtype} could not be traced ({first}); it was traced at its own dtypes and "
                 f"its floating tensors are counted as {self.dtype}, so work the {self.dtype} model does at another "
-                f"dtype (a float32 softmax, norm or loss) is counted as {self.dtype}; pass floating example inputs "
-                f"of {self.dtype} to plan the model as it will run"
+                f"dtype (a float32 softmax, norm or loss) is counted as {self.dtype}; to plan the model as it will "
+                f"run, cast it and its floating inputs to {self.dtype} yourself (model.to(torch.{self.dtype}))"
             ),
             stacklevel=user_stacklevel(),
         )
@@ -174,7 +200,12 @@ def warn_uncast(model: torch.nn.Module, dtype: str | None) -> None:
     if not dtype:
         return
     planned = getattr(torch, dtype)
-    held = {t.dtype for _, t, _ in named_tensors(model) if t.is_floating_point() and t.dtype != planned}
+    computed = {id(t) for t in _computed_buffers(model)}  # a rotary table: kept at its dtype, and planned so
+    held = {
+        t.dtype
+        for _, t, _ in named_tensors(model)
+        if t.is_floating_point() and t.dtype != planned and id(t) not in computed
+    }
     if held:
         found = ", ".join(sorted(str(d).removeprefix("torch.") for d in held))
         warnings.warn(

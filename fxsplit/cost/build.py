@@ -244,7 +244,7 @@ def _op_values(
         kind: str | None = None
         if dtype is None and isinstance(value, torch.Tensor):  # its own dtype: one call, not shape and dtype (each
             try:  # costs as much on a fake tensor: together, a third of this pass on a 100k-op graph)
-                found: object = value.nbytes  # numel * element size; a SymInt for a symbolic size; a sparse tensor: fails
+                found: object = value.nbytes  # numel * element size; symbolic: a SymInt; sparse: it fails
             except Exception:  # noqa: BLE001
                 found = None
             if type(found) is int:

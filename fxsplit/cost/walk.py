@@ -17,7 +17,7 @@ import torch
 
 from fxsplit.attrpath import attr_at
 
-__all__ = ["ModulePaths", "module_table", "named_tensors", "one_walk"]
+__all__ = ["ModulePaths", "forget_walk", "module_table", "named_tensors", "one_walk"]
 
 _WALKS: ContextVar[dict[int, tuple[torch.nn.Module, list[tuple[str, torch.Tensor, bool]]]] | None] = ContextVar(
     "fxsplit_walks", default=None
@@ -36,6 +36,13 @@ def one_walk() -> Iterator[None]:
         yield
     finally:
         _WALKS.reset(token)
+
+
+def forget_walk(model: torch.nn.Module) -> None:
+    """Drop the walk of ``model`` that :func:`one_walk` keeps: the block replaced some of its tensors."""
+    walks = _WALKS.get()
+    if walks is not None:
+        walks.pop(id(model), None)
 
 
 def _modules(root: torch.nn.Module, remove_duplicate: bool) -> list[tuple[str, torch.nn.Module]]:

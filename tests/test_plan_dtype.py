@@ -1,0 +1,183 @@
+"""``fxsplit.plan(model, dtype=...)`` of a model with real weights plans the model as it runs at the dtype.
+
+A float32 model planned at bf16 used to be traced at float32 and every floating
+tensor counted as bf16, so the float32 work of the bf16 model (attention
+softmax, norms, the loss) was counted at half its size. Meta tensors of the
+dtype now stand in for its weights while it is traced and planned
+(:mod:`fxsplit.checkpoint.standin`), so the plan is the one of the model cast
+to the dtype, which it applies to, and the model itself is left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fxsplit
+from fxsplit.checkpoint.cast import cast_floating
+from fxsplit.checkpoint.standin import planning_inputs
+from fxsplit.planning.fingerprint import describe
+
+transformers = pytest.importorskip("transformers")
+
+IDS = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(0))
+
+
+def _llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64, use_cache=False, attn_implementation="eager"
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+class Attention(nn.Module):
+    """Scores in float32 whatever the weights' dtype, as transformers' eager attention computes them."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = (q @ k.transpose(-1, -2)).float().softmax(-1).to(x.dtype)
+        return self.out(scores @ v)
+
+
+class Inverse(nn.Module):
+    """Inverts matrices (``torch.linalg.inv``), which bf16 ones cannot be: it does not run once cast to bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.inv(self.proj(x).view(-1, 4, 4))
+
+
+def _state(model: nn.Module) -> list[tuple[str, int, torch.dtype, torch.device, int]]:
+    """Each tensor of ``model``: name, object, dtype, device and data: what planning must leave as it was."""
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return [(name, id(t), t.dtype, t.device, t.data_ptr()) for name, t in tensors]
+
+
+def _cast_copy(model: nn.Module) -> nn.Module:
+    """The model as a bf16 checkpoint load holds it: floating parameters and persistent buffers cast."""
+    copied = copy.deepcopy(model)
+    cast_floating(copied, torch.bfloat16)
+    return copied
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_a_float32_model_planned_at_bfloat16_gets_the_plan_of_the_bfloat16_model(make: Any, mode: str) -> None:
+    model = make()
+    cast = _cast_copy(model)
+    options: dict[str, Any] = {"example_inputs": (IDS,), "example_kwargs": {"labels": IDS}, "mode": mode}
+    options["trace"] = "export"  # (transformers 5.x models do not trace with torch.fx)
+    one = fxsplit.plan(cast, {"cpu:0": "1GiB"}, **options).memory["cpu:0"]["total"]
+    budgets = {"cpu:0": int(0.85 * one), "cpu:1": int(0.85 * one)}  # split over both
+    before = _state(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxsplit.FxsplitWarning)
+        planned = fxsplit.plan(model, budgets, dtype="bfloat16", **options)
+    expected = fxsplit.plan(cast, budgets, **options)
+    assert _state(model) == before  # the model's own tensors, untouched
+    assert len(set(planned.param_devices.values())) == 2
+    assert planned.placement == expected.placement and planned.cuts == expected.cuts
+    if make is _gpt2 and mode == "training":  # GPT-2's loss, profiled on meta, holds 2 KiB more than on the CPU
+        for device in planned.devices:
+            extra = planned.memory[device]["activations_peak"] - expected.memory[device]["activations_peak"]
+            assert 0 <= extra <= 4096
+    else:
+        assert planned.memory == expected.memory
+    assert planned.fingerprint == describe(model)[0]  # the float32 model's, which the plan applies to
+    assert planned.tied == expected.tied
+
+    split = fxsplit.apply(cast, planned, example_inputs=(IDS,), example_kwargs={"labels": IDS})
+    reference = _cast_copy(model)
+    torch.testing.assert_close(split(IDS, labels=IDS).loss, reference(IDS, labels=IDS).loss, rtol=0, atol=0)
+
+
+def test_the_float32_work_of_a_bfloat16_model_counts_at_float32() -> None:
+    """torch.fx and torch.export alike; the float32 inputs are fed as bf16, as the bf16 model is."""
+    model = nn.Sequential(Attention(), nn.ReLU(), Attention())
+    x = torch.randn(4, 16, 32)
+    for trace in ("fx", "export"):
+        planned = fxsplit.plan(model, {"cpu:0": "1MiB"}, example_inputs=(x,), dtype="bfloat16", trace=trace)
+        cast = fxsplit.plan(model.to(torch.bfloat16), {"cpu:0": "1MiB"}, example_inputs=(x.bfloat16(),), trace=trace)
+        model.float()
+        assert planned.memory == cast.memory
+        as_float32 = fxsplit.plan(model, {"cpu:0": "1MiB"}, example_inputs=(x,), trace=trace).memory["cpu:0"]
+        # the float32 scores (4 x 16 x 16 x 4 B) are more than half the float32 model's
+        assert planned.memory["cpu:0"]["activations_peak"] > as_float32["activations_peak"] // 2
+        assert all(p.dtype == torch.float32 and not p.is_meta for p in model.parameters())
+
+
+def test_a_model_that_does_not_run_at_the_dtype_is_planned_as_given_and_says_so() -> None:
+    """bf16 matrices have no inverse in torch: with meta parameters (cast) or real
+    ones (stood in for), the plan falls back to the model as given, its floating tensors counted as bf16, and
+    says so; the model is left as it was."""
+    x = torch.randn(2, 16)
+    with fxsplit.empty_weights():
+        on_meta = Inverse()
+    for model, given in ((Inverse(), x), (on_meta, x.to("meta"))):
+        before = _state(model)
+        for trace in ("fx", "export"):
+            with pytest.warns(fxsplit.FxsplitWarning, match="the model cast to bfloat16 could not be traced"):
+                fallback = fxsplit.plan(
+                    model, {"cpu:0": "1MiB"}, example_inputs=(given,), dtype="bfloat16", trace=trace
+                )
+            as_float32 = fxsplit.plan(model, {"cpu:0": "1MiB"}, example_inputs=(given,), trace=trace).memory["cpu:0"]
+            assert fallback.memory["cpu:0"]["params"] * 2 == as_float32["params"]
+            assert 0 < fallback.memory["cpu:0"]["activations_peak"] < as_float32["activations_peak"]  # (int pivots)
+            assert _state(model) == before
+
+
+def test_a_model_planned_at_its_own_dtype_or_without_inputs_is_not_stood_in_for() -> None:
+    """Nothing to cast, or no inputs (no activations to count): a model with real weights is traced as it is; a
+    meta one is cast (free) and planned without a warning."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    seen: list[bool] = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(module[0].weight.is_meta))
+    fxsplit.plan(model, {"cpu:0": "1MiB"}, dtype="float32", example_inputs=(torch.randn(2, 8),), trace="export")
+    weights = fxsplit.plan(model, {"cpu:0": "1MiB"}, dtype="bfloat16", trace="fx", mode="weights")
+    assert seen and not any(seen) and weights.memory["cpu:0"]["params"] == (64 + 8) * 2 * 2
+    with fxsplit.empty_weights():
+        on_meta = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    with warnings.catch_warnings():  # cast without inputs: the graph has no sizes, which says nothing of the cast
+        warnings.simplefilter("error", fxsplit.FxsplitWarning)
+        cast = fxsplit.plan(on_meta, {"cpu:0": "1MiB"}, dtype="bfloat16", trace="fx", mode="weights")
+    assert cast.memory == weights.memory and all(p.dtype == torch.float32 for p in on_meta.parameters())
+
+
+def test_planning_inputs_keep_one_tensor_one_and_its_gradient() -> None:
+    ids = torch.arange(6).view(2, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    (a, b, c), kwargs = planning_inputs(((ids, x, 1.5), {"labels": ids, "mask": None}), torch.bfloat16, True)
+    assert a is kwargs["labels"] and a.is_meta and a.dtype == torch.int64
+    assert b.is_meta and b.dtype == torch.bfloat16 and b.requires_grad and b.is_leaf
+    assert c == 1.5 and kwargs["mask"] is None
+    same = planning_inputs((ids, x.detach().bfloat16()), torch.bfloat16, False)
+    assert same[0] is ids and same[1].dtype == torch.bfloat16 and not same[1].is_meta
