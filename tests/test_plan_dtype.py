@@ -51,6 +51,20 @@ def _gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(config).eval()
 
 
+def _falcon() -> nn.Module:
+    """Its forward makes an index tensor from Python values: the graph has that constant on the CPU, not on meta."""
+    config = transformers.FalconConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return transformers.FalconForCausalLM(config).eval()
+
+
 class Attention(nn.Module):
     """Scores in float32 whatever the weights' dtype, as transformers' eager attention computes them."""
 
@@ -90,7 +104,7 @@ def _cast_copy(model: nn.Module) -> nn.Module:
 
 
 @pytest.mark.parametrize("mode", ["inference", "training"])
-@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("make", [_llama, _gpt2, _falcon], ids=["llama", "gpt2", "falcon"])
 def test_a_float32_model_planned_at_bfloat16_gets_the_plan_of_the_bfloat16_model(make: Any, mode: str) -> None:
     model = make()
     cast = _cast_copy(model)
@@ -106,12 +120,7 @@ def test_a_float32_model_planned_at_bfloat16_gets_the_plan_of_the_bfloat16_model
     assert _state(model) == before  # the model's own tensors, untouched
     assert len(set(planned.param_devices.values())) == 2
     assert planned.placement == expected.placement and planned.cuts == expected.cuts
-    if make is _gpt2 and mode == "training":  # GPT-2's loss, profiled on meta, holds 2 KiB more than on the CPU
-        for device in planned.devices:
-            extra = planned.memory[device]["activations_peak"] - expected.memory[device]["activations_peak"]
-            assert 0 <= extra <= 4096
-    else:
-        assert planned.memory == expected.memory
+    assert planned.memory == expected.memory
     assert planned.fingerprint == describe(model)[0]  # the float32 model's, which the plan applies to
     assert planned.tied == expected.tied
 
@@ -175,9 +184,8 @@ def test_a_model_planned_at_its_own_dtype_or_without_inputs_is_not_stood_in_for(
 def test_planning_inputs_keep_one_tensor_one_and_its_gradient() -> None:
     ids = torch.arange(6).view(2, 3)
     x = torch.randn(2, 3, requires_grad=True)
-    (a, b, c), kwargs = planning_inputs(((ids, x, 1.5), {"labels": ids, "mask": None}), torch.bfloat16, True)
-    assert a is kwargs["labels"] and a.is_meta and a.dtype == torch.int64
-    assert b.is_meta and b.dtype == torch.bfloat16 and b.requires_grad and b.is_leaf
-    assert c == 1.5 and kwargs["mask"] is None
-    same = planning_inputs((ids, x.detach().bfloat16()), torch.bfloat16, False)
-    assert same[0] is ids and same[1].dtype == torch.bfloat16 and not same[1].is_meta
+    (a, b, c, d), kwargs = planning_inputs(((ids, x, 1.5, x), {"labels": ids, "mask": None}), torch.bfloat16)
+    assert a is ids and kwargs["labels"] is ids and c == 1.5 and kwargs["mask"] is None
+    assert b is d and b.dtype == torch.bfloat16 and b.requires_grad and b.is_leaf and x.dtype == torch.float32
+    half = x.detach().bfloat16()
+    assert planning_inputs((half,), torch.bfloat16)[0] is half

@@ -110,9 +110,9 @@ class PlanningCast:
 
     A model whose parameters are on ``meta`` is cast (free: no data; real buffers, as ``fxsplit.empty_weights()``
     keeps them, are copied). In a model with real floating parameters, empty meta tensors of the dtype stand in
-    for its parameters and buffers (:mod:`fxsplit.checkpoint.standin`; nothing is copied), and the example
-    inputs go to ``meta``; not with ``profile=True``, which runs the ops (``stand_in=False``): that plan counts
-    floating tensors as ``dtype``. Floating example inputs are planned at the dtype, as the model is fed.
+    for its parameters and buffers (:mod:`fxsplit.checkpoint.standin`; nothing is copied); not with
+    ``profile=True``, which runs the ops (``stand_in=False``): that plan counts floating tensors as ``dtype``.
+    Floating example inputs are planned at the dtype, as the model is fed.
 
     Attributes:
         cast: the model holds the planned dtype (cast here, or already so): count its tensors as traced.
@@ -145,12 +145,12 @@ class PlanningCast:
         if tensors and all(t.is_meta for t in parameters):  # real buffers are cast too (copied, put back after)
             self.given = describe(model)
             self._undo = _cast(tensors, target)
-            self.inputs = planning_inputs(inputs, target, on_meta=False)
+            self.inputs = planning_inputs(inputs, target)
         elif parameters and stand_in and self._fed:  # without inputs there are no activations to count
             given = describe(model)
             self._undo = standin.stand_in(model, target)
             if self._undo is not None:
-                self.given, self.inputs = given, planning_inputs(inputs, target, on_meta=True)
+                self.given, self.inputs = given, planning_inputs(inputs, target)
         self.cast = not tensors or self._undo is not None
 
     def undo(self) -> None:

@@ -8,9 +8,12 @@ real weights would copy them. Instead, for the length of the call, each
 parameter and buffer in the module tree is replaced by an empty ``meta`` tensor
 of the dtype (floating ones, but a non-persistent buffer such as a rotary
 table, which keeps its dtype as a checkpoint load keeps it), one per tensor,
-so ties stay ties; the example inputs go to ``meta`` too, their floating ones
-at the dtype, as the bf16 model is fed. Nothing is allocated. :func:`stand_in`
-puts the model's own tensors back.
+so ties stay ties. Nothing is allocated. The example inputs stay where they
+are, their floating ones at the dtype, as the bf16 model is fed
+(:func:`planning_inputs`); the trace then runs the meta weights as fakes on the
+inputs' device (:mod:`fxsplit.tracing.metaweights`), so the graph is the one
+the model's code takes there (Falcon's index constants, which a graph traced
+on ``meta`` lacks). :func:`stand_in` puts the model's own tensors back.
 """
 
 from __future__ import annotations
@@ -63,21 +66,18 @@ def _twin(tensor: torch.Tensor, dtype: torch.dtype, castable: bool) -> torch.Ten
     return empty
 
 
-def planning_inputs(inputs: Any, dtype: torch.dtype, on_meta: bool) -> Any:
-    """``inputs`` (any nesting) with each floating tensor at ``dtype``, and each tensor on ``meta`` when
-    ``on_meta``; a tensor that needs its gradient still does, and one tensor passed twice is still one (a trace
-    reads the same input for both: ``labels=input_ids``)."""
+def planning_inputs(inputs: Any, dtype: torch.dtype) -> Any:
+    """``inputs`` (any nesting) with each floating tensor at ``dtype`` (a copy); a tensor that needs its gradient
+    still does, and one tensor passed twice is still one (a trace reads the same input for both:
+    ``labels=input_ids``). Other values are the same objects."""
     made: dict[int, torch.Tensor] = {}
 
     def planned(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        cast = value.is_floating_point() and value.dtype != dtype
-        if not cast and not on_meta:
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dtype == dtype:
             return value
         found = made.get(id(value))
         if found is None:
-            found = value.detach().to("meta" if on_meta else value.device, dtype=dtype if cast else value.dtype)
+            found = value.detach().to(dtype)
             found = made[id(value)] = found.requires_grad_() if value.requires_grad else found
         return found
 
