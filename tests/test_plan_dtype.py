@@ -28,18 +28,19 @@ transformers = pytest.importorskip("transformers")
 IDS = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(0))
 
 
+SMALL = {  # two layers, eager attention (its float32 softmax), no key/value cache
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "use_cache": False,
+    "attn_implementation": "eager",
+}
+
+
 def _llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_cache=False,
-        attn_implementation="eager",
-    )
     torch.manual_seed(0)
+    config = transformers.LlamaConfig(intermediate_size=128, num_key_value_heads=2, **SMALL)
     return transformers.LlamaForCausalLM(config).eval()
 
 
@@ -53,16 +54,8 @@ def _gpt2() -> nn.Module:
 
 def _falcon() -> nn.Module:
     """Its forward makes an index tensor from Python values: the graph has that constant on the CPU, not on meta."""
-    config = transformers.FalconConfig(
-        vocab_size=256,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        use_cache=False,
-        attn_implementation="eager",
-    )
     torch.manual_seed(0)
-    return transformers.FalconForCausalLM(config).eval()
+    return transformers.FalconForCausalLM(transformers.FalconConfig(**SMALL)).eval()
 
 
 class Attention(nn.Module):
