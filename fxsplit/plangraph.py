@@ -74,8 +74,9 @@ class GraphPlanning:
             (:func:`~fxsplit.planning.timing.timing_for`'s ``seen``).
         as_traced: the model was cast to ``dtype`` before it was traced (a checkpoint fills it): its tensors count
             at the dtypes traced, which are the split's (a float32 rotary table, :mod:`fxsplit.checkpoint.cast`; a
-            loss's float32 logits), not all at ``dtype``; also when :func:`fxsplit.plan` cast a meta model for the
-            trace (:class:`~fxsplit.checkpoint.cast.PlanningCast`).
+            loss's float32 logits), not all at ``dtype``; also when :func:`fxsplit.plan` traced the model as it runs
+            at ``dtype`` (:class:`~fxsplit.checkpoint.cast.PlanningCast`: a meta model cast, meta stand-ins for
+            real weights).
         given: the model's structure before such a cast (the plan records it: :mod:`fxsplit.planning.fingerprint`),
             None when the model is planned as it is.
     """
