@@ -27,7 +27,7 @@ from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.solve import Partition, partition
 from fxsplit.partition.throughput import Timing
 from fxsplit.planning.build import make_plan, output_values
-from fxsplit.planning.fingerprint import record_origin
+from fxsplit.planning.fingerprint import Structure, record_origin
 from fxsplit.planning.offload import fit_or_offload
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.replicas import try_replicas
@@ -95,7 +95,7 @@ class GraphPlanning:
     inputs: tuple[Any, Mapping[str, Any] | None]
     measured: dict[tuple[Any, ...], float] = field(default_factory=dict)
     as_traced: bool = False
-    given: tuple[str, dict[str, str], tuple[tuple[str, ...], ...]] | None = None
+    given: Structure | None = None
 
     @property
     def devices(self) -> list[str]:

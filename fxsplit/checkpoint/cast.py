@@ -21,7 +21,7 @@ was half its size.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 
@@ -30,6 +30,9 @@ from fxsplit.checkpoint import standin
 from fxsplit.checkpoint.standin import planning_inputs
 from fxsplit.cost.walk import named_tensors
 from fxsplit.errors import FxsplitWarning, TraceError
+
+if TYPE_CHECKING:
+    from fxsplit.planning.fingerprint import Structure
 
 __all__ = ["CastForLoad", "PlanningCast", "cast_floating", "warn_uncast"]
 
@@ -133,7 +136,7 @@ class PlanningCast:
 
         self.dtype = dtype
         self.cast = False
-        self.given: tuple[str, dict[str, str], tuple[tuple[str, ...], ...]] | None = None
+        self.given: Structure | None = None
         self.inputs = self._as_given = inputs
         self._fed = any(given is not None for given in inputs)
         self._undo: Callable[[], None] | None = None

@@ -23,7 +23,18 @@ from typing import Any, Iterable, Sequence
 
 from fxsplit.gcpause import gc_paused
 
-__all__ = ["describe", "differences", "fingerprint_of", "graph_constants", "record_origin", "tensor_signature"]
+__all__ = [
+    "Structure",
+    "describe",
+    "differences",
+    "fingerprint_of",
+    "graph_constants",
+    "record_origin",
+    "tensor_signature",
+]
+
+Structure = tuple[str, dict[str, str], tuple[tuple[str, ...], ...]]
+"""What :func:`describe` says of a model: ``(fingerprint, name -> signature, tied name groups)``."""
 
 
 def tensor_signature(tensor: Any) -> str:
@@ -33,7 +44,7 @@ def tensor_signature(tensor: Any) -> str:
 
 
 @gc_paused()
-def describe(model: Any) -> tuple[str, dict[str, str], tuple[tuple[str, ...], ...]]:
+def describe(model: Any) -> Structure:
     """``(fingerprint, name -> signature, tied name groups)`` of ``model``'s parameters and buffers."""
     from fxsplit.cost.build import named_tensors  # torch: only here, so that a plan's fingerprint checks without it
 
@@ -133,7 +144,7 @@ def record_origin(
     dynamic: str | None = None,
     graph_module: Any = None,
     *,
-    given: tuple[str, dict[str, str], tuple[tuple[str, ...], ...]] | None = None,
+    given: Structure | None = None,
 ) -> Any:
     """The plan with what it was made from: the model's structure (and the tensors only its trace holds),
     the planning dtype, how to re-trace (and which ops' rows the graph splits). ``given``: the structure of the
