@@ -151,7 +151,7 @@ def _trace_and_plan(
         if isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
             raise type(error)(on_one_microbatch(str(error), options.pipeline.chunks)) from error
         raise
-    if at_dtype is not None:  # what was traced: the inputs at the dtype (on meta, with stand-in weights)
+    if at_dtype is not None:  # what was traced: floating inputs at the dtype (a fallback: as given)
         example_inputs, example_kwargs = at_dtype.inputs
     as_traced = as_traced or (at_dtype is not None and at_dtype.cast)
     if traced.shapes_missing and isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
