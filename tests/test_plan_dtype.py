@@ -157,6 +157,34 @@ def test_a_model_that_does_not_run_at_the_dtype_is_planned_as_given_and_says_so(
             assert _state(model) == before
 
 
+class Branches(nn.Module):
+    """Branches on its input's values in Python: no trace can follow that, at any dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        return y.relu() if y.sum() > 0 else -y
+
+
+def test_a_model_that_traces_at_no_dtype_gets_its_trace_error_alone() -> None:
+    """The fallback is for a model that does not run at the dtype: one that fails as given too is refused with
+    its own error, and no warning that it was planned as given (it was not planned at all)."""
+    x = torch.randn(2, 16)
+    with fxsplit.empty_weights():
+        on_meta = Branches()
+    for model, given in ((Branches(), x), (on_meta, x.to("meta"))):
+        before = _state(model)
+        for trace in ("fx", "export"):
+            with warnings.catch_warnings(record=True) as caught, pytest.raises(fxsplit.TraceError):
+                warnings.simplefilter("always")
+                fxsplit.plan(model, {"cpu:0": "1MiB"}, example_inputs=(given,), dtype="bfloat16", trace=trace)
+            assert not [w for w in caught if issubclass(w.category, fxsplit.FxsplitWarning)], trace
+            assert _state(model) == before
+
+
 def test_a_model_planned_at_its_own_dtype_or_without_inputs_is_not_stood_in_for() -> None:
     """Nothing to cast, or no inputs (no activations to count): a model with real weights is traced as it is; a
     meta one is cast (free) and planned without a warning."""

@@ -170,31 +170,35 @@ class PlanningCast:
         try:
             made = tracing(*self.inputs)
         except TraceError as error:
-            if not self._fall_back(str(error)):
+            why = self._undo_cast(str(error))
+            if why is None:
                 raise
-            return tracing(*self.inputs)
+            return self._warned(tracing(*self.inputs), why)  # a model that fails as given too: its error alone
         missing = getattr(made, "shapes_missing", None)  # (expected without inputs: the cast weights still count)
-        if missing and self._fed and self._fall_back(str(missing)):
-            return tracing(*self.inputs)
+        if missing and self._fed and (why := self._undo_cast(str(missing))) is not None:
+            return self._warned(tracing(*self.inputs), why)
         return made
 
-    def _fall_back(self, said: str) -> bool:
-        """Undo the cast (False: there was none) and warn why."""
+    def _undo_cast(self, said: str) -> str | None:
+        """Undo the cast and say why, for the warning once the model as given traces (None: there was none)."""
         if self._undo is None:
-            return False
+            return None
         self.undo()
         self.cast, self.given, self.inputs = False, None, self._as_given
-        first = said.strip().splitlines()[0] if said.strip() else "no reason given"
+        return said.strip().splitlines()[0] if said.strip() else "no reason given"
+
+    def _warned(self, made: _Traced, why: str) -> _Traced:
+        """``made``, the trace of the model as given, with the warning that its floats count as the dtype."""
         warnings.warn(
             FxsplitWarning(
-                f"the model cast to {self.dtype} could not be traced ({first}); it was traced at its own dtypes and "
+                f"the model cast to {self.dtype} could not be traced ({why}); it was traced at its own dtypes and "
                 f"its floating tensors are counted as {self.dtype}, so work the {self.dtype} model does at another "
                 f"dtype (a float32 softmax, norm or loss) is counted as {self.dtype}; to plan the model as it will "
                 f"run, cast it and its floating inputs to {self.dtype} yourself (model.to(torch.{self.dtype}))"
             ),
             stacklevel=user_stacklevel(),
         )
-        return True
+        return made
 
 
 def warn_uncast(model: torch.nn.Module, dtype: str | None) -> None:
