@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from pathlib import Path
 
@@ -76,6 +77,30 @@ def test_auto_falls_back_to_fx_with_a_note() -> None:
         traced = trace(WithBatchNorm(cumulative=True), example_inputs=(torch.randn(4, 8),))
     assert traced.method == "fx"
     assert len(traced.notes) == 1 and traced.notes[0].startswith("torch.export failed, used torch.fx:")
+
+
+class Signed(nn.Module):
+    """Branches on its input's sign in Python: export stops there (a data-dependent guard); fx, told to keep it
+    whole (a leaf module), traces around it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        print("signed: called", file=sys.stderr)  # the model's own output: kept
+        return x.relu() if x.sum() > 0 else -x
+
+
+def test_a_failed_export_prints_no_partial_graph(capfd: pytest.CaptureFixture[str]) -> None:
+    """torch prints the partial graph of an export that stops on a data-dependent guard; fxsplit says what
+    failed itself, and here traces with fx after: the dump would read as a crash of a call that worked."""
+    model = nn.Sequential(nn.Linear(4, 4), Signed(), nn.Linear(4, 4))
+    x = torch.ones(2, 4)
+    with pytest.warns(fxsplit.FxsplitWarning, match="fxsplit traced it with torch.fx instead"):
+        traced = trace(model, example_inputs=(x,), leaf_modules=[Signed])
+    assert traced.method == "fx"
+    with pytest.raises(TraceError, match="Python control flow on a tensor's value"):
+        trace(model, example_inputs=(x,), mode="export")
+    err = capfd.readouterr().err
+    assert "def forward" not in err and "aten.sum" not in err
+    assert err.count("signed: called") >= 2  # what the model printed while exported, each time
 
 
 def test_trace_never_mutates_the_model() -> None:

@@ -38,6 +38,7 @@ from fxsplit.tracing.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_
 from fxsplit.tracing.example_inputs import check_example_inputs, quiet_fake_tensor_log
 from fxsplit.tracing.example_inputs import first_line as _first_line
 from fxsplit.tracing.example_inputs import user_frame as _user_frame
+from fxsplit.tracing.exportprint import partial_graphs_unprinted
 from fxsplit.tracing.functionop import holding_call_sites
 from fxsplit.tracing.fxcheckpoint import fold_regions
 from fxsplit.tracing.fxshapes import propagate_shapes
@@ -209,6 +210,7 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         plain_checkpoints(model, keep="export") as met,
         recording_functions(keep="export") as functions,
         holding_call_sites() as attach,
+        partial_graphs_unprinted(),  # fxsplit reports a failure itself
     ):
         # RNNs' _flat_weights, which export would have registered as buffers: the split holds them as parameters
         warnings.filterwarnings("ignore", message=_FLAT_WEIGHTS_ONLY, category=UserWarning)
