@@ -22,16 +22,12 @@ It exits 1 when a seed is ``wrong`` or ``crash``.
 from __future__ import annotations
 
 import copy
-import json
 import random
-import subprocess
 import sys
-import traceback
-from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import torch
+from fuzzrun import run_seeds, where
 from random_programs import generate
 from torch.utils._pytree import tree_flatten
 
@@ -39,8 +35,6 @@ import fxsplit
 from fxsplit.check import DeviceChecker
 
 __all__ = ["scenario", "run_seed"]
-
-BAD = ("wrong", "crash")
 
 
 def scenario(seed: int) -> dict[str, Any]:
@@ -130,7 +124,7 @@ def run_seed(seed: int) -> dict[str, Any]:
     except fxsplit.FxsplitError as error:
         return {**result, "outcome": "refused", "error": f"{type(error).__name__}: {error}"[:300]}
     except Exception as error:  # noqa: BLE001 - any other error is a finding
-        return {**result, "outcome": "crash", "error": f"{type(error).__name__}: {error}"[:300], "at": _where(error)}
+        return {**result, "outcome": "crash", "error": f"{type(error).__name__}: {error}"[:300], "at": where(error)}
     run_args = tuple(a.clone() for a in args)
     try:
         torch.manual_seed(seed)
@@ -141,39 +135,16 @@ def run_seed(seed: int) -> dict[str, Any]:
             if loss.requires_grad:
                 loss.backward()
     except Exception as error:  # noqa: BLE001
-        return {**result, "outcome": "crash", "error": f"{type(error).__name__}: {error}"[:300], "at": _where(error)}
+        return {**result, "outcome": "crash", "error": f"{type(error).__name__}: {error}"[:300], "at": where(error)}
     differ = _differences(out, expected, model, reference)
     differ += [f"input {i}" for i, (a, e) in enumerate(zip(run_args, eager_args, strict=True)) if not torch.equal(a, e)]
     used = sorted(set(gm.meta["fxsplit_plan"].placement.values()))
     return {**result, "outcome": "wrong" if differ else "equal", "differ": differ[:5], "used": used}
 
 
-def _where(error: BaseException) -> str:
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/fxsplit/" in f.filename]
-    return f"{frames[-1].filename.split('/fxsplit/')[-1]}:{frames[-1].lineno}" if frames else ""
-
-
 def main(first: int, last: int) -> int:
-    """Run seeds ``[first, last)``, each in its own process (3 minutes at most); print the tally."""
-    tally: Counter[str] = Counter()
-    here = Path(__file__).parent
-    for seed in range(first, last):
-        code = f"import json, split_fuzz; print(json.dumps(split_fuzz.run_seed({seed})))"
-        try:
-            ran = subprocess.run(
-                [sys.executable, "-c", code], cwd=here, capture_output=True, text=True, timeout=180, check=False
-            )
-            lines = ran.stdout.strip().splitlines()
-            row = json.loads(lines[-1]) if ran.returncode == 0 and lines else None
-            if row is None:
-                row = {"seed": seed, "outcome": "crash", "error": ran.stderr.strip().splitlines()[-1:]}
-        except subprocess.TimeoutExpired:
-            row = {"seed": seed, "outcome": "timeout"}
-        tally[row["outcome"]] += 1
-        if row["outcome"] in (*BAD, "timeout"):
-            print(json.dumps(row), flush=True)
-    print(dict(tally))
-    return 1 if any(tally[o] for o in BAD) else 0
+    """Run seeds ``[first, last)``, each in its own process; print the tally (:func:`fuzzrun.run_seeds`)."""
+    return run_seeds("split_fuzz", first, last)
 
 
 if __name__ == "__main__":

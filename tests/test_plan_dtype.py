@@ -72,15 +72,25 @@ class Attention(nn.Module):
         return self.out(scores @ v)
 
 
-class Inverse(nn.Module):
-    """Inverts matrices (``torch.linalg.inv``), which bf16 ones cannot be: it does not run once cast to bf16."""
-
+class Projected(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(16, 16)
 
+
+class Inverse(Projected):
+    """Inverts matrices (``torch.linalg.inv``), which bf16 ones cannot be: it does not run once cast to bf16."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.linalg.inv(self.proj(x).view(-1, 4, 4))
+
+
+def _real_and_on_meta(make: type[Projected]) -> tuple[tuple[nn.Module, torch.Tensor], ...]:
+    """The model with real weights and an input, then on ``meta`` with a ``meta`` input."""
+    x = torch.randn(2, 16)
+    with fxsplit.empty_weights():
+        on_meta = make()
+    return (make(), x), (on_meta, x.to("meta"))
 
 
 def _state(model: nn.Module) -> list[tuple[str, int, torch.dtype, torch.device, int]]:
@@ -141,10 +151,7 @@ def test_a_model_that_does_not_run_at_the_dtype_is_planned_as_given_and_says_so(
     """bf16 matrices have no inverse in torch: with meta parameters (cast) or real
     ones (stood in for), the plan falls back to the model as given, its floating tensors counted as bf16, and
     says so; the model is left as it was."""
-    x = torch.randn(2, 16)
-    with fxsplit.empty_weights():
-        on_meta = Inverse()
-    for model, given in ((Inverse(), x), (on_meta, x.to("meta"))):
+    for model, given in _real_and_on_meta(Inverse):
         before = _state(model)
         for trace in ("fx", "export"):
             with pytest.warns(fxsplit.FxsplitWarning, match="the model cast to bfloat16 could not be traced"):
@@ -157,12 +164,8 @@ def test_a_model_that_does_not_run_at_the_dtype_is_planned_as_given_and_says_so(
             assert _state(model) == before
 
 
-class Branches(nn.Module):
+class Branches(Projected):
     """Branches on its input's values in Python: no trace can follow that, at any dtype."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(16, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.proj(x)
@@ -172,10 +175,7 @@ class Branches(nn.Module):
 def test_a_model_that_traces_at_no_dtype_gets_its_trace_error_alone() -> None:
     """The fallback is for a model that does not run at the dtype: one that fails as given too is refused with
     its own error, and no warning that it was planned as given (it was not planned at all)."""
-    x = torch.randn(2, 16)
-    with fxsplit.empty_weights():
-        on_meta = Branches()
-    for model, given in ((Branches(), x), (on_meta, x.to("meta"))):
+    for model, given in _real_and_on_meta(Branches):
         before = _state(model)
         for trace in ("fx", "export"):
             with warnings.catch_warnings(record=True) as caught, pytest.raises(fxsplit.TraceError):
