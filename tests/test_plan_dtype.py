@@ -147,6 +147,37 @@ def test_the_float32_work_of_a_bfloat16_model_counts_at_float32() -> None:
         assert all(p.dtype == torch.float32 and not p.is_meta for p in model.parameters())
 
 
+class Normed(nn.Module):
+    """A bf16 layer norm keeps its mean and reciprocal deviation for the backward: bf16 on the CPU, float32 on
+    ``meta`` (the CUDA kernel's choice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.proj(x))
+        return nn.functional.mse_loss(y, torch.zeros_like(y))
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_meta_weights_are_sized_with_the_kernels_of_the_inputs_device(trace: str) -> None:
+    """Stood in for (real weights) or built on ``meta``, the weights run as fakes on the inputs' device, so a
+    training plan counts the layer norm's statistics as the CPU keeps them, as for the cast model: fx once ran
+    them on ``meta``, at float32 (seed 50035 of ``tests/standin_fuzz.py``)."""
+    torch.manual_seed(0)
+    model = Normed().train()
+    x = torch.randn(8, 6, 32)
+    options = {"mode": "training", "optimizer": "sgd", "trace": trace}
+    as_cast = fxsplit.plan(_cast_copy(model), {"cpu:0": "1MiB"}, example_inputs=(x.bfloat16(),), **options)
+    stood_in = fxsplit.plan(model, {"cpu:0": "1MiB"}, example_inputs=(x,), dtype="bfloat16", **options)
+    with fxsplit.empty_weights():
+        on_meta = Normed().train().bfloat16()
+    built_on_meta = fxsplit.plan(on_meta, {"cpu:0": "1MiB"}, example_inputs=(x.bfloat16(),), **options)
+    assert stood_in.memory == as_cast.memory == built_on_meta.memory
+
+
 def test_a_model_that_does_not_run_at_the_dtype_is_planned_as_given_and_says_so() -> None:
     """bf16 matrices have no inverse in torch: with meta parameters (cast) or real
     ones (stood in for), the plan falls back to the model as given, its floating tensors counted as bf16, and

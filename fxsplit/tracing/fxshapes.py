@@ -13,6 +13,7 @@ import torch.fx
 
 from fxsplit.tracing.example_inputs import first_line, quiet_fake_tensor_log
 from fxsplit.tracing.fakeweights import fake_weights, named_tensors
+from fxsplit.tracing.metaweights import inputs_device
 
 __all__ = ["propagate_shapes"]
 
@@ -34,8 +35,11 @@ def propagate_shapes(
     grad_enabled = torch.is_grad_enabled()  # the graph may set it (recorded no_grad blocks)
     try:
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
-        # fake copies of the weights, so in-place updates (BatchNorm's running stats) never reach the user's tensors
-        state = fake_weights(mode, named_tensors(graph_module), requires_grad=lambda t: t.requires_grad)
+        # fake copies of the weights, so in-place updates (BatchNorm's running stats) never reach the user's tensors;
+        # weights on meta beside real inputs as fakes on the inputs' device, whose kernels the split runs (a bf16
+        # layer norm's statistics are bf16 on the CPU, float32 on meta), as torch.export traces them
+        on = inputs_device(graph_module, tuple(args), dict(kwargs))
+        state = fake_weights(mode, named_tensors(graph_module), requires_grad=lambda t: t.requires_grad, meta_on=on)
         with quiet_fake_tensor_log(), _reparametrize_module(graph_module, state, tie_weights=True, strict=False):
             FakeTensorProp(graph_module, mode).propagate(*fake)
         for node, given in zip(placeholders, flat, strict=False):  # (it keeps detached copies): an input's gradient
