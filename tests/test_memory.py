@@ -672,3 +672,39 @@ def test_a_weight_read_twice_has_each_gradient_counted_while_they_are_summed(tra
     for device in plan.devices:
         estimated = plan.memory[device]["activations_peak"]
         assert measured[device] <= estimated <= 1.15 * measured[device] + over, (device, estimated, measured)
+
+
+class CausalAttention(nn.Module):
+    """One projection split into q, k and v, causal ``scaled_dot_product_attention``, an output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(64, 192)
+        self.out = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 32, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(attended.transpose(1, 2).reshape(2, 32, 64))
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_attention_of_a_model_on_meta_is_planned_as_its_real_run_on_either_tracer(mode: str) -> None:
+    """Built on ``meta``, with real inputs or ``meta`` ones, traced by fx or export: the plan counts attention as
+    the model with real weights runs it on the CPU (a fused kernel: no attention matrix). fx once ran it on
+    ``meta``'s math path, with or without real inputs: 151,552 B at inference where the CPU holds 66,560 B."""
+    x = torch.randn(2, 32, 64)
+    torch.manual_seed(0)
+    real = CausalAttention().train(mode == "training")
+    with fxsplit.empty_weights():
+        on_meta = CausalAttention().train(mode == "training")
+    peaks = {
+        (name, given.device.type, trace): fxsplit.plan(
+            model, {"cpu:0": "1GiB"}, example_inputs=(given,), trace=trace, mode=mode
+        ).memory["cpu:0"]["activations_peak"]
+        for name, model in (("real", real), ("meta", on_meta))
+        for given in (x, x.to("meta"))
+        if name == "meta" or not given.is_meta
+        for trace in ("fx", "export")
+    }
+    assert len(peaks) == 6 and len(set(peaks.values())) == 1, peaks

@@ -84,7 +84,7 @@ class _Recorder(torch.fx.Interpreter):
         self.recompute_extra: dict[int, int] = {}  # a kept checkpoint -> bytes its backward holds beyond its ops'
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if target is torch.ops.aten.scaled_dot_product_attention.default:
+        if target is torch.ops.aten.scaled_dot_product_attention.default or target is _SDPA:  # (export, fx)
             fused = _fused_attention(args, kwargs)
             if fused is not None:
                 return fused
@@ -223,6 +223,9 @@ def _fake_input(value: Any, mode: Any) -> Any:
     if getattr(value, "fake_mode", None) is mode:
         return value
     return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 def _fused_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
