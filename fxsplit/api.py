@@ -52,11 +52,11 @@ def trace_and_plan(
     raw: Mapping[str, Any],
     *,
     runnable: bool = False,
-    cast: Callable[[str | None], bool] | None = None,
+    cast: CastForLoad | None = None,
 ) -> Planned:
     """Trace and plan; with ``runnable``, first refuse devices that cannot be used here (the split will run in
     this process, so it splits no op's rows: :mod:`fxsplit.planning.rowsplits`); ``cast`` is called with the
-    plan's dtype just before tracing."""
+    plan's dtype just before tracing, and traces (:meth:`~fxsplit.checkpoint.cast.CastForLoad.traced`)."""
     return _planned(model, budgets, example_inputs, raw, runnable, keep=lambda planned: planned, cast=cast)
 
 
@@ -70,7 +70,7 @@ def _planned(
     raw: Mapping[str, Any],
     runnable: bool,
     keep: Callable[[Planned], _Kept],
-    cast: Callable[[str | None], bool] | None = None,
+    cast: CastForLoad | None = None,
 ) -> _Kept:
     """``keep`` of what :func:`trace_and_plan` makes.
 
@@ -93,7 +93,7 @@ def _trace_and_plan(
     raw: Mapping[str, Any],
     runnable: bool,
     planning: ExitStack,
-    cast: Callable[[str | None], bool] | None = None,
+    cast: CastForLoad | None = None,
 ) -> Planned:
     require_module(model)
     explicit = set(raw) - {"spec"}
@@ -146,7 +146,12 @@ def _trace_and_plan(
         )
 
     try:
-        traced = at_dtype.traced(tracing) if at_dtype is not None else tracing(example_inputs, example_kwargs)
+        if at_dtype is not None:
+            traced = at_dtype.traced(tracing)
+        elif cast is not None:  # (its computed buffers too, where the cast graph needs them at the dtype)
+            traced = cast.traced(lambda: tracing(example_inputs, example_kwargs), lambda made: made.graph_module)
+        else:
+            traced = tracing(example_inputs, example_kwargs)
     except TraceError as error:  # torch.export's own failure too (a reshape to the whole batch's size)
         if isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
             raise type(error)(on_one_microbatch(str(error), options.pipeline.chunks)) from error

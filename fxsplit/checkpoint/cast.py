@@ -11,7 +11,9 @@ data; on ``meta`` this costs nothing), and put back if the call fails.
 Non-persistent buffers are no checkpoint's: the model computes them when it is
 built (a rotary embedding's ``inv_freq``), and keeps them at the dtype it made
 them, as transformers' ``from_pretrained(dtype=...)`` does (a bf16 rotary
-table would turn every position's angle by a bf16 rounding). The graph is then
+table would turn every position's angle by a bf16 rounding), unless the traced
+graph shows the cast model needs one at the dtype (:mod:`fxsplit.checkpoint.computed`):
+then it is cast too and the model traced again. The graph is then
 traced at the dtypes the split runs at, so the plan counts its tensors as traced
 (:class:`CastForLoad` says so), not as if all were the plan's dtype: a causal
 LM's loss casts the bf16 logits to float32, and counted at bf16 that tensor
@@ -27,12 +29,14 @@ import torch
 
 from fxsplit.callsite import user_stacklevel
 from fxsplit.checkpoint import standin
+from fxsplit.checkpoint.computed import kept_buffers, meeting_buffers
 from fxsplit.checkpoint.standin import planning_inputs
 from fxsplit.cost.walk import named_tensors
 from fxsplit.errors import FxsplitWarning, TraceError
 
 if TYPE_CHECKING:
     from fxsplit.planning.fingerprint import Structure
+    from fxsplit.tracing.capture import Traced
 
 __all__ = ["CastForLoad", "PlanningCast", "cast_floating", "warn_uncast"]
 
@@ -41,7 +45,7 @@ _Traced = TypeVar("_Traced")
 
 def _castable(model: torch.nn.Module, dtype: torch.dtype) -> list[torch.Tensor]:
     """The floating parameters and persistent buffers of ``model`` not yet of ``dtype``, each tensor once."""
-    computed = {id(buffer) for buffer in _computed_buffers(model)}  # kept at their dtype
+    computed = {id(buffer) for buffer in _computed_buffers(model)}  # kept at their dtype (but see _computed_too)
     seen: set[int] = set()
     found = []
     for _, tensor, _ in named_tensors(model):
@@ -60,6 +64,12 @@ def _computed_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
         for name, buffer in module._buffers.items()
         if buffer is not None and name in module._non_persistent_buffers_set
     ]
+
+
+def _computed_too(model: torch.nn.Module, graph: torch.fx.GraphModule, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The computed buffers of ``model`` kept at their dtype that its cast ``graph`` needs at ``dtype``."""
+    kept = kept_buffers(model, dtype)
+    return list({id(kept[name]): kept[name] for name in meeting_buffers(graph, set(kept), dtype)}.values())
 
 
 def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[], None]:
@@ -89,12 +99,23 @@ class CastForLoad:
         self.model = model
         self.loads = loads
         self.undo: list[Callable[[], None]] = []
+        self.dtype: torch.dtype | None = None
 
     def __call__(self, dtype: str | None) -> bool:
         if self.loads and dtype:
-            self.undo.append(cast_floating(self.model, getattr(torch, dtype)))
+            self.dtype = getattr(torch, dtype)
+            self.undo.append(cast_floating(self.model, self.dtype))
             return True
         return False
+
+    def traced(self, trace: Callable[[], _Traced], graph: Callable[[_Traced], torch.fx.GraphModule]) -> _Traced:
+        """``trace()`` of the model as cast; again after casting the computed buffers its ``graph`` shows are
+        needed at the dtype (:mod:`fxsplit.checkpoint.computed`), when there are such."""
+        made = trace()
+        if self.dtype is not None and (tensors := _computed_too(self.model, graph(made), self.dtype)):
+            self.undo.append(_cast(tensors, self.dtype))
+            made = trace()
+        return made
 
     def __enter__(self) -> CastForLoad:
         return self
@@ -140,6 +161,8 @@ class PlanningCast:
         self.inputs = self._as_given = inputs
         self._fed = any(given is not None for given in inputs)
         self._undo: Callable[[], None] | None = None
+        self._model, self._stood_in = model, False
+        self._dtype: torch.dtype | None = getattr(torch, dtype) if dtype else None
         if not dtype:
             return
         target = getattr(torch, dtype)
@@ -153,7 +176,7 @@ class PlanningCast:
             given = describe(model)
             self._undo = standin.stand_in(model, target)
             if self._undo is not None:
-                self.given, self.inputs = given, planning_inputs(inputs, target)
+                self.given, self.inputs, self._stood_in = given, planning_inputs(inputs, target), True
         self.cast = not tensors or self._undo is not None
 
     def undo(self) -> None:
@@ -162,11 +185,21 @@ class PlanningCast:
             self._undo()
             self._undo = None
 
-    def traced(self, tracing: Callable[[Any, Any], _Traced]) -> _Traced:
+    def traced(self, tracing: Callable[[Any, Any], Traced]) -> Traced:
         """``tracing(*self.inputs)`` of the model as it is now; when the cast model fails to trace, or (torch.fx)
         its shapes cannot be found (an op the dtype or ``meta`` does not support), the cast is undone, with a
         warning that the plan counts floating tensors as the dtype, and the model as given is traced on the
-        inputs as given."""
+        inputs as given. Computed buffers the cast graph needs at the dtype are cast too, and the model traced
+        again (:mod:`fxsplit.checkpoint.computed`)."""
+        made = self._traced(tracing)
+        if self._undo is not None and self._dtype is not None:  # computed buffers the cast model needs at the dtype
+            names = meeting_buffers(made.graph_module, set(kept_buffers(self._model, self._dtype)), self._dtype)
+            if names:
+                self._cast_too(names)
+                made = self._traced(tracing)
+        return made
+
+    def _traced(self, tracing: Callable[[Any, Any], Traced]) -> Traced:
         try:
             made = tracing(*self.inputs)
         except TraceError as error:
@@ -179,6 +212,22 @@ class PlanningCast:
             return self._warned(tracing(*self.inputs), why)
         return made
 
+    def _cast_too(self, names: list[str]) -> None:
+        """Cast the computed buffers ``names`` to the dtype as well (stood in for again, or cast)."""
+        assert self._undo is not None and self._dtype is not None
+        if self._stood_in:
+            self._undo()
+            self._undo = standin.stand_in(self._model, self._dtype, cast_too=names)
+            return
+        kept = kept_buffers(self._model, self._dtype)
+        earlier, more = self._undo, _cast(list({id(kept[n]): kept[n] for n in names}.values()), self._dtype)
+
+        def undo() -> None:
+            more()
+            earlier()
+
+        self._undo = undo
+
     def _undo_cast(self, said: str) -> str | None:
         """Undo the cast and say why, for the warning once the model as given traces (None: there was none)."""
         if self._undo is None:
@@ -187,7 +236,7 @@ class PlanningCast:
         self.cast, self.given, self.inputs = False, None, self._as_given
         return said.strip().splitlines()[0] if said.strip() else "no reason given"
 
-    def _warned(self, made: _Traced, why: str) -> _Traced:
+    def _warned(self, made: Traced, why: str) -> Traced:
         """``made``, the trace of the model as given, with the warning that its floats count as the dtype."""
         warnings.warn(
             FxsplitWarning(

@@ -7,7 +7,8 @@ size (a Llama's inference activations at 46% of the bf16 model's). Casting the
 real weights would copy them. Instead, for the length of the call, each
 parameter and buffer in the module tree is replaced by an empty ``meta`` tensor
 of the dtype (floating ones, but a non-persistent buffer such as a rotary
-table, which keeps its dtype as a checkpoint load keeps it), one per tensor,
+table, which keeps its dtype as a checkpoint load keeps it, unless the cast
+model needs it at the dtype: :mod:`fxsplit.checkpoint.computed`), one per tensor,
 so ties stay ties. Nothing is allocated. The example inputs stay where they
 are, their floating ones at the dtype, as the bf16 model is fed
 (:func:`planning_inputs`); the trace then runs the meta weights as fakes on the
@@ -18,20 +19,23 @@ on ``meta`` lacks). :func:`stand_in` puts the model's own tensors back.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 from torch.utils._pytree import tree_map
 
+from fxsplit.checkpoint.computed import kept_buffers
 from fxsplit.cost.walk import forget_walk
 
 __all__ = ["planning_inputs", "stand_in"]
 
 
-def stand_in(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[], None] | None:
-    """Replace ``model``'s parameters and buffers by empty meta tensors (floating ones, but non-persistent buffers,
-    at ``dtype``); returns what puts them back, or None (nothing changed) when some tensor has no meta twin."""
+def stand_in(model: torch.nn.Module, dtype: torch.dtype, cast_too: Collection[str] = ()) -> Callable[[], None] | None:
+    """Replace ``model``'s parameters and buffers by empty meta tensors (floating ones, but non-persistent buffers
+    other than those named in ``cast_too``, at ``dtype``); returns what puts them back, or None (nothing changed)
+    when some tensor has no meta twin."""
     made: dict[int, torch.Tensor] = {}
+    also = {id(tensor) for name, tensor in kept_buffers(model, dtype).items() if name in cast_too}
     replaced: list[tuple[dict[str, Any], str, torch.Tensor]] = []
 
     def undo() -> None:
@@ -49,7 +53,8 @@ def stand_in(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[], None] |
                         continue
                     twin = made.get(id(tensor))
                     if twin is None:
-                        twin = made[id(tensor)] = _twin(tensor, dtype, is_parameter or name not in computed)
+                        castable = is_parameter or name not in computed or id(tensor) in also
+                        twin = made[id(tensor)] = _twin(tensor, dtype, castable)
                     replaced.append((table, name, tensor))
                     table[name] = twin
     except Exception:  # noqa: BLE001 - a tensor subclass with no meta twin: plan the model as it is

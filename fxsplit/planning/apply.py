@@ -259,7 +259,10 @@ def apply(
     with CastForLoad(model, checkpoint is not None) as cast:  # as the checkpoint fills it; undone if the call fails
         cast(plan.dtype)
         with StageTimer(enabled=progress).stage("fxsplit: tracing and checking the plan"):
-            traced, costs, _ = checked_retrace(model, plan, example_inputs=example_inputs, **options)
+            traced, costs, _ = cast.traced(
+                lambda: checked_retrace(model, plan, example_inputs=example_inputs, **options),
+                lambda made: made[0].graph_module,
+            )
     with cast, loading.onto(plan, traced.graph_module) as loaded:  # undone if what follows fails
         if checkpoint is None:
             refuse_meta(model)

@@ -1,0 +1,130 @@
+"""Computed (non-persistent) buffers of a model cast to a dtype: kept at their own dtype unless the cast model
+needs them at the dtype (:mod:`fxsplit.checkpoint.computed`).
+
+timm's EVA attention keeps its key bias as a non-persistent zeros buffer and concatenates it with the query and
+value biases. Built at float32 and loaded as bf16, that buffer stayed float32, so the projection's bias was
+float32 beside bf16 weights: the plan passed (fake kernels do not check dtypes) and the split failed when it
+first ran (``self and mat2 must have the same dtype``). A rotary table that the model converts before it meets
+the model's tensors still keeps its dtype, as transformers keeps it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import fxsplit
+from fxsplit.checkpoint.cast import cast_floating
+from fxsplit.checkpoint.computed import kept_buffers, meeting_buffers
+from fxsplit.tracing.capture import trace
+
+BUDGETS = {  # about 0.7 of what one device holds, in each mode: a split over both
+    "inference": {"cpu:0": 2700, "cpu:1": 2700},
+    "training": {"cpu:0": 13400, "cpu:1": 13400},
+}
+
+
+class KeyBias(nn.Module):
+    """Attention's projection as timm's EVA builds it: the key's bias a zeros buffer, not a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48, bias=False)
+        self.q_bias = nn.Parameter(torch.randn(16))
+        self.v_bias = nn.Parameter(torch.randn(16))
+        self.register_buffer("k_bias", torch.zeros(16), persistent=False)
+        self.angles = Angles()
+        self.out = nn.Linear(48, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = nn.functional.linear(x, self.qkv.weight, torch.cat([self.q_bias, self.k_bias, self.v_bias]))
+        return self.out(qkv) * self.angles(x)
+
+
+class Angles(nn.Module):
+    """A table computed in float32 and converted before it meets the model's tensors (a rotary embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.linspace(0.1, 1.0, 16), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.inv_freq.float() * 3.0).cos().to(x.dtype)
+
+
+def _model() -> KeyBias:
+    torch.manual_seed(0)
+    return KeyBias()
+
+
+def _as_it_runs() -> KeyBias:
+    """The model as a bf16 checkpoint load should hold it: weights and key bias at bf16, the table at float32."""
+    model = _model()
+    for tensor in [*model.parameters(), model.k_bias]:
+        tensor.data = tensor.data.bfloat16()
+    return model
+
+
+def _checkpoint(tmp_path: Path) -> Path:
+    path = tmp_path / "model.safetensors"
+    save_file(_model().state_dict(), str(path))
+    return path
+
+
+def _on_meta() -> KeyBias:
+    with fxsplit.empty_weights():  # (buffers stay real, as the model computed them)
+        return KeyBias()
+
+
+X = torch.randn(4, 16)
+
+
+@pytest.mark.parametrize("trace_mode", ["fx", "export"])
+def test_the_buffers_whose_values_meet_the_cast_dtype_are_found(trace_mode: str) -> None:
+    model = _model()
+    cast_floating(model, torch.bfloat16)  # parameters (and persistent buffers) only
+    kept = kept_buffers(model, torch.bfloat16)
+    assert set(kept) == {"k_bias", "angles.inv_freq"}
+    traced = trace(model, example_inputs=(X.bfloat16(),), mode=trace_mode)
+    assert meeting_buffers(traced.graph_module, set(kept), torch.bfloat16) == ["k_bias"]
+
+
+@pytest.mark.parametrize("trace_mode", ["fx", "export"])
+def test_a_checkpoint_split_at_bf16_casts_the_buffer_its_weights_need_and_runs(tmp_path: Path, trace_mode: str) -> None:
+    """fxsplit(checkpoint=, dtype=) and fxsplit.apply(checkpoint=) of a plan: the split runs and computes what the
+    model with its weights and key bias at bf16 and its table at float32 computes."""
+    path = _checkpoint(tmp_path)
+    expected = _as_it_runs()(X.bfloat16())
+    options = {"dtype": "bfloat16", "trace": trace_mode, "mode": "inference"}
+    split = fxsplit.fxsplit(
+        _on_meta(), BUDGETS["inference"], checkpoint=path, example_inputs=(X.bfloat16(),), **options
+    )
+    assert len(set(split.meta["fxsplit_plan"].placement.values())) == 2  # really split
+    torch.testing.assert_close(split(X.bfloat16()), expected, rtol=0, atol=0)
+    plan = fxsplit.plan(_model(), BUDGETS["inference"], example_inputs=(X,), **options)
+    applied = fxsplit.apply(_on_meta(), plan, checkpoint=path, example_inputs=(X.bfloat16(),))
+    torch.testing.assert_close(applied(X.bfloat16()), expected, rtol=0, atol=0)
+    for gm in (split, applied):
+        held = {name: t.dtype for name, t in gm.named_buffers()}
+        assert [d for n, d in held.items() if n.endswith("k_bias")] == [torch.bfloat16]
+        assert [d for n, d in held.items() if n.endswith("inv_freq")] == [torch.float32]
+
+
+@pytest.mark.parametrize("trace_mode", ["fx", "export"])
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_a_float32_model_planned_at_bf16_is_planned_as_it_will_run(trace_mode: str, mode: str) -> None:
+    """Stood in for (real weights) or cast (on ``meta``): the plan of the model with the key bias at bf16 and the
+    table at float32, which a checkpoint split of it holds; the model is left as it was."""
+    model, runs = _model(), _as_it_runs()
+    options = {"trace": trace_mode, "mode": mode}
+    as_run = fxsplit.plan(runs, BUDGETS[mode], example_inputs=(X.bfloat16(),), **options)
+    before = [(n, t.dtype, t.data_ptr()) for n, t in [*model.named_parameters(), *model.named_buffers()]]
+    for planned, given in ((model, X), (_on_meta(), X)):
+        found = fxsplit.plan(planned, BUDGETS[mode], example_inputs=(given,), dtype="bfloat16", **options)
+        assert found.memory == as_run.memory and found.placement == as_run.placement
+        assert len(set(found.placement.values())) == 2
+    assert [(n, t.dtype, t.data_ptr()) for n, t in [*model.named_parameters(), *model.named_buffers()]] == before
