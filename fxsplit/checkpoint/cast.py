@@ -217,7 +217,7 @@ class PlanningCast:
         assert self._undo is not None and self._dtype is not None
         if self._stood_in:
             self._undo()
-            self._undo = standin.stand_in(self._model, self._dtype, cast_too=names)
+            self._undo = standin.stand_in(self._model, self._dtype, cast_too=names)  # (it stood in before: it can)
             return
         kept = kept_buffers(self._model, self._dtype)
         earlier, more = self._undo, _cast(list({id(kept[n]): kept[n] for n in names}.values()), self._dtype)
