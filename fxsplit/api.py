@@ -15,6 +15,7 @@ from fxsplit.callsite import user_stacklevel
 from fxsplit.check import verify_split
 from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.checkpoint.cast import CastForLoad, PlanningCast, warn_uncast
+from fxsplit.checkpoint.mixeddtypes import mixed_dtype_message, mixed_dtype_ops
 from fxsplit.checkpoint.unloaded import guard_meta_weights
 from fxsplit.codegen.emitter import emit, move_weights
 from fxsplit.cost.constraints import (
@@ -159,6 +160,8 @@ def _trace_and_plan(
     if at_dtype is not None:  # what was traced: floating inputs at the dtype (a fallback: as given)
         example_inputs, example_kwargs = at_dtype.inputs
     as_traced = as_traced or (at_dtype is not None and at_dtype.cast)
+    if as_traced and dtype and (mixed := mixed_dtype_ops(traced.graph_module)):  # fake kernels let it trace
+        warnings.warn(FxsplitWarning(mixed_dtype_message(mixed, dtype)), stacklevel=user_stacklevel())
     if traced.shapes_missing and isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
         said = on_one_microbatch(traced.shapes_missing, options.pipeline.chunks).replace("\n  ", "; ")
         traced = dataclasses.replace(traced, shapes_missing=said)

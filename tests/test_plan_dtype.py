@@ -85,7 +85,7 @@ class Inverse(Projected):
         return torch.linalg.inv(self.proj(x).view(-1, 4, 4))
 
 
-def _real_and_on_meta(make: type[Projected]) -> tuple[tuple[nn.Module, torch.Tensor], ...]:
+def _real_and_on_meta(make: type[nn.Module]) -> tuple[tuple[nn.Module, torch.Tensor], ...]:
     """The model with real weights and an input, then on ``meta`` with a ``meta`` input."""
     x = torch.randn(2, 16)
     with fxsplit.empty_weights():
@@ -214,6 +214,36 @@ def test_a_model_that_traces_at_no_dtype_gets_its_trace_error_alone() -> None:
                 fxsplit.plan(model, {"cpu:0": "1MiB"}, example_inputs=(given,), dtype="bfloat16", trace=trace)
             assert not [w for w in caught if issubclass(w.category, fxsplit.FxsplitWarning)], trace
             assert _state(model) == before
+
+
+class Float32Head(nn.Module):
+    """Its head is fed float32 (``h.float()``): once its weights are bf16, that matmul does not run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).float())
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_model_that_mixes_dtypes_at_the_dtype_is_planned_with_a_warning_that_names_the_op(trace: str) -> None:
+    """Fake kernels do not check dtypes, so the model traces at bf16 and is planned; it would fail when it runs,
+    and the plan says where. A model that converts its float32 work back (Attention) gets no such warning."""
+    x = torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match="dtype"):
+        _cast_copy(Float32Head())(x.bfloat16())  # what the split would meet
+    said = r"kernels need one: '(head|linear_1)' takes bfloat16 and float32( \(at .*test_plan_dtype.*\))?;"
+    for model, given in _real_and_on_meta(Float32Head):
+        with pytest.warns(fxsplit.FxsplitWarning, match=said):
+            fxsplit.plan(model, {"cpu:0": "1MiB"}, example_inputs=(given,), dtype="bfloat16", trace=trace)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxsplit.FxsplitWarning)
+        fxsplit.plan(
+            Attention(), {"cpu:0": "1MiB"}, example_inputs=(torch.randn(2, 8, 32),), dtype="bfloat16", trace=trace
+        )
 
 
 def test_a_model_planned_at_its_own_dtype_or_without_inputs_is_not_stood_in_for() -> None:
