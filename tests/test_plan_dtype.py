@@ -11,6 +11,7 @@ to the dtype, which it applies to, and the model itself is left as it was.
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from typing import Any
 
@@ -244,6 +245,86 @@ def test_a_model_that_mixes_dtypes_at_the_dtype_is_planned_with_a_warning_that_n
         fxsplit.plan(
             Attention(), {"cpu:0": "1MiB"}, example_inputs=(torch.randn(2, 8, 32),), dtype="bfloat16", trace=trace
         )
+
+
+class NormOfUpcast(nn.Module):
+    """A norm of a value the model upcasts to float32: its weights, cast to bf16, no longer match the input."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.functional = functional
+        self.body, self.norm, self.bn = nn.Linear(8, 8), nn.LayerNorm(8), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x).float()
+        if self.functional:
+            return nn.functional.layer_norm(h, (8,), self.norm.weight, self.norm.bias)
+        return self.bn(h)
+
+
+class IndexWrite(nn.Module):
+    """``x[idx] = y`` of a bf16 value into a float32 tensor (refused), or of a 0-d one under a mask (runs)."""
+
+    def __init__(self, masked: bool) -> None:
+        super().__init__()
+        self.masked = masked
+        self.body = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        out = torch.zeros(4, 8)
+        if self.masked:
+            return out.index_put((out >= 0,), h[0, 0])
+        return out.index_put((torch.tensor([0, 1]),), h[:2])
+
+
+class NormsThatRun(nn.Module):
+    """Mixes that the kernels take: a bf16 input beside float32 norm weights, rms_norm, elementwise ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        low = nn.functional.layer_norm(h, (8,), self.norm.weight.float(), self.norm.bias.float())
+        return nn.functional.rms_norm(h.float(), (8,), self.norm.weight) + low * h.float()
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+@pytest.mark.parametrize(
+    ("make", "refused"),
+    [
+        (lambda: NormOfUpcast(functional=True), "layer_norm"),
+        (lambda: NormOfUpcast(functional=False), "bn|batch_norm"),
+        (lambda: IndexWrite(masked=False), "index_put"),
+        (lambda: IndexWrite(masked=True), None),
+        (NormsThatRun, None),
+    ],
+    ids=["layer_norm", "batch_norm", "index_put", "masked_fill", "runs"],
+)
+def test_norms_and_index_writes_warn_exactly_when_the_cast_model_fails(
+    make: Any, refused: str | None, trace: str
+) -> None:
+    """Norms take a bf16 input beside float32 weights but not the other way round; ``index_put`` takes one dtype
+    unless it is a masked fill of a 0-d value. Each warning stands for a failure of the cast model, and each
+    model without one runs."""
+    x = torch.randn(4, 8)
+    cast = _cast_copy(make().eval())
+    if refused is None:
+        cast(x.bfloat16())
+    else:
+        with pytest.raises(RuntimeError, match="dtype|scalar type"):
+            cast(x.bfloat16())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fxsplit.plan(make().eval(), {"cpu:0": "1MiB"}, example_inputs=(x,), dtype="bfloat16", trace=trace)
+    said = [str(w.message) for w in seen if issubclass(w.category, fxsplit.FxsplitWarning)]
+    if refused is None:
+        assert said == []
+    else:
+        assert len(said) == 1
+        assert re.search(rf"kernels need one: '({refused})(_\d+)?' takes bfloat16 and float32", said[0]), said[0]
 
 
 def test_a_model_planned_at_its_own_dtype_or_without_inputs_is_not_stood_in_for() -> None:

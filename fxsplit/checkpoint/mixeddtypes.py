@@ -2,16 +2,30 @@
 
 A model planned at bf16 is traced with its weights at bf16, but on fake tensors,
 whose kernels do not check dtypes: a model that computes ``x.float() @ w`` with
-``w`` now bf16 is traced and planned, and fails when it first runs (the CPU's
-and CUDA's matrix products, convolutions and attention refuse mixed dtypes;
-norms and elementwise ops accept them). :func:`mixed_dtype_ops` finds such ops
-in the traced graph, so that the plan can say so before the weights are loaded.
+``w`` now bf16 is traced and planned, and fails when it first runs. The CPU's
+kernels (measured on torch 2.13) refuse two floating dtypes in:
+
+* matrix products, convolutions, attention's q/k/v, ``bilinear``, ``dot``,
+  ``tensordot``, ``cdist``, ``grid_sample``, recurrent layers (LSTM, GRU, RNN),
+  ``prelu``, ``lerp``, ``embedding_bag``, a loss's class ``weight``, and writes
+  of one tensor into another (``scatter``, ``index_add``, ``index_copy``,
+  ``masked_scatter``, ``put``): rule ``same``, every floating tensor the op
+  takes (or the ones named) of one dtype;
+* ``index_put`` (``x[idx] = y``): rule ``index``, the same, except a 0-d value
+  written under a boolean mask (``x[mask] = v`` runs as ``masked_fill``);
+* layer, group, batch and instance norms: rule ``norm``, their parameters and
+  running statistics of one dtype, the input's, except a bf16 or fp16 input
+  beside float32 parameters (the mixed precision these kernels accept).
+
+Elementwise ops, ``cat``, ``where``, ``rms_norm`` and ``masked_fill`` promote
+and run. :func:`mixed_dtype_ops` finds the refused ones in the traced graph, so
+that the plan can say so before the weights are loaded.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Iterable, NamedTuple, Union
 
 import torch
 import torch.fx
@@ -20,57 +34,118 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["mixed_dtype_message", "mixed_dtype_ops"]
 
-_aten = torch.ops.aten
-_ONE_DTYPE = {  # target -> how many leading arguments must share a dtype (None: all tensor arguments)
-    **dict.fromkeys(
-        (
-            _aten.linear.default,
-            _aten.mm.default,
-            _aten.bmm.default,
-            _aten.addmm.default,
-            _aten.baddbmm.default,
-            _aten.matmul.default,
-            _aten.mv.default,
-            _aten.addmv.default,
-            _aten.einsum.default,
-            _aten.conv1d.default,
-            _aten.conv2d.default,
-            _aten.conv3d.default,
-            _aten.convolution.default,
-            _aten.conv_transpose1d.default,
-            _aten.conv_transpose2d.input,
-            _aten.conv_transpose3d.input,
-            F.linear,
-            F.conv1d,
-            F.conv2d,
-            F.conv3d,
-            F.conv_transpose1d,
-            F.conv_transpose2d,
-            F.conv_transpose3d,
-            torch.matmul,
-            torch.mm,
-            torch.bmm,
-            torch.addmm,
-            torch.baddbmm,
-            torch.mv,
-            torch.einsum,
-            operator.matmul,
-        ),
-        None,
+Slots = Union[None, int, tuple[tuple[int, str], ...]]
+"""Which arguments a rule reads: all of them (None), the first n, or ``(position, keyword)`` pairs."""
+
+
+class _Rule(NamedTuple):
+    kind: str  # "same", "index" (slots: the written tensor, its indices, the value) or "norm" (the input first)
+    slots: Slots = None
+
+
+_SAME = _Rule("same")
+_QKV = _Rule("same", 3)
+_INDEX = _Rule("index", ((0, "self"), (1, "indices"), (2, "values")))
+_LOSS = _Rule("same", ((0, "input"), (2, "weight")))  # (input, target, weight): a float target may differ
+_NORM_23 = _Rule("norm", ((0, "input"), (2, "weight"), (3, "bias")))  # (input, shape or groups, weight, bias)
+_NORM_12 = _Rule("norm", ((0, "input"), (1, "weight"), (2, "bias")))
+_NORM_1234 = _Rule("norm", ((0, "input"), (1, "weight"), (2, "bias"), (3, "running_mean"), (4, "running_var")))
+_F_NORM_1234 = _Rule(  # F.batch_norm, F.instance_norm: (input, running_mean, running_var, weight, bias)
+    "norm", ((0, "input"), (1, "running_mean"), (2, "running_var"), (3, "weight"), (4, "bias"))
+)
+
+
+def _aten(rule: _Rule, *names: str) -> dict[object, _Rule]:
+    """``{aten overload: rule}`` for each ``"op.overload"`` name this torch has."""
+    found: dict[object, _Rule] = {}
+    for name in names:
+        op, _, overload = name.partition(".")
+        packet = getattr(torch.ops.aten, op, None)
+        target = getattr(packet, overload or "default", None) if packet is not None else None
+        if target is not None:
+            found[target] = rule
+    return found
+
+
+_PRODUCTS = (
+    "linear mm bmm addmm baddbmm matmul mv addmv einsum dot vdot tensordot bilinear cdist _cdist_forward "
+    "conv1d conv2d conv3d convolution conv_transpose1d conv_transpose2d.input conv_transpose3d.input "
+    "grid_sampler grid_sampler_2d grid_sampler_3d prelu _prelu_kernel lerp.Scalar lerp.Tensor lerp_.Scalar "
+    "lerp_.Tensor scatter.src scatter_.src scatter_add scatter_add_ index_add index_add_ index_copy index_copy_ "
+    "masked_scatter masked_scatter_ put put_ embedding_bag embedding_bag.padding_idx _embedding_bag "
+    "lstm.input gru.input rnn_tanh.input rnn_relu.input lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell"
+).split()
+_RULES: dict[object, _Rule] = {
+    **_aten(_SAME, *_PRODUCTS),
+    **_aten(_QKV, "scaled_dot_product_attention"),
+    **_aten(_INDEX, "index_put", "index_put_"),
+    **_aten(_LOSS, "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "nll_loss_nd"),
+    **_aten(_NORM_23, "layer_norm", "native_layer_norm", "group_norm"),
+    **_aten(_NORM_12, "native_group_norm"),
+    **_aten(
+        _NORM_1234,
+        "batch_norm",
+        "native_batch_norm",
+        "_native_batch_norm_legit",
+        "_native_batch_norm_legit_functional",
+        "_native_batch_norm_legit_no_training",
+        "instance_norm",
     ),
-    **dict.fromkeys((_aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention), 3),  # q, k, v
+    **dict.fromkeys(
+        (F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d),
+        _SAME,
+    ),
+    **dict.fromkeys((F.bilinear, F.grid_sample, F.prelu, F.embedding_bag, operator.matmul), _SAME),
+    **dict.fromkeys(
+        (torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.mv, torch.addmv, torch.einsum),
+        _SAME,
+    ),
+    **dict.fromkeys((torch.dot, torch.vdot, torch.tensordot, torch.cdist, torch.bilinear, torch.prelu), _SAME),
+    **dict.fromkeys(
+        (torch.lerp, torch.scatter, torch.scatter_add, torch.index_add, torch.index_copy, torch.masked_scatter),
+        _SAME,
+    ),
+    F.scaled_dot_product_attention: _QKV,
+    torch.index_put: _INDEX,
+    operator.setitem: _INDEX,
+    **dict.fromkeys((F.cross_entropy, F.nll_loss), _LOSS),
+    **dict.fromkeys((F.layer_norm, torch.layer_norm, F.group_norm, torch.group_norm), _NORM_23),
+    **dict.fromkeys((torch.batch_norm, torch.instance_norm), _NORM_1234),
+    **dict.fromkeys((F.batch_norm, F.instance_norm), _F_NORM_1234),
 }
-_METHODS = {"matmul", "mm", "bmm", "__matmul__", "__rmatmul__"}
-_MODULES = (torch.nn.Linear, torch.nn.modules.conv._ConvNd)
+_METHODS: dict[str, _Rule] = {
+    **dict.fromkeys(
+        "matmul mm bmm __matmul__ __rmatmul__ dot vdot lerp lerp_ scatter scatter_ scatter_add scatter_add_ "
+        "index_add index_add_ index_copy index_copy_ masked_scatter masked_scatter_ put put_ prelu".split(),
+        _SAME,
+    ),
+    **dict.fromkeys(("index_put", "index_put_", "__setitem__"), _INDEX),
+}
+_NORMS = (
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.modules.batchnorm._BatchNorm,
+    torch.nn.modules.instancenorm._InstanceNorm,
+)
+_FIRST_ARGUMENT = (torch.nn.Linear, torch.nn.modules.conv._ConvNd)  # the input and the module's own weights
+_ALL_ARGUMENTS = (  # every tensor argument and every weight of the module
+    torch.nn.modules.rnn.RNNBase,
+    torch.nn.modules.rnn.RNNCellBase,
+    torch.nn.PReLU,
+    torch.nn.Bilinear,
+    torch.nn.EmbeddingBag,
+    torch.nn.MultiheadAttention,
+)
+_LOW = (torch.bfloat16, torch.float16)
 
 
 def mixed_dtype_ops(graph_module: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, list[str]]]:
     """Each op of the graph that needs one floating dtype and takes two or more, with those dtypes' names."""
     found = []
     for node in graph_module.graph.nodes:
-        dtypes = _input_dtypes(node, graph_module)
-        if dtypes is not None and len(dtypes) > 1:
-            found.append((node, sorted(str(d).removeprefix("torch.") for d in dtypes)))
+        dtypes = _refused_dtypes(node, graph_module)
+        if dtypes:
+            found.append((node, sorted({str(d).removeprefix("torch.") for d in dtypes})))
     return found
 
 
@@ -85,26 +160,78 @@ def mixed_dtype_message(found: list[tuple[torch.fx.Node, list[str]]], dtype: str
     )
 
 
-def _input_dtypes(node: torch.fx.Node, graph_module: torch.fx.GraphModule) -> set[torch.dtype] | None:
-    """The floating dtypes of the tensors an op that needs one dtype takes; None for any other node."""
+def _refused_dtypes(node: torch.fx.Node, graph_module: torch.fx.GraphModule) -> list[torch.dtype]:
+    """The floating dtypes ``node`` takes where its kernel refuses them together; [] when it runs."""
+    weights: list[torch.Tensor] = []
     if node.op == "call_function":
         try:
-            leading = _ONE_DTYPE.get(node.target, -1)
+            rule = _RULES.get(node.target)
         except TypeError:  # an unhashable target
-            return None
-        if leading == -1:
-            return None
-        arguments: list[Any] = list(node.args[:leading]) if leading is not None else [*node.args, *node.kwargs.values()]
-        extra: list[Any] = []
-    elif node.op == "call_method" and node.target in _METHODS:
-        arguments, extra = [*node.args, *node.kwargs.values()], []
-    elif node.op == "call_module" and isinstance(owner := graph_module.get_submodule(str(node.target)), _MODULES):
-        arguments, extra = list(node.args[:1]), [t for t in owner.parameters(recurse=False)]
+            return []
+    elif node.op == "call_method" and isinstance(node.target, str):
+        rule = _METHODS.get(node.target)
+    elif node.op == "call_module":
+        owner = graph_module.get_submodule(str(node.target))
+        if isinstance(owner, _NORMS):
+            rule, weights = _Rule("norm", 1), [*owner.parameters(recurse=False), *owner.buffers(recurse=False)]
+        elif isinstance(owner, _FIRST_ARGUMENT):
+            rule, weights = _Rule("same", 1), list(owner.parameters(recurse=False))
+        elif isinstance(owner, _ALL_ARGUMENTS):
+            rule, weights = _SAME, list(owner.parameters())
+        else:
+            return []
     else:
-        return None
-    values = [a.meta.get("val") for a in tree_leaves(arguments) if isinstance(a, torch.fx.Node)]
-    tensors = [v for v in [*values, *extra] if isinstance(v, torch.Tensor)]
-    return {t.dtype for t in tensors if t.dtype.is_floating_point}
+        return []
+    if rule is None:
+        return []
+    groups = [_floating(_values(argument)) for argument in _selected(node, rule.slots)]
+    if rule.kind == "norm":
+        given = groups[0] if groups else []
+        params = [*(t for group in groups[1:] for t in group), *_floating(weights)]
+        return _norm_refuses(given, params)
+    if rule.kind == "index" and len(groups) == 3 and _masked_fill(node, groups):
+        return []
+    dtypes = {t.dtype for group in groups for t in group} | {t.dtype for t in _floating(weights)}
+    return sorted(dtypes, key=str) if len(dtypes) > 1 else []
+
+
+def _selected(node: torch.fx.Node, slots: Slots) -> list[Any]:
+    """The arguments ``slots`` names, one entry per slot (all arguments: one per argument)."""
+    if slots is None:
+        return [*node.args, *node.kwargs.values()]
+    if isinstance(slots, int):
+        return list(node.args[:slots])
+    return [node.args[at] if at < len(node.args) else node.kwargs.get(keyword) for at, keyword in slots]
+
+
+def _values(argument: Any) -> list[Any]:
+    """The recorded values of the nodes inside ``argument`` (a node, or a list or tuple of them)."""
+    return [a.meta.get("val") for a in tree_leaves(argument) if isinstance(a, torch.fx.Node)]
+
+
+def _floating(values: Iterable[Any]) -> list[torch.Tensor]:
+    return [v for v in values if isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
+
+
+def _norm_refuses(given: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.dtype]:
+    """A norm's input dtype and its parameters' when the kernel refuses them together; [] when it runs."""
+    kinds = {t.dtype for t in params}
+    if not given or not kinds:
+        return []
+    dtype = given[0].dtype
+    if len(kinds) == 1 and (kinds == {dtype} or (dtype in _LOW and kinds == {torch.float32})):
+        return []
+    return sorted({dtype, *kinds}, key=str)
+
+
+def _masked_fill(node: torch.fx.Node, groups: list[list[torch.Tensor]]) -> bool:
+    """Whether an ``index_put`` writes a 0-d value under boolean masks only (a ``masked_fill``, which promotes),
+    or (``x[0:2] = y``) indexes with no tensor at all (a copy)."""
+    indices = [v for v in _values(_selected(node, _INDEX.slots)[1]) if isinstance(v, torch.Tensor)]
+    if not indices:
+        return True
+    value = groups[2]
+    return bool(value) and value[0].dim() == 0 and all(i.dtype == torch.bool for i in indices)
 
 
 def _line(node: torch.fx.Node) -> str:
