@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from contextlib import ExitStack
@@ -16,6 +15,7 @@ from fxsplit.check import verify_split
 from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.checkpoint.cast import CastForLoad, PlanningCast, warn_uncast
 from fxsplit.checkpoint.mixeddtypes import mixed_dtype_message, mixed_dtype_ops
+from fxsplit.checkpoint.standin import planning_inputs
 from fxsplit.checkpoint.unloaded import guard_meta_weights
 from fxsplit.codegen.emitter import emit, move_weights
 from fxsplit.cost.constraints import (
@@ -32,7 +32,7 @@ from fxsplit.gcpause import gc_paused
 from fxsplit.optionparse import parse_options
 from fxsplit.options import Budgets, PipelineConfig
 from fxsplit.pipeline.gpipe import Pipeline, mixing_message, pipelined
-from fxsplit.pipeline.microbatch import argument_names, first_microbatch, on_one_microbatch
+from fxsplit.pipeline.microbatch import argument_names, first_microbatch, on_one_microbatch, one_microbatch_shapes
 from fxsplit.plangraph import GraphPlanning, Planned, plan_graph
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rowsplits import try_row_splits, wants_row_splits
@@ -122,6 +122,7 @@ def _trace_and_plan(
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     example_kwargs = options.example_kwargs
+    whole = (example_inputs, example_kwargs)
     if isinstance(options.pipeline, PipelineConfig):  # trace one micro-batch: export fixes shapes
         example_inputs, example_kwargs = first_microbatch(
             example_inputs, example_kwargs, options.pipeline.chunks, options.pipeline.broadcast, argument_names(model)
@@ -163,8 +164,9 @@ def _trace_and_plan(
     if as_traced and dtype and (mixed := mixed_dtype_ops(traced.graph_module)):  # fake kernels let it trace
         warnings.warn(FxsplitWarning(mixed_dtype_message(mixed, dtype)), stacklevel=user_stacklevel())
     if traced.shapes_missing and isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
-        said = on_one_microbatch(traced.shapes_missing, options.pipeline.chunks).replace("\n  ", "; ")
-        traced = dataclasses.replace(traced, shapes_missing=said)
+        cast_inputs = at_dtype is not None and at_dtype.cast  # (the whole batch as the micro-batch was traced)
+        whole = planning_inputs(whole, getattr(torch, dtype)) if cast_inputs and dtype else whole
+        traced = one_microbatch_shapes(traced, whole, options.pipeline.chunks)
     pipeline_recomputes = isinstance(options.pipeline, PipelineConfig) and options.pipeline.checkpoint != "never"
     if traced.checkpointed and options.mode == "training" and not pipeline_recomputes:
         warnings.warn(FxsplitWarning(checkpointing_message(traced.checkpointed)), stacklevel=user_stacklevel())

@@ -19,6 +19,7 @@ values (strings, ``None``, flags) come from the first micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from typing import Any, Collection, Mapping, Sequence
@@ -29,7 +30,7 @@ from torch.utils import _pytree as pytree
 from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitError, FxsplitWarning, SpecError
 
-__all__ = ["argument_names", "first_microbatch", "gather", "on_one_microbatch", "scatter"]
+__all__ = ["argument_names", "first_microbatch", "gather", "on_one_microbatch", "one_microbatch_shapes", "scatter"]
 
 
 def scatter(
@@ -204,6 +205,27 @@ def on_one_microbatch(message: str, chunks: int) -> str:
         "of the batch, or reshapes it by a fixed batch size), it mixes the rows of the batch, which micro-batches "
         "cannot split: use chunks=1, or an example batch of chunks x the rows it needs"
     )
+
+
+def one_microbatch_shapes(traced: Any, whole: tuple[Any, Any], chunks: int) -> Any:
+    """``traced`` (a torch.fx trace of one micro-batch, whose shapes could not be found on it), with its
+    ``shapes_missing`` said of the micro-batch; when its graph runs on the whole example batch ``whole``
+    (``(positional, keyword)``), raise instead: the model needs more rows than a micro-batch holds, and
+    the pipeline would fail at its first run (torch.export refuses such a model when it traces).
+
+    Raises:
+        TraceError: the graph runs on the whole example batch and not on one micro-batch of it.
+    """
+    from fxsplit.errors import TraceError
+    from fxsplit.tracing.fxshapes import propagate_shapes
+
+    args, kwargs = whole
+    if traced.method == "fx" and (args is not None or kwargs):
+        if propagate_shapes(traced.graph_module, tuple(args or ()), dict(kwargs or {})) is None:
+            missing = str(traced.shapes_missing).rstrip(".")
+            raise TraceError(on_one_microbatch(f"{missing}, where the whole example batch runs", chunks))
+    said = on_one_microbatch(traced.shapes_missing, chunks).replace("\n  ", "; ")
+    return dataclasses.replace(traced, shapes_missing=said)
 
 
 def _same_value(index: int, values: Sequence[Any]) -> Any:
