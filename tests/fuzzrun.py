@@ -1,5 +1,6 @@
-"""What the hand-run fuzzes (:mod:`split_fuzz`, :mod:`standin_fuzz`) share: seeds run each in its own process, a
-tally, and where in fxsplit an error came from."""
+"""What the hand-run fuzzes (:mod:`split_fuzz`, :mod:`standin_fuzz`, :mod:`route_fuzz`) share: seeds run each in its
+own process, a tally, where in fxsplit an error came from, the loss their training runs take the gradients of, and
+what of a run differs from eager's."""
 
 from __future__ import annotations
 
@@ -9,11 +10,57 @@ import sys
 import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-__all__ = ["BAD", "run_seeds", "where"]
+import torch
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["BAD", "differences", "run_seeds", "weighted_loss", "where"]
 
 BAD = ("wrong", "crash")
+
+
+def differences(out: Any, expected: Any, model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
+    """What of a split's run differs from eager's: outputs (float64, to 1e-9), every parameter's gradient, and the
+    state (a tensor left on ``meta`` is a difference too); empty when nothing does."""
+    found = []
+    got, want = tree_flatten(out)[0], tree_flatten(expected)[0]
+    if len(got) != len(want):
+        return [f"{len(got)} outputs, eager gives {len(want)}"]
+    for i, (a, e) in enumerate(zip(got, want, strict=True)):
+        if isinstance(e, torch.Tensor):
+            if (
+                not isinstance(a, torch.Tensor)
+                or a.shape != e.shape
+                or not torch.allclose(a.cpu(), e, rtol=1e-9, atol=1e-12)
+            ):
+                worst = ""
+                if isinstance(a, torch.Tensor) and a.shape == e.shape:
+                    worst = f" (max abs diff {(a.cpu() - e).abs().max().item():.3g})"
+                found.append(f"output {i}{worst}")
+        elif a != e:
+            found.append(f"output {i}: {a!r}, eager {e!r}")
+    grads = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        g, e = p.grad, grads[name].grad
+        if (g is None) != (e is None) or (g is not None and not torch.allclose(g.cpu(), e, rtol=1e-9, atol=1e-12)):
+            found.append(f"grad of {name}")
+    state = reference.state_dict()
+    for name, t in model.state_dict().items():
+        if t.device.type == "meta":
+            found.append(f"state {name} still on meta")
+        elif not torch.allclose(t.cpu(), state[name], equal_nan=True):
+            found.append(f"state {name}")
+    return found
+
+
+def weighted_loss(out: Any) -> torch.Tensor:
+    """Every floating output that needs a gradient, weighted so the gradients differ from element to element."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i, t in enumerate(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad):
+        weights = torch.linspace(0.5, 1.5, t.numel(), dtype=torch.float64).reshape(t.shape)
+        total = total + ((t.double() * weights).sum() * (i + 1)).to("cpu")
+    return total
 
 
 def where(error: BaseException) -> str:

@@ -48,12 +48,11 @@ import sys
 import tempfile
 import warnings
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
-from fuzzrun import run_seeds, where
+from fuzzrun import differences, run_seeds, weighted_loss, where
 from random_programs import generate
-from torch.utils._pytree import tree_flatten
 
 import fxsplit
 from fxsplit.check import DeviceChecker
@@ -61,7 +60,6 @@ from fxsplit.check import DeviceChecker
 __all__ = ["ROUTES", "run_seed", "scenario"]
 
 ROUTES = ("saved_plan", "checkpoint", "offload", "pipeline")
-_TOL = {"rtol": 1e-9, "atol": 1e-12}
 
 
 def scenario(seed: int) -> dict[str, Any]:
@@ -134,43 +132,6 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.05)
-
-
-def _loss(out: Any) -> torch.Tensor:
-    """Every floating output that needs a gradient, weighted so the gradients differ from element to element."""
-    total = torch.zeros((), dtype=torch.float64)
-    for i, t in enumerate(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad):
-        weights = torch.linspace(0.5, 1.5, t.numel(), dtype=torch.float64).reshape(t.shape)
-        total = total + ((t.double() * weights).sum() * (i + 1)).to("cpu")
-    return total
-
-
-def _differences(out: Any, expected: Any, model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
-    found = []
-    got, want = tree_flatten(out)[0], tree_flatten(expected)[0]
-    if len(got) != len(want):
-        return [f"{len(got)} outputs, eager gives {len(want)}"]
-    for i, (a, e) in enumerate(zip(got, want, strict=True)):
-        if isinstance(e, torch.Tensor):
-            if not isinstance(a, torch.Tensor) or a.shape != e.shape or not torch.allclose(a.cpu(), e, **_TOL):
-                worst = ""
-                if isinstance(a, torch.Tensor) and a.shape == e.shape:
-                    worst = f" (max abs diff {(a.cpu() - e).abs().max().item():.3g})"
-                found.append(f"output {i}{worst}")
-        elif a != e:
-            found.append(f"output {i}: {a!r}, eager {e!r}")
-    grads = dict(reference.named_parameters())
-    for name, p in model.named_parameters():
-        g, e = p.grad, grads[name].grad
-        if (g is None) != (e is None) or (g is not None and not torch.allclose(g.cpu(), e, **_TOL)):
-            found.append(f"grad of {name}")
-    state = reference.state_dict()
-    for name, t in model.state_dict().items():
-        if t.device.type == "meta":
-            found.append(f"state {name} still on meta")
-        elif not torch.allclose(t.cpu(), state[name], equal_nan=True):
-            found.append(f"state {name}")
-    return found
 
 
 def _row(result: dict[str, Any], outcome: str, error: BaseException | None = None, **more: Any) -> dict[str, Any]:
@@ -253,10 +214,38 @@ def _run(
                 out = gm(*run_args)
     said.extend(str(w.message)[:200] for w in caught if issubclass(w.category, fxsplit.FxsplitWarning))
     if train:
-        loss = _loss(out)
+        loss = weighted_loss(out)
         if loss.requires_grad:
             loss.backward()
     return out, run_args
+
+
+def _compared(
+    case: Case,
+    gm: Any,
+    target: torch.nn.Module,
+    said: list[str],
+    differ: Sequence[str] = (),
+    *,
+    no_grad: bool = False,
+    refused_when_run: bool = False,
+) -> dict[str, Any]:
+    """The seed's row: ``gm`` (split from ``target``) run on the inputs, its loss backward in training, compared
+    with eager (``differ``: what was found to differ before it ran). ``refused_when_run``: an ``FxsplitError`` from
+    the run is fxsplit's refusal (a pipeline's at its first forward, ``batch_stats="error"``), not a crash."""
+    result = case.result
+    try:
+        out, run_args = _run(gm, target, case.args, case.seed, case.how["mode"] == "training", said, no_grad)
+    except fxsplit.InvariantError as error:  # the device check: a finding
+        return _row(result, "crash", error, phase="run")
+    except fxsplit.FxsplitError as error:
+        return _row(result, "refused" if refused_when_run else "crash", error, phase="run")
+    except Exception as error:  # noqa: BLE001 - any other error is a finding
+        return _row(result, "crash", error, phase="run")
+    found = [*differ, *differences(out, case.expected, target, case.reference)]
+    found += [f"input {i}" for i, (a, e) in enumerate(zip(run_args, case.args, strict=True)) if not torch.equal(a, e)]
+    used = sorted(set(gm.meta["fxsplit_plan"].placement.values()))
+    return _row(result, "wrong" if found else "equal", differ=found[:5], used=used)
 
 
 def _split(result: dict[str, Any], build: Callable[[], Any]) -> tuple[Any, dict[str, Any] | None, list[str]]:
@@ -271,6 +260,23 @@ def _split(result: dict[str, Any], build: Callable[[], Any]) -> tuple[Any, dict[
             return None, _row(result, "crash", error, phase="plan"), []
     said = [str(w.message)[:200] for w in caught if issubclass(w.category, fxsplit.FxsplitWarning)]
     return made, None, said
+
+
+class Case(NamedTuple):
+    """One seed on its way down its route: the program, its eager result, and where and how it is split."""
+
+    seed: int
+    how: dict[str, Any]  # scenario()
+    result: dict[str, Any]  # the row so far
+    source: str
+    segments: list[str]
+    model: torch.nn.Module
+    reference: torch.nn.Module  # the unsplit copy eager ran (with its gradients)
+    args: tuple[Any, ...]
+    expected: Any  # eager's outputs
+    devices: list[str]
+    options: dict[str, Any]  # for fxsplit.plan / fxsplit.fxsplit
+    directory: str  # for files (checkpoints, offload)
 
 
 def run_seed(seed: int) -> dict[str, Any]:
@@ -294,7 +300,7 @@ def run_seed(seed: int) -> dict[str, Any]:
         torch.manual_seed(seed)  # the same random numbers (dropout) for both
         with torch.no_grad() if how.get("no_grad") else contextlib.nullcontext():
             expected = reference(*eager_args)
-        eager_loss = _loss(expected)
+        eager_loss = weighted_loss(expected)
         if eager_loss.requires_grad and train:
             eager_loss.backward()
     except Exception as error:  # noqa: BLE001 - the generator makes programs that do not run
@@ -305,25 +311,13 @@ def run_seed(seed: int) -> dict[str, Any]:
         options["optimizer"] = "sgd"
     with tempfile.TemporaryDirectory(prefix="route_fuzz_") as directory:
         route = {"saved_plan": _saved_plan, "checkpoint": _checkpoint, "offload": _offload, "pipeline": _pipeline}
-        return route[how["route"]](
-            seed, how, result, source, segments, model, reference, args, expected, devices, options, directory
-        )
+        case = Case(seed, how, result, source, segments, model, reference, args, expected, devices, options, directory)
+        return route[how["route"]](case)
 
 
-def _saved_plan(
-    seed: int,
-    how: dict[str, Any],
-    result: dict[str, Any],
-    source: str,
-    segments: list[str],
-    model: torch.nn.Module,
-    reference: torch.nn.Module,
-    args: tuple[Any, ...],
-    expected: Any,
-    devices: list[str],
-    options: dict[str, Any],
-    directory: str,
-) -> dict[str, Any]:
+def _saved_plan(case: Case) -> dict[str, Any]:
+    seed, how, result, segments = case.seed, case.how, case.result, case.segments
+    model, args, devices, options = case.model, case.args, case.devices, case.options
     if how["replicate"]:
         options["replicate"] = True
     fresh, direct_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -359,30 +353,12 @@ def _saved_plan(
             differ.append("apply's code differs from fxsplit's with the same plan")
     except Exception as error:  # noqa: BLE001 - plan() made it, fxsplit() must too
         return _row(result, "crash", error, phase="fxsplit after plan")
-    try:
-        out, run_args = _run(applied, fresh, args, seed, how["mode"] == "training", said)
-    except Exception as error:  # noqa: BLE001
-        return _row(result, "crash", error, phase="run")
-    differ += _differences(out, expected, fresh, reference)
-    differ += [f"input {i}" for i, (a, e) in enumerate(zip(run_args, args, strict=True)) if not torch.equal(a, e)]
-    used = sorted(set(plan.placement.values()))
-    return _row(result, "wrong" if differ else "equal", differ=differ[:5], used=used)
+    return _compared(case, applied, fresh, said, differ)
 
 
-def _checkpoint(
-    seed: int,
-    how: dict[str, Any],
-    result: dict[str, Any],
-    source: str,
-    segments: list[str],
-    model: torch.nn.Module,
-    reference: torch.nn.Module,
-    args: tuple[Any, ...],
-    expected: Any,
-    devices: list[str],
-    options: dict[str, Any],
-    directory: str,
-) -> dict[str, Any]:
+def _checkpoint(case: Case) -> dict[str, Any]:
+    seed, how, result, source = case.seed, case.how, case.result, case.source
+    model, args, devices, options, directory = case.model, case.args, case.devices, case.options, case.directory
     path = _save(model, directory, how["file"])
     empty, _ = _make(source, seed, how["build"])
 
@@ -398,30 +374,12 @@ def _checkpoint(
     if gm is None:
         return refused  # type: ignore[return-value]
     result["warned"] = said
-    try:
-        out, run_args = _run(gm, empty, args, seed, how["mode"] == "training", said)
-    except Exception as error:  # noqa: BLE001
-        return _row(result, "crash", error, phase="run")
-    differ = _differences(out, expected, empty, reference)
-    differ += [f"input {i}" for i, (a, e) in enumerate(zip(run_args, args, strict=True)) if not torch.equal(a, e)]
-    used = sorted(set(gm.meta["fxsplit_plan"].placement.values()))
-    return _row(result, "wrong" if differ else "equal", differ=differ[:5], used=used)
+    return _compared(case, gm, empty, said)
 
 
-def _offload(
-    seed: int,
-    how: dict[str, Any],
-    result: dict[str, Any],
-    source: str,
-    segments: list[str],
-    model: torch.nn.Module,
-    reference: torch.nn.Module,
-    args: tuple[Any, ...],
-    expected: Any,
-    devices: list[str],
-    options: dict[str, Any],
-    directory: str,
-) -> dict[str, Any]:
+def _offload(case: Case) -> dict[str, Any]:
+    seed, how, result, source, segments = case.seed, case.how, case.result, case.source, case.segments
+    model, devices, options, directory = case.model, case.devices, case.options, case.directory
     target = model
     path = None
     if how["file"] is not None:
@@ -449,33 +407,14 @@ def _offload(
     gm, refused, said = _split(result, split)
     if gm is None:
         return refused  # type: ignore[return-value]
-    plan = gm.meta["fxsplit_plan"]
     result["warned"] = said
-    result["streamed"] = plan.stream_bytes
-    try:
-        out, run_args = _run(gm, target, args, seed, False, said, no_grad=how["no_grad"])
-    except Exception as error:  # noqa: BLE001
-        return _row(result, "crash", error, phase="run")
-    differ = _differences(out, expected, target, reference)
-    differ += [f"input {i}" for i, (a, e) in enumerate(zip(run_args, args, strict=True)) if not torch.equal(a, e)]
-    used = sorted(set(plan.placement.values()))
-    return _row(result, "wrong" if differ else "equal", differ=differ[:5], used=used)
+    result["streamed"] = gm.meta["fxsplit_plan"].stream_bytes
+    return _compared(case, gm, target, said, no_grad=how["no_grad"])
 
 
-def _pipeline(
-    seed: int,
-    how: dict[str, Any],
-    result: dict[str, Any],
-    source: str,
-    segments: list[str],
-    model: torch.nn.Module,
-    reference: torch.nn.Module,
-    args: tuple[Any, ...],
-    expected: Any,
-    devices: list[str],
-    options: dict[str, Any],
-    directory: str,
-) -> dict[str, Any]:
+def _pipeline(case: Case) -> dict[str, Any]:
+    how, result = case.how, case.result
+    model, devices, options = case.model, case.devices, case.options
     if how["trace"] == "export":
         options["dynamic_shapes"] = "batch"  # so that fxsplit can find the ops that mix the batch's rows
     config = fxsplit.PipelineConfig(chunks=result["chunks"], checkpoint=how["recompute"], batch_stats="error")
@@ -489,18 +428,7 @@ def _pipeline(
     if pipe is None:
         return refused  # type: ignore[return-value]
     result["warned"] = said
-    try:
-        out, run_args = _run(pipe, model, args, seed, how["mode"] == "training", said)
-    except fxsplit.InvariantError as error:  # the device check: a finding
-        return _row(result, "crash", error, phase="run")
-    except fxsplit.FxsplitError as error:  # the pipeline's own refusal at its first forward (batch_stats="error")
-        return _row(result, "refused", error, phase="run")
-    except Exception as error:  # noqa: BLE001
-        return _row(result, "crash", error, phase="run")
-    differ = _differences(out, expected, model, reference)
-    differ += [f"input {i}" for i, (a, e) in enumerate(zip(run_args, args, strict=True)) if not torch.equal(a, e)]
-    used = sorted(set(pipe.meta["fxsplit_plan"].placement.values()))
-    return _row(result, "wrong" if differ else "equal", differ=differ[:5], used=used)
+    return _compared(case, pipe, model, said, refused_when_run=True)
 
 
 class _Tally(io.TextIOBase):

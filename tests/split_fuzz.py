@@ -27,9 +27,8 @@ import sys
 from typing import Any
 
 import torch
-from fuzzrun import run_seeds, where
+from fuzzrun import differences, run_seeds, weighted_loss, where
 from random_programs import generate
-from torch.utils._pytree import tree_flatten
 
 import fxsplit
 from fxsplit.check import DeviceChecker
@@ -61,34 +60,6 @@ def _program(seed: int) -> tuple[Any, tuple[Any, ...], list[str]]:
     return model, args, segments
 
 
-def _loss(out: Any) -> torch.Tensor:
-    """Every floating output that needs a gradient, weighted so the gradients differ from element to element."""
-    total = torch.zeros((), dtype=torch.float64)
-    for i, t in enumerate(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad):
-        weights = torch.linspace(0.5, 1.5, t.numel(), dtype=torch.float64).reshape(t.shape)
-        total = total + ((t.double() * weights).sum() * (i + 1)).to("cpu")
-    return total
-
-
-def _differences(out: Any, expected: Any, model: Any, reference: Any) -> list[str]:
-    found = []
-    got, want = tree_flatten(out)[0], tree_flatten(expected)[0]
-    if len(got) != len(want):
-        return [f"{len(got)} outputs, eager gives {len(want)}"]
-    for i, (a, e) in enumerate(zip(got, want, strict=True)):
-        if isinstance(e, torch.Tensor):
-            if not isinstance(a, torch.Tensor) or a.shape != e.shape or not torch.allclose(a, e, rtol=1e-9, atol=1e-12):
-                found.append(f"output {i}")
-    grads = dict(reference.named_parameters())
-    for name, p in model.named_parameters():
-        g, e = p.grad, grads[name].grad
-        if (g is None) != (e is None) or (g is not None and not torch.allclose(g, e, rtol=1e-9, atol=1e-12)):
-            found.append(f"grad of {name}")
-    state = reference.state_dict()
-    found += [f"state {n}" for n, t in model.state_dict().items() if not torch.allclose(t, state[n], equal_nan=True)]
-    return found
-
-
 def run_seed(seed: int) -> dict[str, Any]:
     """Split ``seed``'s program as :func:`scenario` says and compare it with eager: ``{"seed", "outcome", ...}``."""
     how = scenario(seed)
@@ -99,7 +70,7 @@ def run_seed(seed: int) -> dict[str, Any]:
     try:
         torch.manual_seed(seed)  # the same random numbers (dropout) for both
         expected = reference(*eager_args)
-        eager_loss = _loss(expected)
+        eager_loss = weighted_loss(expected)
         if eager_loss.requires_grad and how["mode"] == "training":
             eager_loss.backward()
     except Exception as error:  # noqa: BLE001 - the generator makes programs that do not run
@@ -131,12 +102,12 @@ def run_seed(seed: int) -> dict[str, Any]:
         with DeviceChecker(gm.meta["fxsplit_plan"], gm, model, host_anywhere=True):  # attention's causal mask
             out = gm(*run_args)
         if how["mode"] == "training":
-            loss = _loss(out)
+            loss = weighted_loss(out)
             if loss.requires_grad:
                 loss.backward()
     except Exception as error:  # noqa: BLE001
         return {**result, "outcome": "crash", "error": f"{type(error).__name__}: {error}"[:300], "at": where(error)}
-    differ = _differences(out, expected, model, reference)
+    differ = differences(out, expected, model, reference)
     differ += [f"input {i}" for i, (a, e) in enumerate(zip(run_args, eager_args, strict=True)) if not torch.equal(a, e)]
     used = sorted(set(gm.meta["fxsplit_plan"].placement.values()))
     return {**result, "outcome": "wrong" if differ else "equal", "differ": differ[:5], "used": used}
