@@ -5,52 +5,68 @@ what of a run differs from eager's."""
 from __future__ import annotations
 
 import json
+import operator
 import subprocess
 import sys
 import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["BAD", "differences", "run_seeds", "weighted_loss", "where"]
+__all__ = ["BAD", "close64", "differences", "run_seeds", "weighted_loss", "where"]
 
 BAD = ("wrong", "crash")
 
 
-def differences(out: Any, expected: Any, model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
-    """What of a split's run differs from eager's: outputs (float64, to 1e-9), every parameter's gradient, and the
-    state (a tensor left on ``meta`` is a difference too); empty when nothing does."""
+def close64(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal in float64: within 1e-9 of each element, or 1e-12."""
+    return torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+def _state_close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.allclose(got, want, equal_nan=True)
+
+
+def differences(
+    out: Any,
+    expected: Any,
+    model: torch.nn.Module,
+    reference: torch.nn.Module,
+    *,
+    close: Callable[[torch.Tensor, torch.Tensor], bool] = close64,
+    state_close: Callable[[torch.Tensor, torch.Tensor], bool] = _state_close,
+    same: Callable[[Any, Any], bool] = operator.eq,
+) -> list[str]:
+    """What of a split's run differs from eager's: outputs (tensors by ``close``, other values by ``same``), every
+    parameter's gradient (``close``), and the state (``state_close``; a tensor left on ``meta`` differs too); empty
+    when nothing does."""
     found = []
     got, want = tree_flatten(out)[0], tree_flatten(expected)[0]
     if len(got) != len(want):
         return [f"{len(got)} outputs, eager gives {len(want)}"]
     for i, (a, e) in enumerate(zip(got, want, strict=True)):
         if isinstance(e, torch.Tensor):
-            if (
-                not isinstance(a, torch.Tensor)
-                or a.shape != e.shape
-                or not torch.allclose(a.cpu(), e, rtol=1e-9, atol=1e-12)
-            ):
+            if not isinstance(a, torch.Tensor) or a.shape != e.shape or not close(a.cpu(), e):
                 worst = ""
-                if isinstance(a, torch.Tensor) and a.shape == e.shape:
+                if isinstance(a, torch.Tensor) and a.shape == e.shape and a.dtype == e.dtype:
                     worst = f" (max abs diff {(a.cpu() - e).abs().max().item():.3g})"
-                found.append(f"output {i}{worst}")
-        elif a != e:
+                found.append(f"output {i}{worst}" + (f" {a.dtype}" if isinstance(a, torch.Tensor) else ""))
+        elif not same(a, e):
             found.append(f"output {i}: {a!r}, eager {e!r}")
     grads = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         g, e = p.grad, grads[name].grad
-        if (g is None) != (e is None) or (g is not None and not torch.allclose(g.cpu(), e, rtol=1e-9, atol=1e-12)):
+        if (g is None) != (e is None) or (g is not None and not close(g.cpu(), e)):
             found.append(f"grad of {name}")
     state = reference.state_dict()
     for name, t in model.state_dict().items():
         if t.device.type == "meta":
             found.append(f"state {name} still on meta")
-        elif not torch.allclose(t.cpu(), state[name], equal_nan=True):
-            found.append(f"state {name}")
+        elif not state_close(t.cpu(), state[name]):
+            found.append(f"state {name} ({t.dtype})")
     return found
 
 
