@@ -14,7 +14,6 @@ from fxsplit.callsite import user_stacklevel
 from fxsplit.check import verify_split
 from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.checkpoint.cast import CastForLoad, PlanningCast, warn_uncast
-from fxsplit.checkpoint.mixeddtypes import mixed_dtype_message, mixed_dtype_ops
 from fxsplit.checkpoint.standin import planning_inputs
 from fxsplit.checkpoint.unloaded import guard_meta_weights
 from fxsplit.codegen.emitter import emit, move_weights
@@ -41,6 +40,7 @@ from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.checkpoints import checkpointing_message
+from fxsplit.tracing.mixeddtypes import mixed_dtype_message, mixed_dtype_ops
 from fxsplit.validate import check_concrete_args, device_option, refuse_growing_state, refuse_meta, require_module
 
 __all__ = ["Planned", "fxsplit", "plan", "trace_and_plan"]

@@ -327,6 +327,62 @@ def test_norms_and_index_writes_warn_exactly_when_the_cast_model_fails(
         assert re.search(rf"kernels need one: '({refused})(_\d+)?' takes bfloat16 and float32", said[0]), said[0]
 
 
+class Outer(nn.Module):
+    """A layer before ``inner``, which torch.fx is told to keep whole (a leaf): the graph holds one op for it."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.pre, self.inner = nn.Linear(8, 8), inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.pre(x))
+
+
+_INSIDE = {"layer_norm": "native_layer_norm", "bn|batch_norm": "native_batch_norm", "index_put": "index_put"}
+
+
+@pytest.mark.parametrize(
+    ("make", "refused"),
+    [
+        (lambda: NormOfUpcast(functional=True), "layer_norm"),
+        (lambda: NormOfUpcast(functional=False), "bn|batch_norm"),
+        (lambda: IndexWrite(masked=False), "index_put"),
+        (lambda: IndexWrite(masked=True), None),
+        (NormsThatRun, None),
+    ],
+    ids=["layer_norm", "batch_norm", "index_put", "masked_fill", "runs"],
+)
+def test_ops_inside_a_leaf_module_warn_exactly_when_the_cast_model_fails(make: Any, refused: str | None) -> None:
+    """A module fx keeps whole hides its ops from the graph: the shape propagation looks inside it with the same
+    rules, and the warning names the module's op, the aten op and the line of the module's code that mixes."""
+    x = torch.randn(4, 8)
+    cast = _cast_copy(Outer(make()).eval())
+    if refused is None:
+        cast(x.bfloat16())
+    else:
+        with pytest.raises(RuntimeError, match="dtype|scalar type"):
+            cast(x.bfloat16())
+    model = Outer(make()).eval()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        planned = fxsplit.plan(
+            model,
+            {"cpu:0": "1MiB"},
+            example_inputs=(x,),
+            dtype="bfloat16",
+            trace="fx",
+            leaf_modules=[type(model.inner)],
+        )
+    assert planned.placement["inner"] == "cpu:0"  # one op: the module was kept whole
+    said = [str(w.message) for w in seen if issubclass(w.category, fxsplit.FxsplitWarning)]
+    if refused is None:
+        assert said == []
+    else:
+        assert len(said) == 1
+        inside = rf"'inner' takes bfloat16 and float32 inside its module \(aten\.{_INSIDE[refused]}\.\w+ at "
+        assert re.search(inside + r'"[^"]*test_plan_dtype\.py", line \d+, in forward: ', said[0]), said[0]
+
+
 def test_a_model_planned_at_its_own_dtype_or_without_inputs_is_not_stood_in_for() -> None:
     """Nothing to cast, or no inputs (no activations to count): a model with real weights is traced as it is; a
     meta one is cast (free) and planned without a warning."""

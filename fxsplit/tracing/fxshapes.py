@@ -10,10 +10,12 @@ from typing import Any, Mapping
 
 import torch
 import torch.fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxsplit.tracing.example_inputs import first_line, quiet_fake_tensor_log
 from fxsplit.tracing.fakeweights import fake_weights, named_tensors
 from fxsplit.tracing.metaweights import inputs_device
+from fxsplit.tracing.mixeddtypes import INSIDE, InsideModules, looks_inside
 
 __all__ = ["propagate_shapes"]
 
@@ -23,7 +25,6 @@ def propagate_shapes(
 ) -> str | None:
     """Record ``meta["val"]`` on every node by running on fake tensors; why that failed, or None."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     from torch.nn.utils.stateless import _reparametrize_module
 
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
@@ -41,7 +42,7 @@ def propagate_shapes(
         on = inputs_device(graph_module, tuple(args), dict(kwargs))
         state = fake_weights(mode, named_tensors(graph_module), requires_grad=lambda t: t.requires_grad, meta_on=on)
         with quiet_fake_tensor_log(), _reparametrize_module(graph_module, state, tie_weights=True, strict=False):
-            FakeTensorProp(graph_module, mode).propagate(*fake)
+            _Propagation(graph_module, mode).propagate(*fake)
         for node, given in zip(placeholders, flat, strict=False):  # (it keeps detached copies): an input's gradient
             if isinstance(given, torch.Tensor) and given.requires_grad and given.is_floating_point():
                 node.meta["val"].requires_grad_(True)
@@ -51,7 +52,24 @@ def propagate_shapes(
     except Exception as error:  # noqa: BLE001 - shapes are an optimisation; plan without them (and say so)
         for node in graph_module.graph.nodes:
             node.meta.pop("val", None)
+            node.meta.pop(INSIDE, None)
         return first_line(error)
     finally:
         torch._C._set_grad_enabled(grad_enabled)
     return None
+
+
+class _Propagation(FakeTensorProp):
+    """FakeTensorProp that also looks inside each module the graph calls as one op (a leaf) for ops that take
+    floating dtypes their kernels refuse together (:class:`~fxsplit.tracing.mixeddtypes.InsideModules`), and
+    keeps them in the node's ``meta[INSIDE]``: the graph shows the module, not its ops."""
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        n.meta.pop(INSIDE, None)
+        if n.op != "call_module" or not looks_inside(self.fetch_attr(str(n.target))):
+            return super().run_node(n)
+        with InsideModules() as inside:
+            result = super().run_node(n)
+        if inside.found:
+            n.meta[INSIDE] = inside.found
+        return result

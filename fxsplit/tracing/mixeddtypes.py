@@ -25,14 +25,17 @@ that the plan can say so before the weights are loaded.
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterable, NamedTuple, Union
+import os
+import traceback
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["mixed_dtype_message", "mixed_dtype_ops"]
+__all__ = ["INSIDE", "Inside", "InsideModules", "looks_inside", "mixed_dtype_message", "mixed_dtype_ops"]
 
 Slots = Union[None, int, tuple[tuple[int, str], ...]]
 """Which arguments a rule reads: all of them (None), the first n, or ``(position, keyword)`` pairs."""
@@ -137,13 +140,17 @@ _ALL_ARGUMENTS = (  # every tensor argument and every weight of the module
     torch.nn.MultiheadAttention,
 )
 _LOW = (torch.bfloat16, torch.float16)
+_LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))  # torch's, fxsplit's
 
 
 def mixed_dtype_ops(graph_module: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, list[str]]]:
-    """Each op of the graph that needs one floating dtype and takes two or more, with those dtypes' names."""
+    """Each op of the graph that needs one floating dtype and takes two or more, with those dtypes' names; a
+    module the graph calls as one op (a leaf) counts when an op inside it does (:class:`InsideModules`)."""
     found = []
     for node in graph_module.graph.nodes:
         dtypes = _refused_dtypes(node, graph_module)
+        if not dtypes and node.op == "call_module":
+            dtypes = sorted({d for inside in node.meta.get(INSIDE, ()) for d in inside.dtypes}, key=str)
         if dtypes:
             found.append((node, sorted({str(d).removeprefix("torch.") for d in dtypes})))
     return found
@@ -151,13 +158,68 @@ def mixed_dtype_ops(graph_module: torch.fx.GraphModule) -> list[tuple[torch.fx.N
 
 def mixed_dtype_message(found: list[tuple[torch.fx.Node, list[str]]], dtype: str) -> str:
     """The warning for :func:`mixed_dtype_ops`'s ops of the model at ``dtype``."""
-    named = "; ".join(f"'{node.name}' takes {' and '.join(dtypes)}{_line(node)}" for node, dtypes in found[:3])
+    named = "; ".join(f"'{node.name}' takes {' and '.join(dtypes)}{_where(node)}" for node, dtypes in found[:3])
     more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
     return (
         f"the model at {dtype} mixes floating dtypes where kernels need one: {named}{more}; traced on fake tensors, "
         f"which do not check this, it was planned, but it will fail there when it runs at {dtype}: give those ops "
         "inputs of one dtype (cast the other tensor, or keep that part of the model at its dtype)"
     )
+
+
+INSIDE = "fxsplit_mixed_inside"
+"""``node.meta`` key of a ``call_module`` node: the :class:`Inside` ops of its module that refuse their dtypes."""
+
+
+class Inside(NamedTuple):
+    """An op inside a module called as one op that takes floating dtypes its kernel refuses together."""
+
+    op: str  # the aten op, "aten.mm.default"
+    dtypes: tuple[torch.dtype, ...]
+    at: str  # '"file", line n, in function: code': the innermost frame outside torch and fxsplit, or ""
+
+
+class InsideModules(TorchDispatchMode):
+    """While active (under the fake mode of a shape propagation), the ops a module runs that refuse their
+    floating dtypes together, by the same rules as the graph's ops: a module the trace keeps whole (a leaf)
+    hides its ops from the graph. ``found`` holds them, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[Inside] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        try:
+            rule = _RULES.get(func)
+        except TypeError:
+            rule = None
+        if rule is not None:
+            dtypes = _verdict(rule, _selected(args, kwargs, rule.slots), _tensors)
+            if dtypes:
+                self.found.append(Inside(str(func), tuple(dtypes), _frame_outside_torch()))
+        return func(*args, **kwargs)
+
+
+def looks_inside(module: torch.nn.Module) -> bool:
+    """Whether a call of ``module`` needs :class:`InsideModules`: not one :func:`mixed_dtype_ops` rules on as a
+    whole, nor one of torch.nn's own that holds no tensor and no submodule (activations, pooling, dropout: they
+    compute from their inputs alone, elementwise or one tensor at a time)."""
+    if _module_rule(module) is not None:
+        return False
+    plain = type(module).__module__.startswith("torch.nn.")
+    return not plain or bool(module._parameters or module._buffers or module._modules)
+
+
+def _module_rule(owner: torch.nn.Module) -> tuple[_Rule, list[torch.Tensor]] | None:
+    """The rule of a call of ``owner`` and the module's own tensors it reads, or None (no rule)."""
+    if isinstance(owner, _NORMS):
+        return _Rule("norm", 1), [*owner.parameters(recurse=False), *owner.buffers(recurse=False)]
+    if isinstance(owner, _FIRST_ARGUMENT):
+        return _Rule("same", 1), list(owner.parameters(recurse=False))
+    if isinstance(owner, _ALL_ARGUMENTS):
+        return _SAME, list(owner.parameters())
+    return None
 
 
 def _refused_dtypes(node: torch.fx.Node, graph_module: torch.fx.GraphModule) -> list[torch.dtype]:
@@ -171,42 +233,52 @@ def _refused_dtypes(node: torch.fx.Node, graph_module: torch.fx.GraphModule) -> 
     elif node.op == "call_method" and isinstance(node.target, str):
         rule = _METHODS.get(node.target)
     elif node.op == "call_module":
-        owner = graph_module.get_submodule(str(node.target))
-        if isinstance(owner, _NORMS):
-            rule, weights = _Rule("norm", 1), [*owner.parameters(recurse=False), *owner.buffers(recurse=False)]
-        elif isinstance(owner, _FIRST_ARGUMENT):
-            rule, weights = _Rule("same", 1), list(owner.parameters(recurse=False))
-        elif isinstance(owner, _ALL_ARGUMENTS):
-            rule, weights = _SAME, list(owner.parameters())
-        else:
+        ruled = _module_rule(graph_module.get_submodule(str(node.target)))
+        if ruled is None:
             return []
+        rule, weights = ruled
     else:
         return []
     if rule is None:
         return []
-    groups = [_floating(_values(argument)) for argument in _selected(node, rule.slots)]
+    return _verdict(rule, _selected(node.args, node.kwargs, rule.slots), _values, weights)
+
+
+def _verdict(
+    rule: _Rule, selected: list[Any], leaves: Callable[[Any], list[Any]], weights: Sequence[torch.Tensor] = ()
+) -> list[torch.dtype]:
+    """The floating dtypes an op under ``rule`` refuses together, of its ``selected`` arguments (one entry per
+    slot, ``leaves`` of each: the tensors in it) and a module's own ``weights``; [] when it runs."""
+    groups = [_floating(leaves(argument)) for argument in selected]
     if rule.kind == "norm":
         given = groups[0] if groups else []
         params = [*(t for group in groups[1:] for t in group), *_floating(weights)]
         return _norm_refuses(given, params)
-    if rule.kind == "index" and len(groups) == 3 and _masked_fill(node, groups):
-        return []
+    if rule.kind == "index" and len(groups) == 3:
+        indices = [v for v in leaves(selected[1]) if isinstance(v, torch.Tensor)]
+        if _masked_fill(indices, groups[2]):
+            return []
     dtypes = {t.dtype for group in groups for t in group} | {t.dtype for t in _floating(weights)}
     return sorted(dtypes, key=str) if len(dtypes) > 1 else []
 
 
-def _selected(node: torch.fx.Node, slots: Slots) -> list[Any]:
+def _selected(args: Sequence[Any], kwargs: Mapping[str, Any], slots: Slots) -> list[Any]:
     """The arguments ``slots`` names, one entry per slot (all arguments: one per argument)."""
     if slots is None:
-        return [*node.args, *node.kwargs.values()]
+        return [*args, *kwargs.values()]
     if isinstance(slots, int):
-        return list(node.args[:slots])
-    return [node.args[at] if at < len(node.args) else node.kwargs.get(keyword) for at, keyword in slots]
+        return list(args[:slots])
+    return [args[at] if at < len(args) else kwargs.get(keyword) for at, keyword in slots]
 
 
 def _values(argument: Any) -> list[Any]:
     """The recorded values of the nodes inside ``argument`` (a node, or a list or tuple of them)."""
     return [a.meta.get("val") for a in tree_leaves(argument) if isinstance(a, torch.fx.Node)]
+
+
+def _tensors(argument: Any) -> list[Any]:
+    """The tensors inside ``argument`` (a tensor, or a list or tuple of them)."""
+    return [a for a in tree_leaves(argument) if isinstance(a, torch.Tensor)]
 
 
 def _floating(values: Iterable[Any]) -> list[torch.Tensor]:
@@ -224,14 +296,33 @@ def _norm_refuses(given: list[torch.Tensor], params: list[torch.Tensor]) -> list
     return sorted({dtype, *kinds}, key=str)
 
 
-def _masked_fill(node: torch.fx.Node, groups: list[list[torch.Tensor]]) -> bool:
+def _masked_fill(indices: list[torch.Tensor], value: list[torch.Tensor]) -> bool:
     """Whether an ``index_put`` writes a 0-d value under boolean masks only (a ``masked_fill``, which promotes),
     or (``x[0:2] = y``) indexes with no tensor at all (a copy)."""
-    indices = [v for v in _values(_selected(node, _INDEX.slots)[1]) if isinstance(v, torch.Tensor)]
     if not indices:
         return True
-    value = groups[2]
     return bool(value) and value[0].dim() == 0 and all(i.dtype == torch.bool for i in indices)
+
+
+def _where(node: torch.fx.Node) -> str:
+    """Where the user's code mixes the dtypes: the first op inside a leaf module that does (its aten op and
+    line), else the node's own line."""
+    inside = node.meta.get(INSIDE)
+    if inside:
+        first = inside[0]
+        more = f"; and {len(inside) - 1} more op{'s' if len(inside) > 2 else ''}" if len(inside) > 1 else ""
+        return f" inside its module ({first.op}{' at ' + first.at if first.at else ''}{more})"
+    return _line(node)
+
+
+def _frame_outside_torch() -> str:
+    """``"file", line n, in function: code`` of the running stack's innermost frame outside torch and fxsplit
+    (the module's own code), or ""."""
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_LIBRARIES) and not frame.filename.startswith("<eval_with_key"):
+            code = (frame.line or "").strip()
+            return f'"{frame.filename}", line {frame.lineno}, in {frame.name}{": " + code if code else ""}'
+    return ""
 
 
 def _line(node: torch.fx.Node) -> str:
