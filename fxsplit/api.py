@@ -128,6 +128,10 @@ def _trace_and_plan(
             example_inputs, example_kwargs, options.pipeline.chunks, options.pipeline.broadcast, argument_names(model)
         )
     as_traced = cast is not None and cast(dtype)  # the model as the checkpoint fills it: its graph of those dtypes
+    if as_traced and dtype:  # fed as the cast model is: floating inputs at the dtype (as plan() of a meta model)
+        (example_inputs, example_kwargs), whole = planning_inputs(
+            ((example_inputs, example_kwargs), whole), getattr(torch, dtype)
+        )
     at_dtype = (  # plan(): the model as it runs at the dtype (free: meta), till the end
         PlanningCast(model, dtype, (example_inputs, example_kwargs), stand_in=not options.profile)
         if cast is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -199,6 +200,26 @@ def test_a_checkpoint_loaded_as_the_plans_dtype_runs_the_graph_of_that_dtype(
     out = split(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, reference(x))
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_checkpoint_split_at_a_dtype_is_fed_its_floating_inputs_at_the_dtype(tmp_path: Path, trace: str) -> None:
+    """Float32 example inputs for a plan at bf16: a split that loads the checkpoint is traced as the bf16 model is
+    fed, as ``plan()`` of the meta model is, so both make one plan (the activations counted at bf16, no warning of
+    mixed dtypes); float32 inputs into the bf16 layers were traced, counted twice their size and warned of."""
+    reference = saved(DtypeMask, tmp_path / "model.safetensors").to(torch.bfloat16)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))  # float32: 4 KiB, 2 KiB at bf16
+    budgets, options = {"cpu:0": "6KiB", "cpu:1": "6KiB"}, {"trace": trace, "mode": "inference", "dtype": "bfloat16"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxsplit.FxsplitWarning)
+        plan = fxsplit.plan(on_meta(DtypeMask), budgets, example_inputs=(x,), **options)
+        split = fxsplit.fxsplit(on_meta(DtypeMask), budgets, example_inputs=(x,), checkpoint=tmp_path, **options)
+        applied = fxsplit.apply(on_meta(DtypeMask), plan, example_inputs=(x,), checkpoint=tmp_path)
+    made = split.meta["fxsplit_plan"]
+    assert made.memory == plan.memory and made.placement == plan.placement
+    assert max(row["activations_peak"] for row in plan.memory.values()) <= 5 * 1024  # float32: over 8 KiB
+    for run in (split, applied):
+        torch.testing.assert_close(run(x.bfloat16()), reference(x.bfloat16()))
 
 
 def test_a_failed_split_with_a_dtype_leaves_the_model_at_its_own_dtype(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ import torch.fx
 
 from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.checkpoint.cast import CastForLoad, warn_uncast
+from fxsplit.checkpoint.standin import planning_inputs
 from fxsplit.checkpoint.unloaded import guard_meta_weights
 from fxsplit.codegen.emitter import check_input_writes, emit, move_weights
 from fxsplit.cost.build import GraphCosts, build_problem
@@ -257,7 +258,9 @@ def apply(
     require_usable([*plan.devices, plan.output_device], plan.budgets)
     loading = prepare(model, checkpoint, progress)
     with CastForLoad(model, checkpoint is not None) as cast:  # as the checkpoint fills it; undone if the call fails
-        cast(plan.dtype)
+        if cast(plan.dtype) and plan.dtype:  # fed as the cast model is: floating inputs at the dtype, as planned
+            given = (example_inputs, options.get("example_kwargs"))
+            example_inputs, options["example_kwargs"] = planning_inputs(given, getattr(torch, plan.dtype))
         with StageTimer(enabled=progress).stage("fxsplit: tracing and checking the plan"):
             traced, costs, _ = cast.traced(
                 lambda: checked_retrace(model, plan, example_inputs=example_inputs, **options),
