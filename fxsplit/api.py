@@ -40,7 +40,7 @@ from fxsplit.spec import load_spec, merge_spec, planning_dtype
 from fxsplit.stages import StageTimer
 from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.checkpoints import checkpointing_message
-from fxsplit.tracing.mixeddtypes import mixed_dtype_message, mixed_dtype_ops
+from fxsplit.tracing.mixeddtypes import looking_inside, mixed_dtype_message, mixed_dtype_ops
 from fxsplit.validate import check_concrete_args, device_option, refuse_growing_state, refuse_meta, require_module
 
 __all__ = ["Planned", "fxsplit", "plan", "trace_and_plan"]
@@ -128,10 +128,6 @@ def _trace_and_plan(
             example_inputs, example_kwargs, options.pipeline.chunks, options.pipeline.broadcast, argument_names(model)
         )
     as_traced = cast is not None and cast(dtype)  # the model as the checkpoint fills it: its graph of those dtypes
-    if as_traced and dtype:  # fed as the cast model is: floating inputs at the dtype (as plan() of a meta model)
-        (example_inputs, example_kwargs), whole = planning_inputs(
-            ((example_inputs, example_kwargs), whole), getattr(torch, dtype)
-        )
     at_dtype = (  # plan(): the model as it runs at the dtype (free: meta), till the end
         PlanningCast(model, dtype, (example_inputs, example_kwargs), stand_in=not options.profile)
         if cast is None
@@ -151,24 +147,28 @@ def _trace_and_plan(
             dynamic_shapes=options.dynamic_shapes,
         )
 
+    fed_at_dtype = False
     try:
+        planning.enter_context(looking_inside(bool(dtype)))  # into leaf modules, for ops that mix dtypes
         if at_dtype is not None:
             traced = at_dtype.traced(tracing)
         elif cast is not None:  # (its computed buffers too, where the cast graph needs them at the dtype)
-            traced = cast.traced(lambda: tracing(example_inputs, example_kwargs), lambda made: made.graph_module)
+            given = (example_inputs, example_kwargs)
+            traced, fed = cast.fed(tracing, given, lambda made: made.graph_module)
+            (example_inputs, example_kwargs), fed_at_dtype = fed, fed is not given
         else:
             traced = tracing(example_inputs, example_kwargs)
     except TraceError as error:  # torch.export's own failure too (a reshape to the whole batch's size)
         if isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
             raise type(error)(on_one_microbatch(str(error), options.pipeline.chunks)) from error
         raise
-    if at_dtype is not None:  # what was traced: floating inputs at the dtype (a fallback: as given)
+    if at_dtype is not None:  # what was traced: floating inputs as given or at the dtype (checkpoint/fed.py)
         example_inputs, example_kwargs = at_dtype.inputs
     as_traced = as_traced or (at_dtype is not None and at_dtype.cast)
     if as_traced and dtype and (mixed := mixed_dtype_ops(traced.graph_module)):  # fake kernels let it trace
         warnings.warn(FxsplitWarning(mixed_dtype_message(mixed, dtype)), stacklevel=user_stacklevel())
     if traced.shapes_missing and isinstance(options.pipeline, PipelineConfig) and options.pipeline.chunks > 1:
-        cast_inputs = at_dtype is not None and at_dtype.cast  # (the whole batch as the micro-batch was traced)
+        cast_inputs = fed_at_dtype or (at_dtype is not None and at_dtype.fed_at_dtype)  # (as the micro-batch was)
         whole = planning_inputs(whole, getattr(torch, dtype)) if cast_inputs and dtype else whole
         traced = one_microbatch_shapes(traced, whole, options.pipeline.chunks)
     pipeline_recomputes = isinstance(options.pipeline, PipelineConfig) and options.pipeline.checkpoint != "never"

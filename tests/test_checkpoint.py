@@ -202,24 +202,38 @@ def test_a_checkpoint_loaded_as_the_plans_dtype_runs_the_graph_of_that_dtype(
     torch.testing.assert_close(out, reference(x))
 
 
+class CastsItsInputs(DtypeMask):
+    """Converts its input to its weights' dtype first, as Hugging Face's vision models do with their pixels."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.fc1.weight.dtype))
+
+
 @pytest.mark.parametrize("trace", ["fx", "export"])
-def test_a_checkpoint_split_at_a_dtype_is_fed_its_floating_inputs_at_the_dtype(tmp_path: Path, trace: str) -> None:
-    """Float32 example inputs for a plan at bf16: a split that loads the checkpoint is traced as the bf16 model is
-    fed, as ``plan()`` of the meta model is, so both make one plan (the activations counted at bf16, no warning of
-    mixed dtypes); float32 inputs into the bf16 layers were traced, counted twice their size and warned of."""
-    reference = saved(DtypeMask, tmp_path / "model.safetensors").to(torch.bfloat16)
+@pytest.mark.parametrize(("make", "fed"), [(DtypeMask, torch.bfloat16), (CastsItsInputs, torch.float32)])
+def test_a_model_cast_for_a_plan_is_fed_its_float_inputs_as_given_where_it_can_run_them(
+    tmp_path: Path, trace: str, make: Callable[[], nn.Module], fed: torch.dtype
+) -> None:
+    """Float32 example inputs for a plan at bf16: a model that converts them itself is traced on them as given (its
+    split takes them as the model does); one that cannot run them at bf16 on them at bf16, as it will be fed (the
+    activations counted at bf16, no warning of mixed dtypes). ``plan()`` of the meta model, a split that loads the
+    checkpoint and ``apply`` of the plan choose alike: one plan. The checkpoint split traced float32 inputs into
+    the bf16 layers (counted twice their size, with that warning); then, at bf16 always, the pixels a
+    Hugging Face ViT converts itself, and the plan of a meta ViT did not apply to it with a checkpoint."""
+    reference = saved(make, tmp_path / "model.safetensors").to(torch.bfloat16)
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))  # float32: 4 KiB, 2 KiB at bf16
-    budgets, options = {"cpu:0": "6KiB", "cpu:1": "6KiB"}, {"trace": trace, "mode": "inference", "dtype": "bfloat16"}
+    budgets, options = {"cpu:0": "8KiB", "cpu:1": "8KiB"}, {"trace": trace, "mode": "inference", "dtype": "bfloat16"}
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxsplit.FxsplitWarning)
-        plan = fxsplit.plan(on_meta(DtypeMask), budgets, example_inputs=(x,), **options)
-        split = fxsplit.fxsplit(on_meta(DtypeMask), budgets, example_inputs=(x,), checkpoint=tmp_path, **options)
-        applied = fxsplit.apply(on_meta(DtypeMask), plan, example_inputs=(x,), checkpoint=tmp_path)
+        plan = fxsplit.plan(on_meta(make), budgets, example_inputs=(x,), **options)
+        split = fxsplit.fxsplit(on_meta(make), budgets, example_inputs=(x,), checkpoint=tmp_path, **options)
+        applied = fxsplit.apply(on_meta(make), plan, example_inputs=(x,), checkpoint=tmp_path)
     made = split.meta["fxsplit_plan"]
     assert made.memory == plan.memory and made.placement == plan.placement
-    assert max(row["activations_peak"] for row in plan.memory.values()) <= 5 * 1024  # float32: over 8 KiB
+    given = [node for node in split.graph.nodes if node.op == "placeholder"][0].meta["val"]
+    assert given.dtype == fed
     for run in (split, applied):
-        torch.testing.assert_close(run(x.bfloat16()), reference(x.bfloat16()))
+        torch.testing.assert_close(run(x.to(fed)), reference(x.bfloat16()))
 
 
 def test_a_failed_split_with_a_dtype_leaves_the_model_at_its_own_dtype(tmp_path: Path) -> None:

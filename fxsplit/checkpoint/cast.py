@@ -30,7 +30,7 @@ import torch
 from fxsplit.callsite import user_stacklevel
 from fxsplit.checkpoint import standin
 from fxsplit.checkpoint.computed import kept_buffers, meeting_buffers
-from fxsplit.checkpoint.standin import planning_inputs
+from fxsplit.checkpoint.fed import traced_as_fed
 from fxsplit.cost.walk import named_tensors
 from fxsplit.errors import FxsplitWarning, TraceError
 
@@ -117,6 +117,22 @@ class CastForLoad:
             made = trace()
         return made
 
+    def fed(
+        self, tracing: Callable[[Any, Any], _Traced], inputs: tuple[Any, Any], graph: Callable[[_Traced], Any]
+    ) -> tuple[_Traced, tuple[Any, Any]]:
+        """:meth:`traced` of ``tracing`` on the example inputs ``(positional, keyword)`` as given, or at the dtype
+        (:func:`~fxsplit.checkpoint.fed.traced_as_fed`), and the inputs it was traced on."""
+        fed = inputs
+
+        def trace() -> _Traced:
+            nonlocal fed
+            if self.dtype is None:
+                return tracing(*inputs)
+            made, fed = traced_as_fed(tracing, inputs, self.dtype, graph)
+            return made
+
+        return self.traced(trace, graph), fed
+
     def __enter__(self) -> CastForLoad:
         return self
 
@@ -136,13 +152,13 @@ class PlanningCast:
     keeps them, are copied). In a model with real floating parameters, empty meta tensors of the dtype stand in
     for its parameters and buffers (:mod:`fxsplit.checkpoint.standin`; nothing is copied); not with
     ``profile=True``, which runs the ops (``stand_in=False``): that plan counts floating tensors as ``dtype``.
-    Floating example inputs are planned at the dtype, as the model is fed.
+    Floating example inputs are given or at the dtype, as the model can be fed (:mod:`fxsplit.checkpoint.fed`).
 
     Attributes:
         cast: the model holds the planned dtype (cast here, or already so): count its tensors as traced.
         given: the model's structure before the cast (:func:`~fxsplit.planning.fingerprint.describe`), which the
             plan records, so that it applies to the model as given; None when nothing was cast.
-        inputs: the example inputs to trace and plan with: ``(positional, keyword)``.
+        inputs: the example inputs traced and planned with: ``(positional, keyword)``, as given or at the dtype.
     """
 
     def __init__(
@@ -171,13 +187,17 @@ class PlanningCast:
         if tensors and all(t.is_meta for t in parameters):  # real buffers are cast too (copied, put back after)
             self.given = describe(model)
             self._undo = _cast(tensors, target)
-            self.inputs = planning_inputs(inputs, target)
         elif parameters and stand_in and self._fed:  # without inputs there are no activations to count
             given = describe(model)
             self._undo = standin.stand_in(model, target)
             if self._undo is not None:
-                self.given, self.inputs, self._stood_in = given, planning_inputs(inputs, target), True
+                self.given, self._stood_in = given, True
         self.cast = not tensors or self._undo is not None
+
+    @property
+    def fed_at_dtype(self) -> bool:
+        """The model was traced on its floating inputs at the dtype (:func:`~fxsplit.checkpoint.fed.traced_as_fed`)."""
+        return self.inputs is not self._as_given
 
     def undo(self) -> None:
         """Put the model's dtypes back (again: nothing)."""
@@ -201,7 +221,10 @@ class PlanningCast:
 
     def _traced(self, tracing: Callable[[Any, Any], Traced]) -> Traced:
         try:
-            made = tracing(*self.inputs)
+            if self._undo is not None and self._dtype is not None:  # the inputs as given, or at the dtype
+                made, self.inputs = traced_as_fed(tracing, self._as_given, self._dtype, _graph_of)
+            else:
+                made = tracing(*self.inputs)
         except TraceError as error:
             why = self._undo_cast(str(error))
             if why is None:
@@ -272,3 +295,7 @@ def warn_uncast(model: torch.nn.Module, dtype: str | None) -> None:
             ),
             stacklevel=user_stacklevel(),
         )
+
+
+def _graph_of(made: Traced) -> torch.fx.GraphModule:
+    return made.graph_module

@@ -10,8 +10,8 @@ of the dtype (floating ones, but a non-persistent buffer such as a rotary
 table, which keeps its dtype as a checkpoint load keeps it, unless the cast
 model needs it at the dtype: :mod:`fxsplit.checkpoint.computed`), one per tensor,
 so ties stay ties. Nothing is allocated. The example inputs stay where they
-are, their floating ones at the dtype, as the bf16 model is fed
-(:func:`planning_inputs`); the trace then runs the meta weights as fakes on the
+are, their floating ones as given or at the dtype (:func:`planning_inputs`), as
+the bf16 model can be fed (:mod:`fxsplit.checkpoint.fed`); the trace then runs the meta weights as fakes on the
 inputs' device (:mod:`fxsplit.tracing.metaweights`), so the graph is the one
 the model's code takes there (Falcon's index constants, which a graph traced
 on ``meta`` lacks). :func:`stand_in` puts the model's own tensors back.

@@ -25,7 +25,7 @@ import torch.fx
 
 from fxsplit.checkpoint import prepare, remember_non_persistent
 from fxsplit.checkpoint.cast import CastForLoad, warn_uncast
-from fxsplit.checkpoint.standin import planning_inputs
+from fxsplit.checkpoint.fed import retraced_as_fed
 from fxsplit.checkpoint.unloaded import guard_meta_weights
 from fxsplit.codegen.emitter import check_input_writes, emit, move_weights
 from fxsplit.cost.build import GraphCosts, build_problem
@@ -258,12 +258,17 @@ def apply(
     require_usable([*plan.devices, plan.output_device], plan.budgets)
     loading = prepare(model, checkpoint, progress)
     with CastForLoad(model, checkpoint is not None) as cast:  # as the checkpoint fills it; undone if the call fails
-        if cast(plan.dtype) and plan.dtype:  # fed as the cast model is: floating inputs at the dtype, as planned
-            given = (example_inputs, options.get("example_kwargs"))
-            example_inputs, options["example_kwargs"] = planning_inputs(given, getattr(torch, plan.dtype))
+        cast(plan.dtype)
         with StageTimer(enabled=progress).stage("fxsplit: tracing and checking the plan"):
             traced, costs, _ = cast.traced(
-                lambda: checked_retrace(model, plan, example_inputs=example_inputs, **options),
+                lambda: retraced_as_fed(
+                    lambda args, kwargs: checked_retrace(
+                        model, plan, example_inputs=args, **{**options, "example_kwargs": kwargs}
+                    ),
+                    (example_inputs, options.get("example_kwargs")),
+                    cast.dtype,
+                    PlanMismatchError,
+                ),
                 lambda made: made[0].graph_module,
             )
     with cast, loading.onto(plan, traced.graph_module) as loaded:  # undone if what follows fails

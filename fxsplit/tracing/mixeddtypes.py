@@ -27,7 +27,9 @@ from __future__ import annotations
 import operator
 import os
 import traceback
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence, Union
 
 import torch
 import torch.fx
@@ -35,7 +37,15 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["INSIDE", "Inside", "InsideModules", "looks_inside", "mixed_dtype_message", "mixed_dtype_ops"]
+__all__ = [
+    "INSIDE",
+    "Inside",
+    "InsideModules",
+    "looking_inside",
+    "looks_inside",
+    "mixed_dtype_message",
+    "mixed_dtype_ops",
+]
 
 Slots = Union[None, int, tuple[tuple[int, str], ...]]
 """Which arguments a rule reads: all of them (None), the first n, or ``(position, keyword)`` pairs."""
@@ -184,6 +194,8 @@ class InsideModules(TorchDispatchMode):
     floating dtypes together, by the same rules as the graph's ops: a module the trace keeps whole (a leaf)
     hides its ops from the graph. ``found`` holds them, in order."""
 
+    supports_higher_order_operators = True  # (flex_attention, cond: passed on as they are, their bodies unseen)
+
     def __init__(self) -> None:
         super().__init__()
         self.found: list[Inside] = []
@@ -201,11 +213,26 @@ class InsideModules(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+_LOOKING: ContextVar[bool] = ContextVar("fxsplit_looking_inside", default=False)
+
+
+@contextmanager
+def looking_inside(wanted: bool = True) -> Iterator[None]:
+    """Inside the block (when ``wanted``: a model planned at a dtype), shape propagations look inside the modules
+    :func:`looks_inside` names. Not otherwise: a mode on the stack keeps ``torch.compile`` from the module's own
+    compiled code (``flex_attention`` on the CPU)."""
+    token = _LOOKING.set(wanted)
+    try:
+        yield
+    finally:
+        _LOOKING.reset(token)
+
+
 def looks_inside(module: torch.nn.Module) -> bool:
-    """Whether a call of ``module`` needs :class:`InsideModules`: not one :func:`mixed_dtype_ops` rules on as a
-    whole, nor one of torch.nn's own that holds no tensor and no submodule (activations, pooling, dropout: they
-    compute from their inputs alone, elementwise or one tensor at a time)."""
-    if _module_rule(module) is not None:
+    """Whether a call of ``module`` needs :class:`InsideModules`: inside :func:`looking_inside`, not one
+    :func:`mixed_dtype_ops` rules on as a whole, nor one of torch.nn's own that holds no tensor and no submodule
+    (activations, pooling, dropout: they compute from their inputs alone, elementwise or one tensor at a time)."""
+    if not _LOOKING.get() or _module_rule(module) is not None:
         return False
     plain = type(module).__module__.startswith("torch.nn.")
     return not plain or bool(module._parameters or module._buffers or module._modules)
