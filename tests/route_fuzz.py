@@ -2,8 +2,9 @@
 
 :mod:`split_fuzz` calls ``fxsplit.fxsplit`` on a real model. Here each seed's program (:mod:`random_programs`, in
 float64 on ``cpu:0``..``cpu:2``, traced by torch.fx or torch.export) takes one route, chosen by the seed
-(:func:`route_of`: ``ROUTES[seed % 4]`` below 61000, ``ROUTES_MORE[seed % 3]`` from 61000 on, so that the seeds
-run before the last three routes were added keep their scenario), and is compared with the unsplit model:
+(:func:`route_of`: ``ROUTES[seed % 4]`` below 61000, ``ROUTES_MORE[seed % 3]`` from 61000 on, ``ROUTES_THIRD[seed %
+3]`` from 62000 on, so that the seeds run before a set of routes was added keep their scenario), and is compared with
+the unsplit model:
 
 * ``saved_plan``: ``fxsplit.plan`` (budgets at a part of the one-device total, or each segment pinned), the plan
   written and read back (``to_yaml``/``Plan.from_yaml``, or ``to_dict`` through JSON and ``Plan.from_dict``), must
@@ -45,13 +46,22 @@ run before the last three routes were added keep their scenario), and is compare
   loaded state compared at float32 (:func:`_close32`: the same dtype, and within ``RTOL32`` = 1e-5 of each
   element or ``ATOL32`` = 1e-6 of the tensor's largest magnitude (at least 1): some 80 float32 steps, room for a
   reduction the traced graph orders otherwise, where the splits seen so far give eager's bits exactly, and far
-  below what weights not loaded (changed by about 0.05) or a model left at float64 (another dtype) give).
+  below what weights not loaded (changed by about 0.05) or a model left at float64 (another dtype) give);
+* from 62000 on (:mod:`route_fuzz_more`, which says more): ``resized``, split with the example inputs (export with
+  ``dynamic_shapes="batch"``) and run at another batch size, smaller or larger, against eager at that size;
+  ``train_steps``, three optimizer steps (SGD with momentum, Adam or AdamW; sometimes gradients accumulated over
+  two backward passes, planned with ``accumulate_grads=True``; sometimes two weights tied) on the split and on an
+  unsplit copy, then both ``state_dict()`` and a fourth forward compared, and ``split.parameters()`` must give
+  each parameter once; ``cli``: the program written to a file with a factory, a spec file, and the command line
+  (``fxsplit.cli.main``, in this process) run for ``plan -o``, ``check --plan`` and ``code --plan``, the saved plan
+  equal to ``fxsplit.plan``'s, the printed code ``fxsplit.apply``'s, and the applied split compared with eager.
 
 :func:`run_seed` says how it went:
 
 * ``equal``: the split computed what the model computes (and, for saved plans, the plan round-tripped);
-* ``refused``: fxsplit refused with one of its own errors (an ``FxsplitError``), when planning, or (a pipeline)
-  at its first forward;
+* ``refused``: fxsplit refused with one of its own errors (an ``FxsplitError``), when planning, or (a pipeline, or
+  an export split called at another batch size) at its first forward; or the command line exited 1 or 2 where
+  ``fxsplit.plan`` raises the same kind of error (the third routes' rows keep the error's first line: ``reason``);
 * ``eager_fails``: the unsplit program itself does not run (the generator makes some that do not);
 * ``wrong``: outputs, gradients, state or the saved plan differ; ``crash``: any other exception (``at``: the
   innermost fxsplit frame), or a device check (``InvariantError``) failing while the split runs.
@@ -60,6 +70,7 @@ By hand, every seed in its own process::
 
     python tests/route_fuzz.py 60000 60150        # seeds [60000, 60150): each row, a tally per route
     python tests/route_fuzz.py 61000 61150        # the spec, device_map and dtype_checkpoint routes
+    python tests/route_fuzz.py 62000 62150        # the resized, train_steps and cli routes
 
 It exits 1 when a seed is ``wrong`` or ``crash``.
 """
@@ -87,15 +98,20 @@ from random_programs import generate
 import fxsplit
 from fxsplit.check import DeviceChecker
 
-__all__ = ["FIRST_MORE", "ROUTES", "ROUTES_MORE", "route_of", "run_seed", "scenario"]
+__all__ = ["FIRST_MORE", "FIRST_THIRD", "ROUTES", "ROUTES_MORE", "ROUTES_THIRD", "route_of", "run_seed", "scenario"]
 
 ROUTES = ("saved_plan", "checkpoint", "offload", "pipeline")  # seeds below FIRST_MORE: seed % 4
 ROUTES_MORE = ("spec", "device_map", "dtype_checkpoint")  # seeds from FIRST_MORE on: seed % 3
 FIRST_MORE = 61000
+ROUTES_THIRD = ("resized", "train_steps", "cli")  # seeds from FIRST_THIRD on: seed % 3 (route_fuzz_more)
+FIRST_THIRD = 62000
 
 
 def route_of(seed: int) -> str:
-    """The route ``seed`` takes: ``ROUTES[seed % 4]`` below :data:`FIRST_MORE`, ``ROUTES_MORE[seed % 3]`` from it on."""
+    """The route ``seed`` takes: ``ROUTES[seed % 4]`` below :data:`FIRST_MORE`, ``ROUTES_MORE[seed % 3]`` from it on,
+    ``ROUTES_THIRD[seed % 3]`` from :data:`FIRST_THIRD` on."""
+    if seed >= FIRST_THIRD:
+        return ROUTES_THIRD[seed % len(ROUTES_THIRD)]
     return ROUTES_MORE[seed % len(ROUTES_MORE)] if seed >= FIRST_MORE else ROUTES[seed % len(ROUTES)]
 
 
@@ -162,6 +178,10 @@ def scenario(seed: int) -> dict[str, Any]:
             build=draw.choice(["empty_weights", "meta_device"]),
             via=draw.choice(["fxsplit", "fxsplit", "apply"]),
         )
+    elif route in ROUTES_THIRD:
+        import route_fuzz_more  # it imports this module's helpers
+
+        how.update(route_fuzz_more.choices(route, draw))
     else:
         mode = draw.choice(["training", "training", "inference"])
         how.update(
@@ -389,6 +409,10 @@ def run_seed(seed: int) -> dict[str, Any]:
             "device_map": _device_map,
             "dtype_checkpoint": _dtype_checkpoint,
         }
+        if how["route"] in ROUTES_THIRD:
+            import route_fuzz_more
+
+            route.update(dict.fromkeys(ROUTES_THIRD, route_fuzz_more.run))
         case = Case(seed, how, result, source, segments, model, reference, args, expected, devices, options, directory)
         return route[how["route"]](case)
 
@@ -758,7 +782,7 @@ class _Tally(io.TextIOBase):
 
     def __init__(self, out: Any) -> None:
         self.out = out
-        self.counts: dict[str, Counter[str]] = {route: Counter() for route in (*ROUTES, *ROUTES_MORE)}
+        self.counts: dict[str, Counter[str]] = {route: Counter() for route in (*ROUTES, *ROUTES_MORE, *ROUTES_THIRD)}
 
     def write(self, text: str) -> int:
         for line in text.splitlines():
