@@ -74,8 +74,8 @@ def raise_infeasible(ctx: Context, names: Sequence[str], how: str) -> NoReturn:
                 if lo == hi
                 else (f"ops {problem.label(lo)} .. {problem.label(hi)} (they must share a device)")
             )
-            where = f"pinned device '{names[best]}'" if pins else f"every device (the largest, '{names[best]}',"
-            tail = "" if pins else ")"
+            where = f"pinned device '{names[best]}' (it" if pins else f"every device (the largest, '{names[best]}',"
+            tail = ")"
             raise BudgetError(
                 f"{what} needs {format_size(weight)} ({weight} bytes){_heaviest(problem, lo, hi, weight)}, "
                 f"more than the budget of {where} has {format_size(ctx.budgets[best])}{tail}: short by "
