@@ -3,7 +3,8 @@
 ``fxsplit.plan(model, dtype="bfloat16")`` of a model with real float32 weights traces it with bf16 stand-ins for
 its tensors (:mod:`fxsplit.checkpoint.standin`). Each seed's program (:mod:`random_programs`) is planned that way,
 and a copy of it cast as a checkpoint load casts it (floating parameters and persistent buffers) is planned at
-bf16 on its bf16 inputs; :func:`run_seed` says how it went:
+bf16 on the inputs the stand-in plan is fed (:mod:`fxsplit.checkpoint.fed`: as given where the cast copy runs them,
+else at bf16); :func:`run_seed` says how it went:
 
 * ``equal``: both plans place, count and cut the same (all of :meth:`Plan.to_dict` but the recorded structure,
   which is the float32 model's in one and the cast copy's in the other), the float32 model is left as it was, and
@@ -81,6 +82,22 @@ def _bf16(args: tuple[Any, ...]) -> tuple[Any, ...]:
     )
 
 
+def _copied(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A copy of each input (a program may write one in place)."""
+    return tree_map_only(torch.Tensor, lambda t: t.clone(), args)
+
+
+def _fed(cast: torch.nn.Module, args: tuple[Any, ...], seed: int) -> tuple[Any, ...]:
+    """The inputs a plan at bf16 traces the program on (:mod:`fxsplit.checkpoint.fed`): ``args`` as given where the
+    cast program runs them, else at bf16 (the first ``args`` object itself, or a new tuple)."""
+    try:
+        torch.manual_seed(seed)
+        copy.deepcopy(cast)(*_copied(args))
+    except Exception:  # noqa: BLE001 - a kernel that refuses two dtypes (or anything: then at bf16, as fxsplit does)
+        return _bf16(args)
+    return args
+
+
 def _planned(
     model: torch.nn.Module, inputs: tuple[Any, ...], budgets: dict[str, int], options: dict[str, Any]
 ) -> tuple[fxsplit.Plan | None, str | None, list[str]]:
@@ -102,22 +119,23 @@ def run_seed(seed: int) -> dict[str, Any]:
     model, args = _program(seed)
     cast = copy.deepcopy(model)
     cast_floating(cast, torch.bfloat16)
-    cast_args = _bf16(args)
+    fed = _fed(cast, args, seed)  # the inputs as given where the cast program runs them, else at bf16
     try:
         torch.manual_seed(seed)
-        expected = copy.deepcopy(cast)(*_bf16(cast_args))
+        expected = copy.deepcopy(cast)(*_copied(fed))
     except Exception as error:  # noqa: BLE001 - not every program runs at bf16, or at all
         return {**result, "outcome": "eager_fails", "error": f"{type(error).__name__}: {error}"[:300]}
+    result["fed"] = "given" if fed is args else "bf16"
     options: dict[str, Any] = {"mode": how["mode"], "trace": how["trace"], "dtype": "bfloat16"}
     if how["mode"] == "training":
         options["optimizer"] = "sgd"
     before = _state(model)
     try:
-        alone = fxsplit.plan(copy.deepcopy(cast), {"cpu:0": 1 << 34}, example_inputs=_bf16(cast_args), **options)
+        alone = fxsplit.plan(copy.deepcopy(cast), {"cpu:0": 1 << 34}, example_inputs=_copied(fed), **options)
         total = alone.memory["cpu:0"]["total"] if alone.memory else alone.device_bytes["cpu:0"]
         budgets = {f"cpu:{k}": max(1, int(total * how["share"])) for k in range(how["devices"])}
         stood_in, refused, said = _planned(model, args, budgets, options)
-        as_cast, refused_cast, _ = _planned(cast, _bf16(cast_args), budgets, options)
+        as_cast, refused_cast, _ = _planned(cast, _copied(fed), budgets, options)
     except Exception as error:  # noqa: BLE001 - any other error is a finding
         return {**result, "outcome": "crash", "error": f"{type(error).__name__}: {error}"[:300], "at": where(error)}
     if not _same_state(before, _state(model)):
@@ -133,9 +151,9 @@ def run_seed(seed: int) -> dict[str, Any]:
     if differ:
         return {**result, "outcome": "wrong", "differ": differ[:5], "warnings": said[:3]}
     try:
-        gm = fxsplit.apply(cast, stood_in, example_inputs=_bf16(cast_args))
+        gm = fxsplit.apply(cast, stood_in, example_inputs=_copied(fed))
         torch.manual_seed(seed)
-        out = gm(*_bf16(cast_args))
+        out = gm(*_copied(fed))
     except Exception as error:  # noqa: BLE001
         return {**result, "outcome": "crash", "error": f"{type(error).__name__}: {error}"[:300], "at": where(error)}
     got, want = tree_flatten(out)[0], tree_flatten(expected)[0]
