@@ -209,8 +209,21 @@ class CastsItsInputs(DtypeMask):
         return super().forward(x.to(self.fc1.weight.dtype))
 
 
+class ConvFirst(nn.Module):
+    """A convolution first: its fake kernel refuses a float32 input beside bf16 weights (torch.export fails)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv1d(4, 4, 3, padding=1), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x.view(-1, 4, 4)).flatten(1))
+
+
 @pytest.mark.parametrize("trace", ["fx", "export"])
-@pytest.mark.parametrize(("make", "fed"), [(DtypeMask, torch.bfloat16), (CastsItsInputs, torch.float32)])
+@pytest.mark.parametrize(
+    ("make", "fed"), [(DtypeMask, torch.bfloat16), (ConvFirst, torch.bfloat16), (CastsItsInputs, torch.float32)]
+)
 def test_a_model_cast_for_a_plan_is_fed_its_float_inputs_as_given_where_it_can_run_them(
     tmp_path: Path, trace: str, make: Callable[[], nn.Module], fed: torch.dtype
 ) -> None:

@@ -72,16 +72,16 @@ def retraced_as_fed(
     mismatch: type[Exception],
 ) -> _Made:
     """``retrace(*inputs)`` of a saved plan's cast model on the example inputs as given, or at ``dtype`` where the
-    graph as given is not the plan's (``mismatch``): the plan was traced on them at the dtype, as
-    :func:`traced_as_fed` chooses. The first refusal is raised when neither is the plan's."""
+    graph as given is not the plan's (``mismatch``) or does not trace: the plan was traced on them at the dtype, as
+    :func:`traced_as_fed` chooses. The first error is raised when neither is the plan's."""
     try:
         return retrace(*inputs)
-    except mismatch:
+    except (mismatch, TraceError):  # (as traced_as_fed: a fake kernel that checks dtypes fails the trace)
         cast = at_dtype(inputs, dtype) if dtype is not None else None
         if cast is None:
             raise
         try:
             return retrace(*cast)
-        except mismatch:
+        except (mismatch, TraceError):
             pass
         raise
