@@ -291,18 +291,18 @@ class NormsThatRun(nn.Module):
         return nn.functional.rms_norm(h.float(), (8,), self.norm.weight) + low * h.float()
 
 
+REFUSED = [  # a model, and the op whose mixed dtypes its cast copy's kernels refuse (None: it runs)
+    (lambda: NormOfUpcast(functional=True), "layer_norm"),
+    (lambda: NormOfUpcast(functional=False), "bn|batch_norm"),
+    (lambda: IndexWrite(masked=False), "index_put"),
+    (lambda: IndexWrite(masked=True), None),
+    (NormsThatRun, None),
+]
+REFUSED_IDS = ["layer_norm", "batch_norm", "index_put", "masked_fill", "runs"]
+
+
 @pytest.mark.parametrize("trace", ["fx", "export"])
-@pytest.mark.parametrize(
-    ("make", "refused"),
-    [
-        (lambda: NormOfUpcast(functional=True), "layer_norm"),
-        (lambda: NormOfUpcast(functional=False), "bn|batch_norm"),
-        (lambda: IndexWrite(masked=False), "index_put"),
-        (lambda: IndexWrite(masked=True), None),
-        (NormsThatRun, None),
-    ],
-    ids=["layer_norm", "batch_norm", "index_put", "masked_fill", "runs"],
-)
+@pytest.mark.parametrize(("make", "refused"), REFUSED, ids=REFUSED_IDS)
 def test_norms_and_index_writes_warn_exactly_when_the_cast_model_fails(
     make: Any, refused: str | None, trace: str
 ) -> None:
@@ -341,17 +341,7 @@ class Outer(nn.Module):
 _INSIDE = {"layer_norm": "native_layer_norm", "bn|batch_norm": "native_batch_norm", "index_put": "index_put"}
 
 
-@pytest.mark.parametrize(
-    ("make", "refused"),
-    [
-        (lambda: NormOfUpcast(functional=True), "layer_norm"),
-        (lambda: NormOfUpcast(functional=False), "bn|batch_norm"),
-        (lambda: IndexWrite(masked=False), "index_put"),
-        (lambda: IndexWrite(masked=True), None),
-        (NormsThatRun, None),
-    ],
-    ids=["layer_norm", "batch_norm", "index_put", "masked_fill", "runs"],
-)
+@pytest.mark.parametrize(("make", "refused"), REFUSED, ids=REFUSED_IDS)
 def test_ops_inside_a_leaf_module_warn_exactly_when_the_cast_model_fails(make: Any, refused: str | None) -> None:
     """A module fx keeps whole hides its ops from the graph: the shape propagation looks inside it with the same
     rules, and the warning names the module's op, the aten op and the line of the module's code that mixes."""
