@@ -36,13 +36,13 @@ from typing import Any, Iterable
 
 import torch
 import torch.fx
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fxsplit import runtime
 from fxsplit.attrpath import attr_at
 from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
+from fxsplit.eagermode import EagerDispatchMode, is_higher_order
 from fxsplit.errors import InvariantError
 from fxsplit.options import STORAGE_TIERS
 from fxsplit.planning.plan import Plan
@@ -308,7 +308,7 @@ def _logical(device: Any) -> str:
     return str(torch.device(device))
 
 
-class DeviceChecker(TorchDispatchMode):
+class DeviceChecker(EagerDispatchMode):
     """Run code with logical devices made real: fail any op that mixes two of them.
 
     Torch runs ``"cpu:0"`` and ``"cpu:1"`` on the same CPU, so a split model
@@ -377,7 +377,7 @@ class DeviceChecker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        name = func._schema.name.split("::")[-1]
+        name = func.name() if is_higher_order(func) else func._schema.name.split("::")[-1]
         seen = {self._tags[t] for t in tensors if not self._is_wildcard(t)}
         if len(seen) > 1 and name not in _WRITES_ACROSS and name != "_to_copy":
             described = ", ".join(f"{tuple(t.shape)} on '{self._tags.get(t) or 'anywhere'}'" for t in tensors)

@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from fxsplit.eagermode import EagerDispatchMode
 from fxsplit.memory.losscapacity import CAPACITY_OPS, with_capacity
 from fxsplit.memory.rnnworkspace import RNN_OPS, with_workspace
 
@@ -50,7 +50,7 @@ def _refs(value: Any) -> list[StorageWeakRef]:
     return [StorageWeakRef(t.untyped_storage()) for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-class Allocations(TorchDispatchMode):
+class Allocations(EagerDispatchMode):
     """Peak bytes of the storages ATen ops create while one node (forward) or one op's backward runs.
 
     Args:

@@ -47,10 +47,10 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fxsplit.codegen.meta import COPY_META, DEVICE_META, CopyRecord
+from fxsplit.eagermode import EagerDispatchMode
 from fxsplit.memory.seed import seeds
 from fxsplit.runtime import ReplicaStore
 
@@ -59,7 +59,7 @@ __all__ = ["ActivationMeter", "flat_inputs", "measure_forward", "measure_trainin
 UNTAGGED = "?"
 
 
-class ActivationMeter(TorchDispatchMode):
+class ActivationMeter(EagerDispatchMode):
     """Track live activation bytes per logical device while a split module runs.
 
     Use :meth:`run` to run the forward (and, given ``backward``, the backward)

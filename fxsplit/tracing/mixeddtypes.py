@@ -34,8 +34,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Seque
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from fxsplit.eagermode import EagerDispatchMode
 
 __all__ = [
     "INSIDE",
@@ -189,12 +190,11 @@ class Inside(NamedTuple):
     at: str  # '"file", line n, in function: code': the innermost frame outside torch and fxsplit, or ""
 
 
-class InsideModules(TorchDispatchMode):
+class InsideModules(EagerDispatchMode):
     """While active (under the fake mode of a shape propagation), the ops a module runs that refuse their
     floating dtypes together, by the same rules as the graph's ops: a module the trace keeps whole (a leaf)
-    hides its ops from the graph. ``found`` holds them, in order."""
-
-    supports_higher_order_operators = True  # (flex_attention, cond: passed on as they are, their bodies unseen)
+    hides its ops from the graph. ``found`` holds them, in order. Higher-order ops (flex_attention, cond) are
+    passed on as they are, their bodies unseen."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -219,8 +219,8 @@ _LOOKING: ContextVar[bool] = ContextVar("fxsplit_looking_inside", default=False)
 @contextmanager
 def looking_inside(wanted: bool = True) -> Iterator[None]:
     """Inside the block (when ``wanted``: a model planned at a dtype), shape propagations look inside the modules
-    :func:`looks_inside` names. Not otherwise: a mode on the stack keeps ``torch.compile`` from the module's own
-    compiled code (``flex_attention`` on the CPU)."""
+    :func:`looks_inside` names. Not otherwise: only a cast model meets dtypes it did not choose, and a module run
+    under the mode runs its compiled code uncompiled (:mod:`fxsplit.eagermode`)."""
     token = _LOOKING.set(wanted)
     try:
         yield
