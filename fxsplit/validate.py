@@ -15,12 +15,13 @@ fxsplit.errors.SpecError: 'contiguous' must be True or False (got 'no')
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Callable, Mapping
 
 import torch
 
 from fxsplit.devices import normalize_device
-from fxsplit.errors import FxsplitError, SpecError
+from fxsplit.errors import FxsplitError, FxsplitWarning, SpecError
 
 __all__ = [
     "check_concrete_args",
@@ -29,6 +30,7 @@ __all__ = [
     "refuse_growing_state",
     "refuse_meta",
     "require_module",
+    "uncompiled",
 ]
 
 
@@ -39,6 +41,26 @@ def require_module(model: Any) -> None:
             f"model must be a torch.nn.Module (got {type(model).__name__}); pass the module itself, "
             "e.g. fxsplit.plan(model, ...), not its state_dict, a class or a factory"
         )
+
+
+def uncompiled(model: Any) -> Any:
+    """The module a ``torch.compile``'d model compiles (its ``_orig_mod``), with a warning; anything else as it is.
+
+    ``torch.compile(model)`` wraps the model in an ``OptimizedModule`` that torch.fx cannot trace and that names
+    every tensor ``_orig_mod.<name>``: a plan made of it would apply to neither the model nor its checkpoints.
+    The split of the module it wraps shares the same tensors and runs the same code, uncompiled."""
+    inner = getattr(model, "_orig_mod", None)
+    kind = type(model)
+    if kind.__name__ == "OptimizedModule" and kind.__module__.startswith("torch._dynamo") and inner is not None:
+        warnings.warn(
+            "the model is compiled (torch.compile): fxsplit traces and splits the module it compiles "
+            f"({type(inner).__name__}, its '_orig_mod'), under that module's names (no '_orig_mod.' prefix), and "
+            "the split it makes runs uncompiled; pass model._orig_mod to plan without this warning",
+            FxsplitWarning,
+            stacklevel=3,
+        )
+        return inner
+    return model
 
 
 def _shown(value: Any) -> str:

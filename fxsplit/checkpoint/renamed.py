@@ -11,6 +11,9 @@ and the Hub's checkpoints are in it. It also takes a checkpoint with or without 
 renamed tensor is read from its file under its own key; a merged one is made from its pieces when it is read,
 by transformers' own operations, and its shape and dtype are found beforehand by running them on ``meta``.
 Nothing changes for a model that is not a transformers model, or whose checkpoint already uses its names.
+
+A checkpoint saved from a ``torch.compile``'d model (its ``state_dict()``) names every tensor with the compiled
+module's ``_orig_mod.`` in front; where the name without it is the model's, it is read under that name.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ def model_names(table: TableOfContents, conversions: Conversions | None, names: 
     A checkpoint key whose converted name is not the model's (and every key, without ``conversions``) is kept as
     it is, so that a checkpoint that fits nothing is reported as it is.
     """
+    table = _uncompiled_names(table, names)
     if conversions is None or not (conversions.renamings or conversions.converters or conversions.prefix):
         return table
     from transformers.core_model_loading import dot_natural_key, rename_source_key
@@ -144,6 +148,24 @@ def model_names(table: TableOfContents, conversions: Conversions | None, names: 
             merged.entries[made] = Entry(made, tuple(tensor.shape), dtype, str(dtype), first.file, size)
             merged.merges[made] = merge
     return merged
+
+
+_COMPILED = "_orig_mod."  # what torch.compile's OptimizedModule puts before the names of the module it compiles
+
+
+def _uncompiled_names(table: TableOfContents, names: set[str]) -> TableOfContents:
+    """``table`` with a key that is a model's name with ``_orig_mod.`` components in it (saved from a compiled
+    model) under that name, unless the checkpoint has the name too."""
+    if not any(_COMPILED in key for key in table.entries):
+        return table
+    entries: dict[str, Entry] = {}
+    for key, entry in table.entries.items():
+        name = key.replace(_COMPILED, "")
+        if key not in names and name in names and name not in table.entries:
+            entries[name] = dataclasses.replace(entry, name=name, key=entry.key or key)
+        else:
+            entries[key] = entry
+    return dataclasses.replace(table, entries=entries)
 
 
 def _on_meta(entry: Entry) -> torch.Tensor:

@@ -56,6 +56,7 @@ from fxsplit.pipeline.tiedgrads import RowPiece, broadcast_held, held_weights, r
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import Overrun
 from fxsplit.units import format_size
+from fxsplit.validate import uncompiled
 
 __all__ = ["PipelineStages", "pipeline_stages"]
 
@@ -235,6 +236,7 @@ def pipeline_stages(
             the excess there (``plan.reserved``).
         PlanMismatchError: a given plan does not describe this model's graph.
     """
+    model = uncompiled(model)
     if "pipeline" in options:
         raise SpecError("pipeline_stages takes chunks=..., not pipeline=...")
     if options.get("profile") and not isinstance(plan_or_budgets, Plan) and _ranks() > 1:
