@@ -41,6 +41,7 @@ from fxsplit.cost.build import Weight
 from fxsplit.planning.build import Read, WriteVersions, reads_of
 from fxsplit.planning.plan import Plan
 from fxsplit.tracing.graphinfo import TENSOR, input_writers, tensor_origin, value_kind
+from fxsplit.tracing.modulehooks import carry_root_hooks
 
 __all__ = [
     "COPY_META",
@@ -293,7 +294,8 @@ def emit(graph_module: torch.fx.GraphModule, plan: Plan, model: torch.nn.Module 
     else is needed, so a plan saved and loaded again generates the same code.
     Given the ``model``, the split also holds the model's tensors no op reads
     (:func:`~fxsplit.codegen.unreadstate.hold_unread`), so that its
-    ``state_dict()`` is the model's.
+    ``state_dict()`` is the model's, and the model's own hooks that the graph
+    lacks (:func:`~fxsplit.tracing.modulehooks.carry_root_hooks`).
     """
     check_input_writes(graph_module, plan)
     if plan.replicas:  # where the split keeps its replicas (a module, so that get_attr reaches it)
@@ -303,6 +305,7 @@ def emit(graph_module: torch.fx.GraphModule, plan: Plan, model: torch.nn.Module 
     split = split_module(graph_module, graph, plan)
     if model is not None:
         hold_unread(split, model)
+        carry_root_hooks(split, model, plan.trace)  # the model's own hooks that its graph lacks
     pin_subgraph_devices(split, {n.name: n.meta[DEVICE_META] for n in split.graph.nodes if DEVICE_META in n.meta})
     split.recompile()
     mirror_registries(split)  # weights by path at dict speed (see fxsplit.codegen.fastattr)

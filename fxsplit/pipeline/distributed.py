@@ -55,6 +55,7 @@ from fxsplit.pipeline.stages import StageSpec, split_stages
 from fxsplit.pipeline.tiedgrads import RowPiece, broadcast_held, held_weights, reduce_held, unalias_rows
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import Overrun
+from fxsplit.tracing.modulehooks import root_hooks_left_out
 from fxsplit.units import format_size
 from fxsplit.validate import uncompiled
 
@@ -283,6 +284,8 @@ def pipeline_stages(
         options = {**options, "reserve": {d: reserved.get(d, 0) + room[d] for d in plan.devices}}
     if first is not None and first[0]:
         _warn_replanned(plan, first[1])
+    if root_hooks_left_out(model, plan.trace):
+        warnings.warn(FxsplitWarning(_ROOT_HOOKS), stacklevel=user_stacklevel())
     mixing = mixing_message(graph_module, chunks, allow="filter this FxsplitWarning")
     if mixing:  # torch.distributed.pipelining runs each micro-batch on its own too, and joins outputs along dim 0
         warnings.warn(FxsplitWarning(mixing), stacklevel=user_stacklevel())
@@ -297,6 +300,10 @@ def pipeline_stages(
     return PipelineStages(plan, stages.specs, stages.modules, holding.tied, chunks, holding.paths, _rows=holding.rows)
 
 
+_ROOT_HOOKS = (
+    "the model has hooks of its own (register_forward_hook, register_full_backward_hook, ...) that its graph lacks: "
+    "the stages do not run them, since no rank calls the whole model; run what they do on the stages' outputs"
+)
 REPLAN_TRIES = 3  # plans made again, each holding back more where a stage with its copies came out over budget
 
 

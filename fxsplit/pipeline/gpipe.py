@@ -45,6 +45,7 @@ from fxsplit.pipeline.rowmixing import row_mixing
 from fxsplit.pipeline.stages import StageSplit, split_stages
 from fxsplit.pipeline.streams import CudaCopies
 from fxsplit.planning.plan import Plan
+from fxsplit.tracing.modulehooks import carry_root_hooks
 
 __all__ = ["Pipeline", "PipelineConfig", "clock_cycles", "pipelined"]
 
@@ -240,4 +241,6 @@ def pipelined(split: torch.fx.GraphModule, config: PipelineConfig) -> Pipeline:
         FxsplitError: the plan cannot be run as a sequence of stages.
     """
     plan: Plan = split.meta["fxsplit_plan"]
-    return Pipeline(split, split_stages(split, plan, relay=False), config)
+    made = Pipeline(split, split_stages(split, plan, relay=False), config)
+    carry_root_hooks(made, split, "fx")  # the model's own hooks the split carries: the pipeline runs them
+    return made

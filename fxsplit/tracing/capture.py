@@ -44,6 +44,7 @@ from fxsplit.tracing.fxcheckpoint import fold_regions
 from fxsplit.tracing.fxshapes import propagate_shapes
 from fxsplit.tracing.gradmode import recording_grad_mode, refusing_inference_mode
 from fxsplit.tracing.metaweights import fake_weights_on, inputs_device
+from fxsplit.tracing.modulehooks import keep_backward_hooks
 
 __all__ = ["TRACE_MODES", "Traced", "trace"]
 
@@ -85,6 +86,11 @@ class _LeafTracer(torch.fx.Tracer):
         self._leaf_types = leaf_types
         self._leaf_names = leaf_names
 
+    @classmethod
+    def of(cls, leaves: Iterable[type | str]) -> _LeafTracer:
+        leaves = list(leaves)
+        return cls(tuple(x for x in leaves if isinstance(x, type)), frozenset(x for x in leaves if isinstance(x, str)))
+
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self._leaf_names or (self._leaf_types and isinstance(m, self._leaf_types)):
             return True
@@ -121,7 +127,8 @@ def trace(
     has_examples = example_inputs is not None or bool(example_kwargs)
     if mode == "export" and not has_examples:
         raise TraceError("trace mode 'export' needs example_inputs (a tuple of the forward's positional inputs)")
-    leaves = list(leaf_modules)
+    leaves = list(leaf_modules)  # and the modules whose backward hooks only a call of them runs (modulehooks.py)
+    mode, leaves = keep_backward_hooks(model, mode, leaves, _LeafTracer.of(leaves).is_leaf_module)
     if mode == "export" or (mode == "auto" and has_examples):
         export_error: Exception | None = None
         for attempt in _export_attempts(model, tuple(example_inputs or ()), dict(example_kwargs or {}), dynamic_shapes):
@@ -290,9 +297,7 @@ def _symbolic(
     Raises:
         ExampleInputError: shapes could not be found because the model cannot run the example inputs.
     """
-    leaf_types = tuple(leaf for leaf in leaves if isinstance(leaf, type))
-    leaf_names = frozenset(leaf for leaf in leaves if isinstance(leaf, str))
-    tracer = _LeafTracer(leaf_types, leaf_names)
+    tracer = _LeafTracer.of(leaves)
     held = [(path, m, dict(m._parameters), dict(m._buffers)) for path, m in model.named_modules(remove_duplicate=False)]
     try:
         with (
