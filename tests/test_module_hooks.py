@@ -158,3 +158,15 @@ def test_pipeline_stages_say_that_they_do_not_run_the_models_own_hooks() -> None
     m.register_forward_hook(lambda mod, args, out: out * 2)
     with pytest.warns(FxsplitWarning, match="the stages do not run them"):
         fxsplit.pipeline_stages(m, BUDGETS, example_inputs=(torch.randn(4, 16),), chunks=2, trace="fx")
+
+
+def test_a_forward_hook_that_stores_an_output_runs_in_the_split_where_the_module_is_a_leaf() -> None:
+    eager, seen = model(), {}
+    eager[1].register_forward_hook(lambda mod, args, out: seen.__setitem__("block", out.detach()))
+    eager(X)
+    m, stored = model(), {}
+    m[1].register_forward_hook(lambda mod, args, out: stored.__setitem__("block", out))
+    split = fxsplit.fxsplit(m, BUDGETS, example_inputs=(X,), trace="fx", leaf_modules=["1"], mode="weights")
+    stored.clear()
+    split(X)
+    torch.testing.assert_close(stored["block"].detach(), seen["block"], rtol=0, atol=0)
