@@ -5,6 +5,9 @@
   input check (:class:`InputGuard`) says how to split for other inputs.
 * :class:`GradModeSafeSplit`: code that sets the grad mode puts the caller's
   mode back even when an op inside the region raises.
+* :class:`ModeReadSplit`: a ``torch.fx`` trace read some modules' ``training``
+  flag (:mod:`fxsplit.tracing.trainingreads`), which fixed what they do; switching
+  the split to another mode raises instead of changing nothing there.
 """
 
 from __future__ import annotations
@@ -20,8 +23,16 @@ from fxsplit.errors import FxsplitError, InputMismatchError
 from fxsplit.planning.plan import Plan
 from fxsplit.tracing.dynamic import TRACED_INPUTS, describe_inputs
 from fxsplit.tracing.gradmode import is_grad_mode_node
+from fxsplit.tracing.trainingreads import TRAINING_READS
 
-__all__ = ["ExportedSplit", "GradModeSafeSplit", "InputGuard", "split_module"]
+__all__ = [
+    "ExportedSplit",
+    "GradModeSafeSplit",
+    "InputGuard",
+    "ModeReadGradModeSafeSplit",
+    "ModeReadSplit",
+    "split_module",
+]
 
 
 class ExportedSplit(torch.fx.GraphModule):
@@ -135,6 +146,37 @@ class GradModeSafeSplit(torch.fx.GraphModule):
             return super().__call__(*args, **kwargs)
 
 
+class ModeReadSplit(torch.fx.GraphModule):
+    """An fx split whose trace read modules' ``training`` flags (``F.dropout(x, p, self.training)``,
+    ``if self.training:``): torch.fx kept the value each read found, so ``train()``/``eval()`` cannot change what
+    those modules do; switching them to another mode raises instead of changing nothing. ``training_read``:
+    module path (``""``: the model) -> the flag read there."""
+
+    training_read: dict[str, bool] = {}
+
+    def train(self, mode: bool = True) -> ModeReadSplit:
+        fixed = [path for path, value in self.training_read.items() if value != mode]
+        if fixed:
+            wanted = "train()" if mode else "eval()"
+            traced = "training" if not mode else "eval"
+            shown = ", ".join(f"'{p}'" if p else "the model's own forward" for p in fixed[:3])
+            more = f" and {len(fixed) - 3} more" if len(fixed) > 3 else ""
+            leaves = [p for p in fixed if p]
+            listed = ", ".join(map(repr, leaves[:3])) + (", ..." if len(leaves) > 3 else "")
+            leaf_fix = f", or name them leaf modules (leaf_modules=[{listed}]) so that the split calls them"
+            raise FxsplitError(
+                f"this split was traced by torch.fx in {traced} mode, and the trace read self.training of {shown}"
+                f"{more} (F.dropout(x, p, self.training), if self.training: ...), which torch.fx fixes in the graph, "
+                f"so {wanted} cannot change what they do; call model.{wanted} before fxsplit(...) and split again"
+                + (leaf_fix if leaves else "")
+            )
+        return super().train(mode)  # type: ignore[return-value]
+
+
+class ModeReadGradModeSafeSplit(ModeReadSplit, GradModeSafeSplit):
+    """Both: a trace that read ``training`` flags, and code that sets the grad mode."""
+
+
 _MODE_OPS = ("dropout", "batch_norm", "instance_norm")
 
 
@@ -161,6 +203,13 @@ def split_module(graph_module: torch.fx.GraphModule, graph: torch.fx.Graph, plan
             traced_with = graph_module.meta.get(TRACED_INPUTS) or describe_inputs(graph_module.graph)
             exported._guards_fn = InputGuard(guard, traced_with, plan.dynamic_shapes, _guard_inputs(graph))
         return exported
-    if any(is_grad_mode_node(node) for node in graph.nodes):
+    grad_mode = any(is_grad_mode_node(node) for node in graph.nodes)
+    read = graph_module.meta.get(TRAINING_READS)
+    if read:
+        kind = ModeReadGradModeSafeSplit if grad_mode else ModeReadSplit
+        split: ModeReadSplit = kind(graph_module, graph, type(graph_module).__name__)
+        split.training_read = dict(read)
+        return split
+    if grad_mode:
         return GradModeSafeSplit(graph_module, graph, type(graph_module).__name__)
     return torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)

@@ -2,18 +2,17 @@
 
 Two tracers:
 
-* ``"fx"``: :func:`torch.fx.symbolic_trace` semantics with a tracer that
-  honours ``leaf_modules`` and ``concrete_args``; with example inputs, shapes
-  come from fake-tensor propagation (no real compute, no memory for weights).
-* ``"export"``: :func:`torch.export.export` with ``strict=False`` on example
-  inputs; the only route for models with data-dependent Python (Hugging Face
-  transformers 5.x, for instance). Its graph is in ATen ops, and input/output
-  structure (tuples, dicts, ``ModelOutput``) is restored by its codegen.
+* ``"fx"``: :func:`torch.fx.symbolic_trace` semantics with a tracer that honours ``leaf_modules`` and
+  ``concrete_args``; with example inputs, shapes come from fake-tensor propagation (no real compute, no memory
+  for weights).
+* ``"export"``: :func:`torch.export.export` with ``strict=False`` on example inputs; the only route for models
+  with data-dependent Python (Hugging Face transformers 5.x, for instance). Its graph is in ATen ops, and
+  input/output structure (tuples, dicts, ``ModelOutput``) is restored by its codegen.
 
-``"auto"`` uses export when example inputs are given, else fx. When export
-fails, the example inputs are checked (:mod:`fxsplit.tracing.example_inputs`): inputs the
-model cannot run are an :class:`~fxsplit.errors.ExampleInputError`; otherwise
-fx traces the model, with a :class:`~fxsplit.errors.FxsplitWarning` that says why.
+``"auto"`` uses export when example inputs are given, else fx. When export fails, the example inputs are checked
+(:mod:`fxsplit.tracing.example_inputs`): inputs the model cannot run are an
+:class:`~fxsplit.errors.ExampleInputError`; otherwise fx traces the model, with a
+:class:`~fxsplit.errors.FxsplitWarning` that says why.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from fxsplit.tracing.customgrad import FunctionCalls, note_aliases, recording_fu
 from fxsplit.tracing.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_inputs, export_spec
 from fxsplit.tracing.example_inputs import check_example_inputs, quiet_fake_tensor_log
 from fxsplit.tracing.example_inputs import first_line as _first_line
-from fxsplit.tracing.example_inputs import user_frame as _user_frame
 from fxsplit.tracing.exportprint import partial_graphs_unprinted
 from fxsplit.tracing.functionop import holding_call_sites
 from fxsplit.tracing.fxcheckpoint import fold_regions
@@ -45,6 +43,8 @@ from fxsplit.tracing.fxshapes import propagate_shapes
 from fxsplit.tracing.gradmode import recording_grad_mode, refusing_inference_mode
 from fxsplit.tracing.metaweights import fake_weights_on, inputs_device
 from fxsplit.tracing.modulehooks import keep_backward_hooks
+from fxsplit.tracing.tracefailures import export_message, fx_message
+from fxsplit.tracing.trainingreads import TRAINING_READS, mode_dependent, recording_training_reads
 
 __all__ = ["TRACE_MODES", "Traced", "trace"]
 
@@ -142,11 +142,11 @@ def trace(
         assert export_error is not None  # every variant raised
         check_example_inputs(model, tuple(example_inputs or ()), example_kwargs or {})
         if mode == "export":
-            raise TraceError(_export_message(export_error)) from export_error
+            raise TraceError(export_message(export_error)) from export_error
         try:
             traced = _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs, checked=True)
         except TraceError as fx_error:
-            raise TraceError(f"{_export_message(export_error)}\n\nfx also failed: {fx_error}") from fx_error
+            raise TraceError(f"{export_message(export_error)}\n\nfx also failed: {fx_error}") from fx_error
         note = f"torch.export failed, used torch.fx: {_first_line(export_error)}"
         warnings.warn(FxsplitWarning(_fallback_message(export_error, traced)), stacklevel=user_stacklevel())
         return dataclasses.replace(traced, notes=(note,))
@@ -297,20 +297,27 @@ def _symbolic(
     Raises:
         ExampleInputError: shapes could not be found because the model cannot run the example inputs.
     """
-    tracer = _LeafTracer.of(leaves)
-    held = [(path, m, dict(m._parameters), dict(m._buffers)) for path, m in model.named_modules(remove_duplicate=False)]
-    try:
+
+    def trace_once(flipped: Mapping[str, bool] | None = None) -> tuple[Any, ...]:
+        tracer = _LeafTracer.of(leaves)
         with (
             recording_grad_mode(tracer),
             plain_checkpoints(model, "fx") as met,
             recording_functions(keep="fx") as functions,
+            recording_training_reads(model, flipped) as training_reads,
         ):
             graph = tracer.trace(model, concrete_args=dict(concrete_args) if concrete_args else None)
+        return tracer, graph, met, functions, training_reads
+
+    held = [(path, m, dict(m._parameters), dict(m._buffers)) for path, m in model.named_modules(remove_duplicate=False)]
+    try:
+        tracer, graph, met, functions, training_reads = trace_once()
+        training_reads = mode_dependent(training_reads, graph, lambda: trace_once(training_reads)[1])
     except TraceError:
         raise  # ours: names the construct fx cannot keep
     except Exception as error:  # noqa: BLE001 - tracing user code raises anything
         given = example_inputs is not None or bool(example_kwargs)
-        raise TraceError(_fx_message(error, "tried" if checked else "given" if given else None)) from error
+        raise TraceError(fx_message(error, "tried" if checked else "given" if given else None)) from error
     finally:
         assigned = _put_back(held)
     if assigned:
@@ -323,6 +330,7 @@ def _symbolic(
     folded, left = fold_regions(graph, met.regions, tracer.root, met.paths)
     met.kept, met.plain = folded, [*met.plain, *left]
     graph_module = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    graph_module.meta[TRAINING_READS] = training_reads  # the modes the graph fixed (codegen/splitmodule.py)
     traced = Traced(graph_module, "fx", True, **_met(met, functions))
     if example_inputs is None and not example_kwargs:
         missing = "no example_inputs, so the graph has no sizes"
@@ -360,59 +368,3 @@ def _put_back(held: list[tuple[str, torch.nn.Module, dict[str, Any], dict[str, A
                     table[name] = tensor
                     assigned.append(f"{path}.{name}" if path else name)
     return assigned
-
-
-def _fx_message(error: BaseException, examples: str | None = None) -> str:
-    """Why fx failed, where, and what to try; ``examples``: None (no example inputs: export could trace with
-    them), ``"given"`` (fx was chosen: export may trace it) or ``"tried"`` (export failed first)."""
-    where = _user_frame(error)
-    export = {
-        None: "pass example_inputs=(...) so fxsplit can use torch.export, which handles data-dependent Python; or ",
-        "given": "trace with torch.export (trace='export', or 'auto', the default), which handles data-dependent "
-        "Python; or ",
-        "tried": "",
-    }[examples]
-    return (
-        f"torch.fx.symbolic_trace could not trace the model: {_first_line(error)}"
-        + (f"\n  at {where}" if where else "")
-        + f"\n  fixes: {export}declare the module that fails a leaf (leaf_modules=[...]); or fix "
-        "the value of a control-flow argument with concrete_args={...}"
-    )
-
-
-def _export_message(error: BaseException) -> str:
-    where = _user_frame(error)
-    hint = ""
-    if "Cache" in str(error):
-        hint = (
-            "\n  this looks like a Hugging Face model returning (or taking) its key/value cache, a cache "
-            "object that grows on every call, which a split cannot hold. For generation, set "
-            "model.generation_config.cache_implementation = 'static' and split "
-            "transformers.integrations.executorch.TorchExportableModuleWithStaticCache(model, batch_size=1, "
-            "max_cache_len=N) under torch.no_grad() (see examples/generate.py); for one forward without a "
-            "cache, pass example_kwargs={'use_cache': False} (and call the split model with use_cache=False)"
-        )
-    if "GuardOnDataDependentSymNode" in type(error).__name__ + str(error):
-        hint += (
-            "\n  this is Python control flow on a tensor's value (the line above), which one graph cannot hold; "
-            "in a model in train() mode it is often random (LayerDrop, stochastic depth): plan it in eval() "
-            "mode or switch that feature off (e.g. layerdrop=0 in a Hugging Face config)"
-        )
-    if "modified inplace" in str(error) and torch.is_grad_enabled():
-        hint += (
-            "\n  autograd forbids this in-place write, which torch.no_grad() allows: a model you run under "
-            "torch.no_grad() traces as it runs when you plan it under torch.no_grad() too (with torch.no_grad(): "
-            "fxsplit.fxsplit(...)); to train it, write out of place (x = x.relu() for x.relu_())"
-        )
-    if "Constraints violated" in str(error) or "dynamic_shapes" in str(error):
-        hint += (
-            "\n  this is about dynamic_shapes: a size you marked variable must stay fixed or equal another; "
-            "mark fewer dimensions (dynamic_shapes='batch' marks only the batch)"
-        )
-    return (
-        f"torch.export could not trace the model on the example inputs: {_first_line(error)}"
-        + (f"\n  at {where}" if where else "")
-        + hint
-        + "\n  fixes: check example_inputs match forward()'s signature (keyword inputs go in "
-        "example_kwargs); try trace='fx' with leaf_modules=[...] around the code torch cannot follow"
-    )
