@@ -22,7 +22,7 @@ import torch.fx
 from fxsplit.errors import FxsplitError, InputMismatchError
 from fxsplit.planning.plan import Plan
 from fxsplit.tracing.dynamic import TRACED_INPUTS, describe_inputs
-from fxsplit.tracing.gradmode import is_grad_mode_node
+from fxsplit.tracing.gradmode import autocast_devices, is_mode_node, modes_kept
 from fxsplit.tracing.trainingreads import TRAINING_READS
 
 __all__ = [
@@ -58,11 +58,31 @@ class ExportedSplit(torch.fx.GraphModule):
         self.training = mode
         return self
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except RuntimeError as error:
+            if not str(error).startswith("Tensor dtype mismatch"):
+                raise
+            raise FxsplitError(
+                f"a value of this split has another dtype than torch.export traced ({str(error).splitlines()[0]}), "
+                "although its inputs passed export's checks: it runs under another torch.autocast than it was "
+                f"traced under (autocast now: {_autocast_now()}); call it as it was traced, split the model under "
+                "the autocast you run it with (with torch.autocast(...): fxsplit.fxsplit(...)), or trace with "
+                "torch.fx (trace='fx'), whose split follows the caller's autocast"
+            ) from error
+
     def __deepcopy__(self, memo: dict[int, Any]) -> ExportedSplit:
         """A deep copy, without the FutureWarning torch's pytree spec prints when copied (``LeafSpec``)."""
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
             return super().__deepcopy__(memo)  # type: ignore[return-value]
+
+
+def _autocast_now() -> str:
+    on = [f"{d} at {str(torch.get_autocast_dtype(d)).removeprefix('torch.')}" for d in ("cpu", "cuda")]
+    found = [text for d, text in zip(("cpu", "cuda"), on, strict=True) if torch.is_autocast_enabled(d)]
+    return "on for " + ", ".join(found) if found else "off"
 
 
 class InputGuard(torch.nn.Module):
@@ -132,16 +152,23 @@ _WIDER = {
 
 
 class GradModeSafeSplit(torch.fx.GraphModule):
-    """An fx split whose code sets the grad mode (a recorded ``no_grad`` region): the caller's mode comes back.
+    """An fx split whose code sets the grad mode or autocast (a recorded ``no_grad`` or ``torch.autocast``
+    region): the caller's modes come back.
 
     The generated code restores the mode at the end of each region, as the
     ``with`` block did; if an op inside the region raises, the code stops
-    before that restore, so the call itself puts the caller's mode back, as
+    before that restore, so the call itself puts the caller's modes back, as
     leaving the ``with`` block by an exception would have. (``torch.save``
     of a whole split reloads it as a plain ``GraphModule``, without this.)
+    ``autocast_devices``: the device types of its autocast regions.
     """
 
+    autocast_devices: tuple[str, ...] = ()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.autocast_devices:
+            with modes_kept(self.autocast_devices):
+                return super().__call__(*args, **kwargs)
         with torch.set_grad_enabled(torch.is_grad_enabled()):
             return super().__call__(*args, **kwargs)
 
@@ -203,13 +230,17 @@ def split_module(graph_module: torch.fx.GraphModule, graph: torch.fx.Graph, plan
             traced_with = graph_module.meta.get(TRACED_INPUTS) or describe_inputs(graph_module.graph)
             exported._guards_fn = InputGuard(guard, traced_with, plan.dynamic_shapes, _guard_inputs(graph))
         return exported
-    grad_mode = any(is_grad_mode_node(node) for node in graph.nodes)
+    modes = any(is_mode_node(node) for node in graph.nodes)
     read = graph_module.meta.get(TRAINING_READS)
+    split: torch.fx.GraphModule
     if read:
-        kind = ModeReadGradModeSafeSplit if grad_mode else ModeReadSplit
-        split: ModeReadSplit = kind(graph_module, graph, type(graph_module).__name__)
+        kind = ModeReadGradModeSafeSplit if modes else ModeReadSplit
+        split = kind(graph_module, graph, type(graph_module).__name__)
         split.training_read = dict(read)
-        return split
-    if grad_mode:
-        return GradModeSafeSplit(graph_module, graph, type(graph_module).__name__)
-    return torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
+    elif modes:
+        split = GradModeSafeSplit(graph_module, graph, type(graph_module).__name__)
+    else:
+        return torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
+    if isinstance(split, GradModeSafeSplit):
+        split.autocast_devices = autocast_devices(graph)
+    return split

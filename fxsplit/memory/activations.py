@@ -34,6 +34,7 @@ from fxsplit.memory.seed import seeds
 from fxsplit.planning.build import weights_by_node
 from fxsplit.tracing.dynamic import traced_size
 from fxsplit.tracing.fakeweights import fake_weights
+from fxsplit.tracing.gradmode import modes_kept
 from fxsplit.tracing.keptcheckpoint import checkpoint_of
 
 __all__ = ["graph_tensors", "profile_activations", "replace_graph_tensors"]  # (the first and last: graphtensors)
@@ -183,6 +184,7 @@ def profile_activations(
     grad = torch.enable_grad() if training else torch.no_grad()
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
     with (
+        modes_kept(),  # the graph's recorded regions set them (autocast too); an op that raises leaves them set
         mode,
         allocations,
         grad,

@@ -255,9 +255,10 @@ class _Cutter:
             if self.stage[before.name] != self.stage[node.name] and after[before] > 0:
                 path = module_path(node) or node.name
                 raise FxsplitError(
-                    f"this plan cannot run as a pipeline: a grad-mode region (torch.no_grad(), enable_grad() or "
-                    f"set_grad_enabled()) in forward() spans stages {self.devices[self.stage[before.name]]} and "
-                    f"{self.devices[self.stage[node.name]]} (at '{node.name}' in '{path}'); each stage runs on its "
+                    "this plan cannot run as a pipeline: a grad-mode or autocast region (torch.no_grad(), "
+                    "enable_grad(), set_grad_enabled() or torch.autocast()) in forward() spans stages "
+                    f"{self.devices[self.stage[before.name]]} and {self.devices[self.stage[node.name]]} "
+                    f"(at '{node.name}' in '{path}'); each stage runs on its "
                     "own, so the mode would leak between micro-batches. Fix: keep the region's modules on one "
                     "device (together=[[...]] or pins=...), or split without pipeline=..."
                 )

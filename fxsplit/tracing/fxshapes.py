@@ -14,6 +14,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxsplit.tracing.example_inputs import first_line, quiet_fake_tensor_log
 from fxsplit.tracing.fakeweights import fake_weights, named_tensors
+from fxsplit.tracing.gradmode import modes_kept
 from fxsplit.tracing.metaweights import inputs_device
 from fxsplit.tracing.mixeddtypes import INSIDE, InsideModules, looks_inside
 
@@ -33,7 +34,8 @@ def propagate_shapes(
         return f"example_kwargs {unknown} are not inputs of the traced graph"
     flat = list(args) + [kwargs[n.target] for n in placeholders[len(args) :] if n.target in kwargs]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    grad_enabled = torch.is_grad_enabled()  # the graph may set it (recorded no_grad blocks)
+    kept = modes_kept()  # the graph may set them (recorded no_grad and autocast blocks)
+    kept.__enter__()
     try:
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
         # fake copies of the weights, so in-place updates (BatchNorm's running stats) never reach the user's tensors;
@@ -55,7 +57,7 @@ def propagate_shapes(
             node.meta.pop(INSIDE, None)
         return first_line(error)
     finally:
-        torch._C._set_grad_enabled(grad_enabled)
+        kept.__exit__(None, None, None)
     return None
 
 

@@ -13,6 +13,19 @@ the graph, in order, the way torch.export's older graphs did::
     ...                                             # the block
     _set_grad_enabled_1 = torch._C._set_grad_enabled(is_grad_enabled)
 
+``torch.autocast`` regions (``with torch.autocast("cuda", dtype=torch.bfloat16):``, or
+``enabled=False`` around code that must stay in float32 under the caller's autocast) are lost the
+same way; they are recorded as torch.amp's own pair of calls (what torch.export's pre-dispatch
+graphs hold)::
+
+    _enter_autocast = torch.amp.autocast_mode._enter_autocast('cpu', torch.bfloat16, True, True)
+    ...                                             # the block
+    _exit_autocast = torch.amp.autocast_mode._exit_autocast(_enter_autocast)
+
+(torch.export keeps a region as one ``wrap_with_autocast`` call of a submodule.) Both kinds are *mode
+regions* (:func:`is_mode_node`, :func:`open_regions`); :func:`modes_kept` puts the caller's modes
+back around a run of such a graph, whatever it leaves set when an op inside a region raises.
+
 ``torch.inference_mode()`` has no such form and torch.export drops it without
 a word (its tensors would get gradients), so both routes refuse it
 (:func:`refusing_inference_mode`) with a :class:`~fxsplit.errors.TraceError`.
@@ -22,17 +35,22 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx
+from torch.amp import autocast_mode
 from torch.autograd import grad_mode
 
 from fxsplit.errors import TraceError
 
 __all__ = [
+    "AUTOCAST_FUNCTIONS",
     "GRAD_MODE_FUNCTIONS",
+    "autocast_devices",
     "is_grad_mode_node",
+    "is_mode_node",
+    "modes_kept",
     "open_regions",
     "recording_grad_mode",
     "refusing_inference_mode",
@@ -41,6 +59,10 @@ __all__ = [
 
 GRAD_MODE_FUNCTIONS: tuple[Callable[..., Any], ...] = (torch.is_grad_enabled, torch._C._set_grad_enabled)
 """The calls a recorded grad-mode region is made of; neither returns a tensor."""
+_ENTER_AUTOCAST, _EXIT_AUTOCAST = autocast_mode._enter_autocast, autocast_mode._exit_autocast
+AUTOCAST_FUNCTIONS: tuple[Callable[..., Any], ...] = (_ENTER_AUTOCAST, _EXIT_AUTOCAST)
+"""The calls a recorded autocast region is made of; neither returns a tensor."""
+_AUTOCAST_NODES = "_fxsplit_autocast_nodes"
 
 _PREV = "_fxsplit_prev_modes"
 _INIT_PREV = "_fxsplit_init_prev"
@@ -51,22 +73,37 @@ def is_grad_mode_node(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and any(node.target is f for f in GRAD_MODE_FUNCTIONS)
 
 
+def is_mode_node(node: torch.fx.Node) -> bool:
+    """True for a node of a recorded mode region: grad mode or autocast (a side effect, no tensor)."""
+    return is_grad_mode_node(node) or (node.op == "call_function" and node.target in AUTOCAST_FUNCTIONS)
+
+
+def autocast_devices(graph: torch.fx.Graph) -> tuple[str, ...]:
+    """The device types of the autocast regions recorded in ``graph``, in order of first entry."""
+    found = [str(n.args[0]) for n in graph.nodes if n.op == "call_function" and n.target is _ENTER_AUTOCAST]
+    return tuple(dict.fromkeys(found))
+
+
 def open_regions(nodes: list[torch.fx.Node], *, after: bool = False) -> list[int]:
-    """For each node, how many recorded grad-mode regions are open when it runs (0: the caller's mode), or,
+    """For each node, how many recorded mode regions are open when it runs (0: the caller's modes), or,
     with ``after``, once it has run (a cut there falls inside them).
 
-    A region opens at ``torch.is_grad_enabled()`` (the saved mode) and closes
-    at the ``_set_grad_enabled`` that restores it; a mode set and never
+    A grad-mode region opens at ``torch.is_grad_enabled()`` (the saved mode) and
+    closes at the ``_set_grad_enabled`` that restores it; a mode set and never
     restored (a bare ``torch.set_grad_enabled(False)``) stays open to the end.
+    An autocast region opens at ``_enter_autocast`` and closes at its ``_exit_autocast``.
     """
     depth, found = 0, []
     for node in nodes:
-        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+        calls = node.op == "call_function"
+        if calls and node.target is torch._C._set_grad_enabled:
             if node.args and isinstance(node.args[0], torch.fx.Node):
                 depth -= 1
+        elif calls and node.target is _EXIT_AUTOCAST:
+            depth -= 1
         if not after:
             found.append(depth)
-        if node.op == "call_function" and node.target is torch.is_grad_enabled:
+        if calls and (node.target is torch.is_grad_enabled or node.target is _ENTER_AUTOCAST):
             depth += 1
         if after:
             found.append(depth)
@@ -137,9 +174,21 @@ class _Recorder:
 
         return method
 
+    def enter_autocast(self, manager: Any) -> None:
+        state = (manager.device, manager.fast_dtype, manager._enabled, manager._cache_enabled)
+        manager.__dict__.setdefault(_AUTOCAST_NODES, []).append(self.call(_ENTER_AUTOCAST, *state))
+
+    def exit_autocast(self, manager: Any) -> None:
+        entered = manager.__dict__.get(_AUTOCAST_NODES)
+        if entered:
+            self.call(_EXIT_AUTOCAST, entered.pop())
+
     def patches(self) -> list[tuple[type, str, Callable[..., Any]]]:
         no_grad, enable_grad, set_grad = grad_mode.no_grad, grad_mode.enable_grad, grad_mode.set_grad_enabled
+        autocast = autocast_mode.autocast
         records: list[tuple[type, str, Callable[..., None]]] = [
+            (autocast, "__enter__", self.enter_autocast),
+            (autocast, "__exit__", lambda m, *exc: self.exit_autocast(m)),
             (no_grad, "__enter__", lambda m: self.enter(m, False)),
             (no_grad, "__exit__", lambda m, *exc: self.exit(m)),
             (enable_grad, "__enter__", lambda m: self.enter(m, True)),
@@ -164,20 +213,38 @@ def _patched(patches: list[tuple[type, str, Callable[..., Any]]]) -> Iterator[No
             setattr(cls, name, method)
 
 
+def _autocast_depth() -> int:
+    depth = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return depth
+
+
 @contextlib.contextmanager
-def _grad_mode_kept() -> Iterator[None]:
-    """Put the grad mode back as it was, whatever the traced code set and did not restore."""
-    before = torch.is_grad_enabled()
+def modes_kept(devices: Iterable[str] = ("cpu", "cuda")) -> Iterator[None]:
+    """Put the grad mode and the autocast state of ``devices`` back as they were when the block ends, whatever
+    the code run inside set and did not restore (an op inside a recorded region raised)."""
+    grad = torch.is_grad_enabled()
+    devices = [d for d in devices if autocast_mode.is_autocast_available(d)]
+    autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
+    cache, depth = torch.is_autocast_cache_enabled(), _autocast_depth()
     try:
         yield
     finally:
-        torch._C._set_grad_enabled(before)
+        torch._C._set_grad_enabled(grad)
+        for device, enabled, dtype in autocast:
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+        torch.set_autocast_cache_enabled(cache)
+        for _ in range(_autocast_depth() - depth):  # regions entered and never left
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()
 
 
 @contextlib.contextmanager
 def recording_grad_mode(tracer: torch.fx.Tracer) -> Iterator[None]:
-    """While tracing with ``tracer``, record grad-mode changes as graph nodes; refuse inference mode."""
-    with _grad_mode_kept(), _patched(_Recorder(tracer).patches()), refusing_inference_mode("torch.fx"):
+    """While tracing with ``tracer``, record grad-mode and autocast changes as graph nodes; refuse inference
+    mode."""
+    with modes_kept(), _patched(_Recorder(tracer).patches()), refusing_inference_mode("torch.fx"):
         yield
 
 

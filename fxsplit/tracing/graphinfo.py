@@ -16,7 +16,7 @@ import torch.fx
 
 from fxsplit.attrpath import attr_at
 from fxsplit.tracing.customgrad import FUNCTION_RESULT
-from fxsplit.tracing.gradmode import is_grad_mode_node
+from fxsplit.tracing.gradmode import is_mode_node
 from fxsplit.tracing.nnmodules import TENSOR_MODULES
 from fxsplit.tracing.viewops import VIEW_ATTRS, VIEW_FUNCTIONS, VIEW_METHODS
 
@@ -90,7 +90,7 @@ def value_kind(node: torch.fx.Node) -> str:
     if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
         if node.args[1] in _NONTENSOR_ATTRS:
             return NONTENSOR
-    if node.op == "call_function" and (node.target is len or is_grad_mode_node(node)):
+    if node.op == "call_function" and (node.target is len or is_mode_node(node)):
         return NONTENSOR
     if node.op in ("call_function", "call_method") and node.all_input_nodes:
         if all(value_kind(n) == NONTENSOR for n in node.all_input_nodes):
