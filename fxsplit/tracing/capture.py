@@ -43,6 +43,7 @@ from fxsplit.tracing.fxshapes import propagate_shapes
 from fxsplit.tracing.gradmode import recording_grad_mode, refusing_inference_mode
 from fxsplit.tracing.metaweights import fake_weights_on, inputs_device
 from fxsplit.tracing.modulehooks import keep_backward_hooks
+from fxsplit.tracing.pythonstate import python_state_kept
 from fxsplit.tracing.tracefailures import export_message, fx_message
 from fxsplit.tracing.trainingreads import TRAINING_READS, mode_dependent, recording_training_reads
 
@@ -127,30 +128,33 @@ def trace(
     has_examples = example_inputs is not None or bool(example_kwargs)
     if mode == "export" and not has_examples:
         raise TraceError("trace mode 'export' needs example_inputs (a tuple of the forward's positional inputs)")
-    leaves = list(leaf_modules)  # and the modules whose backward hooks only a call of them runs (modulehooks.py)
-    mode, leaves = keep_backward_hooks(model, mode, leaves, _LeafTracer.of(leaves).is_leaf_module)
-    if mode == "export" or (mode == "auto" and has_examples):
-        export_error: Exception | None = None
-        for attempt in _export_attempts(model, tuple(example_inputs or ()), dict(example_kwargs or {}), dynamic_shapes):
+    with python_state_kept(model):  # what forward assigns, put back (and said: a split cannot repeat it)
+        leaves = list(leaf_modules)  # and the modules whose backward hooks only a call of them runs (modulehooks.py)
+        mode, leaves = keep_backward_hooks(model, mode, leaves, _LeafTracer.of(leaves).is_leaf_module)
+        if mode == "export" or (mode == "auto" and has_examples):
+            export_error: Exception | None = None
+            for attempt in _export_attempts(
+                model, tuple(example_inputs or ()), dict(example_kwargs or {}), dynamic_shapes
+            ):
+                try:
+                    with quiet_fake_tensor_log():
+                        return attempt()
+                except TraceError:
+                    raise  # ours, already specific (dynamic_shapes not kept)
+                except Exception as error:  # noqa: BLE001 - torch raises many kinds
+                    export_error = export_error or error
+            assert export_error is not None  # every variant raised
+            check_example_inputs(model, tuple(example_inputs or ()), example_kwargs or {})
+            if mode == "export":
+                raise TraceError(export_message(export_error)) from export_error
             try:
-                with quiet_fake_tensor_log():
-                    return attempt()
-            except TraceError:
-                raise  # ours, already specific (dynamic_shapes not kept)
-            except Exception as error:  # noqa: BLE001 - torch raises many kinds
-                export_error = export_error or error
-        assert export_error is not None  # every variant raised
-        check_example_inputs(model, tuple(example_inputs or ()), example_kwargs or {})
-        if mode == "export":
-            raise TraceError(export_message(export_error)) from export_error
-        try:
-            traced = _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs, checked=True)
-        except TraceError as fx_error:
-            raise TraceError(f"{export_message(export_error)}\n\nfx also failed: {fx_error}") from fx_error
-        note = f"torch.export failed, used torch.fx: {_first_line(export_error)}"
-        warnings.warn(FxsplitWarning(_fallback_message(export_error, traced)), stacklevel=user_stacklevel())
-        return dataclasses.replace(traced, notes=(note,))
-    return _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
+                traced = _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs, checked=True)
+            except TraceError as fx_error:
+                raise TraceError(f"{export_message(export_error)}\n\nfx also failed: {fx_error}") from fx_error
+            note = f"torch.export failed, used torch.fx: {_first_line(export_error)}"
+            warnings.warn(FxsplitWarning(_fallback_message(export_error, traced)), stacklevel=user_stacklevel())
+            return dataclasses.replace(traced, notes=(note,))
+        return _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
 
 
 def _export_attempts(

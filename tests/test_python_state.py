@@ -1,0 +1,71 @@
+"""What ``forward`` assigns to Python attributes is put back after tracing, and said (fxsplit/tracing/pythonstate.py).
+
+Before, ``fxsplit.plan`` of a model whose forward runs ``self.calls += 1`` left ``calls`` incremented under torch.fx
+(plan must not change the model), and neither route said that the split computes with the traced value.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxsplit
+from fxsplit.errors import FxsplitWarning
+
+BUDGETS = {"cpu:0": 2000, "cpu:1": 2000}
+X = torch.randn(4, 16)
+
+
+class Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.calls = 0
+        self.scale = 1.0
+        self.flag = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.scale = self.scale * 0.5  # used below: the model's next call computes with 0.25
+        self.flag = True  # the same value: nothing to say
+        self._seen = True  # private bookkeeping (transformers' flags): put back, not said
+        if not hasattr(self, "lazy"):
+            self.lazy = 3  # made on the first call: put back (removed), not said
+        return self.a(x) * self.scale
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Counting(), Counting(), nn.Linear(16, 4))
+
+
+def _state(m: nn.Module) -> list[dict[str, object]]:
+    return [{k: v for k, v in vars(c).items() if not k.startswith("_") or k == "_seen"} for c in m[:2]]
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_plan_puts_back_what_forward_assigns_and_says_which_values_the_split_keeps(trace: str) -> None:
+    m = model()
+    before = _state(m)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxsplit.plan(m, BUDGETS, example_inputs=(X,), trace=trace, mode="weights")
+    assert _state(m) == before
+    said = [str(w.message) for w in caught if issubclass(w.category, FxsplitWarning) and "assigns" in str(w.message)]
+    assert len(said) == 1, said
+    assert "0.calls (0 -> 1), 0.scale (1.0 -> 0.5), 1.calls (0 -> 1), 1.scale (1.0 -> 0.5)" in said[0]
+    assert "flag" not in said[0] and "_seen" not in said[0] and "lazy" not in said[0]
+    assert [w.filename for w in caught if "assigns" in str(w.message)] == [__file__]
+
+
+def test_a_model_that_only_updates_buffers_in_place_is_planned_without_a_word() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FxsplitWarning)
+        for trace in ("fx", "export"):
+            fxsplit.plan(m, BUDGETS, example_inputs=(X,), trace=trace, mode="weights")
+    assert int(m[1].num_batches_tracked) == 0
