@@ -23,7 +23,7 @@ import torch.fx
 from fxsplit import runtime
 from fxsplit.attrpath import attr_at
 from fxsplit.codegen.fastattr import mirror_registries
-from fxsplit.codegen.meta import COPY_META, DEVICE_META, REPLICA_STORE, CopyRecord
+from fxsplit.codegen.meta import COPY_META, DEVICE_META, REPLICA_STORE, CopyRecord, kept_on_copy
 from fxsplit.codegen.nested import pin_device_arguments, pin_subgraph_devices
 from fxsplit.codegen.splitmodule import ExportedSplit, GradModeSafeSplit, split_module
 from fxsplit.codegen.splitmodule import InputGuard as InputGuard  # splits saved before it moved name it here
@@ -305,7 +305,7 @@ def emit(graph_module: torch.fx.GraphModule, plan: Plan, model: torch.nn.Module 
     split = split_module(graph_module, graph, plan)
     if model is not None:
         hold_unread(split, model)
-        carry_root_hooks(split, model, plan.trace)  # the model's own hooks that its graph lacks
+        kept_on_copy(split, **carry_root_hooks(split, model, plan.trace))  # the model's own hooks its graph lacks
     pin_subgraph_devices(split, {n.name: n.meta[DEVICE_META] for n in split.graph.nodes if DEVICE_META in n.meta})
     split.recompile()
     mirror_registries(split)  # weights by path at dict speed (see fxsplit.codegen.fastattr)

@@ -2,14 +2,17 @@
 
 Memory measurement, pipeline stages and the invariant checks read which
 device each node runs on (``DEVICE_META``) and what each copy moves
-(``COPY_META``, a :class:`CopyRecord`), by field name.
+(``COPY_META``, a :class:`CopyRecord`), by field name. :func:`kept_on_copy` sets
+attributes of a split that its copies (``copy.deepcopy``) must have too.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-__all__ = ["COPY_META", "DEVICE_META", "REPLICA_STORE", "CopyRecord"]
+import torch.fx
+
+__all__ = ["COPY_META", "DEVICE_META", "REPLICA_STORE", "CopyRecord", "kept_on_copy"]
 
 COPY_META = "fxsplit_copy"
 """``node.meta`` key: the :class:`CopyRecord` of a copy the generated code makes (``.to(device)``)."""
@@ -39,3 +42,14 @@ class CopyRecord(NamedTuple):
     producer: str
     source: str | None
     destination: str
+
+
+_PRESERVED = "_user_preserved_attributes"  # torch.fx's: GraphModule.__deepcopy__ sets these on the copy
+
+
+def kept_on_copy(split: torch.fx.GraphModule, **attributes: Any) -> None:
+    """Set ``attributes`` on ``split``, and on every deep copy of it (a copy of a graph module is built from its
+    graph, submodules and tensors, and would have the class's defaults instead)."""
+    for name, value in attributes.items():
+        setattr(split, name, value)
+    split.meta.setdefault(_PRESERVED, {}).update(attributes)

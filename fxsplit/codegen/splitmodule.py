@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from fxsplit.codegen.meta import kept_on_copy
 from fxsplit.errors import FxsplitError, InputMismatchError
 from fxsplit.planning.plan import Plan
 from fxsplit.tracing.dynamic import TRACED_INPUTS, describe_inputs
@@ -222,8 +223,7 @@ def split_module(graph_module: torch.fx.GraphModule, graph: torch.fx.Graph, plan
     """The split's module over ``graph``, sharing ``graph_module``'s weights, of the class its graph needs."""
     if plan.trace == "export":
         exported = ExportedSplit(graph_module, graph, type(graph_module).__name__)
-        exported.traced_training = bool(graph_module.training)
-        exported.mode_ops = _mode_dependent_ops(graph)
+        kept_on_copy(exported, traced_training=bool(graph_module.training), mode_ops=_mode_dependent_ops(graph))
         exported.training = exported.traced_training
         guard = getattr(exported, "_guards_fn", None)
         if isinstance(guard, torch.nn.Module) and not isinstance(guard, InputGuard):
@@ -236,11 +236,11 @@ def split_module(graph_module: torch.fx.GraphModule, graph: torch.fx.Graph, plan
     if read:
         kind = ModeReadGradModeSafeSplit if modes else ModeReadSplit
         split = kind(graph_module, graph, type(graph_module).__name__)
-        split.training_read = dict(read)
+        kept_on_copy(split, training_read=dict(read))
     elif modes:
         split = GradModeSafeSplit(graph_module, graph, type(graph_module).__name__)
     else:
         return torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
     if isinstance(split, GradModeSafeSplit):
-        split.autocast_devices = autocast_devices(graph)
+        kept_on_copy(split, autocast_devices=autocast_devices(graph))
     return split

@@ -23,7 +23,7 @@ but its side effects (storing an output in a dict) happened once, while tracing.
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -123,10 +123,16 @@ def root_hooks_left_out(model: torch.nn.Module, trace: str) -> bool:
     return any(getattr(model, name) for name in _left_out(trace))
 
 
-def carry_root_hooks(split: torch.nn.Module, model: torch.nn.Module, trace: str) -> None:
+def carry_root_hooks(split: torch.nn.Module, model: torch.nn.Module, trace: str) -> dict[str, Any]:
     """Give ``split`` the hooks of ``model`` itself that its graph lacks (:func:`root_hooks_left_out`), so that
-    calling the split runs them as calling the model does (the hook gets the split as its module)."""
+    calling the split runs them as calling the model does (the hook gets the split as its module). Returns the
+    split's attributes it set (name -> value), for a copy of the split to have."""
+    carried: dict[str, Any] = {}
     for name in _left_out(trace):
-        getattr(split, name).update(getattr(model, name))
+        if getattr(model, name):
+            getattr(split, name).update(getattr(model, name))
+            carried[name] = getattr(split, name)
     if model._backward_hooks:
         split._is_full_backward_hook = model._is_full_backward_hook
+        carried["_is_full_backward_hook"] = model._is_full_backward_hook
+    return carried

@@ -1,0 +1,60 @@
+"""A deep copy of a split behaves as the split: its mode guards, the model's hooks, its autocast regions.
+
+``copy.deepcopy`` of a graph module builds the copy from its graph, submodules and tensors: before, the copy had
+the class's defaults for what a split carries besides (fxsplit.codegen.meta.kept_on_copy), so a copy of a split
+that refuses ``eval()`` accepted it silently, and the model's own hooks no longer ran.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxsplit
+from fxsplit.errors import FxsplitError
+
+BUDGETS = {"cpu:0": 2000, "cpu:1": 2000}
+X = torch.randn(4, 16)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.a(x).float()
+        return F.dropout(h, 0.5, self.training)
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block(), nn.Linear(16, 4)).train()
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_copy_of_a_split_refuses_the_mode_switch_the_split_refuses(trace: str) -> None:
+    split = fxsplit.fxsplit(model(), BUDGETS, example_inputs=(X,), trace=trace, mode="weights")
+    copied = copy.deepcopy(split)
+    for each in (split, copied):
+        with pytest.raises(FxsplitError, match="cannot change"):
+            each.eval()
+
+
+def test_a_copy_of_a_split_runs_the_models_own_hooks_and_keeps_the_callers_autocast() -> None:
+    m = model().eval()
+    calls: list[int] = []
+    m.register_forward_hook(lambda mod, args, out: calls.append(1) or out * 2)
+    expected = m(X)
+    calls.clear()
+    copied = copy.deepcopy(fxsplit.fxsplit(m, BUDGETS, example_inputs=(X,), trace="fx", mode="weights"))
+    torch.testing.assert_close(copied(X), expected, rtol=0, atol=0)
+    assert calls == [1]
+    with pytest.raises(RuntimeError):
+        copied(torch.randn(4, 7))  # raises inside the first autocast region
+    assert not torch.is_autocast_enabled("cpu")
