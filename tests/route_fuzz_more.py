@@ -272,7 +272,7 @@ def _train_steps(case: Case) -> dict[str, Any]:
             differ.append(f"split.state_dict() lacks {name}")
         elif not _close64nan(state[name].cpu(), tensor):
             differ.append(f"{'parameter' if name in weights else 'buffer'} {name} after 3 steps")
-    found = [*differ, *differences(out, expected, model, unsplit)]
+    found = [*differ, *differences(out, expected, model, unsplit, close=_close64nan)]  # (diverged: NaN in both)
     used = sorted(set(plan.placement.values()))
     return _row(result, "wrong" if found else "equal", differ=found[:5], used=used)
 
