@@ -232,3 +232,27 @@ def test_random_control_flow_in_train_mode_gets_a_hint_that_names_it() -> None:
         trace(LayerDrop().train(), example_inputs=(torch.randn(2, 8),), mode="export")
     assert "test_trace.py" in str(info.value)  # the line that branches
     trace(LayerDrop().eval(), example_inputs=(torch.randn(2, 8),), mode="export")  # the fix it names works
+
+
+class _Scriptable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.l(x))
+
+
+@pytest.mark.parametrize("trace_mode", ["fx", "auto"])  # (torch.export cannot call a scripted module: auto falls back)
+def test_a_model_holding_a_scripted_module_is_split(trace_mode: str) -> None:
+    """A ``torch.jit.script`` submodule's parameter table has no ``get``: fx's trace crashed putting weights back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(torch.jit.script(_Scriptable()), nn.Linear(8, 8), _Scriptable()).eval()
+    x = torch.randn(2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)  # auto: export failed, fx traced it
+        split = fxsplit.fxsplit(
+            model, {"cpu:0": 600, "cpu:1": 600}, example_inputs=(x,), trace=trace_mode, mode="weights"
+        )
+    assert len(set(split.meta["fxsplit_plan"].param_devices.values())) == 2
+    torch.testing.assert_close(split(x), model(x), rtol=0, atol=0)

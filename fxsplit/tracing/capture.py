@@ -368,7 +368,7 @@ def _put_back(held: list[tuple[str, torch.nn.Module, dict[str, Any], dict[str, A
     for path, module, parameters, buffers in held:
         for table, kept in ((module._parameters, parameters), (module._buffers, buffers)):
             for name, tensor in kept.items():
-                if table.get(name) is not tensor:
+                if (table[name] if name in table else None) is not tensor:  # (a ScriptModule's table has no get)
                     table[name] = tensor
                     assigned.append(f"{path}.{name}" if path else name)
     return assigned
