@@ -47,7 +47,7 @@ from fxsplit.validate import (
     refuse_growing_state,
     refuse_meta,
     require_module,
-    uncompiled,
+    unwrapped,
 )
 
 __all__ = ["Planned", "fxsplit", "plan", "trace_and_plan"]
@@ -234,7 +234,7 @@ def plan(model: torch.nn.Module, budgets: Any = None, *, example_inputs: Any = N
         >>> [(c.producer, c.destination, c.nbytes) for c in p.cuts]
         [('relu', 'cpu:1', 2048)]
     """
-    return _planned(uncompiled(model), budgets, example_inputs, options, False, keep=_plan_checked_for_rows)
+    return _planned(unwrapped(model), budgets, example_inputs, options, False, keep=_plan_checked_for_rows)
 
 
 def _plan_checked_for_rows(planned: Planned) -> Plan:
@@ -375,7 +375,7 @@ def fxsplit(
             _2 = getattr(self, "2")(to_1);  to_1 = None
             return _2
     """
-    model = uncompiled(model)
+    model = unwrapped(model)
     loading = prepare(model, checkpoint, progress)  # checks the checkpoint before the (long) trace
     with CastForLoad(model, checkpoint is not None) as cast:  # cast to the plan's dtype; undone if the call fails
         with StageTimer(enabled=progress).stage("fxsplit: tracing and planning"):

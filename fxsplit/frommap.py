@@ -18,7 +18,7 @@ from fxsplit.planning.devicemap import map_devices, read_device_map
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import device_needs
 from fxsplit.planning.weightmap import within_budgets
-from fxsplit.validate import require_module, uncompiled
+from fxsplit.validate import require_module, unwrapped
 
 __all__ = ["from_device_map"]
 
@@ -79,7 +79,7 @@ def from_device_map(
         >>> [(c.producer, c.destination, c.nbytes) for c in p.cuts]
         [('relu', 'cpu:1', 512)]
     """
-    model = uncompiled(model)
+    model = unwrapped(model)
     require_module(model)
     refused = [name for name in _REFUSED if name in options]
     if refused:

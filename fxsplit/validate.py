@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from fxsplit.callsite import user_stacklevel
 from fxsplit.devices import normalize_device
 from fxsplit.errors import FxsplitError, FxsplitWarning, SpecError
 
@@ -30,7 +31,7 @@ __all__ = [
     "refuse_growing_state",
     "refuse_meta",
     "require_module",
-    "uncompiled",
+    "unwrapped",
 ]
 
 
@@ -43,24 +44,44 @@ def require_module(model: Any) -> None:
         )
 
 
-def uncompiled(model: Any) -> Any:
-    """The module a ``torch.compile``'d model compiles (its ``_orig_mod``), with a warning; anything else as it is.
+_WRAPPERS = {  # wrapper class (module, name) -> (attribute of the wrapped module, what the split is not)
+    ("torch._dynamo.eval_frame", "OptimizedModule"): (
+        "_orig_mod",
+        "compiled (torch.compile): the split runs uncompiled",
+    ),
+    ("torch.nn.parallel.data_parallel", "DataParallel"): (
+        "module",
+        "wrapped in DataParallel: the split is one copy of the model over the budgets' devices, not replicated",
+    ),
+    ("torch.nn.parallel.distributed", "DistributedDataParallel"): (
+        "module",
+        "wrapped in DistributedDataParallel: the split does not all-reduce its gradients across processes; wrap "
+        "the split in it (DistributedDataParallel(split)) to train it data-parallel",
+    ),
+}
 
-    ``torch.compile(model)`` wraps the model in an ``OptimizedModule`` that torch.fx cannot trace and that names
-    every tensor ``_orig_mod.<name>``: a plan made of it would apply to neither the model nor its checkpoints.
-    The split of the module it wraps shares the same tensors and runs the same code, uncompiled."""
-    inner = getattr(model, "_orig_mod", None)
-    kind = type(model)
-    if kind.__name__ == "OptimizedModule" and kind.__module__.startswith("torch._dynamo") and inner is not None:
+
+def unwrapped(model: Any) -> Any:
+    """The module a ``torch.compile``, ``DataParallel`` or ``DistributedDataParallel`` wrapper holds (through any
+    number of them), with a warning for each; anything else as it is.
+
+    Such a wrapper names every tensor ``_orig_mod.<name>`` or ``module.<name>``, and torch.fx cannot trace the
+    compiled one: a plan made of it would apply to neither the model nor its checkpoints. The split of the module
+    it wraps shares the same tensors and runs the same code."""
+    while True:
+        kind = type(model)
+        wrapper = _WRAPPERS.get((kind.__module__, kind.__name__))
+        inner = getattr(model, wrapper[0], None) if wrapper else None
+        if wrapper is None or not isinstance(inner, torch.nn.Module):
+            return model
         warnings.warn(
-            "the model is compiled (torch.compile): fxsplit traces and splits the module it compiles "
-            f"({type(inner).__name__}, its '_orig_mod'), under that module's names (no '_orig_mod.' prefix), and "
-            "the split it makes runs uncompiled; pass model._orig_mod to plan without this warning",
+            f"the model is {wrapper[1]}; fxsplit traces and splits the module it holds ({type(inner).__name__}, "
+            f"its '{wrapper[0]}'), under that module's names (no '{wrapper[0]}.' prefix); pass "
+            f"model.{wrapper[0]} to plan without this warning",
             FxsplitWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
-        return inner
-    return model
+        model = inner
 
 
 def _shown(value: Any) -> str:

@@ -13,7 +13,8 @@ by transformers' own operations, and its shape and dtype are found beforehand by
 Nothing changes for a model that is not a transformers model, or whose checkpoint already uses its names.
 
 A checkpoint saved from a ``torch.compile``'d model (its ``state_dict()``) names every tensor with the compiled
-module's ``_orig_mod.`` in front; where the name without it is the model's, it is read under that name.
+module's ``_orig_mod.`` in front, one saved from a ``DataParallel`` or ``DistributedDataParallel`` with
+``module.``; where the name without them is the model's, it is read under that name.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def model_names(table: TableOfContents, conversions: Conversions | None, names: 
     A checkpoint key whose converted name is not the model's (and every key, without ``conversions``) is kept as
     it is, so that a checkpoint that fits nothing is reported as it is.
     """
-    table = _uncompiled_names(table, names)
+    table = _unwrapped_names(table, names)
     if conversions is None or not (conversions.renamings or conversions.converters or conversions.prefix):
         return table
     from transformers.core_model_loading import dot_natural_key, rename_source_key
@@ -151,16 +152,25 @@ def model_names(table: TableOfContents, conversions: Conversions | None, names: 
 
 
 _COMPILED = "_orig_mod."  # what torch.compile's OptimizedModule puts before the names of the module it compiles
+_PARALLEL = "module."  # what DataParallel and DistributedDataParallel put before them
 
 
-def _uncompiled_names(table: TableOfContents, names: set[str]) -> TableOfContents:
-    """``table`` with a key that is a model's name with ``_orig_mod.`` components in it (saved from a compiled
-    model) under that name, unless the checkpoint has the name too."""
-    if not any(_COMPILED in key for key in table.entries):
+def _unwrapped(key: str, names: set[str]) -> str:
+    """``key`` without the ``_orig_mod.`` components and leading ``module.`` that wrappers put in it."""
+    name = key.replace(_COMPILED, "")
+    while name not in names and name.startswith(_PARALLEL):
+        name = name[len(_PARALLEL) :].replace(_COMPILED, "")
+    return name
+
+
+def _unwrapped_names(table: TableOfContents, names: set[str]) -> TableOfContents:
+    """``table`` with a key that is a model's name as a wrapper saved it (:func:`_unwrapped`) under that name,
+    unless the checkpoint has the name too."""
+    if not any(_COMPILED in key or key.startswith(_PARALLEL) for key in table.entries):
         return table
     entries: dict[str, Entry] = {}
     for key, entry in table.entries.items():
-        name = key.replace(_COMPILED, "")
+        name = _unwrapped(key, names)
         if key not in names and name in names and name not in table.entries:
             entries[name] = dataclasses.replace(entry, name=name, key=entry.key or key)
         else:

@@ -57,7 +57,7 @@ from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import Overrun
 from fxsplit.tracing.modulehooks import root_hooks_left_out
 from fxsplit.units import format_size
-from fxsplit.validate import uncompiled
+from fxsplit.validate import unwrapped
 
 __all__ = ["PipelineStages", "pipeline_stages"]
 
@@ -237,7 +237,7 @@ def pipeline_stages(
             the excess there (``plan.reserved``).
         PlanMismatchError: a given plan does not describe this model's graph.
     """
-    model = uncompiled(model)
+    model = unwrapped(model)
     if "pipeline" in options:
         raise SpecError("pipeline_stages takes chunks=..., not pipeline=...")
     if options.get("profile") and not isinstance(plan_or_budgets, Plan) and _ranks() > 1:

@@ -43,7 +43,7 @@ from fxsplit.tracing.capture import Traced, trace
 from fxsplit.tracing.dynamic import dynamic_shapes_for
 from fxsplit.tracing.rowsplit import split_rows
 from fxsplit.units import format_size
-from fxsplit.validate import check_concrete_args, check_option_types, refuse_meta, require_module, uncompiled
+from fxsplit.validate import check_concrete_args, check_option_types, refuse_meta, require_module, unwrapped
 
 if TYPE_CHECKING:
     from fxsplit.pipeline.gpipe import Pipeline
@@ -241,7 +241,7 @@ def apply(
           changed: '0.weight' is float32[32, 64] in the model, float32[64, 64] in the plan
           changed: '0.bias' is float32[32] in the model, float32[64] in the plan
     """
-    model = uncompiled(model)
+    model = unwrapped(model)
     _known_options(options, "apply")
     _require_plan(plan, "apply")
     refuse_row_splits(plan, "fxsplit.apply")
@@ -373,7 +373,7 @@ def check_plan(
         PlanMismatchError: the plan does not describe the model, or contradicts itself.
         BudgetError: a device holds more than its budget; says which and by how much.
     """
-    model = uncompiled(model)
+    model = unwrapped(model)
     _known_options(options, "check_plan")
     _require_plan(plan, "check_plan")
     return checked_retrace(model, plan, budgets, example_inputs=example_inputs, **options)[2]

@@ -1,10 +1,11 @@
-"""A ``torch.compile``'d model is planned and split as the module it compiles, and its checkpoints load.
+"""A wrapped model (``torch.compile``, ``DataParallel``) is planned and split as the module inside, and its checkpoints
+load.
 
 ``torch.compile(model)`` is an ``OptimizedModule`` whose ``forward`` torch.fx cannot trace ("missing the required
 forward function", before) and whose tensors are all named ``_orig_mod.<name>``: a plan torch.export made of it
 named them so, and applied to neither the model nor checkpoints saved from it. Now every entry point takes the
 module it compiles, with a warning, and a checkpoint saved from the compiled model's ``state_dict()`` reads
-under the model's names.
+under the model's names; the same for ``DataParallel`` (``module.<name>``), alone or compiled.
 """
 
 from __future__ import annotations
@@ -109,3 +110,26 @@ def test_a_checkpoint_with_a_name_both_with_and_without_the_prefix_is_refused(tm
     path = _save({**state, "_orig_mod.0.weight": state["0.weight"] + 1}, tmp_path / "both.safetensors")
     with pytest.raises(fxsplit.CheckpointError, match="unexpected: '_orig_mod.0.weight'"):
         fxsplit.fxsplit(model(), BUDGETS, checkpoint=path, mode="weights")
+
+
+def test_a_model_in_data_parallel_or_compiled_in_it_is_planned_as_the_module_inside() -> None:
+    plain = _plan(model(), "fx")
+    for wrap, count in ((nn.DataParallel, 1), (lambda m: torch.compile(nn.DataParallel(m)), 2)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapped = _plan(wrap(model()), "fx")
+        said = [str(w.message) for w in caught if issubclass(w.category, FxsplitWarning)]
+        assert len(said) == count and "wrapped in DataParallel: the split is one copy" in said[-1], said
+        assert wrapped.param_devices == plain.param_devices and wrapped.fingerprint == plain.fingerprint
+
+
+def test_a_checkpoint_saved_from_data_parallel_loads_under_the_model_names(tmp_path: Path) -> None:
+    trained = nn.DataParallel(model())
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.mul_(-1.0)
+    expected = trained(X)
+    path = _save(trained.state_dict(), tmp_path / "model.safetensors")
+    assert all(key.startswith("module.") for key in trained.state_dict())
+    split = fxsplit.fxsplit(model(), BUDGETS, checkpoint=path, mode="weights")
+    torch.testing.assert_close(split(X), expected, rtol=0, atol=0)
