@@ -2,8 +2,9 @@
 
 Each random model is a DAG of equal-width linear layers. It may run a span
 of layers under ``torch.no_grad()``, ``torch.set_grad_enabled(False)``, a
-``@torch.no_grad()`` method, or ``no_grad`` with an ``enable_grad`` block
-inside; it may update its second input (a cache the caller passes) and a
+``@torch.no_grad()`` method, ``no_grad`` with an ``enable_grad`` block
+inside, or ``torch.autocast`` turned on (bfloat16) or off; under torch.fx
+it may be called under the caller's autocast; it may update its second input (a cache the caller passes) and a
 buffer in place, and read them afterwards. It is split with torch.fx or
 torch.export, either directly or through a saved plan
 (``plan.to_yaml()`` -> ``Plan.from_yaml`` -> ``fxsplit.apply``), and called
@@ -35,7 +36,7 @@ from fxsplit.check import DeviceChecker, verify_split
 pytestmark = pytest.mark.slow  # random models against eager, ~70 s
 
 NIGHTLY = os.environ.get("FXSPLIT_NIGHTLY") == "1"
-REGIONS = (None, "no_grad", "set_grad_enabled", "decorated", "nested")
+REGIONS = (None, "no_grad", "set_grad_enabled", "decorated", "nested", "autocast_on", "autocast_off")
 
 
 def limits(ci_examples: int, nightly_examples: int) -> settings:
@@ -77,6 +78,14 @@ class RandomNet(nn.Module):
                 self._run(values, cache, start, middle)
                 with torch.enable_grad():
                     self._run(values, cache, middle, end)
+        elif region == "autocast_on":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                self._run(values, cache, start, end)
+            values[-1] = values[-1].float()
+        elif region == "autocast_off":  # float32 code under the caller's autocast
+            with torch.autocast("cpu", enabled=False):
+                values[-1] = values[-1].float()
+                self._run(values, cache, start, end)
         else:
             self._run(values, cache, start, end)
         self._run(values, cache, end, len(self.layers))
@@ -124,6 +133,7 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
         "cache_read": draw(maybe_layer),
         "buffer_write": draw(maybe_layer),
         "read_buffer": draw(st.booleans()),
+        "outer_autocast": draw(st.booleans()),  # (torch.fx only: an export graph fixes the autocast it saw)
     }
 
 
@@ -163,10 +173,14 @@ def check_against_eager(spec: dict[str, Any], trace: str, fractions: list[float]
     )
     event(f"cache written: {spec['cache_write'] is not None}, buffer written: {spec['buffer_write'] is not None}")
     split_args, eager_args = _inputs(spec, seed), _inputs(spec, seed)
+    outer = spec["outer_autocast"] and trace == "fx"
+    event(f"under the caller's autocast: {outer}")
     for _ in range(2):
-        with DeviceChecker(plan, gm, model):
+        with DeviceChecker(plan, gm, model), torch.autocast("cpu", dtype=torch.bfloat16, enabled=outer):
             out = gm(*split_args)
-        expected = reference(*eager_args)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=outer):
+            expected = reference(*eager_args)
+        assert out.dtype == expected.dtype
         torch.testing.assert_close(out, expected)
         torch.testing.assert_close(split_args[1], eager_args[1], msg=lambda m: f"caller's cache: {m}")
         assert out.requires_grad == expected.requires_grad
