@@ -4,7 +4,9 @@ Each random model is a DAG of equal-width linear layers. It may run a span
 of layers under ``torch.no_grad()``, ``torch.set_grad_enabled(False)``, a
 ``@torch.no_grad()`` method, ``no_grad`` with an ``enable_grad`` block
 inside, or ``torch.autocast`` turned on (bfloat16) or off; under torch.fx
-it may be called under the caller's autocast; it may update its second input (a cache the caller passes) and a
+it may be called under the caller's autocast. It may have hooks that change what
+they see: its own forward hook or backward pre-hook, or a layer's backward hook (which
+torch.export refuses). It may update its second input (a cache the caller passes) and a
 buffer in place, and read them afterwards. It is split with torch.fx or
 torch.export, either directly or through a saved plan
 (``plan.to_yaml()`` -> ``Plan.from_yaml`` -> ``fxsplit.apply``), and called
@@ -33,10 +35,19 @@ from hypothesis import strategies as st
 import fxsplit
 from fxsplit.check import DeviceChecker, verify_split
 
-pytestmark = pytest.mark.slow  # random models against eager, ~70 s
+pytestmark = [
+    pytest.mark.slow,  # random models against eager, ~70 s
+    pytest.mark.filterwarnings("ignore:Full backward hook is firing"),  # a layer's hook, no input needing gradients
+]
 
 NIGHTLY = os.environ.get("FXSPLIT_NIGHTLY") == "1"
 REGIONS = (None, "no_grad", "set_grad_enabled", "decorated", "nested", "autocast_on", "autocast_off")
+HOOKS = (None, "forward", "backward", "layer_backward")
+
+
+def _scaled(factor: float) -> Any:
+    """A backward hook that scales the gradients it hands on."""
+    return lambda module, grad_input, grad_output: tuple(None if g is None else g * factor for g in grad_input)
 
 
 def limits(ci_examples: int, nightly_examples: int) -> settings:
@@ -58,6 +69,12 @@ class RandomNet(nn.Module):
         width = spec["width"]
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in spec["layers"])
         self.register_buffer("running", torch.zeros(width))
+        if spec["hook"] == "forward":
+            self.register_forward_hook(lambda module, args, out: out * 1.5)
+        elif spec["hook"] == "backward":  # (a pre-hook: the inputs need no gradient, the output's is scaled)
+            self.register_full_backward_pre_hook(lambda module, grads: tuple(g * 0.5 for g in grads))
+        elif spec["hook"] == "layer_backward":
+            self.layers[spec["hook_layer"] % len(self.layers)].register_full_backward_hook(_scaled(2.0))
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         values = [x]
@@ -134,6 +151,8 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
         "buffer_write": draw(maybe_layer),
         "read_buffer": draw(st.booleans()),
         "outer_autocast": draw(st.booleans()),  # (torch.fx only: an export graph fixes the autocast it saw)
+        "hook": draw(st.sampled_from(HOOKS)),
+        "hook_layer": draw(st.integers(0, n - 1)),
     }
 
 
@@ -165,6 +184,12 @@ def check_against_eager(spec: dict[str, Any], trace: str, fractions: list[float]
     except fxsplit.BudgetError:
         event("does not fit")
         return
+    except fxsplit.TraceError as error:
+        assert trace == "export" and spec["hook"] == "layer_backward", error
+        assert "backward hooks, which torch.export drops" in str(error)
+        event("export refuses a layer's backward hook")
+        return
+    event(f"hook: {spec['hook']}")
     plan = gm.meta["fxsplit_plan"]
     verify_split(gm)
     event(
