@@ -17,6 +17,7 @@ as they are, and their bodies go unseen (:func:`is_higher_order` tells them from
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -37,7 +38,8 @@ class EagerDispatchMode(TorchDispatchMode):
 
     def __enter__(self) -> Any:
         stances = self.__dict__.setdefault("_fxsplit_stances", [])
-        stances.append(torch.compiler.set_stance("force_eager"))  # set now; its __exit__ restores the one before
+        set_stance = getattr(torch.compiler, "set_stance", None)  # (torch 2.6 on; before, as any dispatch mode)
+        stances.append(set_stance("force_eager") if set_stance is not None else contextlib.nullcontext())
         try:
             return super().__enter__()
         except BaseException:

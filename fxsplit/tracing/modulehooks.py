@@ -40,6 +40,7 @@ _FORWARD = (
     "_forward_hooks_always_called",
 )
 _BACKWARD = ("_backward_pre_hooks", "_backward_hooks")
+_REGISTRIES = frozenset(vars(torch.nn.Module())) & {*_FORWARD, *_BACKWARD}  # those this torch's modules have
 _IsLeaf = Callable[[torch.nn.Module, str], bool]  # torch.fx's rule: whether it keeps (module, path) whole
 
 
@@ -115,7 +116,8 @@ def _named(paths: list[str]) -> str:
 def _left_out(trace: str) -> tuple[str, ...]:
     """The hook registries of a model's own hooks that its graph lacks: under torch.fx all of them, under
     torch.export the backward ones (its graph holds the rest)."""
-    return (*(_FORWARD if trace == "fx" else ()), *_BACKWARD)
+    names = (*(_FORWARD if trace == "fx" else ()), *_BACKWARD)
+    return tuple(name for name in names if name in _REGISTRIES)  # (torch versions differ in which it has)
 
 
 def root_hooks_left_out(model: torch.nn.Module, trace: str) -> bool:
