@@ -80,9 +80,13 @@ def keep_backward_hooks(
             "whole and calls it, or remove the hooks (their handles' .remove()) before splitting"
         )
     modules = dict(model.named_modules())
-    wrapped = [p for p in hooked if not _under_leaf(p, modules, is_leaf)]
+    wrapped: list[str] = []
+    for path in hooked:  # in module order: a module inside one kept whole already is kept with it
+        if not _under_leaf(path, modules, is_leaf) and not any(path.startswith(f"{w}.") for w in wrapped):
+            wrapped.append(path)
     if wrapped or mode != "fx":
-        kept = f"keeping {_listed(wrapped)} whole (as leaf modules)" if wrapped else "where they are leaf modules"
+        kind = "a leaf module" if len(wrapped) == 1 else "leaf modules"
+        kept = f"keeping {_listed(wrapped)} whole (as {kind})" if wrapped else "where they are leaf modules"
         how = "traced with torch.fx (torch.export drops them), " if mode != "fx" else ""
         named = f", leaf_modules=[{', '.join(map(repr, wrapped))}]" if wrapped else ""
         warnings.warn(
@@ -96,9 +100,7 @@ def keep_backward_hooks(
     return "fx", [*leaves, *wrapped]
 
 
-def _under_leaf(
-    path: str, modules: dict[str, torch.nn.Module], is_leaf: Callable[[torch.nn.Module, str], bool]
-) -> bool:
+def _under_leaf(path: str, modules: dict[str, torch.nn.Module], is_leaf: _IsLeaf) -> bool:
     """Whether ``path`` or a module above it is one torch.fx keeps whole."""
     parts = path.split(".")
     return any(is_leaf(modules[p], p) for p in (".".join(parts[: k + 1]) for k in range(len(parts))) if p in modules)
