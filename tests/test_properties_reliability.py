@@ -3,8 +3,10 @@
 Each random model is a DAG of equal-width linear layers. It may run a span
 of layers under ``torch.no_grad()``, ``torch.set_grad_enabled(False)``, a
 ``@torch.no_grad()`` method, ``no_grad`` with an ``enable_grad`` block
-inside, or ``torch.autocast`` turned on (bfloat16) or off; under torch.fx
-it may be called under the caller's autocast. It may have hooks that change what
+inside, or ``torch.autocast`` turned on (bfloat16) or off, or only while
+``torch.is_grad_enabled()`` scale its input; under torch.fx it may be called
+under the caller's autocast, and it may be called once more under
+``torch.no_grad()`` (where the grad-mode branch must be refused). It may have hooks that change what
 they see: its own forward hook or backward pre-hook, or a layer's backward hook (which
 torch.export refuses). It may update its second input (a cache the caller passes) and a
 buffer in place, and read them afterwards. It is split with torch.fx or
@@ -41,7 +43,7 @@ pytestmark = [
 ]
 
 NIGHTLY = os.environ.get("FXSPLIT_NIGHTLY") == "1"
-REGIONS = (None, "no_grad", "set_grad_enabled", "decorated", "nested", "autocast_on", "autocast_off")
+REGIONS = (None, "no_grad", "set_grad_enabled", "decorated", "nested", "autocast_on", "autocast_off", "grad_branch")
 HOOKS = (None, "forward", "backward", "layer_backward")
 
 
@@ -103,6 +105,10 @@ class RandomNet(nn.Module):
             with torch.autocast("cpu", enabled=False):
                 values[-1] = values[-1].float()
                 self._run(values, cache, start, end)
+        elif region == "grad_branch":  # a branch on the grad mode: the split refuses the other mode
+            if torch.is_grad_enabled():
+                values[-1] = values[-1] * 1.25
+            self._run(values, cache, start, end)
         else:
             self._run(values, cache, start, end)
         self._run(values, cache, end, len(self.layers))
@@ -150,7 +156,8 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
         "cache_read": draw(maybe_layer),
         "buffer_write": draw(maybe_layer),
         "read_buffer": draw(st.booleans()),
-        "outer_autocast": draw(st.booleans()),  # (torch.fx only: an export graph fixes the autocast it saw)
+        "outer_autocast": draw(st.booleans()),
+        "call_no_grad": draw(st.booleans()),  # (torch.fx only: an export graph fixes the autocast it saw)
         "hook": draw(st.sampled_from(HOOKS)),
         "hook_layer": draw(st.integers(0, n - 1)),
     }
@@ -212,6 +219,14 @@ def check_against_eager(spec: dict[str, Any], trace: str, fractions: list[float]
         if expected.requires_grad:
             default_loss(out).backward()
             default_loss(expected).backward()
+    if spec["call_no_grad"]:  # then once without gradients
+        with torch.no_grad():
+            if spec["region"] == "grad_branch":
+                with pytest.raises(fxsplit.FxsplitError, match=r"read torch.is_grad_enabled\(\)"):
+                    gm(*split_args)
+                event("refuses the grad mode it was not traced under")
+            else:
+                torch.testing.assert_close(gm(*split_args), reference(*eager_args))
     assert_same_grads(model, reference)
     assert_same_state(model, reference)
 

@@ -41,6 +41,7 @@ from fxsplit.tracing.functionop import holding_call_sites
 from fxsplit.tracing.fxcheckpoint import fold_regions
 from fxsplit.tracing.fxshapes import propagate_shapes
 from fxsplit.tracing.gradmode import recording_grad_mode, refusing_inference_mode
+from fxsplit.tracing.gradreads import GRAD_READS, grad_dependent, recording_grad_reads
 from fxsplit.tracing.metaweights import fake_weights_on, inputs_device
 from fxsplit.tracing.modulehooks import keep_backward_hooks
 from fxsplit.tracing.pythonstate import python_state_kept
@@ -131,30 +132,59 @@ def trace(
     with python_state_kept(model):  # what forward assigns, put back (and said: a split cannot repeat it)
         leaves = list(leaf_modules)  # and the modules whose backward hooks only a call of them runs (modulehooks.py)
         mode, leaves = keep_backward_hooks(model, mode, leaves, _LeafTracer.of(leaves).is_leaf_module)
-        if mode == "export" or (mode == "auto" and has_examples):
-            export_error: Exception | None = None
-            for attempt in _export_attempts(
-                model, tuple(example_inputs or ()), dict(example_kwargs or {}), dynamic_shapes
-            ):
-                try:
-                    with quiet_fake_tensor_log():
-                        return attempt()
-                except TraceError:
-                    raise  # ours, already specific (dynamic_shapes not kept)
-                except Exception as error:  # noqa: BLE001 - torch raises many kinds
-                    export_error = export_error or error
-            assert export_error is not None  # every variant raised
-            check_example_inputs(model, tuple(example_inputs or ()), example_kwargs or {})
-            if mode == "export":
-                raise TraceError(export_message(export_error)) from export_error
+        routed = functools.partial(
+            _routed, model, leaves, example_inputs, example_kwargs, concrete_args, dynamic_shapes
+        )
+        with recording_grad_reads(model) as reads:  # a branch on the grad mode: the graph keeps one (gradreads.py)
+            traced = routed(mode)
+        if reads and (read := grad_dependent(reads[0], traced.graph_module.code, _flipped(routed, traced.method))):
+            traced.graph_module.meta[GRAD_READS] = read
+        return traced
+
+
+def _flipped(routed: Callable[[str], Traced], method: str) -> Callable[[], str]:
+    """The code of the graph that ``routed(method)`` traces under the other grad mode (its warnings unsaid)."""
+
+    def code() -> str:
+        with torch.set_grad_enabled(not torch.is_grad_enabled()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return routed(method).graph_module.code
+
+    return code
+
+
+def _routed(
+    model: torch.nn.Module,
+    leaves: list[type | str],
+    example_inputs: tuple[Any, ...] | None,
+    example_kwargs: Mapping[str, Any] | None,
+    concrete_args: Mapping[str, Any] | None,
+    dynamic_shapes: Any,
+    mode: str,
+) -> Traced:
+    """The model traced by ``mode`` (``"auto"``: export, then fx if export fails, with a warning)."""
+    if mode == "export" or (mode == "auto" and (example_inputs is not None or bool(example_kwargs))):
+        export_error: Exception | None = None
+        for attempt in _export_attempts(model, tuple(example_inputs or ()), dict(example_kwargs or {}), dynamic_shapes):
             try:
-                traced = _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs, checked=True)
-            except TraceError as fx_error:
-                raise TraceError(f"{export_message(export_error)}\n\nfx also failed: {fx_error}") from fx_error
-            note = f"torch.export failed, used torch.fx: {_first_line(export_error)}"
-            warnings.warn(FxsplitWarning(_fallback_message(export_error, traced)), stacklevel=user_stacklevel())
-            return dataclasses.replace(traced, notes=(note,))
-        return _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
+                with quiet_fake_tensor_log():
+                    return attempt()
+            except TraceError:
+                raise  # ours, already specific (dynamic_shapes not kept)
+            except Exception as error:  # noqa: BLE001 - torch raises many kinds
+                export_error = export_error or error
+        assert export_error is not None  # every variant raised
+        check_example_inputs(model, tuple(example_inputs or ()), example_kwargs or {})
+        if mode == "export":
+            raise TraceError(export_message(export_error)) from export_error
+        try:
+            traced = _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs, checked=True)
+        except TraceError as fx_error:
+            raise TraceError(f"{export_message(export_error)}\n\nfx also failed: {fx_error}") from fx_error
+        note = f"torch.export failed, used torch.fx: {_first_line(export_error)}"
+        warnings.warn(FxsplitWarning(_fallback_message(export_error, traced)), stacklevel=user_stacklevel())
+        return dataclasses.replace(traced, notes=(note,))
+    return _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
 
 
 def _export_attempts(

@@ -59,6 +59,7 @@ __all__ = [
 
 GRAD_MODE_FUNCTIONS: tuple[Callable[..., Any], ...] = (torch.is_grad_enabled, torch._C._set_grad_enabled)
 """The calls a recorded grad-mode region is made of; neither returns a tensor."""
+_IS_GRAD_ENABLED = GRAD_MODE_FUNCTIONS[0]  # torch's own, also while gradreads.py watches the model's calls of it
 _ENTER_AUTOCAST, _EXIT_AUTOCAST = autocast_mode._enter_autocast, autocast_mode._exit_autocast
 AUTOCAST_FUNCTIONS: tuple[Callable[..., Any], ...] = (_ENTER_AUTOCAST, _EXIT_AUTOCAST)
 """The calls a recorded autocast region is made of; neither returns a tensor."""
@@ -103,7 +104,7 @@ def open_regions(nodes: list[torch.fx.Node], *, after: bool = False) -> list[int
             depth -= 1
         if not after:
             found.append(depth)
-        if calls and (node.target is torch.is_grad_enabled or node.target is _ENTER_AUTOCAST):
+        if calls and (node.target is _IS_GRAD_ENABLED or node.target is _ENTER_AUTOCAST):
             depth += 1
         if after:
             found.append(depth)
@@ -141,7 +142,7 @@ class _Recorder:
     def enter(self, manager: Any, mode: bool) -> None:
         saved = manager.__dict__.pop(_INIT_PREV, None)  # set_grad_enabled saved it when made
         if saved is None:
-            saved = self.call(torch.is_grad_enabled)
+            saved = self.call(_IS_GRAD_ENABLED)
         manager.__dict__.setdefault(_PREV, []).append(saved)
         self.call(torch._C._set_grad_enabled, mode)
 
@@ -151,7 +152,7 @@ class _Recorder:
             self.call(torch._C._set_grad_enabled, saved.pop())
 
     def init(self, manager: Any, mode: bool) -> None:
-        manager.__dict__[_INIT_PREV] = self.call(torch.is_grad_enabled)
+        manager.__dict__[_INIT_PREV] = self.call(_IS_GRAD_ENABLED)
         self.call(torch._C._set_grad_enabled, mode)
 
     def decorate(self, manager: Any) -> None:
