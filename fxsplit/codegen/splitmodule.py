@@ -24,7 +24,7 @@ from fxsplit.errors import FxsplitError, InputMismatchError
 from fxsplit.planning.plan import Plan
 from fxsplit.tracing.dynamic import TRACED_INPUTS, describe_inputs
 from fxsplit.tracing.gradmode import autocast_devices, is_mode_node, modes_kept
-from fxsplit.tracing.gradreads import GRAD_READS, GradRead, check_grad_mode
+from fxsplit.tracing.modereads import MODE_READS, ModeRead, check_modes
 from fxsplit.tracing.trainingreads import TRAINING_READS
 
 __all__ = [
@@ -47,7 +47,7 @@ class ExportedSplit(torch.fx.GraphModule):
 
     traced_training: bool = False
     mode_ops: tuple[str, ...] = ()
-    grad_read: GradRead | None = None
+    mode_read: ModeRead | None = None
 
     def train(self, mode: bool = True) -> ExportedSplit:
         if mode != self.traced_training and self.mode_ops:
@@ -62,7 +62,7 @@ class ExportedSplit(torch.fx.GraphModule):
         return self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        check_grad_mode(self.grad_read)
+        check_modes(self.mode_read)
         try:
             return super().__call__(*args, **kwargs)
         except RuntimeError as error:
@@ -164,15 +164,16 @@ class GradModeSafeSplit(torch.fx.GraphModule):
     before that restore, so the call itself puts the caller's modes back, as
     leaving the ``with`` block by an exception would have. (``torch.save``
     of a whole split reloads it as a plain ``GraphModule``, without this.)
-    ``autocast_devices``: the device types of its autocast regions. ``grad_read``: where the traced code read
-    the grad mode, which fixed its graph (:mod:`fxsplit.tracing.gradreads`): calls under the other mode raise.
+    ``autocast_devices``: the device types of its autocast regions. ``mode_read``: where the traced code read
+    the grad mode or autocast, which fixed its graph (:mod:`fxsplit.tracing.modereads`): calls under other
+    modes raise.
     """
 
     autocast_devices: tuple[str, ...] = ()
-    grad_read: GradRead | None = None
+    mode_read: ModeRead | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        check_grad_mode(self.grad_read)
+        check_modes(self.mode_read)
         if self.autocast_devices:
             with modes_kept(self.autocast_devices):
                 return super().__call__(*args, **kwargs)
@@ -230,16 +231,16 @@ def split_module(graph_module: torch.fx.GraphModule, graph: torch.fx.Graph, plan
     if plan.trace == "export":
         exported = ExportedSplit(graph_module, graph, type(graph_module).__name__)
         kept_on_copy(exported, traced_training=bool(graph_module.training), mode_ops=_mode_dependent_ops(graph))
-        if (grad_read := graph_module.meta.get(GRAD_READS)) is not None:
-            kept_on_copy(exported, grad_read=grad_read)
+        if (mode_read := graph_module.meta.get(MODE_READS)) is not None:
+            kept_on_copy(exported, mode_read=mode_read)
         exported.training = exported.traced_training
         guard = getattr(exported, "_guards_fn", None)
         if isinstance(guard, torch.nn.Module) and not isinstance(guard, InputGuard):
             traced_with = graph_module.meta.get(TRACED_INPUTS) or describe_inputs(graph_module.graph)
             exported._guards_fn = InputGuard(guard, traced_with, plan.dynamic_shapes, _guard_inputs(graph))
         return exported
-    grad_read = graph_module.meta.get(GRAD_READS)  # its calls check the grad mode, as the mode regions' restore it
-    modes = grad_read is not None or any(is_mode_node(node) for node in graph.nodes)
+    mode_read = graph_module.meta.get(MODE_READS)  # its calls check the modes, as the mode regions' restore them
+    modes = mode_read is not None or any(is_mode_node(node) for node in graph.nodes)
     read = graph_module.meta.get(TRAINING_READS)
     split: torch.fx.GraphModule
     if read:
@@ -252,6 +253,6 @@ def split_module(graph_module: torch.fx.GraphModule, graph: torch.fx.Graph, plan
         return torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
     if isinstance(split, GradModeSafeSplit):
         kept_on_copy(split, autocast_devices=autocast_devices(graph))
-        if grad_read is not None:
-            kept_on_copy(split, grad_read=grad_read)
+        if mode_read is not None:
+            kept_on_copy(split, mode_read=mode_read)
     return split

@@ -45,7 +45,7 @@ from fxsplit.pipeline.rowmixing import row_mixing
 from fxsplit.pipeline.stages import StageSplit, split_stages
 from fxsplit.pipeline.streams import CudaCopies
 from fxsplit.planning.plan import Plan
-from fxsplit.tracing.gradreads import check_grad_mode
+from fxsplit.tracing.modereads import check_modes
 from fxsplit.tracing.modulehooks import carry_root_hooks
 
 __all__ = ["Pipeline", "PipelineConfig", "clock_cycles", "pipelined"]
@@ -113,7 +113,7 @@ class Pipeline(torch.nn.Module):
         return super().train(mode)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        check_grad_mode(getattr(self.split, "grad_read", None), "this pipeline")
+        check_modes(getattr(self.split, "mode_read", None), "this pipeline")
         self._check_batch_stats()
         flat = self._layout.bind(args, kwargs)
         parts, rows = scatter(flat, self._layout.input_targets, self.config.chunks, self.config.broadcast)

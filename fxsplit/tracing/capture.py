@@ -40,9 +40,9 @@ from fxsplit.tracing.exportprint import partial_graphs_unprinted
 from fxsplit.tracing.functionop import holding_call_sites
 from fxsplit.tracing.fxcheckpoint import fold_regions
 from fxsplit.tracing.fxshapes import propagate_shapes
-from fxsplit.tracing.gradmode import recording_grad_mode, refusing_inference_mode
-from fxsplit.tracing.gradreads import GRAD_READS, grad_dependent, recording_grad_reads
+from fxsplit.tracing.gradmode import modes_kept, recording_grad_mode, refusing_inference_mode
 from fxsplit.tracing.metaweights import fake_weights_on, inputs_device
+from fxsplit.tracing.modereads import AUTOCAST_DEVICES, MODE_READS, modes_fixed, recording_mode_reads
 from fxsplit.tracing.modulehooks import keep_backward_hooks
 from fxsplit.tracing.pythonstate import python_state_kept
 from fxsplit.tracing.tracefailures import export_message, fx_message
@@ -135,19 +135,21 @@ def trace(
         routed = functools.partial(
             _routed, model, leaves, example_inputs, example_kwargs, concrete_args, dynamic_shapes
         )
-        with recording_grad_reads(model) as reads:  # a branch on the grad mode: the graph keeps one (gradreads.py)
+        with recording_mode_reads(model) as reads:  # a branch on the grad mode or autocast: the graph keeps one
             traced = routed(mode)
-        if reads and (read := grad_dependent(reads[0], traced.graph_module.code, _flipped(routed, traced.method))):
-            traced.graph_module.meta[GRAD_READS] = read
+        if reads and (read := modes_fixed(reads[0], traced.graph_module.code, _under(routed, traced.method))):
+            traced.graph_module.meta[MODE_READS] = read  # (modereads.py)
         return traced
 
 
-def _flipped(routed: Callable[[str], Traced], method: str) -> Callable[[], str]:
-    """The code of the graph that ``routed(method)`` traces under the other grad mode (its warnings unsaid)."""
+def _under(routed: Callable[[str], Traced], method: str) -> Callable[[Callable[[], None]], str]:
+    """The code of the graph that ``routed(method)`` traces after ``flip()`` changed the modes (then put back;
+    its warnings unsaid)."""
 
-    def code() -> str:
-        with torch.set_grad_enabled(not torch.is_grad_enabled()), warnings.catch_warnings():
+    def code(flip: Callable[[], None]) -> str:
+        with modes_kept(AUTOCAST_DEVICES), warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            flip()
             return routed(method).graph_module.code
 
     return code

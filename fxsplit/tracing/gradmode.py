@@ -59,7 +59,7 @@ __all__ = [
 
 GRAD_MODE_FUNCTIONS: tuple[Callable[..., Any], ...] = (torch.is_grad_enabled, torch._C._set_grad_enabled)
 """The calls a recorded grad-mode region is made of; neither returns a tensor."""
-_IS_GRAD_ENABLED = GRAD_MODE_FUNCTIONS[0]  # torch's own, also while gradreads.py watches the model's calls of it
+_IS_GRAD_ENABLED = GRAD_MODE_FUNCTIONS[0]  # torch's own, also while modereads.py watches the model's calls of it
 _ENTER_AUTOCAST, _EXIT_AUTOCAST = autocast_mode._enter_autocast, autocast_mode._exit_autocast
 AUTOCAST_FUNCTIONS: tuple[Callable[..., Any], ...] = (_ENTER_AUTOCAST, _EXIT_AUTOCAST)
 """The calls a recorded autocast region is made of; neither returns a tensor."""

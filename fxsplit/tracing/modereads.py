@@ -1,0 +1,237 @@
+"""Where the traced code read the grad mode or the autocast state: the modes its graph fixed.
+
+Both tracers run the Python of ``forward`` once. Code that branches on the grad
+mode (``if torch.is_grad_enabled(): h = h * 2``) or on autocast (Nemotron's, GPT-Neo's
+and Falcon's layer norms cast their inputs ``if torch.is_autocast_enabled()``, to
+``torch.get_autocast_dtype(...)``) takes the branch of the modes it was traced under,
+and the graph keeps only that branch: a split traced with gradients on and called under
+``torch.no_grad()``, or traced without autocast and called under it, computed what the
+model computes in the traced modes, silently (it did, on both routes).
+
+:func:`recording_mode_reads` notes the reads of those modes that the model's own code
+makes while it is traced (torch's machinery and fxsplit's are left out, ``torch.nn``'s
+modules are not), with the module and the line. Where a read matters (the model traced
+under the other mode gives other code: :func:`modes_fixed`), the graph carries a
+:class:`ModeRead` and the split refuses to run under other modes than those
+(:func:`check_modes`), naming the reads and the fixes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, NamedTuple
+
+import torch
+from torch.amp import autocast_mode
+
+from fxsplit.errors import FxsplitError
+
+__all__ = [
+    "AUTOCAST_DEVICES",
+    "MODE_READS",
+    "ModeRead",
+    "Reads",
+    "autocast_state",
+    "check_modes",
+    "modes_fixed",
+    "recording_mode_reads",
+]
+
+MODE_READS = "fxsplit_mode_reads"
+"""``GraphModule.meta`` key: the :class:`ModeRead` of a graph that depends on the modes it was traced under."""
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_TORCH_NN = os.path.join(_TORCH, "nn") + os.sep
+_FXSPLIT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_DEPTH = 12  # frames looked through for the module whose code read a mode (a helper it called read it)
+
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+"""The device types whose autocast reads are checked (reads of others are not)."""
+_IS_GRAD_ENABLED = torch.is_grad_enabled
+_AUTOCAST_ENABLED, _AUTOCAST_DTYPE = torch.is_autocast_enabled, torch.get_autocast_dtype
+_AUTOCAST_READS: dict[str, str | None] = {  # torch's functions that read autocast -> the device type they ask of
+    "is_autocast_enabled": "cuda",  # (without an argument)
+    "get_autocast_dtype": None,
+    "get_autocast_gpu_dtype": "cuda",
+    "is_autocast_cpu_enabled": "cpu",
+    "get_autocast_cpu_dtype": "cpu",
+}
+
+
+def autocast_state(device: str) -> tuple[bool, torch.dtype]:
+    """``(enabled, dtype)`` of autocast for ``device`` now."""
+    return bool(_AUTOCAST_ENABLED(device)), _AUTOCAST_DTYPE(device)
+
+
+class ModeRead(NamedTuple):
+    """The modes a graph depends on, as they were when it was traced, and where the traced code read them.
+
+    Attributes:
+        grad: ``torch.is_grad_enabled()`` while it was traced, if the graph depends on it (else None).
+        autocast: ``(device type, enabled, dtype)`` of each device's autocast that the graph depends on.
+        where: each place that read a mode, as ``"Block.forward at model.py:12"``, in order of first read.
+        modules: the paths of the modules whose code read one (``""``: the model's own forward), in that order.
+    """
+
+    grad: bool | None
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    where: tuple[str, ...]
+    modules: tuple[str, ...]
+
+
+class Reads(NamedTuple):
+    """What :func:`recording_mode_reads` saw: whether the grad mode was read, the autocast devices read, where,
+    and by which modules."""
+
+    grad: bool
+    autocast: tuple[str, ...]
+    where: tuple[str, ...]
+    modules: tuple[str, ...]
+
+
+@contextmanager
+def recording_mode_reads(model: torch.nn.Module) -> Iterator[list[Reads]]:
+    """Within the block, note where the code of ``model`` run on this thread reads the grad mode or the autocast
+    state; the list holds one :class:`Reads` (all of them) once the block ends, if there were any."""
+    thread = threading.get_ident()
+    places: dict[str, None] = {}  # ordered sets
+    devices: dict[str, None] = {}
+    grad: list[bool] = []
+    readers: dict[int, torch.nn.Module] = {}  # id -> the module whose code read it (held: ids stay theirs)
+    found: list[Reads] = []
+
+    def note(kind: str | None) -> None:
+        caller = sys._getframe(2)
+        filename = caller.f_code.co_filename
+        if threading.get_ident() != thread or _internal(filename):
+            return
+        name = getattr(caller.f_code, "co_qualname", caller.f_code.co_name)
+        places.setdefault(f"{name} at {_short(filename)}:{caller.f_lineno}")
+        if kind is None:
+            grad[:] = [True]
+        else:
+            devices.setdefault(kind)
+        module = _reading_module(caller)
+        if module is not None:
+            readers.setdefault(id(module), module)
+
+    def watched(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        autocast = name in _AUTOCAST_READS
+
+        def read(*args: Any, **kwargs: Any) -> Any:
+            value = original(*args, **kwargs)  # (raises first on arguments torch refuses)
+            device = args[0] if args else next(iter(kwargs.values()), _AUTOCAST_READS.get(name))
+            note(str(getattr(device, "type", device)) if autocast else None)
+            return value
+
+        return read
+
+    names = ["is_grad_enabled", *_AUTOCAST_READS]
+    originals = {name: getattr(torch, name) for name in names if hasattr(torch, name)}
+    for name, original in originals.items():
+        setattr(torch, name, watched(name, original))
+    try:
+        yield found
+    finally:
+        for name, original in originals.items():
+            setattr(torch, name, original)
+        if places:
+            paths = {id(module): path for path, module in reversed(list(model.named_modules(remove_duplicate=False)))}
+            named = tuple(paths[key] for key in readers if key in paths)
+            found.append(Reads(bool(grad), tuple(devices), tuple(places), named))
+
+
+def _internal(filename: str) -> bool:
+    """Whether code in ``filename`` is torch's machinery or fxsplit's (torch.nn's modules are model code)."""
+    if filename.startswith(_FXSPLIT):
+        return True
+    return filename.startswith(_TORCH) and not filename.startswith(_TORCH_NN)
+
+
+def _short(filename: str) -> str:
+    return filename.removeprefix(_TORCH) if filename.startswith(_TORCH) else os.path.basename(filename)
+
+
+def _reading_module(frame: Any) -> torch.nn.Module | None:
+    """The module whose method runs in ``frame`` or in one of the frames that called it (its ``self``)."""
+    for _ in range(_DEPTH):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(owner, torch.nn.Module):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def modes_fixed(reads: Reads, code: str, traced_under: Callable[[Callable[[], None]], str]) -> ModeRead | None:
+    """The :class:`ModeRead` of the modes that ``reads`` read and the graph depends on: ``traced_under(flip)``
+    traces again after ``flip()`` turned them the other way, and returns its code, which differs from ``code``
+    (or the trace fails). None when it depends on none."""
+    grad = _IS_GRAD_ENABLED() if reads.grad and _differs(code, traced_under, _flip_grad) else None
+    autocast = tuple(
+        (device, *autocast_state(device))
+        for device in reads.autocast
+        if device in AUTOCAST_DEVICES
+        and autocast_mode.is_autocast_available(device)
+        and _differs(code, traced_under, functools.partial(_flip_autocast, device))
+    )
+    if grad is None and not autocast:
+        return None
+    return ModeRead(grad, autocast, reads.where, reads.modules)
+
+
+def _flip_grad() -> None:
+    torch._C._set_grad_enabled(not _IS_GRAD_ENABLED())
+
+
+def _flip_autocast(device: str) -> None:
+    enabled, _ = autocast_state(device)
+    torch.set_autocast_enabled(device, not enabled)
+
+
+def _differs(code: str, traced_under: Callable[[Callable[[], None]], str], flip: Callable[[], None]) -> bool:
+    try:
+        return traced_under(flip) != code
+    except Exception:  # noqa: BLE001 - the other mode's code may raise anything: it depends on the mode, then
+        return True
+
+
+def check_modes(read: ModeRead | None, what: str = "this split") -> None:
+    """Raise if ``read`` says the graph was traced under another grad mode or autocast than the caller's."""
+    if read is None:
+        return
+    changed = []
+    if read.grad is not None and _IS_GRAD_ENABLED() != read.grad:
+        changed.append(
+            f"gradients {'on' if read.grad else 'off'} (torch.{'enable_grad' if read.grad else 'no_grad'}())"
+        )
+    for device, enabled, dtype in read.autocast:
+        now_enabled, now_dtype = autocast_state(device)
+        if now_enabled != enabled or (enabled and now_dtype != dtype):
+            changed.append(
+                f"autocast for {device} "
+                + (f"on at {str(dtype).removeprefix('torch.')}" if enabled else "off")
+                + (f" (torch.autocast({device!r}, dtype={dtype}))" if enabled else "")
+            )
+    if not changed:
+        return
+    shown = "; ".join(read.where[:3]) + (f" and {len(read.where) - 3} more" if len(read.where) > 3 else "")
+    it, mode = ("that mode", "mode") if len(changed) == 1 else ("those modes", "modes")
+    leaves = [path for path in read.modules if path]
+    leaf_fix = (
+        f", or (with trace='fx') name the modules that read {it} leaf modules (leaf_modules={leaves[:3]!r}) so "
+        f"that the split calls them and they read the {mode} as they run"
+        if leaves
+        else ""
+    )
+    raise FxsplitError(
+        f"{what} was traced with {' and '.join(changed)}, and the model's code read {it} ({shown}): the graph kept "
+        f"what it found then, so called under another {mode} it would not compute what the model computes. Call it "
+        f"under the {mode} it was traced with, or split the model under the {mode} you call it in (inside the same "
+        f"`with` block as the call: with torch.no_grad(): fxsplit.fxsplit(...)){leaf_fix}"
+    )
