@@ -209,3 +209,8 @@ def test_the_modes_are_the_callers_after_tracing() -> None:
     assert not torch.is_autocast_enabled("cpu")
     assert torch.is_autocast_enabled is torch._C.is_autocast_enabled  # torch's own functions, put back
     assert torch.is_grad_enabled is torch._C.is_grad_enabled
+
+
+def test_pipeline_stages_say_which_modes_they_compute_under() -> None:
+    with pytest.warns(fxsplit.FxsplitWarning, match=r"fixed what it found then \(gradients on \(torch.enable_grad"):
+        fxsplit.pipeline_stages(model(), {"cpu:0": 3000, "cpu:1": 3000}, example_inputs=(X,), chunks=2, trace="fx")

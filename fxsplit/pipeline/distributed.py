@@ -55,6 +55,7 @@ from fxsplit.pipeline.stages import StageSpec, split_stages
 from fxsplit.pipeline.tiedgrads import RowPiece, broadcast_held, held_weights, reduce_held, unalias_rows
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import Overrun
+from fxsplit.tracing.modereads import MODE_READS, fixed_modes_message
 from fxsplit.tracing.modulehooks import root_hooks_left_out
 from fxsplit.units import format_size
 from fxsplit.validate import unwrapped
@@ -286,6 +287,8 @@ def pipeline_stages(
         _warn_replanned(plan, first[1])
     if root_hooks_left_out(model, plan.trace):
         warnings.warn(FxsplitWarning(_ROOT_HOOKS), stacklevel=user_stacklevel())
+    if (mode_read := graph_module.meta.get(MODE_READS)) is not None:  # each rank runs its stage as traced
+        warnings.warn(FxsplitWarning(fixed_modes_message(mode_read, "each stage")), stacklevel=user_stacklevel())
     mixing = mixing_message(graph_module, chunks, allow="filter this FxsplitWarning")
     if mixing:  # torch.distributed.pipelining runs each micro-batch on its own too, and joins outputs along dim 0
         warnings.warn(FxsplitWarning(mixing), stacklevel=user_stacklevel())

@@ -37,6 +37,7 @@ __all__ = [
     "Reads",
     "autocast_state",
     "check_modes",
+    "fixed_modes_message",
     "modes_fixed",
     "recording_mode_reads",
 ]
@@ -205,33 +206,57 @@ def check_modes(read: ModeRead | None, what: str = "this split") -> None:
     """Raise if ``read`` says the graph was traced under another grad mode or autocast than the caller's."""
     if read is None:
         return
-    changed = []
-    if read.grad is not None and _IS_GRAD_ENABLED() != read.grad:
-        changed.append(
-            f"gradients {'on' if read.grad else 'off'} (torch.{'enable_grad' if read.grad else 'no_grad'}())"
-        )
-    for device, enabled, dtype in read.autocast:
-        now_enabled, now_dtype = autocast_state(device)
-        if now_enabled != enabled or (enabled and now_dtype != dtype):
-            changed.append(
-                f"autocast for {device} "
-                + (f"on at {str(dtype).removeprefix('torch.')}" if enabled else "off")
-                + (f" (torch.autocast({device!r}, dtype={dtype}))" if enabled else "")
-            )
+    changed = _traced_modes(read, only_changed=True)
     if not changed:
         return
-    shown = "; ".join(read.where[:3]) + (f" and {len(read.where) - 3} more" if len(read.where) > 3 else "")
     it, mode = ("that mode", "mode") if len(changed) == 1 else ("those modes", "modes")
-    leaves = [path for path in read.modules if path]
-    leaf_fix = (
-        f", or (with trace='fx') name the modules that read {it} leaf modules (leaf_modules={leaves[:3]!r}) so "
-        f"that the split calls them and they read the {mode} as they run"
-        if leaves
-        else ""
-    )
     raise FxsplitError(
-        f"{what} was traced with {' and '.join(changed)}, and the model's code read {it} ({shown}): the graph kept "
-        f"what it found then, so called under another {mode} it would not compute what the model computes. Call it "
-        f"under the {mode} it was traced with, or split the model under the {mode} you call it in (inside the same "
-        f"`with` block as the call: with torch.no_grad(): fxsplit.fxsplit(...)){leaf_fix}"
+        f"{what} was traced with {' and '.join(changed)}, and the model's code read {it} ({_places(read)}): the "
+        f"graph kept what it found then, so called under another {mode} it would not compute what the model "
+        f"computes. Call it under the {mode} it was traced with, or split the model under the {mode} you call it in "
+        f"(inside the same `with` block as the call: with torch.no_grad(): fxsplit.fxsplit(...)){_leaf_fix(read, it)}"
+    )
+
+
+def fixed_modes_message(read: ModeRead, what: str) -> str:
+    """That ``what`` computes as the model does only under the modes ``read`` fixed, and what to do about it."""
+    modes = _traced_modes(read, only_changed=False)
+    return (
+        f"the model's code read the grad mode or autocast ({_places(read)}), and the graph fixed what it found then "
+        f"({' and '.join(modes)}): {what} computes what the model computes only under those modes; run it under "
+        f"them, or trace the model under the modes you run it in{_leaf_fix(read, 'them')}"
+    )
+
+
+def _traced_modes(read: ModeRead, *, only_changed: bool) -> list[str]:
+    """The modes ``read`` fixed, in words (``only_changed``: those the caller's modes differ from now)."""
+    found = []
+    if read.grad is not None and not (only_changed and _IS_GRAD_ENABLED() == read.grad):
+        found.append(f"gradients {'on' if read.grad else 'off'} (torch.{'enable_grad' if read.grad else 'no_grad'}())")
+    for device, enabled, dtype in read.autocast:
+        now_enabled, now_dtype = autocast_state(device)
+        if only_changed and now_enabled == enabled and (not enabled or now_dtype == dtype):
+            continue
+        found.append(
+            f"autocast for {device} "
+            + (
+                f"on at {str(dtype).removeprefix('torch.')} (torch.autocast({device!r}, dtype={dtype}))"
+                if enabled
+                else "off"
+            )
+        )
+    return found
+
+
+def _places(read: ModeRead) -> str:
+    return "; ".join(read.where[:3]) + (f" and {len(read.where) - 3} more" if len(read.where) > 3 else "")
+
+
+def _leaf_fix(read: ModeRead, it: str) -> str:
+    leaves = [path for path in read.modules if path]
+    if not leaves:
+        return ""
+    return (
+        f", or (with trace='fx') name the modules that read {it} leaf modules (leaf_modules={leaves[:3]!r}) so that "
+        "the split calls them and they read the modes as they run"
     )
