@@ -256,3 +256,15 @@ def test_a_model_holding_a_scripted_module_is_split(trace_mode: str) -> None:
         )
     assert len(set(split.meta["fxsplit_plan"].param_devices.values())) == 2
     torch.testing.assert_close(split(x), model(x), rtol=0, atol=0)
+
+
+def test_export_of_a_model_holding_a_scripted_module_names_it() -> None:
+    """torch.export fails there with "forward() takes 2 positional arguments but 3 were given", which reads as
+    wrong example inputs; the error (and auto's fallback warning) name the scripted module."""
+    model = nn.Sequential(nn.Linear(8, 8), torch.jit.script(_Scriptable())).eval()
+    x = torch.randn(2, 8)
+    budgets = {"cpu:0": 600, "cpu:1": 600}
+    with pytest.raises(fxsplit.TraceError, match=r"holds torch.jit.script modules \('1'\), which torch.export cannot"):
+        fxsplit.plan(model, budgets, example_inputs=(x,), trace="export", mode="weights")
+    with pytest.warns(fxsplit.FxsplitWarning, match=r"holds torch.jit.script modules \('1'\)"):
+        fxsplit.plan(model, budgets, example_inputs=(x,), mode="weights")

@@ -45,7 +45,7 @@ from fxsplit.tracing.metaweights import fake_weights_on, inputs_device
 from fxsplit.tracing.modereads import AUTOCAST_DEVICES, MODE_READS, modes_fixed, recording_mode_reads
 from fxsplit.tracing.modulehooks import keep_backward_hooks
 from fxsplit.tracing.pythonstate import python_state_kept
-from fxsplit.tracing.tracefailures import export_message, fx_message
+from fxsplit.tracing.tracefailures import export_message, fx_message, scripted_modules, scripted_note
 from fxsplit.tracing.trainingreads import TRAINING_READS, mode_dependent, recording_training_reads
 
 __all__ = ["TRACE_MODES", "Traced", "trace"]
@@ -177,14 +177,16 @@ def _routed(
                 export_error = export_error or error
         assert export_error is not None  # every variant raised
         check_example_inputs(model, tuple(example_inputs or ()), example_kwargs or {})
+        scripted = scripted_modules(model)
         if mode == "export":
-            raise TraceError(export_message(export_error)) from export_error
+            raise TraceError(export_message(export_error, scripted)) from export_error
         try:
             traced = _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs, checked=True)
         except TraceError as fx_error:
-            raise TraceError(f"{export_message(export_error)}\n\nfx also failed: {fx_error}") from fx_error
+            raise TraceError(f"{export_message(export_error, scripted)}\n\nfx also failed: {fx_error}") from fx_error
         note = f"torch.export failed, used torch.fx: {_first_line(export_error)}"
-        warnings.warn(FxsplitWarning(_fallback_message(export_error, traced)), stacklevel=user_stacklevel())
+        message = _fallback_message(export_error, traced, scripted)
+        warnings.warn(FxsplitWarning(message), stacklevel=user_stacklevel())
         return dataclasses.replace(traced, notes=(note,))
     return _symbolic(model, leaves, concrete_args, example_inputs, example_kwargs)
 
@@ -229,13 +231,14 @@ def _tensors_of(model: torch.nn.Module) -> Iterator[torch.Tensor]:
     yield from model.buffers()
 
 
-def _fallback_message(export_error: BaseException, traced: Traced) -> str:
+def _fallback_message(export_error: BaseException, traced: Traced, scripted: list[str]) -> str:
     if traced.has_shapes:
         outcome = "its sizes come from running the fx graph on fake tensors"
     else:
         outcome = f"that graph has no sizes ({traced.shapes_missing}), so the plan counts no activations or cut sizes"
+    why = f"{scripted_note(scripted)}: {_first_line(export_error)}" if scripted else _first_line(export_error)
     return (
-        f"torch.export could not trace the model ({_first_line(export_error)}); fxsplit traced it with torch.fx "
+        f"torch.export could not trace the model ({why}); fxsplit traced it with torch.fx "
         f"instead: {outcome}. Pass trace='fx' to choose fx (no warning), or fix what export reports "
         "(trace='export' raises it in full)"
     )

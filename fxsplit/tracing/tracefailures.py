@@ -6,7 +6,23 @@ import torch
 
 from fxsplit.tracing.example_inputs import first_line, user_frame
 
-__all__ = ["export_message", "fx_message"]
+__all__ = ["export_message", "fx_message", "scripted_modules", "scripted_note"]
+
+
+def scripted_modules(model: torch.nn.Module) -> list[str]:
+    """The paths of the ``torch.jit.script`` modules in ``model`` (the outermost of nested ones)."""
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if isinstance(module, torch.jit.ScriptModule) and not any(path.startswith(f"{p}.") for p in found):
+            found.append(path)
+    return found
+
+
+def scripted_note(scripted: list[str]) -> str:
+    names = ", ".join(repr(p) if p else "the model itself" for p in scripted[:3]) + (
+        ", ..." if len(scripted) > 3 else ""
+    )
+    return f"the model holds torch.jit.script modules ({names}), which torch.export cannot call"
 
 
 def fx_message(error: BaseException, examples: str | None = None) -> str:
@@ -27,9 +43,13 @@ def fx_message(error: BaseException, examples: str | None = None) -> str:
     )
 
 
-def export_message(error: BaseException) -> str:
+def export_message(error: BaseException, scripted: list[str] | None = None) -> str:
+    """Why export failed, where, and what to try; ``scripted``: the paths of the model's ``torch.jit.script``
+    modules, which export cannot call."""
     where = user_frame(error)
     hint = ""
+    if scripted:
+        hint = f"\n  {scripted_note(scripted)}: trace with torch.fx (trace='fx'), which calls them as they are"
     if "Cache" in str(error):
         hint = (
             "\n  this looks like a Hugging Face model returning (or taking) its key/value cache, a cache "
