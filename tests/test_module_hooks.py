@@ -170,3 +170,23 @@ def test_a_forward_hook_that_stores_an_output_runs_in_the_split_where_the_module
     stored.clear()
     split(X)
     torch.testing.assert_close(stored["block"].detach(), seen["block"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "register",
+    [
+        torch.nn.modules.module.register_module_forward_hook,
+        torch.nn.modules.module.register_module_full_backward_hook,
+    ],
+)
+def test_global_hooks_are_named_in_a_warning(register: Callable[..., Any]) -> None:
+    """They run for every module call; the split calls only its leaf modules."""
+    handle = register(lambda *args: None)
+    try:
+        with pytest.warns(FxsplitWarning, match=rf"global module hooks are registered \({register.__name__}\)"):
+            fxsplit.plan(model(), BUDGETS, example_inputs=(X,), trace="fx", mode="weights")
+    finally:
+        handle.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FxsplitWarning)
+        fxsplit.plan(model(), BUDGETS, example_inputs=(X,), trace="fx", mode="weights")

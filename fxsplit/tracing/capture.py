@@ -43,7 +43,7 @@ from fxsplit.tracing.fxshapes import propagate_shapes
 from fxsplit.tracing.gradmode import modes_kept, recording_grad_mode, refusing_inference_mode
 from fxsplit.tracing.metaweights import fake_weights_on, inputs_device
 from fxsplit.tracing.modereads import AUTOCAST_DEVICES, MODE_READS, modes_fixed, recording_mode_reads
-from fxsplit.tracing.modulehooks import keep_backward_hooks
+from fxsplit.tracing.modulehooks import keep_backward_hooks, warn_global_hooks
 from fxsplit.tracing.pythonstate import python_state_kept
 from fxsplit.tracing.tracefailures import export_message, fx_message, scripted_modules, scripted_note
 from fxsplit.tracing.trainingreads import TRAINING_READS, mode_dependent, recording_training_reads
@@ -132,6 +132,7 @@ def trace(
     with python_state_kept(model):  # what forward assigns, put back (and said: a split cannot repeat it)
         leaves = list(leaf_modules)  # and the modules whose backward hooks only a call of them runs (modulehooks.py)
         mode, leaves = keep_backward_hooks(model, mode, leaves, _LeafTracer.of(leaves).is_leaf_module)
+        warn_global_hooks()
         routed = functools.partial(
             _routed, model, leaves, example_inputs, example_kwargs, concrete_args, dynamic_shapes
         )

@@ -18,6 +18,9 @@ model whose trace would be torch.export's is traced with torch.fx instead, or re
 
 A forward hook of a submodule the trace goes into is traced like its forward: the split computes what it returns,
 but its side effects (storing an output in a dict) happened once, while tracing. Name such a module a leaf.
+
+Global hooks (``torch.nn.modules.module.register_module_forward_hook`` and its relatives) run for every module
+call; in a split, only for the modules it calls: :func:`warn_global_hooks` says so when any are registered.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitWarning, TraceError
 
-__all__ = ["backward_hooked", "carry_root_hooks", "keep_backward_hooks", "root_hooks_left_out"]
+__all__ = ["backward_hooked", "carry_root_hooks", "keep_backward_hooks", "root_hooks_left_out", "warn_global_hooks"]
 
 _FORWARD = (
     "_forward_pre_hooks",
@@ -98,6 +101,32 @@ def keep_backward_hooks(
             stacklevel=user_stacklevel(),
         )
     return "fx", [*leaves, *wrapped]
+
+
+_GLOBAL = {  # torch's registries of global module hooks -> the function that registers into each
+    "_global_forward_pre_hooks": "register_module_forward_pre_hook",
+    "_global_forward_hooks": "register_module_forward_hook",
+    "_global_backward_pre_hooks": "register_module_full_backward_pre_hook",
+    "_global_backward_hooks": "register_module_full_backward_hook",
+}
+
+
+def warn_global_hooks() -> None:
+    """Warn if global module hooks are registered: the split runs them only for the modules it calls."""
+    from torch.nn.modules import module as modules
+
+    registered = [name for key, name in _GLOBAL.items() if getattr(modules, key, None)]
+    if registered:
+        warnings.warn(
+            FxsplitWarning(
+                f"global module hooks are registered ({', '.join(registered)}): they run on every module call, "
+                "but the split calls only its leaf modules (torch.nn's layers under torch.fx, none under "
+                "torch.export), so they do not run for the modules whose ops its graph holds, and what a forward "
+                "hook returned there was traced once; remove them before splitting (their handles' .remove()) "
+                "if they change outputs or gradients"
+            ),
+            stacklevel=user_stacklevel(),
+        )
 
 
 def _under_leaf(path: str, modules: dict[str, torch.nn.Module], is_leaf: _IsLeaf) -> bool:
