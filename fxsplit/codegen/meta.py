@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch.fx
 
-__all__ = ["COPY_META", "DEVICE_META", "REPLICA_STORE", "CopyRecord", "kept_on_copy"]
+__all__ = ["COPY_META", "DEVICE_META", "REPLICA_STORE", "CopyRecord", "kept_on_copy", "kept_on_copy_attributes"]
 
 COPY_META = "fxsplit_copy"
 """``node.meta`` key: the :class:`CopyRecord` of a copy the generated code makes (``.to(device)``)."""
@@ -53,3 +53,8 @@ def kept_on_copy(split: torch.fx.GraphModule, **attributes: Any) -> None:
     for name, value in attributes.items():
         setattr(split, name, value)
     split.meta.setdefault(_PRESERVED, {}).update(attributes)
+
+
+def kept_on_copy_attributes(meta: dict[str, Any]) -> dict[str, Any]:
+    """The attributes :func:`kept_on_copy` set, from a split's ``meta``."""
+    return dict(meta.get(_PRESERVED, {}))

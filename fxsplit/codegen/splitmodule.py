@@ -20,6 +20,7 @@ import torch
 import torch.fx
 
 from fxsplit.codegen.meta import kept_on_copy
+from fxsplit.codegen.splitbase import Split
 from fxsplit.errors import FxsplitError, InputMismatchError
 from fxsplit.planning.plan import Plan
 from fxsplit.tracing.dynamic import TRACED_INPUTS, describe_inputs
@@ -155,7 +156,7 @@ _WIDER = {
 """What to split with for more input sizes, by the ``dynamic_shapes`` the split was made with."""
 
 
-class GradModeSafeSplit(torch.fx.GraphModule):
+class GradModeSafeSplit(Split):
     """An fx split whose code sets the grad mode or autocast (a recorded ``no_grad`` or ``torch.autocast``
     region): the caller's modes come back.
 
@@ -181,7 +182,7 @@ class GradModeSafeSplit(torch.fx.GraphModule):
             return super().__call__(*args, **kwargs)
 
 
-class ModeReadSplit(torch.fx.GraphModule):
+class ModeReadSplit(Split):
     """An fx split whose trace read modules' ``training`` flags (``F.dropout(x, p, self.training)``,
     ``if self.training:``): torch.fx kept the value each read found, so ``train()``/``eval()`` cannot change what
     those modules do; switching them to another mode raises instead of changing nothing. ``training_read``:
@@ -250,7 +251,7 @@ def split_module(graph_module: torch.fx.GraphModule, graph: torch.fx.Graph, plan
     elif modes:
         split = GradModeSafeSplit(graph_module, graph, type(graph_module).__name__)
     else:
-        return torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
+        return Split(graph_module, graph, type(graph_module).__name__)
     if isinstance(split, GradModeSafeSplit):
         kept_on_copy(split, autocast_devices=autocast_devices(graph))
         if mode_read is not None:
