@@ -110,3 +110,14 @@ class _GradScaled(nn.Module):
 def _graded() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(_GradScaled(), _GradScaled(), nn.Linear(16, 4))
+
+
+def test_a_saved_pipeline_keeps_its_stages_regions() -> None:
+    m = model().eval()
+    pipeline = fxsplit.fxsplit(
+        m, BUDGETS, example_inputs=(X,), trace="fx", mode="weights", pipeline=fxsplit.PipelineConfig(chunks=2)
+    )
+    loaded = _saved_and_loaded(pipeline)
+    for call in ("_enter_autocast(", "_exit_autocast("):  # (its values are named anew)
+        assert loaded.code.count(call) == pipeline.code.count(call) == 2
+    torch.testing.assert_close(loaded(X), m(X), rtol=0, atol=0)
