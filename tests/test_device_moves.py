@@ -223,3 +223,33 @@ def test_a_failed_move_to_a_gpu_puts_every_tensor_back_on_the_cpu(
     model.eval()
     split.eval()
     torch.testing.assert_close(split(X).cpu(), model.cpu()(X))
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_moving_a_split_off_its_devices_raises_and_a_dtype_change_works(trace: str, pipelined: bool) -> None:
+    """``split.to(device)`` would take every weight off the device its plan chose while the code still copies values
+    to each (Accelerate's dispatched models refuse it too); a move that changes no weight's device is allowed."""
+    m = model_with_buffers().eval()
+    options: dict[str, Any] = {"pipeline": fxsplit.PipelineConfig(chunks=2)} if pipelined else {}
+    split = fxsplit.fxsplit(m, BUDGETS, example_inputs=(X,), trace=trace, mode="weights", **options)
+    what = "this pipeline" if pipelined else "this split"
+    for move in (lambda: split.to("meta"), lambda: split.to(device="meta", dtype=torch.float64)):
+        with pytest.raises(fxsplit.FxsplitError, match=rf"{what} runs across cpu:0, cpu:1 .* to meta would break"):
+            move()
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in split.parameters())  # nothing moved
+    assert split.to("cpu") is split and split.cpu() is split  # logical CPU devices: no weight changes device
+    split.to(torch.float64)
+    torch.testing.assert_close(split(X.double()), m.double()(X.double()))  # (micro-batches: rounding differs)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices: a split across cuda:0 and cuda:1")
+def test_moving_a_split_across_two_gpus_to_one_raises() -> None:
+    m = model_with_buffers().eval()
+    split = fxsplit.fxsplit(m, {"cuda:0": "3KiB", "cuda:1": "3KiB"}, example_inputs=(X,), mode="weights")
+    with pytest.raises(fxsplit.FxsplitError, match="runs across cuda:0, cuda:1"):
+        split.to("cuda:0")
+    with pytest.raises(fxsplit.FxsplitError, match="runs across cuda:0, cuda:1"):
+        split.cpu()
+    split.half()
+    assert {p.device.index for p in split.parameters()} == {0, 1}

@@ -22,16 +22,55 @@ import torch.fx
 from torch.amp import autocast_mode
 
 from fxsplit.codegen.meta import kept_on_copy, kept_on_copy_attributes
+from fxsplit.errors import FxsplitError
 
-__all__ = ["Split"]
+__all__ = ["Split", "refuse_move"]
 
 
 class Split(torch.fx.GraphModule):
-    """A split's ``GraphModule``; ``torch.save`` / ``torch.load(weights_only=False)`` give back the same kind."""
+    """A split's ``GraphModule``; ``torch.save`` / ``torch.load(weights_only=False)`` give back the same kind.
+
+    ``to()``, ``cuda()`` and ``cpu()`` that would move a weight to another device raise (:func:`refuse_move`);
+    changing the dtype (``split.to(torch.bfloat16)``, ``.half()``) works as for any module.
+    """
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         rebuild, arguments = super().__reduce__()
         return _reloaded, (rebuild, arguments, _own_class(type(self)), dict(self.meta))
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        refuse_move(self, torch._C._nn._parse_to(*args, **kwargs)[0])
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Any = None) -> Any:
+        refuse_move(self, torch.device("cuda", device) if isinstance(device, int) else device or "cuda")
+        return super().cuda(device)
+
+    def cpu(self) -> Any:
+        refuse_move(self, "cpu")
+        return super().cpu()
+
+
+def refuse_move(module: torch.nn.Module, device: Any, what: str = "this split") -> None:
+    """Raise if moving ``module`` to ``device`` would take a weight off the device its plan put it on: the split
+    runs across its devices (its code copies values to each), so one ``.to(device)`` breaks it (None: no move)."""
+    if device is None:
+        return
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is None and torch.cuda.is_available():
+        target = torch.device("cuda", torch.cuda.current_device())  # (where .to("cuda") puts a tensor)
+    held = {str(t.device): t.device for t in (*module.parameters(), *module.buffers())}
+    if all(d.type == target.type and (target.index is None or d.index == target.index) for d in held.values()):
+        return
+    plan = getattr(module, "meta", {}).get("fxsplit_plan") or getattr(getattr(module, "split", None), "meta", {}).get(
+        "fxsplit_plan"
+    )
+    devices = ", ".join(plan.devices) if plan is not None else ", ".join(sorted(held))
+    raise FxsplitError(
+        f"{what} runs across {devices} (its code copies values from one to another), so moving "
+        f"its weights to {target} would break it. To run the model on other devices, split it for those (budgets "
+        "naming them); to change only the dtype, pass just the dtype (.to(torch.bfloat16))"
+    )
 
 
 def _own_class(cls: type) -> type:

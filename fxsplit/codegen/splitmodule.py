@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 
-class ExportedSplit(torch.fx.GraphModule):
+class ExportedSplit(Split):
     """A split of a ``torch.export`` graph, whose train/eval behaviour was fixed when it was traced.
 
     ``torch.export`` bakes the mode into the graph (dropout on or off, batch

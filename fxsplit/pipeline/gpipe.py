@@ -37,6 +37,7 @@ import torch.fx
 from torch.utils.checkpoint import checkpoint
 
 from fxsplit.callsite import user_stacklevel
+from fxsplit.codegen.splitbase import refuse_move
 from fxsplit.errors import FxsplitError, FxsplitWarning
 from fxsplit.options import PipelineConfig
 from fxsplit.pipeline.batchstats import batch_stat_ops, drawing, labelled, random_candidates, state_written
@@ -111,6 +112,20 @@ class Pipeline(torch.nn.Module):
     def train(self, mode: bool = True) -> Pipeline:
         self.split.train(mode)  # raises where torch.export fixed the mode
         return super().train(mode)
+
+    def to(self, *args: Any, **kwargs: Any) -> Pipeline:  # (moving a weight off its stage's device raises)
+        refuse_move(self, torch._C._nn._parse_to(*args, **kwargs)[0], "this pipeline")
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Any = None) -> Pipeline:
+        refuse_move(
+            self, torch.device("cuda", device) if isinstance(device, int) else device or "cuda", "this pipeline"
+        )
+        return super().cuda(device)
+
+    def cpu(self) -> Pipeline:
+        refuse_move(self, "cpu", "this pipeline")
+        return super().cpu()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         check_modes(getattr(self.split, "mode_read", None), "this pipeline")
