@@ -8,7 +8,8 @@ grad mode, autocast: :mod:`fxsplit.codegen.splitmodule`), its plan. Loaded as a 
 ``GraphModule``, a split with the model's forward hook returned another output than
 the model, silently. :class:`Split` pickles as torch does, and puts those back on
 load: its class, its ``meta`` (the plan among it), and the attributes it keeps on
-copy (:func:`~fxsplit.codegen.meta.kept_on_copy`).
+copy (:func:`~fxsplit.codegen.meta.kept_on_copy`). A :class:`Split` also refuses a ``.to(device)`` that would
+take a weight off its planned device (a pipeline stage, which runs on one device, does not).
 """
 
 from __future__ import annotations
@@ -24,19 +25,23 @@ from torch.amp import autocast_mode
 from fxsplit.codegen.meta import kept_on_copy, kept_on_copy_attributes
 from fxsplit.errors import FxsplitError
 
-__all__ = ["Split", "refuse_move"]
+__all__ = ["Reloadable", "Split", "refuse_move"]
 
 
-class Split(torch.fx.GraphModule):
-    """A split's ``GraphModule``; ``torch.save`` / ``torch.load(weights_only=False)`` give back the same kind.
-
-    ``to()``, ``cuda()`` and ``cpu()`` that would move a weight to another device raise (:func:`refuse_move`);
-    changing the dtype (``split.to(torch.bfloat16)``, ``.half()``) works as for any module.
-    """
+class Reloadable(torch.fx.GraphModule):
+    """A ``GraphModule`` that ``torch.save`` / ``torch.load(weights_only=False)`` give back as it was: its class,
+    ``meta``, kept attributes and mode regions (a pipeline stage is one)."""
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         rebuild, arguments = super().__reduce__()
         return _reloaded, (rebuild, arguments, _own_class(type(self)), dict(self.meta))
+
+
+class Split(Reloadable):
+    """A split's ``GraphModule``: :class:`Reloadable`, and ``to()``, ``cuda()`` and ``cpu()`` that would move a
+    weight to another device raise (:func:`refuse_move`); changing the dtype (``split.to(torch.bfloat16)``,
+    ``.half()``) works as for any module.
+    """
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         refuse_move(self, torch._C._nn._parse_to(*args, **kwargs)[0])
@@ -60,7 +65,7 @@ def refuse_move(module: torch.nn.Module, device: Any, what: str = "this split") 
     if target.type == "cuda" and target.index is None and torch.cuda.is_available():
         target = torch.device("cuda", torch.cuda.current_device())  # (where .to("cuda") puts a tensor)
     held = {str(t.device): t.device for t in (*module.parameters(), *module.buffers())}
-    if all(d.type == target.type and (target.index is None or d.index == target.index) for d in held.values()):
+    if all(d.type == target.type and (target.index in (None, d.index) or d.type == "cpu") for d in held.values()):
         return
     plan = getattr(module, "meta", {}).get("fxsplit_plan") or getattr(getattr(module, "split", None), "meta", {}).get(
         "fxsplit_plan"
@@ -75,7 +80,7 @@ def refuse_move(module: torch.nn.Module, device: Any, what: str = "this split") 
 
 def _own_class(cls: type) -> type:
     """The split class ``cls`` is made from (each ``GraphModule`` is an instance of a class of its own)."""
-    return next(c for c in cls.__mro__ if issubclass(c, Split) and "GraphModuleImpl" not in c.__qualname__)
+    return next(c for c in cls.__mro__ if issubclass(c, Reloadable) and "GraphModuleImpl" not in c.__qualname__)
 
 
 def _reloaded(

@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from fxsplit.attrpath import attr_at
 from fxsplit.codegen.meta import COPY_META, DEVICE_META
-from fxsplit.codegen.splitbase import Split
+from fxsplit.codegen.splitbase import Reloadable
 from fxsplit.errors import FxsplitError
 from fxsplit.pipeline.gradlayout import contiguous_grad, may_be_floating
 from fxsplit.planning.plan import Plan
@@ -361,7 +361,7 @@ class _Cutter:
             graph.output(tuple(arg(by_name[name]) for name in spec.outputs))
         self._set_codegen(graph, spec, is_last)
         graph.lint()
-        module = Split(self.gm, graph, f"Stage{spec.index}")  # (torch.save keeps its mode regions)
+        module = Reloadable(self.gm, graph, f"Stage{spec.index}")  # (torch.save keeps its mode regions)
         module.recompile()
         return module
 
