@@ -176,6 +176,31 @@ def test_reads_that_change_nothing_leave_the_split_free(trace: str, kind: type[n
             torch.testing.assert_close(split(X), m(X), rtol=0, atol=0)
 
 
+class ReadsAndMakesAConstant(nn.Module):
+    """Reads the grad mode without branching on it, and makes a tensor in forward: torch.fx sets it on the model
+    as ``_tensor_constant0``, so the second trace (while the first one's is still set) named it
+    ``_tensor_constant1``, and the code differed for the same graph (the split refused ``torch.no_grad()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.is_grad_enabled()
+        return self.a(x) * torch.tensor([2.0])
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_constant_made_in_forward_is_the_same_graph_traced_again(trace: str) -> None:
+    m = model(ReadsAndMakesAConstant)
+    split = _split(m, trace)
+    assert MODE_READS not in split.meta
+    with torch.no_grad():
+        torch.testing.assert_close(split(X), m(X), rtol=0, atol=0)
+    assert not [name for name in vars(m) if "constant" in name]  # the model keeps no trace of the trace
+    assert not [name for block in m for name in vars(block) if "constant" in name]
+
+
 def test_a_model_that_reads_nothing_is_traced_once() -> None:
     CALLS.clear()
     _split(model(NoGradRegion), "fx")

@@ -41,10 +41,12 @@ from fxsplit.tracing.functionop import holding_call_sites
 from fxsplit.tracing.fxcheckpoint import fold_regions
 from fxsplit.tracing.fxshapes import propagate_shapes
 from fxsplit.tracing.gradmode import modes_kept, recording_grad_mode, refusing_inference_mode
+from fxsplit.tracing.graphkey import GraphKey
 from fxsplit.tracing.metaweights import fake_weights_on, inputs_device
 from fxsplit.tracing.modereads import AUTOCAST_DEVICES, MODE_READS, modes_fixed, recording_mode_reads
 from fxsplit.tracing.modulehooks import keep_backward_hooks, warn_global_hooks
 from fxsplit.tracing.pythonstate import python_state_kept
+from fxsplit.tracing.randomdraws import recording_draws
 from fxsplit.tracing.tracefailures import export_message, fx_message, scripted_modules, scripted_note
 from fxsplit.tracing.trainingreads import TRAINING_READS, mode_dependent, recording_training_reads
 
@@ -136,24 +138,29 @@ def trace(
         routed = functools.partial(
             _routed, model, leaves, example_inputs, example_kwargs, concrete_args, dynamic_shapes
         )
-        with recording_mode_reads(model) as reads:  # a branch on the grad mode or autocast: the graph keeps one
-            traced = routed(mode)
-        if reads and (read := modes_fixed(reads[0], traced.graph_module.code, _under(routed, traced.method))):
+        with recording_mode_reads(model) as reads, recording_draws(model) as draws:  # the graph keeps one branch
+            traced = routed(mode)  # of the grad mode, autocast and random draws (modereads.py, randomdraws.py)
+            draws.refuse_if_fixed(traced.graph_module, functools.partial(_again, routed, traced.method))
+        key = GraphKey(traced.graph_module, model) if reads else None
+        if reads and (read := modes_fixed(reads[0], key, _under(routed, traced.method, model))):
             traced.graph_module.meta[MODE_READS] = read  # (modereads.py)
         return traced
 
 
-def _under(routed: Callable[[str], Traced], method: str) -> Callable[[Callable[[], None]], str]:
-    """The code of the graph that ``routed(method)`` traces after ``flip()`` changed the modes (then put back;
-    its warnings unsaid)."""
+def _again(
+    routed: Callable[[str], Traced], method: str, flip: Callable[[], None] = lambda: None
+) -> torch.fx.GraphModule:
+    """The graph that ``routed(method)`` traces after ``flip()`` changed the modes (then put back; its warnings
+    unsaid)."""
+    with modes_kept(AUTOCAST_DEVICES), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flip()
+        return routed(method).graph_module
 
-    def code(flip: Callable[[], None]) -> str:
-        with modes_kept(AUTOCAST_DEVICES), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            flip()
-            return routed(method).graph_module.code
 
-    return code
+def _under(routed: Callable[[str], Traced], method: str, model: torch.nn.Module) -> Callable[..., GraphKey]:
+    """The :class:`GraphKey` of the graph that ``routed(method)`` traces after ``flip()`` changed the modes."""
+    return lambda flip: GraphKey(_again(routed, method, flip), model)
 
 
 def _routed(

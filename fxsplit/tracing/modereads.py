@@ -108,15 +108,15 @@ def recording_mode_reads(model: torch.nn.Module) -> Iterator[list[Reads]]:
     def note(kind: str | None) -> None:
         caller = sys._getframe(2)
         filename = caller.f_code.co_filename
-        if threading.get_ident() != thread or _internal(filename):
+        if threading.get_ident() != thread or internal_code(filename):
             return
         name = getattr(caller.f_code, "co_qualname", caller.f_code.co_name)
-        places.setdefault(f"{name} at {_short(filename)}:{caller.f_lineno}")
+        places.setdefault(f"{name} at {short_filename(filename)}:{caller.f_lineno}")
         if kind is None:
             grad[:] = [True]
         else:
             devices.setdefault(kind)
-        module = _reading_module(caller)
+        module = reading_module(caller)
         if module is not None:
             readers.setdefault(id(module), module)
 
@@ -146,18 +146,18 @@ def recording_mode_reads(model: torch.nn.Module) -> Iterator[list[Reads]]:
             found.append(Reads(bool(grad), tuple(devices), tuple(places), named))
 
 
-def _internal(filename: str) -> bool:
+def internal_code(filename: str) -> bool:
     """Whether code in ``filename`` is torch's machinery or fxsplit's (torch.nn's modules are model code)."""
     if filename.startswith(_FXSPLIT):
         return True
     return filename.startswith(_TORCH) and not filename.startswith(_TORCH_NN)
 
 
-def _short(filename: str) -> str:
+def short_filename(filename: str) -> str:
     return filename.removeprefix(_TORCH) if filename.startswith(_TORCH) else os.path.basename(filename)
 
 
-def _reading_module(frame: Any) -> torch.nn.Module | None:
+def reading_module(frame: Any) -> torch.nn.Module | None:
     """The module whose method runs in ``frame`` or in one of the frames that called it (its ``self``)."""
     for _ in range(_DEPTH):
         if frame is None:
@@ -169,10 +169,11 @@ def _reading_module(frame: Any) -> torch.nn.Module | None:
     return None
 
 
-def modes_fixed(reads: Reads, code: str, traced_under: Callable[[Callable[[], None]], str]) -> ModeRead | None:
+def modes_fixed(reads: Reads, code: object, traced_under: Callable[[Callable[[], None]], object]) -> ModeRead | None:
     """The :class:`ModeRead` of the modes that ``reads`` read and the graph depends on: ``traced_under(flip)``
-    traces again after ``flip()`` turned them the other way, and returns its code, which differs from ``code``
-    (or the trace fails). None when it depends on none."""
+    traces again after ``flip()`` turned them the other way, and returns what is compared with ``code`` (the
+    graph's :class:`~fxsplit.tracing.graphkey.GraphKey`): it differs (or the trace fails). None when it depends
+    on none."""
     grad = _IS_GRAD_ENABLED() if reads.grad and _differs(code, traced_under, _flip_grad) else None
     autocast = tuple(
         (device, *autocast_state(device))
@@ -195,7 +196,7 @@ def _flip_autocast(device: str) -> None:
     torch.set_autocast_enabled(device, not enabled)
 
 
-def _differs(code: str, traced_under: Callable[[Callable[[], None]], str], flip: Callable[[], None]) -> bool:
+def _differs(code: object, traced_under: Callable[[Callable[[], None]], object], flip: Callable[[], None]) -> bool:
     try:
         return traced_under(flip) != code
     except Exception:  # noqa: BLE001 - the other mode's code may raise anything: it depends on the mode, then

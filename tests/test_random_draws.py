@@ -1,0 +1,238 @@
+"""A model whose graph depends on what its code draws from ``random`` or ``numpy.random`` is refused, not fixed.
+
+LayerDrop (wav2vec2's adapter, MusicGen, VITS, ...) draws in ``forward`` and skips a layer in training when the
+draw is under ``layerdrop``. Before, a split traced in ``train()`` mode kept the one trace's draws: it skipped
+the same layers on every call, on fx and on export, with no word (3 of 6 layers with ``layerdrop=0.5``). Draws
+the graph does not depend on (in ``eval()`` mode, or with ``layerdrop=0``) leave the model planned as before.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import fxsplit
+from fxsplit.errors import TraceError
+from fxsplit.tracing.randomdraws import WATCHED
+
+BUDGETS = {"cpu:0": 4000, "cpu:1": 4000}
+X = torch.randn(2, 16)
+
+
+class LayerDrop(nn.Module):
+    """Skips each layer, in training, when ``draw()`` is under ``layerdrop`` (MusicGen's decoder loop)."""
+
+    def __init__(self, layerdrop: float = 0.5, draw: Callable[[], float] = lambda: random.uniform(0, 1)) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        self.layerdrop, self.draw = layerdrop, draw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            p = self.draw()
+            if self.training and p < self.layerdrop:
+                continue
+            x = layer(x)
+        return x
+
+
+class Keeps(LayerDrop):
+    """wav2vec2's adapter: draws in any mode, keeps the layer when not training or when the draw is over
+    ``layerdrop`` (with ``layerdrop=0``, every layer: a draw of exactly 0.0 is the only other outcome)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            p = np.random.random()
+            if not self.training or p > self.layerdrop:
+                x = layer(x)
+        return x
+
+
+class Scaled(nn.Module):
+    """A random scale in training, made a constant by the trace (a number, or an array turned into a tensor)."""
+
+    def __init__(self, as_array: bool = False) -> None:
+        super().__init__()
+        self.a, self.b, self.as_array = nn.Linear(16, 16), nn.Linear(16, 16), as_array
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        if self.training:
+            scale = torch.from_numpy(np.random.rand(16).astype("float32")) if self.as_array else random.uniform(0.5, 2)
+            x = x * scale
+        return self.b(x)
+
+
+class Encoder(nn.Module):
+    """A model whose submodule draws (so the message can name it as a leaf module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = LayerDrop()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def _split(model: nn.Module, trace: str, budgets: Any = BUDGETS, **options: Any) -> torch.nn.Module:
+    return fxsplit.fxsplit(model, budgets, example_inputs=(X,), trace=trace, mode="weights", **options)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+@pytest.mark.parametrize(
+    "draw",
+    [lambda: random.uniform(0, 1), lambda: random.random(), lambda: np.random.random(), lambda: np.random.rand()],
+    ids=["random.uniform", "random.random", "np.random.random", "np.random.rand"],
+)
+def test_layerdrop_in_training_is_refused_naming_the_draws(trace: str, draw: Callable[[], float]) -> None:
+    torch.manual_seed(0)
+    model = LayerDrop(draw=draw).train()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    with pytest.raises(TraceError) as refused:
+        _split(model, trace)
+    said = str(refused.value)
+    assert "draws random numbers" in said and "test_random_draws.py" in said
+    assert "eval()" in said and "layerdrop=0" in said
+    state = model.state_dict()
+    assert all(torch.equal(state[name], t) for name, t in before.items())  # nothing of the model changed
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+@pytest.mark.parametrize("as_array", [False, True], ids=["number", "array"])
+def test_a_random_scale_in_training_is_refused(trace: str, as_array: bool) -> None:
+    with pytest.raises(TraceError, match="draws random numbers"):
+        _split(Scaled(as_array).train(), trace)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+@pytest.mark.parametrize("kind", [LayerDrop, Keeps, Scaled])
+def test_draws_the_graph_does_not_use_leave_the_model_planned(trace: str, kind: type[nn.Module]) -> None:
+    torch.manual_seed(0)
+    model = kind().eval()
+    split = _split(model, trace)
+    with torch.no_grad():
+        torch.testing.assert_close(split(X), model(X), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_layerdrop_zero_in_training_is_planned(trace: str) -> None:
+    torch.manual_seed(0)
+    for model in (LayerDrop(layerdrop=0.0).train(), Keeps(layerdrop=0.0).train()):
+        split = _split(model, trace)
+        torch.testing.assert_close(split(X), model(X), rtol=0, atol=0)
+
+
+def test_a_drawing_submodule_is_named_and_runs_as_a_leaf_module() -> None:
+    torch.manual_seed(0)
+    model = Encoder().train()
+    with pytest.raises(TraceError, match=r"leaf_modules=\['encoder'\]"):
+        _split(model, "fx")
+    # as a leaf, the split calls it: it draws on every call
+    split = _split(model, "fx", {"cpu:0": 8000, "cpu:1": 8000}, leaf_modules=["encoder"])
+    for seed in range(3):
+        random.seed(seed)
+        expected = model(X)
+        random.seed(seed)
+        torch.testing.assert_close(split(X), expected, rtol=0, atol=0)
+
+
+class Counted(Keeps):
+    runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Counted.runs += 1
+        return super().forward(x)
+
+
+def test_the_generators_and_functions_are_the_callers_after_tracing() -> None:
+    originals = [random.uniform, random.random, np.random.random, np.random.rand]
+    np.random.seed(1)
+    Counted.runs = 0
+    _split(Counted().eval(), "fx")
+    after = np.random.random()
+    assert Counted.runs % 2 == 0  # run (on the example inputs, and traced) twice as often: traced again
+    np.random.seed(1)
+    for _ in range(6 * (Counted.runs // 2)):  # six draws a run, and the second trace's are given back
+        np.random.random()
+    assert np.random.random() == after
+    with pytest.raises(TraceError):
+        _split(LayerDrop().train(), "export")
+    assert [random.uniform, random.random, np.random.random, np.random.rand] == originals
+
+
+def _drawing(expression: Callable[[], Any], middle: float) -> nn.Module:
+    class Branches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.a(x)
+            return x * 2 if float(np.mean(expression())) > middle else x
+
+    return Branches()
+
+
+DRAWS = {
+    "random.random": (lambda: random.random(), 0.5),
+    "random.uniform": (lambda: random.uniform(2, 4), 3.0),
+    "random.randint": (lambda: random.randint(0, 9), 4.5),
+    "random.randrange": (lambda: random.randrange(10), 4.5),
+    "random.choice": (lambda: random.choice([0, 1, 2, 3]), 1.5),
+    "random.gauss": (lambda: random.gauss(0, 1), 0.0),
+    "random.normalvariate": (lambda: random.normalvariate(0, 1), 0.0),
+    "numpy.random.random": (lambda: np.random.random(), 0.5),
+    "numpy.random.random_sample": (lambda: np.random.random_sample(), 0.5),
+    "numpy.random.rand": (lambda: np.random.rand(), 0.5),
+    "numpy.random.uniform": (lambda: np.random.uniform(2, 4), 3.0),
+    "numpy.random.randint": (lambda: np.random.randint(10), 4.5),
+    "numpy.random.normal": (lambda: np.random.normal(0, 1), 0.0),
+    "numpy.random.randn": (lambda: np.random.randn(), 0.0),
+    "numpy.random.standard_normal": (lambda: np.random.standard_normal(), 0.0),
+}
+
+
+def test_every_watched_function_has_a_case() -> None:
+    assert sorted(DRAWS) == sorted(WATCHED)
+
+
+@pytest.mark.parametrize("name", sorted(DRAWS))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_branch_on_any_watched_draw_is_refused(name: str, seed: int) -> None:
+    expression, middle = DRAWS[name]
+    random.seed(seed)
+    np.random.seed(seed)
+    with pytest.raises(TraceError, match="draws random numbers"):
+        _split(_drawing(expression, middle), "fx")
+
+
+def test_musicgen_with_layerdrop_is_refused_in_training_and_planned_in_eval() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MusicgenDecoderConfig(
+        vocab_size=32,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        ffn_dim=64,
+        num_codebooks=2,
+        max_position_embeddings=64,
+        layerdrop=0.5,
+        pad_token_id=0,
+        bos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.MusicgenForCausalLM(config)
+    ids = torch.randint(0, 32, (4, 5))  # (batch 2) x 2 codebooks
+    budgets = {"cpu:0": "2MiB", "cpu:1": "2MiB"}
+    options: dict[str, Any] = {"example_inputs": (ids,), "example_kwargs": {"use_cache": False}, "mode": "weights"}
+    with pytest.raises(TraceError, match=r"random.uniform\(\): MusicgenDecoder.forward at modeling_musicgen.py"):
+        fxsplit.fxsplit(model.train(), budgets, **options)
+    split = fxsplit.fxsplit(model.eval(), budgets, **options)
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
