@@ -4,7 +4,8 @@ Each random model is a DAG of equal-width linear layers. It may run a span
 of layers under ``torch.no_grad()``, ``torch.set_grad_enabled(False)``, a
 ``@torch.no_grad()`` method, ``no_grad`` with an ``enable_grad`` block
 inside, or ``torch.autocast`` turned on (bfloat16) or off, or only while
-``torch.is_grad_enabled()`` scale its input; under torch.fx it may be called
+``torch.is_grad_enabled()`` scale its input, or skip each layer of the span on a draw of
+``random.random()`` in training (LayerDrop: refused unless ``layerdrop`` is 0); under torch.fx it may be called
 under the caller's autocast, and it may be called once more under
 ``torch.no_grad()`` (where the grad-mode branch must be refused). It may have hooks that change what
 they see: its own forward hook or backward pre-hook, or a layer's backward hook (which
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 from datetime import timedelta
 from typing import Any
 
@@ -43,7 +45,17 @@ pytestmark = [
 ]
 
 NIGHTLY = os.environ.get("FXSPLIT_NIGHTLY") == "1"
-REGIONS = (None, "no_grad", "set_grad_enabled", "decorated", "nested", "autocast_on", "autocast_off", "grad_branch")
+REGIONS = (
+    None,
+    "no_grad",
+    "set_grad_enabled",
+    "decorated",
+    "nested",
+    "autocast_on",
+    "autocast_off",
+    "grad_branch",
+    "layerdrop",
+)
 HOOKS = (None, "forward", "backward", "layer_backward")
 
 
@@ -109,6 +121,12 @@ class RandomNet(nn.Module):
             if torch.is_grad_enabled():
                 values[-1] = values[-1] * 1.25
             self._run(values, cache, start, end)
+        elif region == "layerdrop":  # each layer skipped on a draw, in training: refused unless layerdrop is 0
+            for i in range(start, end):
+                if self.training and random.random() < self.spec["layerdrop"]:
+                    values.append(values[-1])
+                else:
+                    self._run(values, cache, i, i + 1)
         else:
             self._run(values, cache, start, end)
         self._run(values, cache, end, len(self.layers))
@@ -160,6 +178,7 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
         "call_no_grad": draw(st.booleans()),  # (torch.fx only: an export graph fixes the autocast it saw)
         "hook": draw(st.sampled_from(HOOKS)),
         "hook_layer": draw(st.integers(0, n - 1)),
+        "layerdrop": draw(st.sampled_from([0.0, 0.5])),
     }
 
 
@@ -192,10 +211,14 @@ def check_against_eager(spec: dict[str, Any], trace: str, fractions: list[float]
         event("does not fit")
         return
     except fxsplit.TraceError as error:
+        if spec["region"] == "layerdrop" and spec["layerdrop"] and "draws random numbers" in str(error):
+            event("refuses a graph that keeps one run's draws")
+            return
         assert trace == "export" and spec["hook"] == "layer_backward", error
         assert "backward hooks, which torch.export drops" in str(error)
         event("export refuses a layer's backward hook")
         return
+    assert not (spec["region"] == "layerdrop" and spec["layerdrop"]), "a split kept one run's LayerDrop draws"
     event(f"hook: {spec['hook']}")
     plan = gm.meta["fxsplit_plan"]
     verify_split(gm)
