@@ -27,9 +27,11 @@ X = torch.randn(2, 16)
 class LayerDrop(nn.Module):
     """Skips each layer, in training, when ``draw()`` is under ``layerdrop`` (MusicGen's decoder loop)."""
 
-    def __init__(self, layerdrop: float = 0.5, draw: Callable[[], float] = lambda: random.uniform(0, 1)) -> None:
+    def __init__(
+        self, layerdrop: float = 0.5, draw: Callable[[], float] = lambda: random.uniform(0, 1), layers: int = 6
+    ) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(layers))
         self.layerdrop, self.draw = layerdrop, draw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,6 +144,29 @@ def test_a_drawing_submodule_is_named_and_runs_as_a_leaf_module() -> None:
         torch.testing.assert_close(split(X), expected, rtol=0, atol=0)
 
 
+class Scripted(nn.Module):
+    """torch.export fails on the scripted module, and trace='auto' falls back to fx: the draws of the failed
+    export come first, so the draws of the fx trace are not those a second trace would repeat. One layer dropped:
+    a check that compared a second trace's draws with the first's would miss it about one time in two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scripted = torch.jit.script(nn.Linear(16, 16))
+        self.drop = LayerDrop(layers=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.scripted(x))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_layerdrop_is_refused_after_export_fell_back_to_fx(seed: int) -> None:
+    torch.manual_seed(0)
+    random.seed(seed)
+    with pytest.warns(fxsplit.FxsplitWarning, match="traced it with torch.fx"):
+        with pytest.raises(TraceError, match="draws random numbers"):
+            _split(Scripted().train(), "auto", {"cpu:0": 8000, "cpu:1": 8000})
+
+
 class Counted(Keeps):
     runs = 0
 
@@ -156,9 +181,9 @@ def test_the_generators_and_functions_are_the_callers_after_tracing() -> None:
     Counted.runs = 0
     _split(Counted().eval(), "fx")
     after = np.random.random()
-    assert Counted.runs % 2 == 0  # run (on the example inputs, and traced) twice as often: traced again
+    assert Counted.runs % 3 == 0  # run (on the example inputs, and traced) three times: traced twice again
     np.random.seed(1)
-    for _ in range(6 * (Counted.runs // 2)):  # six draws a run, and the second trace's are given back
+    for _ in range(6 * (Counted.runs // 3)):  # six draws a run, and the later traces' are given back
         np.random.random()
     assert np.random.random() == after
     with pytest.raises(TraceError):

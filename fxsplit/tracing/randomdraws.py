@@ -10,11 +10,12 @@ a constant the same way.
 :func:`recording_draws` notes the draws the model's own code makes while it is traced (the module-level functions
 of ``random`` and ``numpy.random`` listed in :data:`WATCHED`; torch's and fxsplit's code is left out), with the
 line and the module. :meth:`Draws.refuse_if_fixed` decides whether the graph depends on them: the model traced
-again with every draw turned to the other end of its range (a draw below the middle to the top, one above it to
-the bottom, so any comparison with a threshold inside the range turns out the other way, and a number changes)
-gives other code. Then tracing is refused with a :class:`~fxsplit.errors.TraceError` that names the draws and
-the fixes. A model that draws in ``eval()`` mode without using the draw (wav2vec2 does) traces as before, after
-the second trace; a model that draws nothing is traced once.
+again with every draw pinned to the low end of its range, and again at the high end, gives other code or other
+constants (whatever the first trace drew, a comparison with a threshold inside the range comes out the other way
+at one of the ends, and a drawn number changes). Then tracing is refused with a
+:class:`~fxsplit.errors.TraceError` that names the draws and the fixes. A model that draws in ``eval()`` mode
+without using the draw (wav2vec2's adapter does) is planned as before, after the two more traces; a model that
+draws nothing is traced once.
 
 Not seen: a generator object of the model's own (``numpy.random.default_rng()``, ``random.Random()``), and
 functions imported by name before tracing (``from random import uniform``).
@@ -38,57 +39,60 @@ from fxsplit.tracing.modereads import internal_code, reading_module, short_filen
 
 __all__ = ["WATCHED", "Draws", "recording_draws"]
 
-_INSIDE = 1e-6  # a float draw is turned to this share of its range inside either end: to values it can take
+_INSIDE = 1e-6  # a float draw is pinned this share of its range inside either end: to values it can take
 # (random() is 0.0 once in 2**53 draws: ``if p > layerdrop`` with layerdrop=0 keeps every layer, and should stay so)
+_SIGMAS = 3.0  # a normal draw is pinned this many standard deviations from its mean
 
 
-def _opposite(value: Any, low: Any, high: Any) -> Any:
-    """Near ``high`` where ``value`` is below the middle of ``[low, high]``, else near ``low`` (elementwise for
-    arrays); integers at the ends themselves."""
-    if isinstance(value, (int, np.integer)) or (isinstance(value, np.ndarray) and value.dtype.kind in "iu"):
-        top, bottom = high, low
+def _at(value: Any, low: Any, high: Any, end: int) -> Any:
+    """``value`` (a number or an array) pinned near ``low`` (``end`` 0) or ``high`` (1): integers at the end itself,
+    floats just inside it."""
+    integer = isinstance(value, (int, np.integer)) or (isinstance(value, np.ndarray) and value.dtype.kind in "iu")
+    if integer:
+        target = high if end else low
     else:
-        top, bottom = high - (high - low) * _INSIDE, low + (high - low) * _INSIDE
+        target = high - (high - low) * _INSIDE if end else low + (high - low) * _INSIDE
     if isinstance(value, np.ndarray):
-        return np.where(value < (low + high) / 2, top, bottom).astype(value.dtype)
-    return top if value < (low + high) / 2 else bottom
+        return np.full_like(value, target)
+    return type(value)(target)
 
 
-def _randrange(value: int, start: int, stop: int | None = None, step: int = 1) -> int:
+def _randrange(value: int, end: int, start: int, stop: int | None = None, step: int = 1) -> int:
     values = range(start) if stop is None else range(start, stop, step)
-    return int(_opposite(value, values[0], values[-1]))
+    return values[-1] if end else values[0]
 
 
-def _np_randint(value: Any, low: int, high: int | None = None, *args: Any, **kwargs: Any) -> Any:
+def _np_randint(value: Any, end: int, low: int, high: int | None = None, *args: Any, **kwargs: Any) -> Any:
     low, high = (0, low) if high is None else (low, high)
-    return _opposite(value, low, high - 1)
+    return _at(value, low, high - 1, end)
 
 
-def _choice(value: Any, seq: Any, *args: Any, **kwargs: Any) -> Any:
-    at = next((k for k, item in enumerate(seq) if item is value), None)
-    at = next((k for k, item in enumerate(seq) if item == value), 0) if at is None else at
-    return seq[-1] if at < (len(seq) - 1) / 2 else seq[0]
+def _normal(value: Any, end: int, *args: Any, **kwargs: Any) -> Any:
+    """``gauss(mu, sigma)``, ``normalvariate(mu, sigma)``, ``numpy.random.normal(loc, scale, size)``."""
+    mean = args[0] if args else kwargs.get("loc", kwargs.get("mu", 0.0))
+    deviation = args[1] if len(args) > 1 else kwargs.get("scale", kwargs.get("sigma", 1.0))
+    return _at(value, mean - _SIGMAS * deviation, mean + _SIGMAS * deviation, end)
 
 
-# name -> the draw turned to the other end of its range, from (drawn value, *the call's arguments)
+# name -> the draw pinned to one end of its range, from (drawn value, end: 0 or 1, *the call's arguments)
 _PYTHON: dict[str, Callable[..., Any]] = {
-    "random": lambda value: _opposite(value, 0.0, 1.0),
-    "uniform": lambda value, a, b: _opposite(value, min(a, b), max(a, b)),
-    "randint": lambda value, a, b: int(_opposite(value, a, b)),
+    "random": lambda value, end: _at(value, 0.0, 1.0, end),
+    "uniform": lambda value, end, a, b: _at(value, min(a, b), max(a, b), end),
+    "randint": lambda value, end, a, b: b if end else a,
     "randrange": _randrange,
-    "choice": _choice,
-    "gauss": lambda value, mu=0.0, sigma=1.0: 2 * mu - value,
-    "normalvariate": lambda value, mu=0.0, sigma=1.0: 2 * mu - value,
+    "choice": lambda value, end, seq: seq[-1] if end else seq[0],
+    "gauss": _normal,
+    "normalvariate": _normal,
 }
 _NUMPY: dict[str, Callable[..., Any]] = {
-    "random": lambda value, *args, **kwargs: _opposite(value, 0.0, 1.0),
-    "random_sample": lambda value, *args, **kwargs: _opposite(value, 0.0, 1.0),
-    "rand": lambda value, *args: _opposite(value, 0.0, 1.0),
-    "uniform": lambda value, low=0.0, high=1.0, *args, **kwargs: _opposite(value, low, high),
+    "random": lambda value, end, *args, **kwargs: _at(value, 0.0, 1.0, end),
+    "random_sample": lambda value, end, *args, **kwargs: _at(value, 0.0, 1.0, end),
+    "rand": lambda value, end, *args: _at(value, 0.0, 1.0, end),
+    "uniform": lambda value, end, low=0.0, high=1.0, *args, **kwargs: _at(value, low, high, end),
     "randint": _np_randint,
-    "normal": lambda value, loc=0.0, *args, **kwargs: 2 * loc - value,
-    "randn": lambda value, *args: -value,
-    "standard_normal": lambda value, *args, **kwargs: -value,
+    "normal": _normal,
+    "randn": lambda value, end, *dimensions: _normal(value, end),
+    "standard_normal": lambda value, end, *args, **kwargs: _normal(value, end),
 }
 WATCHED = tuple(f"random.{name}" for name in _PYTHON) + tuple(f"numpy.random.{name}" for name in _NUMPY)
 """The functions whose draws are noted, as the model's code calls them."""
@@ -103,26 +107,32 @@ class Draws:
     where: dict[str, None] = field(default_factory=dict)  # (ordered sets)
     functions: dict[str, None] = field(default_factory=dict)
     modules: dict[int, torch.nn.Module] = field(default_factory=dict)
-    flipped: bool = False  # while true, each draw is turned to the other end of its range
-    start: tuple[Any, Any] = field(default_factory=lambda: (random.getstate(), np.random.get_state()))
+    pinned: int | None = None  # while set, each draw is pinned to that end of its range (0: low, 1: high)
 
     def refuse_if_fixed(self, graph_module: torch.fx.GraphModule, retraced: Callable[[], torch.fx.GraphModule]) -> None:
-        """Raise a :class:`TraceError` if ``graph_module`` depends on the draws: ``retraced()`` traces again (each
-        draw of the first trace, drawn again from the generators' states when it began, turned the other way; the
-        states are put back after) and its graph is
-        another (:class:`~fxsplit.tracing.graphkey.GraphKey`: a drawn array made a tensor counts), or it fails."""
+        """Raise a :class:`TraceError` if ``graph_module`` depends on the draws: ``retraced()`` traces again with
+        every draw pinned to the low end of its range, then (if that gave the same graph) to the high end, and one
+        of them gives another graph (:class:`~fxsplit.tracing.graphkey.GraphKey`: a drawn array made a tensor
+        counts), or fails. The generators' states are put back after: those traces draw nothing of the caller's.
+
+        Whatever the first trace drew, a comparison of a draw with a threshold inside its range comes out one way
+        at one end and the other way at the other, so one of the two differs from it (and a drawn number does)."""
         if not self.where:
             return
         states = random.getstate(), np.random.get_state()
-        random.setstate(self.start[0])  # the same draws as the first trace, each turned the other way
-        np.random.set_state(self.start[1])
-        self.flipped = True
+        key = GraphKey(graph_module, self.model)
+        differs = False
         try:
-            differs = GraphKey(graph_module, self.model) != GraphKey(retraced(), self.model)
-        except Exception:  # noqa: BLE001 - the other draws' code may raise anything: it depends on them, then
-            differs = True
+            for end in (0, 1):
+                self.pinned = end
+                try:
+                    differs = GraphKey(retraced(), self.model) != key
+                except Exception:  # noqa: BLE001 - code run on other draws may raise anything: it depends on them
+                    differs = True
+                if differs:
+                    break
         finally:
-            self.flipped = False
+            self.pinned = None
             random.setstate(states[0])
             np.random.set_state(states[1])
         if differs:
@@ -151,11 +161,11 @@ class Draws:
 @contextmanager
 def recording_draws(model: torch.nn.Module) -> Iterator[Draws]:
     """Within the block, note the draws that the code of ``model`` run on this thread makes with the functions
-    of :data:`WATCHED` (and, while :attr:`Draws.flipped`, turn each to the other end of its range)."""
+    of :data:`WATCHED` (and, while :attr:`Draws.pinned` is set, pin each to that end of its range)."""
     thread = threading.get_ident()
     draws = Draws(model)
 
-    def watched(module: Any, prefix: str, name: str, opposite: Callable[..., Any]) -> Callable[..., Any]:
+    def watched(module: Any, prefix: str, name: str, pinned: Callable[..., Any]) -> Callable[..., Any]:
         original = getattr(module, name)
 
         def draw(*args: Any, **kwargs: Any) -> Any:
@@ -170,15 +180,15 @@ def recording_draws(model: torch.nn.Module) -> Iterator[Draws]:
             owner = reading_module(caller)
             if owner is not None:
                 draws.modules.setdefault(id(owner), owner)
-            return opposite(value, *args, **kwargs) if draws.flipped else value
+            return value if draws.pinned is None else pinned(value, draws.pinned, *args, **kwargs)
 
         return draw
 
-    patched = [(random, "random", name, opposite) for name, opposite in _PYTHON.items()]
-    patched += [(np.random, "np.random", name, opposite) for name, opposite in _NUMPY.items()]
+    patched = [(random, "random", name, pinned) for name, pinned in _PYTHON.items()]
+    patched += [(np.random, "np.random", name, pinned) for name, pinned in _NUMPY.items()]
     originals = [(module, name, getattr(module, name)) for module, _, name, _ in patched]
-    for module, prefix, name, opposite in patched:
-        setattr(module, name, watched(module, prefix, name, opposite))
+    for module, prefix, name, pinned in patched:
+        setattr(module, name, watched(module, prefix, name, pinned))
     try:
         yield draws
     finally:
