@@ -11,7 +11,7 @@ model computes in the traced modes, silently (it did, on both routes).
 :func:`recording_mode_reads` notes the reads of those modes that the model's own code
 makes while it is traced (torch's machinery and fxsplit's are left out, ``torch.nn``'s
 modules are not), with the module and the line. Where a read matters (the model traced
-under the other mode gives other code: :func:`modes_fixed`), the graph carries a
+under the other mode gives another graph: :func:`modes_fixed`), the graph carries a
 :class:`ModeRead` and the split refuses to run under other modes than those
 (:func:`check_modes`), naming the reads and the fixes.
 """
@@ -169,18 +169,18 @@ def reading_module(frame: Any) -> torch.nn.Module | None:
     return None
 
 
-def modes_fixed(reads: Reads, code: object, traced_under: Callable[[Callable[[], None]], object]) -> ModeRead | None:
+def modes_fixed(reads: Reads, key: object, traced_under: Callable[[Callable[[], None]], object]) -> ModeRead | None:
     """The :class:`ModeRead` of the modes that ``reads`` read and the graph depends on: ``traced_under(flip)``
-    traces again after ``flip()`` turned them the other way, and returns what is compared with ``code`` (the
-    graph's :class:`~fxsplit.tracing.graphkey.GraphKey`): it differs (or the trace fails). None when it depends
-    on none."""
-    grad = _IS_GRAD_ENABLED() if reads.grad and _differs(code, traced_under, _flip_grad) else None
+    traces again after ``flip()`` turned them the other way, and returns that graph's key, compared with ``key``
+    (the traced graph's :class:`~fxsplit.tracing.graphkey.GraphKey`): it differs (or the trace fails). None when
+    it depends on none."""
+    grad = _IS_GRAD_ENABLED() if reads.grad and _differs(key, traced_under, _flip_grad) else None
     autocast = tuple(
         (device, *autocast_state(device))
         for device in reads.autocast
         if device in AUTOCAST_DEVICES
         and autocast_mode.is_autocast_available(device)
-        and _differs(code, traced_under, functools.partial(_flip_autocast, device))
+        and _differs(key, traced_under, functools.partial(_flip_autocast, device))
     )
     if grad is None and not autocast:
         return None
@@ -196,9 +196,9 @@ def _flip_autocast(device: str) -> None:
     torch.set_autocast_enabled(device, not enabled)
 
 
-def _differs(code: object, traced_under: Callable[[Callable[[], None]], object], flip: Callable[[], None]) -> bool:
+def _differs(key: object, traced_under: Callable[[Callable[[], None]], object], flip: Callable[[], None]) -> bool:
     try:
-        return traced_under(flip) != code
+        return traced_under(flip) != key
     except Exception:  # noqa: BLE001 - the other mode's code may raise anything: it depends on the mode, then
         return True
 
