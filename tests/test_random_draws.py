@@ -9,15 +9,18 @@ the graph does not depend on (in ``eval()`` mode, or with ``layerdrop=0``) leave
 from __future__ import annotations
 
 import random
+from random import uniform as bound_uniform
 from typing import Any, Callable
 
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from numpy.random import random as bound_np_random
 
 import fxsplit
 from fxsplit.errors import TraceError
+from fxsplit.tracing.drawsources import StandIn
 from fxsplit.tracing.randomdraws import WATCHED
 
 BUDGETS = {"cpu:0": 4000, "cpu:1": 4000}
@@ -220,7 +223,28 @@ DRAWS = {
     "numpy.random.normal": (lambda: np.random.normal(0, 1), 0.0),
     "numpy.random.randn": (lambda: np.random.randn(), 0.0),
     "numpy.random.standard_normal": (lambda: np.random.standard_normal(), 0.0),
+    "Random.random": (lambda: PY_RNG.random(), 0.5),
+    "Random.uniform": (lambda: PY_RNG.uniform(2, 4), 3.0),
+    "Random.randint": (lambda: PY_RNG.randint(0, 9), 4.5),
+    "Random.randrange": (lambda: PY_RNG.randrange(10), 4.5),
+    "Random.choice": (lambda: PY_RNG.choice([0, 1, 2, 3]), 1.5),
+    "Random.gauss": (lambda: PY_RNG.gauss(0, 1), 0.0),
+    "Random.normalvariate": (lambda: PY_RNG.normalvariate(0, 1), 0.0),
+    "RandomState.random": (lambda: NP_STATE.random(), 0.5),
+    "RandomState.random_sample": (lambda: NP_STATE.random_sample(), 0.5),
+    "RandomState.rand": (lambda: NP_STATE.rand(), 0.5),
+    "RandomState.uniform": (lambda: NP_STATE.uniform(2, 4), 3.0),
+    "RandomState.randint": (lambda: NP_STATE.randint(10), 4.5),
+    "RandomState.normal": (lambda: NP_STATE.normal(0, 1), 0.0),
+    "RandomState.randn": (lambda: NP_STATE.randn(), 0.0),
+    "RandomState.standard_normal": (lambda: NP_STATE.standard_normal(), 0.0),
+    "Generator.random": (lambda: NP_GEN.random(), 0.5),
+    "Generator.uniform": (lambda: NP_GEN.uniform(2, 4), 3.0),
+    "Generator.integers": (lambda: NP_GEN.integers(10), 4.5),
+    "Generator.normal": (lambda: NP_GEN.normal(0, 1), 0.0),
+    "Generator.standard_normal": (lambda: NP_GEN.standard_normal(), 0.0),
 }
+PY_RNG, NP_STATE, NP_GEN = random.Random(0), np.random.RandomState(0), np.random.default_rng(0)  # held by this code
 
 
 def test_every_watched_function_has_a_case() -> None:
@@ -261,3 +285,145 @@ def test_musicgen_with_layerdrop_is_refused_in_training_and_planned_in_eval() ->
     split = fxsplit.fxsplit(model.eval(), budgets, **options)
     with torch.no_grad():
         torch.testing.assert_close(split(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+
+
+def test_generator_methods_are_pinned_inside_their_ranges() -> None:
+    """``Generator.integers`` with ``endpoint=True`` includes ``high``; without, it stops before."""
+    from fxsplit.tracing.drawsources import _GENERATOR
+
+    pin = _GENERATOR["integers"]
+    assert [pin(5, end, 2, 9) for end in (0, 1)] == [2, 8]
+    assert [pin(5, end, 2, 9, endpoint=True) for end in (0, 1)] == [2, 9]
+    assert [pin(5, end, 7) for end in (0, 1)] == [0, 6]
+    assert all(0.0 < _GENERATOR["random"](0.5, end) < 1.0 for end in (0, 1))
+
+
+class Held(nn.Module):
+    """LayerDrop on a generator object the module holds (``self.rng``), or on a function bound by name."""
+
+    def __init__(self, how: str, layerdrop: float = 0.5, layers: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(layers))
+        self.how, self.layerdrop = how, layerdrop
+        self.rng: Any = {
+            "default_rng": np.random.default_rng(0),
+            "Random": random.Random(0),
+            "RandomState": np.random.RandomState(0),
+        }.get(how)
+
+    def draw(self) -> float:
+        if self.how == "bound_uniform":
+            return bound_uniform(0, 1)
+        if self.how == "bound_np_random":
+            return float(bound_np_random())
+        if self.how == "RandomState":
+            return float(self.rng.random_sample())
+        return float(self.rng.random())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and self.draw() < self.layerdrop:
+                continue
+            x = layer(x)
+        return x
+
+
+HOW = ["default_rng", "Random", "RandomState", "bound_uniform", "bound_np_random"]
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+@pytest.mark.parametrize("how", HOW)
+def test_layerdrop_on_a_held_generator_or_a_bound_function_is_refused(trace: str, how: str) -> None:
+    """Before, each of these split with no word, keeping the one trace's draws (2 to 5 of 6 layers)."""
+    torch.manual_seed(0)
+    model = Held(how).train()
+    held = model.rng
+    with pytest.raises(TraceError, match="draws random numbers") as refused:
+        _split(model, trace, {"cpu:0": 8000, "cpu:1": 8000})
+    label = {"bound_uniform": "random.uniform", "bound_np_random": "np.random.random"}.get(how, f"Held.rng.{how}")
+    if how in ("default_rng", "Random"):
+        assert "Held.rng.random()" in str(refused.value)
+    elif how == "RandomState":
+        assert "Held.rng.random_sample()" in str(refused.value)
+    else:
+        assert f"{label}()" in str(refused.value)
+    assert model.rng is held  # the model's own object is back
+    assert bound_uniform is random.uniform and bound_np_random is np.random.random
+
+
+DRAWN: list[int] = []  # the draws of HeldAlways (not on the model: torch.export runs forward on copies of its lists)
+
+
+class HeldAlways(Held):
+    """Draws before each layer in any mode (wav2vec2's adapter), noting each draw in :data:`DRAWN`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            p = self.draw()
+            DRAWN.append(1)
+            if not self.training or p > self.layerdrop:
+                x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+@pytest.mark.parametrize("how", ["default_rng", "Random", "RandomState"])
+def test_a_held_generator_in_eval_is_planned_and_given_back_as_it_was(trace: str, how: str) -> None:
+    """In eval() the draws decide nothing: planned equal to the model. The pinned traces' draws are given back: the
+    generator is where the first trace left it (fx runs forward twice for it, export once; then again at each end)."""
+    torch.manual_seed(0)
+    DRAWN.clear()
+    model = HeldAlways(how).eval()
+    held = model.rng
+    split = _split(model, trace, {"cpu:0": 8000, "cpu:1": 8000})
+    assert model.rng is held and not isinstance(model.rng, StandIn)
+    runs = {"fx": 2, "export": 1}[trace]
+    assert len(DRAWN) == 3 * runs * len(model.layers)
+    fresh = Held(how)
+    for _ in range(runs * len(model.layers)):
+        fresh.draw()
+    assert [fresh.draw() for _ in range(3)] == [model.draw() for _ in range(3)]
+    with torch.no_grad():
+        torch.testing.assert_close(split(X), model(X), rtol=0, atol=0)
+
+
+def test_a_held_generator_in_a_leaf_module_draws_on_every_call() -> None:
+    """As a leaf module under fx, the split calls the module: its own generator draws per call, as eager."""
+    torch.manual_seed(0)
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder, self.head = Held("default_rng"), nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(x))
+
+    model = Outer().train()
+    with pytest.raises(TraceError, match=r"leaf_modules=\['encoder'\]"):
+        _split(model, "fx")
+    split = _split(model, "fx", {"cpu:0": 8000, "cpu:1": 8000}, leaf_modules=["encoder"])
+    for seed in range(3):
+        model.encoder.rng = np.random.default_rng(seed)
+        expected = model(X)
+        model.encoder.rng = np.random.default_rng(seed)
+        torch.testing.assert_close(split(X), expected, rtol=0, atol=0)
+
+
+def test_a_generator_the_model_replaces_while_traced_is_put_back() -> None:
+    """``forward`` that makes itself a new generator: as with any attribute ``forward`` assigns while traced, the
+    model holds the one it had before (its own object, not the stand-in that was there while it was traced)."""
+
+    class Reseeds(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.rng = nn.Linear(16, 16), np.random.default_rng(0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.rng = np.random.default_rng(1)
+            return self.a(x)
+
+    model = Reseeds().eval()
+    first = model.rng
+    _split(model, "fx")
+    assert model.rng is first

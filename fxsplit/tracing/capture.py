@@ -131,14 +131,15 @@ def trace(
     has_examples = example_inputs is not None or bool(example_kwargs)
     if mode == "export" and not has_examples:
         raise TraceError("trace mode 'export' needs example_inputs (a tuple of the forward's positional inputs)")
-    with python_state_kept(model):  # what forward assigns, put back (and said: a split cannot repeat it)
+    # draws: the model's generators are stood in for outside the block that puts back what forward assigns
+    with recording_draws(model) as draws, python_state_kept(model):  # (and says: a split cannot repeat it)
         leaves = list(leaf_modules)  # and the modules whose backward hooks only a call of them runs (modulehooks.py)
         mode, leaves = keep_backward_hooks(model, mode, leaves, _LeafTracer.of(leaves).is_leaf_module)
         warn_global_hooks()
         routed = functools.partial(
             _routed, model, leaves, example_inputs, example_kwargs, concrete_args, dynamic_shapes
         )
-        with recording_mode_reads(model) as reads, recording_draws(model) as draws:  # the graph keeps one branch
+        with recording_mode_reads(model) as reads:  # the graph keeps one branch
             traced = routed(mode)  # of the grad mode, autocast and random draws (modereads.py, randomdraws.py)
             draws.refuse_if_fixed(traced.graph_module, functools.partial(_again, routed, traced.method))
         key = GraphKey(traced.graph_module, model) if reads else None
