@@ -42,6 +42,7 @@ from fxsplit.tracing.fxcheckpoint import fold_regions
 from fxsplit.tracing.fxshapes import propagate_shapes
 from fxsplit.tracing.gradmode import modes_kept, recording_grad_mode, refusing_inference_mode
 from fxsplit.tracing.graphkey import GraphKey
+from fxsplit.tracing.leaftracer import LeafTracer
 from fxsplit.tracing.metaweights import fake_weights_on, inputs_device
 from fxsplit.tracing.modereads import AUTOCAST_DEVICES, MODE_READS, modes_fixed, recording_mode_reads
 from fxsplit.tracing.modulehooks import keep_backward_hooks, warn_global_hooks
@@ -80,27 +81,6 @@ class Traced:
     custom_kept: tuple[str, ...] = ()
 
 
-class _LeafTracer(torch.fx.Tracer):
-    # Buffers read in forward become graph nodes, so ``self.buf.mul_(m).add_(x)`` is traced, not run on
-    # the model's buffer while tracing (torch.fx's default) and left out of the graph.
-    proxy_buffer_attributes = True
-
-    def __init__(self, leaf_types: tuple[type, ...], leaf_names: frozenset[str]) -> None:
-        super().__init__()
-        self._leaf_types = leaf_types
-        self._leaf_names = leaf_names
-
-    @classmethod
-    def of(cls, leaves: Iterable[type | str]) -> _LeafTracer:
-        leaves = list(leaves)
-        return cls(tuple(x for x in leaves if isinstance(x, type)), frozenset(x for x in leaves if isinstance(x, str)))
-
-    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        if module_qualified_name in self._leaf_names or (self._leaf_types and isinstance(m, self._leaf_types)):
-            return True
-        return super().is_leaf_module(m, module_qualified_name)
-
-
 def trace(
     model: torch.nn.Module,
     *,
@@ -134,7 +114,7 @@ def trace(
     # draws: the model's generators are stood in for outside the block that puts back what forward assigns
     with recording_draws(model) as draws, python_state_kept(model):  # (and says: a split cannot repeat it)
         leaves = list(leaf_modules)  # and the modules whose backward hooks only a call of them runs (modulehooks.py)
-        mode, leaves = keep_backward_hooks(model, mode, leaves, _LeafTracer.of(leaves).is_leaf_module)
+        mode, leaves = keep_backward_hooks(model, mode, leaves, LeafTracer.of(leaves).is_leaf_module)
         warn_global_hooks()
         routed = functools.partial(
             _routed, model, leaves, example_inputs, example_kwargs, concrete_args, dynamic_shapes
@@ -347,7 +327,7 @@ def _symbolic(
     """
 
     def trace_once(flipped: Mapping[str, bool] | None = None) -> tuple[Any, ...]:
-        tracer = _LeafTracer.of(leaves)
+        tracer = LeafTracer.of(leaves)
         with (
             recording_grad_mode(tracer),
             plain_checkpoints(model, "fx") as met,
