@@ -43,6 +43,7 @@ from fxsplit.tracing.fxshapes import propagate_shapes
 from fxsplit.tracing.gradmode import modes_kept, recording_grad_mode, refusing_inference_mode
 from fxsplit.tracing.graphkey import GraphKey
 from fxsplit.tracing.leaftracer import LeafTracer
+from fxsplit.tracing.leftovers import clearing_leftovers
 from fxsplit.tracing.metaweights import fake_weights_on, inputs_device
 from fxsplit.tracing.modereads import AUTOCAST_DEVICES, MODE_READS, modes_fixed, recording_mode_reads
 from fxsplit.tracing.modulehooks import keep_backward_hooks, warn_global_hooks
@@ -111,8 +112,9 @@ def trace(
     has_examples = example_inputs is not None or bool(example_kwargs)
     if mode == "export" and not has_examples:
         raise TraceError("trace mode 'export' needs example_inputs (a tuple of the forward's positional inputs)")
-    # draws: the model's generators are stood in for outside the block that puts back what forward assigns
-    with recording_draws(model) as draws, python_state_kept(model):  # (and says: a split cannot repeat it)
+    # Around the traces: the caches they fill with their own values, emptied after (leftovers.py); the model's
+    # generators stood in for (randomdraws.py); what forward assigns, put back and said (pythonstate.py)
+    with clearing_leftovers(model), recording_draws(model) as draws, python_state_kept(model):
         leaves = list(leaf_modules)  # and the modules whose backward hooks only a call of them runs (modulehooks.py)
         mode, leaves = keep_backward_hooks(model, mode, leaves, LeafTracer.of(leaves).is_leaf_module)
         warn_global_hooks()

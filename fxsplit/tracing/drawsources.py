@@ -22,14 +22,13 @@ a name in a module that defines none of the model's classes (a helper module the
 from __future__ import annotations
 
 import random
-import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
-from fxsplit.tracing.modereads import internal_code
+from fxsplit.tracing.modelcode import code_modules
 
 __all__ = ["WATCHED", "StandIn", "generator_states", "restore_states", "watching"]
 
@@ -153,22 +152,6 @@ def _table(value: Any) -> dict[str, Callable[..., Any]] | None:
     return next((table for kind, table in _METHODS if isinstance(value, kind)), None)
 
 
-def _code_modules(modules: list[torch.nn.Module]) -> list[Any]:
-    """The Python modules that define the classes of ``modules`` and their bases (not torch's, nor fxsplit's),
-    each once."""
-    names: dict[str, None] = {}
-    for kind in {type(module) for module in modules}:
-        for base in kind.__mro__:
-            names.setdefault(base.__module__)
-    found = []
-    for name in names:
-        code = sys.modules.get(name)
-        filename = getattr(code, "__file__", None)
-        if code is not None and filename and not internal_code(filename):
-            found.append(code)
-    return found
-
-
 @contextmanager
 def watching(model: torch.nn.Module, wrap: Wrap) -> Iterator[list[Any]]:
     """Within the block, every source of draws of ``model``'s code (see the module's doc) is wrapped with
@@ -189,7 +172,7 @@ def watching(model: torch.nn.Module, wrap: Wrap) -> Iterator[list[Any]]:
             patched.append((namespace, name, value, StandIn(value, label, table, wrap)))
 
     modules = list(model.modules())
-    for code in _code_modules(modules):
+    for code in code_modules(modules):
         for name, value in list(vars(code).items()):
             if id(value) in functions and callable(value):
                 patched.append((vars(code), name, value, functions[id(value)]))
