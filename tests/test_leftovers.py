@@ -140,3 +140,40 @@ def test_traced_value_kinds() -> None:
     graph = torch.fx.Graph()
     proxy = torch.fx.Proxy(graph.placeholder("x"))
     assert traced_value(proxy) and traced_value((1, proxy)) and traced_value([proxy])
+
+
+def _caching(function: Any) -> Any:
+    """A decorator that keeps its cache in its closure (transformers' ``compile_compatible_method_lru_cache``)."""
+    cached = functools.lru_cache(function)
+
+    @functools.wraps(function)
+    def wrapper(*args: Any) -> Any:
+        return cached(*args)
+
+    return wrapper
+
+
+@_caching
+def closure_table(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32) * 0.3
+
+
+def test_a_cache_in_a_decorators_closure_is_emptied() -> None:
+    class Closure(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x) + closure_table(x.shape[-1])
+
+    torch.manual_seed(0)
+    model = Closure().eval()
+    with torch.no_grad():
+        expected = model(X)
+    cache = closure_table.__closure__[0].cell_contents  # type: ignore[index]
+    cache.cache_clear()
+    fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace="export")
+    assert cache.cache_info().currsize == 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(X), expected, rtol=0, atol=0)

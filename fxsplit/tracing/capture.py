@@ -49,6 +49,7 @@ from fxsplit.tracing.modereads import AUTOCAST_DEVICES, MODE_READS, modes_fixed,
 from fxsplit.tracing.modulehooks import keep_backward_hooks, warn_global_hooks
 from fxsplit.tracing.pythonstate import python_state_kept
 from fxsplit.tracing.randomdraws import recording_draws
+from fxsplit.tracing.registered import registrations_undone
 from fxsplit.tracing.tracefailures import export_message, fx_message, scripted_modules, scripted_note
 from fxsplit.tracing.trainingreads import TRAINING_READS, mode_dependent, recording_training_reads
 
@@ -112,9 +113,15 @@ def trace(
     has_examples = example_inputs is not None or bool(example_kwargs)
     if mode == "export" and not has_examples:
         raise TraceError("trace mode 'export' needs example_inputs (a tuple of the forward's positional inputs)")
-    # Around the traces: the caches they fill with their own values, emptied after (leftovers.py); the model's
-    # generators stood in for (randomdraws.py); what forward assigns, put back and said (pythonstate.py)
-    with clearing_leftovers(model), recording_draws(model) as draws, python_state_kept(model):
+    # Around the traces: what forward registers, put back (registered.py); the caches the traces fill with their
+    # own values, emptied (leftovers.py); the model's generators stood in for (randomdraws.py); what forward
+    # assigns, put back and said (pythonstate.py)
+    with (
+        registrations_undone(model),
+        clearing_leftovers(model),
+        recording_draws(model) as draws,
+        python_state_kept(model),
+    ):
         leaves = list(leaf_modules)  # and the modules whose backward hooks only a call of them runs (modulehooks.py)
         mode, leaves = keep_backward_hooks(model, mode, leaves, LeafTracer.of(leaves).is_leaf_module)
         warn_global_hooks()

@@ -10,8 +10,9 @@ by one, or holding one): dead entries holding the traced graph.
 
 :func:`clearing_leftovers` takes them out when the trace ends, whether it worked or not:
 
-* a cache of ``functools.lru_cache`` or ``functools.cache`` in the model's code (a global, or a method of one of
-  its classes) that missed while traced is emptied (it is a cache: it fills again on the next calls);
+* a cache of ``functools.lru_cache`` or ``functools.cache`` in the model's code (a global, a method of one of
+  its classes, or in the closure of either) that missed while traced is emptied (it is a cache: it fills again on
+  the next calls);
 * a value of the trace's own kinds (fake tensor, proxy, symbolic number; or a tuple or list holding one) bound
   anew in one of the model's modules' ``__dict__`` (``cached_property`` writes there) or in the code's globals
   is put back as it was (removed, if it was not there);
@@ -46,18 +47,29 @@ def traced_value(value: Any) -> bool:
 
 
 def _caches(namespaces: list[Mapping[str, Any]]) -> dict[int, tuple[Any, int]]:
-    """``id -> (cache, misses so far)`` for each ``functools`` cache among the values of ``namespaces``."""
+    """``id -> (cache, misses so far)`` for each ``functools`` cache among the values of ``namespaces``, or in
+    the closure of one (a decorator that calls a cached function: transformers' ``compile_compatible_method_lru_cache``
+    keeps its cache there)."""
     found: dict[int, tuple[Any, int]] = {}
     for namespace in namespaces:
         for value in namespace.values():
             function = getattr(value, "__func__", value)  # a staticmethod or classmethod over a cached function
-            info = getattr(function, "cache_info", None)
-            if callable(info) and callable(getattr(function, "cache_clear", None)) and id(function) not in found:
-                try:
-                    found[id(function)] = (function, info().misses)
-                except Exception:  # noqa: BLE001 - a cache_info of some other kind
-                    continue
+            cells = getattr(function, "__closure__", None) or ()
+            for candidate in (function, *(_content(cell) for cell in cells)):
+                info = getattr(candidate, "cache_info", None)
+                if callable(info) and callable(getattr(candidate, "cache_clear", None)) and id(candidate) not in found:
+                    try:
+                        found[id(candidate)] = (candidate, info().misses)
+                    except Exception:  # noqa: BLE001 - a cache_info of some other kind
+                        continue
     return found
+
+
+def _content(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return None
 
 
 @contextmanager
