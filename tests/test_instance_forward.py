@@ -90,24 +90,6 @@ def test_a_wrapping_partial_is_refused_under_fx() -> None:
         _split(model, "fx")
 
 
-def test_a_submodule_with_its_own_forward_is_traced_as_called() -> None:
-    """fx calls submodules through ``Module.__call__``: their instance's forward is the one traced (no refusal)."""
-    torch.manual_seed(0)
-
-    class Outer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner, self.head = _patched(Two()), nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.inner(x))
-
-    model = Outer().eval()
-    split = fxsplit.fxsplit(model, {"cpu:0": 600, "cpu:1": 600}, example_inputs=(X,), trace="fx")
-    with torch.no_grad():
-        torch.testing.assert_close(split(X), model(X), rtol=0, atol=0)
-
-
 def test_accelerate_hooks_on_the_model_are_refused_under_fx() -> None:
     hooks = pytest.importorskip("accelerate.hooks")
 
@@ -142,18 +124,20 @@ def test_fx_refuses_a_class_that_defines_call_and_export_splits_it() -> None:
             torch.testing.assert_close(split(X), model(X), rtol=0, atol=0)
 
 
-def test_a_submodule_that_defines_call_is_traced_as_called_under_fx() -> None:
+class Outer(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner, self.head = inner, nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+@pytest.mark.parametrize("inner", ["forward", "__call__"])
+def test_a_submodule_with_its_own_forward_or_call_is_traced_as_called_under_fx(inner: str) -> None:
+    """fx calls submodules through ``Module.__call__``: what their instance runs is what is traced (no refusal)."""
     torch.manual_seed(0)
-
-    class Outer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner, self.head = Called(), nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.inner(x))
-
-    model = Outer().eval()
+    model = Outer(_patched(Two()) if inner == "forward" else Called()).eval()
     split = fxsplit.fxsplit(model, {"cpu:0": 600, "cpu:1": 600}, example_inputs=(X,), trace="fx")
     with torch.no_grad():
         torch.testing.assert_close(split(X), model(X), rtol=0, atol=0)

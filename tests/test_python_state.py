@@ -69,3 +69,56 @@ def test_a_model_that_only_updates_buffers_in_place_is_planned_without_a_word() 
         for trace in ("fx", "export"):
             fxsplit.plan(m, BUDGETS, example_inputs=(X,), trace=trace, mode="weights")
     assert int(m[1].num_batches_tracked) == 0
+
+
+STEPS = 0
+WARMUP = True
+_PRIVATE = 0
+HELPER: object = None
+
+
+class GlobalSteps(nn.Module):
+    """Counts its calls in a global and leaves warm-up after three: the graph keeps the branch traced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global STEPS, WARMUP, _PRIVATE, HELPER
+        STEPS += 1
+        _PRIVATE += 1
+        if HELPER is None:
+            HELPER = object()  # a lazily made object: not a plain value, left as the code made it
+        if STEPS > 3:
+            WARMUP = False
+        return self.a(x) * (2.0 if WARMUP else 1.0)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_global_that_forward_assigns_is_put_back_and_said(trace: str) -> None:
+    """Before, ``STEPS`` was left incremented by ``fxsplit.plan`` (by each run of forward), with no word."""
+    global STEPS, WARMUP, _PRIVATE, HELPER
+    STEPS, WARMUP, _PRIVATE, HELPER = 3, True, 0, None
+    with pytest.warns(FxsplitWarning, match=r"assigns global test_python_state.STEPS \(3 -> \d+\).*WARMUP"):
+        fxsplit.plan(GlobalSteps(), BUDGETS, example_inputs=(X,), trace=trace)
+    assert (STEPS, WARMUP, _PRIVATE) == (3, True, 0)  # put back as they were
+    assert HELPER is not None
+
+
+def test_a_global_forward_reads_only_is_left_alone_and_unsaid() -> None:
+    global STEPS, WARMUP
+
+    class Reads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x) * (2.0 if WARMUP else 1.0) + STEPS
+
+    STEPS, WARMUP = 5, False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FxsplitWarning)
+        fxsplit.plan(Reads(), BUDGETS, example_inputs=(X,), trace="fx")
+    assert (STEPS, WARMUP) == (5, False)

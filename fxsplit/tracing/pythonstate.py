@@ -8,11 +8,16 @@ computes with the value the attribute had while it was traced, where the model's
 runs (``torch.nn.Module.__setattr__``, for the block, on this thread), puts every such attribute back as it was
 when the block ends, and warns of those a plain value (a number, a string, a tuple of them) was assigned to under
 a public name and changed: the split will not repeat the assignment. Parameters, buffers and submodules are not
-its business (:mod:`fxsplit.tracing.capture` refuses a forward that assigns a buffer under torch.fx).
+its business (:mod:`fxsplit.tracing.registered`).
+
+A plain value ``forward`` assigns to a global of the model's code (``global STEPS; STEPS += 1``, a warm-up flag)
+is the same: the graph keeps the branch it took once. Such globals (of the Python modules that define the model's
+classes, torch's aside) are put back as well, and said under a public name.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from contextlib import contextmanager
@@ -22,11 +27,13 @@ import torch
 
 from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitWarning
+from fxsplit.tracing.modelcode import code_modules
 
 __all__ = ["python_state_kept"]
 
 _MISSING = object()
 _PLAIN = (bool, int, float, complex, str, type(None))
+_TORCH = os.path.dirname(torch.__file__) + os.sep
 
 
 def _plain(value: Any) -> bool:
@@ -56,6 +63,8 @@ def python_state_kept(model: torch.nn.Module) -> Iterator[None]:
                 last[key] = value
         original(module, name, value)
 
+    codes = [code for code in code_modules(list(modules.values())) if not code.__file__.startswith(_TORCH)]
+    globals_before = [(code, dict(vars(code))) for code in codes]
     torch.nn.Module.__setattr__ = setattr_  # type: ignore[method-assign,assignment]
     try:
         yield
@@ -67,24 +76,44 @@ def python_state_kept(model: torch.nn.Module) -> Iterator[None]:
             new = last[(key, name)]
             if new is not old and not (_plain(old) and _plain(new) and old == new):
                 if not name.startswith("_") and _plain(old) and (new is _MISSING or _plain(new)):
-                    changed.append((module, name, old, new))
+                    changed.append(_shown(model, module, name, old, new))
             if old is _MISSING:
                 module.__dict__.pop(name, None)
             else:
                 module.__dict__[name] = old
+        changed += _globals_put_back(globals_before)
         if changed:
-            warnings.warn(FxsplitWarning(_message(model, changed)), stacklevel=user_stacklevel())
+            warnings.warn(FxsplitWarning(_message(changed)), stacklevel=user_stacklevel())
 
 
-def _message(model: torch.nn.Module, changed: list[tuple[torch.nn.Module, str, Any, Any]]) -> str:
-    paths = {id(m): p for p, m in reversed(list(model.named_modules()))}
-    shown = [
-        f"{'self' if not paths[id(m)] else paths[id(m)]}.{name} ({old!r} -> {new!r})"
-        for m, name, old, new in changed[:4]
-    ]
+def _globals_put_back(globals_before: list[tuple[Any, dict[str, Any]]]) -> list[str]:
+    """Put back each global that the block bound anew to another plain value; the public ones, shown."""
+    shown = []
+    for code, before in globals_before:
+        namespace = vars(code)
+        for name, new in list(namespace.items()):
+            old = before.get(name, _MISSING)
+            if new is old or not _plain(new) or not (old is _MISSING or _plain(old)) or old == new:
+                continue
+            if old is _MISSING:
+                del namespace[name]
+            else:
+                namespace[name] = old
+            if not name.startswith("_"):
+                was = "unset" if old is _MISSING else repr(old)
+                shown.append(f"global {code.__name__}.{name} ({was} -> {new!r})")
+    return shown
+
+
+def _shown(model: torch.nn.Module, module: torch.nn.Module, name: str, old: Any, new: Any) -> str:
+    path = next((p for p, m in model.named_modules() if m is module), "")
+    return f"{path or 'self'}.{name} ({old!r} -> {new!r})"
+
+
+def _message(changed: list[str]) -> str:
     more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
     return (
-        f"forward() assigns {', '.join(shown)}{more} while it is traced: a graph holds tensor ops only, so the "
+        f"forward() assigns {', '.join(changed[:4])}{more} while it is traced: a graph holds tensor ops only, so the "
         "split computes with the values these had when traced and does not change them, where each call of the "
         "model does (they are put back as they were); keep such state in a buffer updated in place "
         "(self.register_buffer('calls', torch.zeros((), dtype=torch.long)); self.calls.add_(1)), or compute it "
