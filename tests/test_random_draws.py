@@ -427,3 +427,32 @@ def test_a_generator_the_model_replaces_while_traced_is_put_back() -> None:
     first = model.rng
     _split(model, "fx")
     assert model.rng is first
+
+
+class MadeInForward(nn.Module):
+    """LayerDrop on a generator made in ``forward`` (``np.random.default_rng()``, seeded from the OS)."""
+
+    def __init__(self, layerdrop: float = 0.5) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        self.layerdrop = layerdrop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rng = np.random.default_rng()
+        for layer in self.layers:
+            if self.training and rng.random() < self.layerdrop:
+                continue
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_generator_made_in_forward_is_watched(trace: str) -> None:
+    torch.manual_seed(0)
+    with pytest.raises(TraceError, match=r"np.random.default_rng\(\).random\(\): MadeInForward.forward"):
+        _split(MadeInForward().train(), trace, {"cpu:0": 8000, "cpu:1": 8000})
+    model = MadeInForward().eval()
+    split = _split(model, trace, {"cpu:0": 8000, "cpu:1": 8000})
+    with torch.no_grad():
+        torch.testing.assert_close(split(X), model(X), rtol=0, atol=0)
+    assert np.random.default_rng is not None and isinstance(np.random.default_rng(), np.random.Generator)

@@ -9,19 +9,23 @@
   Python module that defines a class of the model's modules (or one of their bases) are looked through;
 * generator objects the model holds (``self.rng = np.random.default_rng(0)``, ``random.Random(0)``,
   ``np.random.RandomState(0)``), as attributes of its modules or globals of that code: each is stood in for by a
-  :class:`StandIn` whose drawing methods are wrapped and whose other attributes are the generator's own.
+  :class:`StandIn` whose drawing methods are wrapped and whose other attributes are the generator's own; and the
+  generators ``np.random.default_rng()`` makes for the model's code while it is traced (in ``forward``).
 
 Each wrapper is given the function's ``pinned(value, end, *args, **kwargs)``, the drawn value moved to the low
 (``end`` 0) or high end (1) of the range the call's arguments give. :func:`watching` installs them and puts every
 name back after (a stand-in only where the model still holds it: code that replaced it keeps its own).
 
-Not seen: a generator object held elsewhere (on a config, or made in ``forward``), and a drawing function bound to
-a name in a module that defines none of the model's classes (a helper module the model's code imports from).
+Not seen: a generator object held elsewhere (on a config object), one made in ``forward`` by another call than
+``np.random.default_rng()`` (``random.Random()``), and a drawing function bound to a name in a module that defines
+none of the model's classes (a helper module the model's code imports from).
 """
 
 from __future__ import annotations
 
 import random
+import sys
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 
 from fxsplit.tracing.modelcode import code_modules
+from fxsplit.tracing.modereads import internal_code
 
 __all__ = ["WATCHED", "StandIn", "generator_states", "restore_states", "watching"]
 
@@ -163,6 +168,17 @@ def watching(model: torch.nn.Module, wrap: Wrap) -> Iterator[list[Any]]:
             original = getattr(module, name)
             functions[id(original)] = wrapper = wrap(original, f"{prefix}.{name}", pin)
             patched.append((vars(module), name, original, wrapper))
+    made, thread = np.random.default_rng, threading.get_ident()
+
+    def default_rng(*args: Any, **kwargs: Any) -> Any:  # a generator made while traced (in forward): stood in for
+        generator = made(*args, **kwargs)
+        caller = sys._getframe(1).f_code.co_filename
+        if threading.get_ident() != thread or internal_code(caller):
+            return generator
+        return StandIn(generator, "np.random.default_rng()", _GENERATOR, wrap)
+
+    functions[id(made)] = default_rng
+    patched.append((vars(np.random), "default_rng", made, default_rng))
     held: list[Any] = []
 
     def stand_in(namespace: dict[str, Any], name: str, value: Any, label: str) -> None:
