@@ -90,3 +90,16 @@ def test_a_failed_fx_trace_leaves_no_submodule_behind() -> None:
     with pytest.raises(TraceError, match="not installed as a submodule"):
         fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace="fx")
     assert _structure(model) == before
+
+
+def test_a_submodules_registration_is_named_by_its_path() -> None:
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = FirstCall("buffer")
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    with pytest.raises(TraceError, match=r"forward registers 'inner.pos' while"):
+        fxsplit.fxsplit(Outer().eval(), BUDGETS, example_inputs=(X,), trace="export")

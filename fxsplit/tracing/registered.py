@@ -56,10 +56,7 @@ def registrations_undone(model: torch.nn.Module) -> Iterator[None]:
         faked = _put_back(held)
     if faked:
         paths = {id(module): path for path, module in model.named_modules(remove_duplicate=False)}
-        named = [
-            f"{paths.get(id(module), type(module).__name__) + '.' if paths.get(id(module)) else ''}{name}"
-            for module, name in faked
-        ]
+        named = [f"{paths[id(module)]}.{name}" if paths.get(id(module)) else name for module, name in faked]
         raise TraceError(
             f"forward registers {', '.join(repr(n) for n in named)} while it is traced (made on the first call): "
             "torch.export runs forward on fake tensors, so what it registered holds no values, and a split could "
