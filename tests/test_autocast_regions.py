@@ -9,6 +9,8 @@ its graph called under another autocast than it was traced under now says so ins
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -104,3 +106,31 @@ def test_an_export_split_called_under_another_autocast_says_so() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.raises(FxsplitError, match=r"another torch.autocast than it was traced under \(autocast now: on"):
             split(X)
+
+
+class MakesTensors(nn.Module):
+    """Makes a tensor of torch's default dtype in forward (``torch.full``): export keeps the traced dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * torch.full((16,), 1 / 3).to(x.dtype)
+
+
+def test_an_export_split_called_under_another_default_dtype_says_so_not_autocast() -> None:
+    """Before, the message blamed autocast (off), when torch's default dtype had changed since the split."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, dtype=torch.float64)
+    model = MakesTensors().eval()
+    split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(x,), trace="export", mode="weights")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(FxsplitError, match=r"default dtype is float64 now and was float32 when the model was"):
+            split(x)
+    finally:
+        torch.set_default_dtype(default)
+    torch.testing.assert_close(split(x), model(x), rtol=0, atol=0)
+    assert copy.deepcopy(split).traced_default_dtype == torch.float32

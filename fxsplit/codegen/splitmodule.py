@@ -49,6 +49,7 @@ class ExportedSplit(Split):
     traced_training: bool = False
     mode_ops: tuple[str, ...] = ()
     mode_read: ModeRead | None = None
+    traced_default_dtype: torch.dtype = torch.float32  # torch.get_default_dtype() when it was split
 
     def train(self, mode: bool = True) -> ExportedSplit:
         if mode != self.traced_training and self.mode_ops:
@@ -69,6 +70,15 @@ class ExportedSplit(Split):
         except RuntimeError as error:
             if not str(error).startswith("Tensor dtype mismatch"):
                 raise
+            default, traced = torch.get_default_dtype(), self.traced_default_dtype
+            if default != traced:
+                raise FxsplitError(
+                    f"a value of this split has another dtype than torch.export traced ({str(error).splitlines()[0]}):"
+                    f" torch's default dtype is {_name(default)} now and was {_name(traced)} when the model was split, "
+                    "and the graph keeps the dtype of the tensors the model makes (torch.full(...), torch.tensor(...)) "
+                    f"as traced; call it under {_name(traced)} (torch.set_default_dtype({traced})), or split the model "
+                    "again under the default dtype you run it with"
+                ) from error
             raise FxsplitError(
                 f"a value of this split has another dtype than torch.export traced ({str(error).splitlines()[0]}), "
                 "although its inputs passed export's checks: it runs under another torch.autocast than it was "
@@ -82,6 +92,10 @@ class ExportedSplit(Split):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
             return super().__deepcopy__(memo)  # type: ignore[return-value]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _autocast_now() -> str:
@@ -231,7 +245,12 @@ def split_module(graph_module: torch.fx.GraphModule, graph: torch.fx.Graph, plan
     """The split's module over ``graph``, sharing ``graph_module``'s weights, of the class its graph needs."""
     if plan.trace == "export":
         exported = ExportedSplit(graph_module, graph, type(graph_module).__name__)
-        kept_on_copy(exported, traced_training=bool(graph_module.training), mode_ops=_mode_dependent_ops(graph))
+        kept_on_copy(
+            exported,
+            traced_training=bool(graph_module.training),
+            mode_ops=_mode_dependent_ops(graph),
+            traced_default_dtype=torch.get_default_dtype(),
+        )
         if (mode_read := graph_module.meta.get(MODE_READS)) is not None:
             kept_on_copy(exported, mode_read=mode_read)
         exported.training = exported.traced_training
