@@ -160,3 +160,27 @@ def test_fused_attention_layers_in_eval_are_planned_with_the_buffers_their_kerne
         torch.backends.mha.set_fastpath_enabled(True)
     planned = gm.meta["fxsplit_plan"].memory["cpu:0"]["activations_peak"]
     assert held - 64 <= planned <= held * 1.05, (planned, held)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_number_wrapped_in_a_tensor_for_one_op_is_no_activation(trace: str) -> None:
+    """``h * 2``: Python's argument parser wraps the 2 in a 0-dim tensor before the op runs and frees it after, a
+    host scalar on every device. The meter counted it live beside the op's result (8 B over the plan here, which a
+    memory fuzz flagged on generated programs); it is the call's own temporary, like an op's workspace."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * 2
+
+    torch.manual_seed(0)
+    model, x = Scaled().double(), torch.randn(4, 8, dtype=torch.float64)
+    gm = fxsplit.fxsplit(model, {"cpu:0": "1MiB"}, example_inputs=(x,), trace=trace, mode="inference")
+    with torch.no_grad():
+        held = allocated_peaks(gm, x)
+        with_temporaries = allocated_peaks(gm, x, internal=True)
+    assert held == {"cpu:0": gm.meta["fxsplit_plan"].memory["cpu:0"]["activations_peak"]} == {"cpu:0": 512}
+    assert with_temporaries["cpu:0"] > 512  # the scalar is still seen among the temporaries

@@ -123,27 +123,33 @@ def _arrived(grad_inputs: Any, grad_outputs: Any) -> Any:
 
 def _allocations(roots: Any, devices: dict[int, str]) -> Iterator[tuple[int, int, int, str | None, int]]:
     """``(time, ptr, bytes, device, end of its top-level op)`` of every allocation event (``bytes`` < 0: a free);
-    device None: not counted."""
-    stack: list[tuple[Any, str | None, int | None]] = [(root, UNTAGGED, None) for root in reversed(roots)]
+    device None: not counted.
+
+    An allocation a forward node makes outside any op (Python's argument parser wraps the number of ``x * 2`` in a
+    0-dim tensor before the op runs, a host scalar on every device) and frees before the node ends is the call's own
+    temporary, like an op's workspace: its "top-level op" is the node."""
+    stack: list[tuple[Any, str | None, int | None, int | None]] = [
+        (root, UNTAGGED, None, None) for root in reversed(roots)
+    ]
     while stack:
-        event, device, top_end = stack.pop()
+        event, device, top_end, node_end = stack.pop()
         kind = str(event.typed[0]).rpartition(".")[2]
         if kind == "Allocation":
             fields = event.typed[1]
-            yield event.start_time_ns, fields.ptr, fields.alloc_size, device, top_end or event.start_time_ns
+            yield event.start_time_ns, fields.ptr, fields.alloc_size, device, top_end or node_end or event.start_time_ns
             continue
         name, context = event.name, False
         if name.startswith(_DEVICE):
-            device, context = name[len(_DEVICE) :], True
+            device, context, node_end = name[len(_DEVICE) :], True, event.end_time_ns
         elif name == _UNCOUNTED:
-            device, context = None, True
+            device, context, node_end = None, True, None
         elif name.startswith(_EVALUATE):
-            device, context = devices.get(event.typed[1].sequence_number, UNTAGGED), True
+            device, context, node_end = devices.get(event.typed[1].sequence_number, UNTAGGED), True, None
         if context:
             top_end = None
         elif kind == "TorchOp" and top_end is None:
             top_end = event.end_time_ns
-        stack.extend((child, device, top_end) for child in reversed(event.children))
+        stack.extend((child, device, top_end, node_end) for child in reversed(event.children))
 
 
 def _peaks(roots: Any, devices: dict[int, str], kept: set[int], internal: bool) -> dict[str, int]:
