@@ -49,6 +49,7 @@ UNTAGGED = "?"
 _DEVICE = "fxsplit.device="
 _UNCOUNTED = "fxsplit.uncounted"
 _EVALUATE = "autograd::engine::evaluate_function: "
+_WRAPPED_NUMBER = 16  # bytes of the largest 0-dim tensor Python wraps a number in (complex128)
 
 
 def allocated_peaks(
@@ -125,31 +126,38 @@ def _allocations(roots: Any, devices: dict[int, str]) -> Iterator[tuple[int, int
     """``(time, ptr, bytes, device, end of its top-level op)`` of every allocation event (``bytes`` < 0: a free);
     device None: not counted.
 
-    An allocation a forward node makes outside any op (Python's argument parser wraps the number of ``x * 2`` in a
-    0-dim tensor before the op runs, a host scalar on every device) and frees before the node ends is the call's own
-    temporary, like an op's workspace: its "top-level op" is the node."""
-    stack: list[tuple[Any, str | None, int | None, int | None]] = [
-        (root, UNTAGGED, None, None) for root in reversed(roots)
-    ]
+    Python's argument parser wraps a number in a 0-dim tensor before the op runs (the 8.0 of ``x / 8.0``, which
+    autograd may keep for the backward): a host scalar on every device, not counted. Such an allocation is one a
+    forward node makes outside its ops of at most 16 bytes (a complex128's); ``torch.tensor(...)`` allocates inside
+    an op, and the generator state a checkpoint stashes outside any (host memory too, which the plan counts on the
+    device) is kilobytes."""
+    stack: list[tuple[Any, str | None, int | None, bool]] = [(root, UNTAGGED, None, False) for root in reversed(roots)]
     while stack:
-        event, device, top_end, node_end = stack.pop()
+        event, device, top_end, in_node = stack.pop()
         kind = str(event.typed[0]).rpartition(".")[2]
         if kind == "Allocation":
             fields = event.typed[1]
-            yield event.start_time_ns, fields.ptr, fields.alloc_size, device, top_end or node_end or event.start_time_ns
+            host = in_node and top_end is None and 0 < fields.alloc_size <= _WRAPPED_NUMBER
+            yield (
+                event.start_time_ns,
+                fields.ptr,
+                fields.alloc_size,
+                None if host else device,
+                top_end or event.start_time_ns,
+            )
             continue
         name, context = event.name, False
         if name.startswith(_DEVICE):
-            device, context, node_end = name[len(_DEVICE) :], True, event.end_time_ns
+            device, context, in_node = name[len(_DEVICE) :], True, True
         elif name == _UNCOUNTED:
-            device, context, node_end = None, True, None
+            device, context, in_node = None, True, False
         elif name.startswith(_EVALUATE):
-            device, context, node_end = devices.get(event.typed[1].sequence_number, UNTAGGED), True, None
+            device, context, in_node = devices.get(event.typed[1].sequence_number, UNTAGGED), True, False
         if context:
             top_end = None
         elif kind == "TorchOp" and top_end is None:
             top_end = event.end_time_ns
-        stack.extend((child, device, top_end, node_end) for child in reversed(event.children))
+        stack.extend((child, device, top_end, in_node) for child in reversed(event.children))
 
 
 def _peaks(roots: Any, devices: dict[int, str], kept: set[int], internal: bool) -> dict[str, int]:
