@@ -85,9 +85,9 @@ def where(error: BaseException) -> str:
     return f"{frames[-1].filename.split('/fxsplit/')[-1]}:{frames[-1].lineno}" if frames else ""
 
 
-def run_seeds(fuzz: str, first: int, last: int, shown: Sequence[str] = ()) -> int:
+def run_seeds(fuzz: str, first: int, last: int, shown: Sequence[str] = (), bad: Sequence[str] = BAD) -> int:
     """Run ``fuzz.run_seed`` for seeds ``[first, last)``, each in its own process (3 minutes at most); print each
-    bad, timed-out or ``shown`` row, then the tally. 1 when a seed is bad, else 0."""
+    ``bad``, timed-out or ``shown`` row, then the tally. 1 when a seed is bad, else 0."""
     tally: Counter[str] = Counter()
     here = Path(__file__).parent
     for seed in range(first, last):
@@ -103,7 +103,7 @@ def run_seeds(fuzz: str, first: int, last: int, shown: Sequence[str] = ()) -> in
         except subprocess.TimeoutExpired:
             row = {"seed": seed, "outcome": "timeout"}
         tally[row["outcome"]] += 1
-        if row["outcome"] in (*BAD, "timeout", *shown):
+        if row["outcome"] in (*bad, "timeout", *shown):
             print(json.dumps(row), flush=True)
     print(dict(tally))
-    return 1 if any(tally[o] for o in BAD) else 0
+    return 1 if any(tally[o] for o in bad) else 0
