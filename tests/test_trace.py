@@ -268,3 +268,33 @@ def test_export_of_a_model_holding_a_scripted_module_names_it() -> None:
         fxsplit.plan(model, budgets, example_inputs=(x,), trace="export", mode="weights")
     with pytest.warns(fxsplit.FxsplitWarning, match=r"holds torch.jit.script modules \('1'\)"):
         fxsplit.plan(model, budgets, example_inputs=(x,), mode="weights")
+
+
+class RoutedExperts(nn.Module):
+    """A mixture-of-experts layer that runs only the experts its router picked, as Hugging Face's ``eager``
+    experts implementation does (``for expert_idx in expert_hit:``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        picked = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        expert_hit = torch.unique(picked)
+        for expert_idx in expert_hit:
+            rows = picked == expert_idx
+            out[rows] = self.experts[int(expert_idx)](x[rows])
+        return out
+
+
+def test_a_loop_over_the_experts_a_router_picked_gets_a_hint_that_names_it() -> None:
+    """Found by a sweep of Hugging Face architectures: a mixture-of-experts model built with
+    ``experts_implementation='eager'`` failed to export with the LayerDrop hint (plan in eval() mode), which does not
+    apply: its loop depends on the routing in eval() mode too. The hint names the implementations that compute every
+    expert in one graph."""
+    with pytest.raises(TraceError, match=r"mixture-of-experts.*experts_implementation='grouped_mm'") as info:
+        trace(RoutedExperts().eval(), example_inputs=(torch.randn(6, 8),), mode="export")
+    assert "LayerDrop" not in str(info.value)
+    assert "test_trace.py" in str(info.value)  # the line that loops

@@ -60,11 +60,20 @@ def export_message(error: BaseException, scripted: list[str] | None = None) -> s
             "cache, pass example_kwargs={'use_cache': False} (and call the split model with use_cache=False)"
         )
     if "GuardOnDataDependentSymNode" in type(error).__name__ + str(error):
-        hint += (
-            "\n  this is Python control flow on a tensor's value (the line above), which one graph cannot hold; "
-            "in a model in train() mode it is often random (LayerDrop, stochastic depth): plan it in eval() "
-            "mode or switch that feature off (e.g. layerdrop=0 in a Hugging Face config)"
-        )
+        hint += "\n  this is Python control flow on a tensor's value (the line above), which one graph cannot hold; "
+        if "expert" in where.rpartition(": ")[2].lower():
+            hint += (
+                "it looks like a mixture-of-experts layer running the experts its router picked, which depend on "
+                "the routing. Compute every expert in one graph instead: Hugging Face models do with "
+                "experts_implementation='grouped_mm' (transformers 5's default) or 'batched_mm', given to "
+                "from_pretrained(...) or from_config(...); elsewhere, run each expert on all tokens and weight "
+                "its output by the router's (zero where not picked)"
+            )
+        else:
+            hint += (
+                "in a model in train() mode it is often random (LayerDrop, stochastic depth): plan it in eval() "
+                "mode or switch that feature off (e.g. layerdrop=0 in a Hugging Face config)"
+            )
     if "modified inplace" in str(error) and torch.is_grad_enabled():
         hint += (
             "\n  autograd forbids this in-place write, which torch.no_grad() allows: a model you run under "
