@@ -1,4 +1,4 @@
-"""Where the traced code read the grad mode or the autocast state: the modes its graph fixed.
+"""Where the traced code read the grad mode, the autocast state or torch.distributed's: the modes its graph fixed.
 
 Both tracers run the Python of ``forward`` once. Code that branches on the grad
 mode (``if torch.is_grad_enabled(): h = h * 2``) or on autocast (Nemotron's, GPT-Neo's
@@ -6,7 +6,10 @@ and Falcon's layer norms cast their inputs ``if torch.is_autocast_enabled()``, t
 ``torch.get_autocast_dtype(...)``) takes the branch of the modes it was traced under,
 and the graph keeps only that branch: a split traced with gradients on and called under
 ``torch.no_grad()``, or traced without autocast and called under it, computed what the
-model computes in the traced modes, silently (it did, on both routes).
+model computes in the traced modes, silently (it did, on both routes). The same holds for
+``torch.distributed.is_initialized()``: FLAVA's contrastive head gathers the embeddings of
+every rank when a process group is up, and a split planned outside the job kept the local-only
+branch when run inside it.
 
 :func:`recording_mode_reads` notes the reads of those modes that the model's own code
 makes while it is traced (torch's machinery and fxsplit's are left out, ``torch.nn``'s
@@ -54,6 +57,7 @@ AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 """The device types whose autocast reads are checked (reads of others are not)."""
 _IS_GRAD_ENABLED = torch.is_grad_enabled
 _AUTOCAST_ENABLED, _AUTOCAST_DTYPE = torch.is_autocast_enabled, torch.get_autocast_dtype
+_DISTRIBUTED = "torch.distributed"  # what a read of torch.distributed.is_initialized() notes
 _AUTOCAST_READS: dict[str, str | None] = {  # torch's functions that read autocast -> the device type they ask of
     "is_autocast_enabled": "cuda",  # (without an argument)
     "get_autocast_dtype": None,
@@ -61,6 +65,11 @@ _AUTOCAST_READS: dict[str, str | None] = {  # torch's functions that read autoca
     "is_autocast_cpu_enabled": "cpu",
     "get_autocast_cpu_dtype": "cpu",
 }
+
+
+def distributed_initialized() -> bool:
+    """``torch.distributed.is_initialized()`` (False where torch has no torch.distributed)."""
+    return bool(torch.distributed.is_available() and torch.distributed.distributed_c10d.is_initialized())
 
 
 def autocast_state(device: str) -> tuple[bool, torch.dtype]:
@@ -76,32 +85,37 @@ class ModeRead(NamedTuple):
         autocast: ``(device type, enabled, dtype)`` of each device's autocast that the graph depends on.
         where: each place that read a mode, as ``"Block.forward at model.py:12"``, in order of first read.
         modules: the paths of the modules whose code read one (``""``: the model's own forward), in that order.
+        distributed: ``torch.distributed.is_initialized()`` while it was traced, if the graph depends on it.
     """
 
     grad: bool | None
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     where: tuple[str, ...]
     modules: tuple[str, ...]
+    distributed: bool | None = None
 
 
 class Reads(NamedTuple):
     """What :func:`recording_mode_reads` saw: whether the grad mode was read, the autocast devices read, where,
-    and by which modules."""
+    by which modules, and whether ``torch.distributed.is_initialized()`` was read."""
 
     grad: bool
     autocast: tuple[str, ...]
     where: tuple[str, ...]
     modules: tuple[str, ...]
+    distributed: bool = False
 
 
 @contextmanager
 def recording_mode_reads(model: torch.nn.Module) -> Iterator[list[Reads]]:
-    """Within the block, note where the code of ``model`` run on this thread reads the grad mode or the autocast
-    state; the list holds one :class:`Reads` (all of them) once the block ends, if there were any."""
+    """Within the block, note where the code of ``model`` run on this thread reads the grad mode, the autocast
+    state or whether torch.distributed is initialized (through the ``torch.distributed`` module, as models call
+    it); the list holds one :class:`Reads` (all of them) once the block ends, if there were any."""
     thread = threading.get_ident()
     places: dict[str, None] = {}  # ordered sets
     devices: dict[str, None] = {}
     grad: list[bool] = []
+    distributed: list[bool] = []
     readers: dict[int, torch.nn.Module] = {}  # id -> the module whose code read it (held: ids stay theirs)
     found: list[Reads] = []
 
@@ -114,6 +128,8 @@ def recording_mode_reads(model: torch.nn.Module) -> Iterator[list[Reads]]:
         places.setdefault(f"{name} at {short_filename(filename)}:{caller.f_lineno}")
         if kind is None:
             grad[:] = [True]
+        elif kind == _DISTRIBUTED:
+            distributed[:] = [True]
         else:
             devices.setdefault(kind)
         module = reading_module(caller)
@@ -125,6 +141,9 @@ def recording_mode_reads(model: torch.nn.Module) -> Iterator[list[Reads]]:
 
         def read(*args: Any, **kwargs: Any) -> Any:
             value = original(*args, **kwargs)  # (raises first on arguments torch refuses)
+            if name == "is_initialized":
+                note(_DISTRIBUTED)
+                return value
             device = args[0] if args else next(iter(kwargs.values()), _AUTOCAST_READS.get(name))
             note(str(getattr(device, "type", device)) if autocast else None)
             return value
@@ -132,18 +151,20 @@ def recording_mode_reads(model: torch.nn.Module) -> Iterator[list[Reads]]:
         return read
 
     names = ["is_grad_enabled", *_AUTOCAST_READS]
-    originals = {name: getattr(torch, name) for name in names if hasattr(torch, name)}
-    for name, original in originals.items():
-        setattr(torch, name, watched(name, original))
+    originals = {(torch, name): getattr(torch, name) for name in names if hasattr(torch, name)}
+    if torch.distributed.is_available():
+        originals[(torch.distributed, "is_initialized")] = torch.distributed.is_initialized
+    for (owner, name), original in originals.items():
+        setattr(owner, name, watched(name, original))
     try:
         yield found
     finally:
-        for name, original in originals.items():
-            setattr(torch, name, original)
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
         if places:
             paths = {id(module): path for path, module in reversed(list(model.named_modules(remove_duplicate=False)))}
             named = tuple(paths[key] for key in readers if key in paths)
-            found.append(Reads(bool(grad), tuple(devices), tuple(places), named))
+            found.append(Reads(bool(grad), tuple(devices), tuple(places), named, bool(distributed)))
 
 
 def internal_code(filename: str) -> bool:
@@ -182,9 +203,21 @@ def modes_fixed(reads: Reads, key: object, traced_under: Callable[[Callable[[], 
         and autocast_mode.is_autocast_available(device)
         and _differs(key, traced_under, functools.partial(_flip_autocast, device))
     )
-    if grad is None and not autocast:
+    distributed = distributed_initialized() if reads.distributed and _differs_distributed(key, traced_under) else None
+    if grad is None and not autocast and distributed is None:
         return None
-    return ModeRead(grad, autocast, reads.where, reads.modules)
+    return ModeRead(grad, autocast, reads.where, reads.modules, distributed)
+
+
+def _differs_distributed(key: object, traced_under: Callable[[Callable[[], None]], object]) -> bool:
+    """Whether the graph traced with ``torch.distributed.is_initialized()`` answering the other way differs (the
+    other branch of a model in a job calls collectives, which fail outside one: it differs then)."""
+    real, other = torch.distributed.is_initialized, not distributed_initialized()
+    torch.distributed.is_initialized = lambda: other
+    try:
+        return _differs(key, traced_under, lambda: None)
+    finally:
+        torch.distributed.is_initialized = real
 
 
 def _flip_grad() -> None:
@@ -204,7 +237,8 @@ def _differs(key: object, traced_under: Callable[[Callable[[], None]], object], 
 
 
 def check_modes(read: ModeRead | None, what: str = "this split") -> None:
-    """Raise if ``read`` says the graph was traced under another grad mode or autocast than the caller's."""
+    """Raise if ``read`` says the graph was traced under another grad mode, autocast or torch.distributed state
+    than the caller's."""
     if read is None:
         return
     changed = _traced_modes(read, only_changed=True)
@@ -215,15 +249,21 @@ def check_modes(read: ModeRead | None, what: str = "this split") -> None:
         f"{what} was traced with {' and '.join(changed)}, and the model's code read {it} ({_places(read)}): the "
         f"graph kept what it found then, so called under another {mode} it would not compute what the model "
         f"computes. Call it under the {mode} it was traced with, or split the model under the {mode} you call it in "
-        f"(inside the same `with` block as the call: with torch.no_grad(): fxsplit.fxsplit(...)){_leaf_fix(read, it)}"
+        f"(inside the same `with` block as the call: with torch.no_grad(): fxsplit.fxsplit(...)"
+        f"{_DISTRIBUTED_FIX if read.distributed is not None and read.distributed != distributed_initialized() else ''})"
+        f"{_leaf_fix(read, it)}"
     )
+
+
+_DISTRIBUTED_FIX = "; for torch.distributed, in the job, after torch.distributed.init_process_group(...)"
 
 
 def fixed_modes_message(read: ModeRead, what: str) -> str:
     """That ``what`` computes as the model does only under the modes ``read`` fixed, and what to do about it."""
     modes = _traced_modes(read, only_changed=False)
     return (
-        f"the model's code read the grad mode or autocast ({_places(read)}), and the graph fixed what it found then "
+        f"the model's code read the grad mode, autocast or torch.distributed's state ({_places(read)}), and the "
+        "graph fixed what it found then "
         f"({' and '.join(modes)}): {what} computes what the model computes only under those modes; run it under "
         f"them, or trace the model under the modes you run it in{_leaf_fix(read, 'them')}"
     )
@@ -246,6 +286,8 @@ def _traced_modes(read: ModeRead, *, only_changed: bool) -> list[str]:
                 else "off"
             )
         )
+    if read.distributed is not None and not (only_changed and distributed_initialized() == read.distributed):
+        found.append(f"torch.distributed {'initialized' if read.distributed else 'not initialized'}")
     return found
 
 

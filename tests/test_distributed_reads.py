@@ -1,0 +1,117 @@
+"""A split whose model code branched on ``torch.distributed.is_initialized()`` refuses to run where it answers the
+other way.
+
+FLAVA's contrastive head gathers every rank's embeddings when a process group is up (``if not
+torch.distributed.is_initialized(): ...local... else: all_gather``). Both tracers run ``forward`` once and keep the
+branch they saw: planned outside a job and run inside one (or the other way), such a split computed the other
+branch, silently. The read is now noted like the grad mode's (:mod:`fxsplit.tracing.modereads`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fxsplit
+from fxsplit.errors import FxsplitError
+from fxsplit.tracing.modereads import MODE_READS
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
+
+X = torch.randn(4, 16)
+BUDGETS = {"cpu:0": 1200, "cpu:1": 1200}
+
+
+class GathersInAJob(nn.Module):
+    """Takes another branch in a job, as FLAVA's contrastive head does (here one that a job of one rank shows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            h = h * torch.distributed.get_world_size() + 1.0
+        return self.b(h)
+
+
+class AsksOnly(nn.Module):
+    """Reads whether a job is up and computes the same either way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank = 0 if not dist.is_initialized() else 0
+        return self.b(torch.relu(self.a(x))) + rank
+
+
+@contextmanager
+def job_of_one() -> Iterator[None]:
+    """A gloo process group of one rank, in this process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _split(model: nn.Module, trace: str) -> torch.fx.GraphModule:
+    split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace=trace, mode="weights")
+    assert len(set(split.meta["fxsplit_plan"].param_devices.values())) == 2
+    return split
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_planned_outside_a_job_it_refuses_to_run_in_one(trace: str) -> None:
+    torch.manual_seed(0)
+    model = GathersInAJob()
+    reference = GathersInAJob()
+    reference.load_state_dict(model.state_dict())
+    split = _split(model, trace)
+    assert split.mode_read.distributed is False
+    outside = reference(X)
+    assert torch.allclose(split(X), outside)
+    with job_of_one():
+        assert not torch.allclose(reference(X), outside)  # the model computes other code in a job
+        with pytest.raises(FxsplitError, match=r"traced with torch.distributed not initialized") as info:
+            split(X)
+        said = str(info.value)
+        assert "test_distributed_reads.py" in said and "init_process_group" in said
+    assert torch.allclose(split(X), reference(X))  # outside a job again
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_planned_in_a_job_it_computes_the_job_s_branch_and_refuses_outside(trace: str) -> None:
+    torch.manual_seed(0)
+    model = GathersInAJob()
+    reference = GathersInAJob()
+    reference.load_state_dict(model.state_dict())
+    with job_of_one():
+        split = _split(model, trace)
+        assert split.mode_read.distributed is True
+        assert torch.allclose(split(X), reference(X))
+    with pytest.raises(FxsplitError, match=r"traced with torch.distributed initialized"):
+        split(X)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_read_that_changes_nothing_leaves_the_split_free(trace: str) -> None:
+    torch.manual_seed(0)
+    split = _split(AsksOnly(), trace)
+    assert getattr(split, "mode_read", None) is None and MODE_READS not in split.meta
+    with job_of_one():
+        split(X)
+
+
+def test_the_function_is_torch_s_after_tracing() -> None:
+    real = dist.is_initialized
+    _split(GathersInAJob(), "export")
+    assert dist.is_initialized is real
