@@ -40,12 +40,15 @@ class Conversions:
         converters: its merging transforms.
         prefix: the model's ``base_model_prefix`` (added to or dropped from a name when that fits the model).
         config: the model's config (some operations read it).
+        model: the model (some operations read its parameters' shapes: transformers' ``Split`` cuts a fused
+            tensor into pieces the size of the parameters it fills).
     """
 
     renamings: tuple[Any, ...]
     converters: tuple[Any, ...]
     prefix: str
     config: Any
+    model: Any = None
 
 
 def conversions_of(model: torch.nn.Module) -> Conversions | None:
@@ -67,6 +70,7 @@ def conversions_of(model: torch.nn.Module) -> Conversions | None:
         converters=tuple(t for t in transforms if isinstance(t, WeightConverter)),
         prefix=str(getattr(model, "base_model_prefix", "") or ""),
         config=model.config,
+        model=model,
     )
 
 
@@ -87,12 +91,13 @@ class MergedTable(TableOfContents):
     pieces: dict[str, Entry] = field(default_factory=dict)  # checkpoint key -> entry, for the merged tensors' parts
     merges: dict[str, _Merge] = field(default_factory=dict)  # model name -> the merge that makes it
     config: Any = None
+    model: Any = None
 
     def read(self, name: str) -> torch.Tensor:
         merge = self.merges.get(name)
         if merge is None:
             return super().read(name)
-        return _convert(merge, self._piece, self.config)[name]
+        return _convert(merge, self._piece, self.config, self.model)[name]
 
     def mappable(self, name: str) -> bool:
         return name not in self.merges and super().mappable(name)
@@ -139,9 +144,9 @@ def model_names(table: TableOfContents, conversions: Conversions | None, names: 
             pieces[key] = entry
     if not merges and not any(e.key for e in entries.values()):  # every name is the model's already
         return table
-    merged = MergedTable(table.path, entries, table.files, problems, pieces, {}, conversions.config)
+    merged = MergedTable(table.path, entries, table.files, problems, pieces, {}, conversions.config, conversions.model)
     for merge in merges.values():
-        shapes = _convert(merge, lambda key: _on_meta(pieces[key]), conversions.config)
+        shapes = _convert(merge, lambda key: _on_meta(pieces[key]), conversions.config, conversions.model)
         first = pieces[merge.sources[0][0]]
         size = sum(pieces[key].nbytes for key, _ in merge.sources)
         for made, tensor in shapes.items():  # one merge may make several of the model's tensors
@@ -182,10 +187,10 @@ def _on_meta(entry: Entry) -> torch.Tensor:
     return torch.empty(entry.shape, dtype=entry.dtype or torch.uint8, device="meta")
 
 
-def _convert(merge: _Merge, read: Any, config: Any) -> dict[str, torch.Tensor]:
+def _convert(merge: _Merge, read: Any, config: Any, model: Any) -> dict[str, torch.Tensor]:
     """The tensors ``merge`` makes, by their model names, from its pieces as ``read`` gives them."""
     converter = copy.deepcopy(merge.converter)
     for key, pattern in merge.sources:
         converter.add_tensor(merge.target, key, pattern, lambda key=key: read(key))
-    made = converter.convert(merge.target, config=config)
+    made = converter.convert(merge.target, model=model, config=config)
     return {target: value[0] if isinstance(value, list) else value for target, value in made.items()}
