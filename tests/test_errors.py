@@ -61,6 +61,35 @@ def test_one_parameter_larger_than_every_device_is_named() -> None:
     assert f"short by 352 B ({big - 4000} bytes)" in message
 
 
+class UnreadTable(nn.Module):
+    """A 256 KiB table ``forward`` never reads beside two small layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Embedding(1024, 64)
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_weight_no_op_reads_is_charged_no_gradient_when_it_does_not_fit() -> None:
+    """Found by a sweep of Hugging Face models (LUKE's entity table): in training, a weight no op reads gets no
+    gradient and no optimizer state, and plans charge it none, but the error for budgets too small for it said
+    the model needed them (here 4 x its 256 KiB, "short by" more than the whole model) and pointed at the
+    gradients. It now names the unread tensor and what the budgets leave."""
+    model = UnreadTable()
+    alone = fxsplit.plan(model, {"cpu:0": 1 << 30}, example_inputs=X, mode="training")
+    assert alone.memory["cpu:0"]["grads"] == 2 * LINEAR  # the two layers' only
+    each = int(0.95 * alone.memory["cpu:0"]["total"])  # together more than the model, each less than the table
+    with pytest.raises(fxsplit.BudgetError) as info:
+        fxsplit.plan(model, {"cpu:0": each, "cpu:1": each}, example_inputs=X, mode="training")
+    message = str(info.value)
+    assert "the tensors no op of the graph reads (256.00 KiB: 'unused.weight' 256.00 KiB) do not fit" in message
+    assert f"gradients {2 * LINEAR / 1024:.2f} KiB" in message, message  # the whole model's, in the summary
+    assert "adding the gradients" not in message
+
+
 def test_same_errors_from_fxsplit_and_from_fx_tracing() -> None:
     for kwargs in ({"example_inputs": X}, {"trace": "fx"}):
         with pytest.raises(fxsplit.BudgetError, match=rf"short by .* \({3 * LINEAR - 2000} bytes\)"):

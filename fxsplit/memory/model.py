@@ -279,9 +279,11 @@ class MemoryModel:
         totals = dict.fromkeys(COMPONENTS, 0)
         for weight in [*self.costs.weights, *self.costs.unused]:
             totals["buffers" if weight.is_buffer else "params"] += weight.nbytes
-            grads, state = self.state_bytes(weight.names[0], weight.nbytes)
-            totals["grads"] += grads
-            totals["optimizer"] += state
+        for weight, index in zip(self.costs.weights, self.costs.weight_values, strict=True):
+            if index >= 0:  # a weight no op reads gets no gradient, so no optimizer state (as usage() counts)
+                grads, state = self.state_bytes(weight.names[0], weight.nbytes)
+                totals["grads"] += grads
+                totals["optimizer"] += state
         if self.profile is not None:
             extra, transient = planning_loads(self.planned_profile)
             kept = (2 * self.chunks - 1) * sum(self._outputs().values()) if self._keeps_outputs else 0
