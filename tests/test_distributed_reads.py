@@ -69,12 +69,18 @@ def _split(model: nn.Module, trace: str) -> torch.fx.GraphModule:
     return split
 
 
-@pytest.mark.parametrize("trace", ["fx", "export"])
-def test_planned_outside_a_job_it_refuses_to_run_in_one(trace: str) -> None:
+def _model_and_copy() -> tuple[GathersInAJob, GathersInAJob]:
+    """The model to split, and an unsplit copy of it (the split moves the model's weights)."""
     torch.manual_seed(0)
     model = GathersInAJob()
     reference = GathersInAJob()
     reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_planned_outside_a_job_it_refuses_to_run_in_one(trace: str) -> None:
+    model, reference = _model_and_copy()
     split = _split(model, trace)
     assert split.mode_read.distributed is False
     outside = reference(X)
@@ -90,10 +96,7 @@ def test_planned_outside_a_job_it_refuses_to_run_in_one(trace: str) -> None:
 
 @pytest.mark.parametrize("trace", ["fx", "export"])
 def test_planned_in_a_job_it_computes_the_job_s_branch_and_refuses_outside(trace: str) -> None:
-    torch.manual_seed(0)
-    model = GathersInAJob()
-    reference = GathersInAJob()
-    reference.load_state_dict(model.state_dict())
+    model, reference = _model_and_copy()
     with job_of_one():
         split = _split(model, trace)
         assert split.mode_read.distributed is True
