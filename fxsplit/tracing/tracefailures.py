@@ -64,10 +64,11 @@ def export_message(error: BaseException, scripted: list[str] | None = None) -> s
         if "expert" in where.rpartition(": ")[2].lower():
             hint += (
                 "it looks like a mixture-of-experts layer running the experts its router picked, which depend on "
-                "the routing. Compute every expert in one graph instead: Hugging Face models do with "
+                "the routing. Compute every expert in one graph instead: Hugging Face models that offer it do with "
                 "experts_implementation='grouped_mm' (transformers 5's default) or 'batched_mm', given to "
-                "from_pretrained(...) or from_config(...); elsewhere, run each expert on all tokens and weight "
-                "its output by the router's (zero where not picked)"
+                "from_pretrained(...) or from_config(...); otherwise run each expert on all tokens and weight "
+                "its output by the router's (zero where not picked), or under trace='fx' make the layer a leaf "
+                "module (leaf_modules=[...]), which runs as written"
             )
         else:
             hint += (
