@@ -10,7 +10,7 @@ branch, silently. The read is now noted like the grad mode's (:mod:`fxsplit.trac
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -118,3 +118,29 @@ def test_the_function_is_torch_s_after_tracing() -> None:
     real = dist.is_initialized
     _split(GathersInAJob(), "export")
     assert dist.is_initialized is real
+
+
+def test_torch_s_own_code_gets_the_true_answer_while_the_model_s_is_flipped() -> None:
+    """To see whether a graph depends on the answer, the model is traced again with the model's code told the
+    other one. torch's logging also asks, then asks for the rank, which fails outside a job: told the other answer
+    too, it failed that trace, and a model whose graph depends on nothing was refused in a job (a full test run
+    met it)."""
+    import os
+
+    from fxsplit.tracing import modereads
+
+    inside_torch = os.path.join(os.path.dirname(torch.__file__), "_logging", "asks.py")
+    namespace: dict[str, object] = {"torch": torch}
+    exec(compile("def ask():\n    return torch.distributed.is_initialized()\n", inside_torch, "exec"), namespace)  # noqa: S102
+    seen: dict[str, bool] = {}
+    real = dist.is_initialized
+
+    def traced_under(flip: Callable[[], None]) -> str:
+        flip()
+        seen["torch"] = namespace["ask"]()  # type: ignore[operator]
+        seen["model"] = torch.distributed.is_initialized()
+        return "the same graph"
+
+    assert not modereads._differs_distributed("the same graph", traced_under)
+    assert seen == {"torch": False, "model": True}
+    assert dist.is_initialized is real  # put back

@@ -210,10 +210,15 @@ def modes_fixed(reads: Reads, key: object, traced_under: Callable[[Callable[[], 
 
 
 def _differs_distributed(key: object, traced_under: Callable[[Callable[[], None]], object]) -> bool:
-    """Whether the graph traced with ``torch.distributed.is_initialized()`` answering the other way differs (the
-    other branch of a model in a job calls collectives, which fail outside one: it differs then)."""
+    """Whether the graph traced with ``torch.distributed.is_initialized()`` answering the other way to the model's
+    code differs (the other branch of a model in a job calls collectives, which fail outside one: it differs then).
+    torch's machinery still gets the true answer: its logging asks, and then asks for the rank."""
     real, other = torch.distributed.is_initialized, not distributed_initialized()
-    torch.distributed.is_initialized = lambda: other
+
+    def flipped() -> bool:
+        return real() if internal_code(sys._getframe(1).f_code.co_filename) else other
+
+    torch.distributed.is_initialized = flipped
     try:
         return _differs(key, traced_under, lambda: None)
     finally:
