@@ -6,7 +6,8 @@
 * :mod:`~fxsplit.planning.yamlio`: plans to and from YAML; :mod:`~fxsplit.planning.ranges` names runs of modules.
 * :mod:`~fxsplit.planning.rules`: what a plan must say about itself to be used.
 * :mod:`~fxsplit.planning.fingerprint`: a model's structure as a short hash.
-* :mod:`~fxsplit.planning.apply`: use a saved plan: re-trace, check, emit without solving;
+* :mod:`~fxsplit.planning.apply`: use a saved plan: re-trace (:mod:`~fxsplit.planning.retrace`), check, emit
+  without solving;
   :mod:`~fxsplit.planning.graphcheck` checks it against the re-traced graph (budgets, storage, cuts, output).
 * :mod:`~fxsplit.planning.offload`: plans that store what the devices cannot hold and stream it in.
 * :mod:`~fxsplit.planning.devicemap` reads an Accelerate device map and places ops around fixed weights;
