@@ -279,6 +279,7 @@ def fxsplit(
     example_inputs: Any = None,
     checkpoint: Any = None,
     progress: bool | None = None,
+    strict: bool = True,
     **options: Any,
 ) -> torch.fx.GraphModule | Pipeline:
     """Split ``model`` over devices under per-device memory budgets.
@@ -344,6 +345,10 @@ def fxsplit(
         progress: on stderr, the time spent tracing and planning and a
             progress bar while loading: None (default) on a terminal only,
             True always, False never.
+        strict: with ``checkpoint``, False loads what fits: the checkpoint's tensors the model lacks are
+            skipped; the model's tensors it lacks keep their values, or on ``meta`` are initialized as the model
+            initializes them (a Hugging Face model's ``_init_weights``, else ``reset_parameters()``); a warning
+            lists both (docs/CHECKPOINTS.md).
 
     Returns:
         The split ``torch.fx.GraphModule``. Call it like ``model``. With
@@ -376,7 +381,7 @@ def fxsplit(
             return _2
     """
     model = unwrapped(model)
-    loading = prepare(model, checkpoint, progress)  # checks the checkpoint before the (long) trace
+    loading = prepare(model, checkpoint, progress, strict)  # checks the checkpoint before the (long) trace
     with CastForLoad(model, checkpoint is not None) as cast:  # cast to the plan's dtype; undone if the call fails
         with StageTimer(enabled=progress).stage("fxsplit: tracing and planning"):
             planned = trace_and_plan(model, budgets, example_inputs, options, runnable=True, cast=cast)

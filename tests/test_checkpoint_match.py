@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fxsplit.checkpoint.formats import Entry, TableOfContents
-from fxsplit.checkpoint.match import Slot, match
+from fxsplit.checkpoint.match import Slot, match, unmatched
 from fxsplit.errors import CheckpointError
 
 FILE = Path("/ckpt/model.safetensors")
@@ -83,7 +83,12 @@ def test_every_problem_is_listed_with_its_file_and_a_summary() -> None:
         "checkpoint '/ckpt' does not fit the model (1 duplicate, 2 missing, 1 shape, 2 dtype, 1 unexpected); "
         "nothing was loaded:\n"
     )
-    assert message.endswith("check that the model was built from the checkpoint's own config")
+    assert message.endswith(
+        "check that the model was built from the checkpoint's own config\nto load what fits anyway (a base "
+        "model's checkpoint into a model with a new head, a whole model's into its encoder), pass strict=False: "
+        "tensors the model lacks are skipped, tensors the checkpoint lacks are initialized as the model initializes "
+        "them; both are listed in a warning"
+    )
     assert isinstance(error, ValueError)
 
 
@@ -105,3 +110,18 @@ def test_names_off_by_a_prefix_get_a_hint() -> None:
     )
     unrelated = problems_of([slot("a.weight")], table(entry("b.weight", (2, 2))))
     assert "names start with" not in str(unrelated)
+
+
+def test_strict_false_lets_missing_and_extra_tensors_through_and_checks_the_rest() -> None:
+    slots = [slot("a"), slot("head.weight"), slot("cache", shape=(3,), persistent=False), slot("b")]
+    contents = table(entry("a", (2, 2)), entry("b", (2, 3)), entry("pooler.weight", (4,)))
+    error = problems_of(slots, contents, strict=False)
+    assert error.problems == (  # a shape and a meta buffer are still problems; 'head.weight' and 'pooler.weight' not
+        "meta buffer: 'cache' (float32[3]) is on the meta device and no checkpoint holds it (a non-persistent "
+        "buffer, computed when the module is built)",
+        "shape: 'b' is float32[2, 3] in 'model.safetensors', float32[2, 2] in the model",
+    )
+    fine = [slot("a"), slot("head.weight"), Slot(("cache",), torch.zeros(3), False)]  # a real buffer, not saved
+    assert [m.slot.names[0] for m in match(fine, contents, strict=False)] == ["a"]
+    missing, extra = unmatched(fine, contents, also_known=["b"])
+    assert [s.names[0] for s in missing] == ["head.weight"] and extra == ["pooler.weight"]

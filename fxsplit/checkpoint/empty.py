@@ -1,4 +1,5 @@
-"""Build a model without memory for its weights: parameters on ``meta``, buffers for real.
+"""Build a model without memory for its weights: parameters on ``meta``, buffers for real; put real tensors in
+the place of meta ones (:func:`tensor_like`, :func:`replace_held`).
 
 ``with torch.device("meta")`` puts *everything* on meta, buffers included; a
 buffer that the module computes when it is built and never saves (a rotary
@@ -16,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["empty_weights"]
+__all__ = ["empty_weights", "replace_held", "tensor_like"]
 
 _LOCK = threading.RLock()  # one patch at a time; nesting in one thread is fine
 
@@ -63,3 +64,20 @@ def tensor_like(old: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
         new = torch.nn.Parameter(data, requires_grad=old.requires_grad)
     new.__dict__.update(old.__dict__)
     return new
+
+
+def replace_held(holders: list[torch.nn.Module], replacements: dict[int, torch.Tensor]) -> None:
+    """Put each replacement wherever a module of ``holders`` holds the tensor it replaces."""
+    seen: set[int] = set()
+    for holder in holders if replacements else ():
+        for module in holder.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for registry in (module._parameters, module._buffers):
+                for key, value in list(registry.items()):
+                    if value is not None and id(value) in replacements:
+                        registry[key] = replacements[id(value)]  # type: ignore[assignment]
+            for key, value in list(vars(module).items()):  # plain tensor attributes (graph constants)
+                if isinstance(value, torch.Tensor) and id(value) in replacements:
+                    setattr(module, key, replacements[id(value)])

@@ -26,15 +26,16 @@ from typing import Any, Callable, Iterable, Iterator, Union
 import torch
 
 from fxsplit.attrpath import attr_at
-from fxsplit.checkpoint.empty import tensor_like
+from fxsplit.checkpoint.empty import replace_held, tensor_like
 from fxsplit.checkpoint.formats import TableOfContents, read_table
-from fxsplit.checkpoint.match import Match, Slot, match
+from fxsplit.checkpoint.initmissing import check_initializable, initialize_missing, warn_loose
+from fxsplit.checkpoint.match import Match, Slot, match, unmatched
 from fxsplit.checkpoint.progress import Progress
 from fxsplit.checkpoint.renamed import conversions_of, model_names
 from fxsplit.checkpoint.write import store_on_disk
 from fxsplit.cost.build import Weight, model_tensors
 from fxsplit.cost.walk import named_tensors
-from fxsplit.errors import CheckpointError
+from fxsplit.errors import CheckpointError, SpecError
 from fxsplit.planning.plan import Plan
 
 __all__ = ["CONVERSIONS", "ModelLoad", "NON_PERSISTENT", "load_checkpoint", "prepare", "remember_non_persistent"]
@@ -108,13 +109,14 @@ class ModelLoad:
     seconds, before a long trace.
     """
 
-    def __init__(self, model: torch.nn.Module, checkpoint: PathLike, progress: bool | None) -> None:
-        self.model = model
-        self.progress = progress
+    def __init__(
+        self, model: torch.nn.Module, checkpoint: PathLike, progress: bool | None, strict: bool = True
+    ) -> None:
+        self.model, self.progress, self.strict = model, progress, strict
         self.slots = slots_of([model], non_persistent_names(model))
         names = {name for slot in self.slots for name in slot.names}
         self.table = model_names(read_table(checkpoint), conversions_of(model), names)
-        match(self.slots, self.table)  # fail early; matched again on load, against the traced graph too
+        match(self.slots, self.table, strict=strict)  # fail early; matched again on load, against the traced graph
 
     @contextlib.contextmanager
     def onto(self, plan: Plan, traced: torch.nn.Module) -> Iterator[Loaded]:
@@ -126,14 +128,28 @@ class ModelLoad:
         graph_only = [s for s in slots_of([traced], frozenset()) if id(s.tensor) not in ours]
         for slot in graph_only:  # constants the trace made: no checkpoint has them
             slot.persistent = False
+        holders = [self.model, traced]
         try:
-            found = match([*self.slots, *graph_only], self.table)
-            undo = _load(found, self.table, plan, [self.model, traced], self.progress)
+            found = match([*self.slots, *graph_only], self.table, strict=self.strict)
+            missing, skipped = unmatched(self.slots, self.table) if not self.strict else ([], [])
+            fresh = [slot for slot in missing if slot.tensor.device.type == "meta"]  # real ones keep their values
+            homes = [_home(slot, plan) for slot in fresh]
+            check_initializable(self.model, fresh, homes)
+            undo = _load(found, self.table, plan, holders, self.progress)
         finally:
             self.table.close()
         try:
-            yield Loaded(frozenset(name for item in found for name in item.slot.names))
+            made, undo_made = initialize_missing(self.model, fresh, homes, [_dtype(s, plan) for s in fresh], holders)
         except BaseException:
+            undo()
+            raise
+        if missing or skipped:
+            warn_loose(str(self.table.path), skipped, missing, made)
+        try:
+            names = [item.slot.names for item in found] + [slot.names for slot in fresh]
+            yield Loaded(frozenset(name for group in names for name in group))
+        except BaseException:
+            undo_made()
             undo()  # a failed call leaves the model as it was
             raise
 
@@ -156,8 +172,11 @@ class _NoCheckpoint:
         return contextlib.nullcontext(Loaded())
 
 
-def prepare(model: Any, checkpoint: PathLike | bool | None, progress: bool | None) -> ModelLoad | _NoCheckpoint:
+def prepare(
+    model: Any, checkpoint: PathLike | bool | None, progress: bool | None, strict: bool = True
+) -> ModelLoad | _NoCheckpoint:
     """What ``fxsplit``/``apply`` load once planned: the checked checkpoint, or nothing (None, False).
+    ``strict=False``: see :func:`fxsplit.fxsplit`.
 
     Raises:
         CheckpointError: the checkpoint is not there or does not fit the model.
@@ -166,10 +185,14 @@ def prepare(model: Any, checkpoint: PathLike | bool | None, progress: bool | Non
         return _NoCheckpoint()  # not a module: the caller's own check says so
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint must be a path to a file or directory (got {type(checkpoint).__name__})")
-    return ModelLoad(model, checkpoint, progress)
+    if not isinstance(strict, bool):
+        raise SpecError(f"strict must be True or False (got {strict!r})")
+    return ModelLoad(model, checkpoint, progress, strict)
 
 
-def load_checkpoint(split: torch.nn.Module, checkpoint: PathLike, *, progress: bool | None = None) -> None:
+def load_checkpoint(
+    split: torch.nn.Module, checkpoint: PathLike, *, progress: bool | None = None, strict: bool = True
+) -> None:
     """Load ``checkpoint`` into a split, each tensor straight onto the device its plan chose.
 
     ``split`` is what :func:`fxsplit.fxsplit` or :func:`fxsplit.apply` returned
@@ -188,6 +211,9 @@ def load_checkpoint(split: torch.nn.Module, checkpoint: PathLike, *, progress: b
             or a directory written by ``save_pretrained`` (sharded or not).
         progress: draw a progress bar on stderr: None (default) when stderr is
             a terminal, True always, False never.
+        strict: False: skip the checkpoint's tensors the split does not hold, and keep the values of its real
+            tensors the checkpoint lacks (both listed in a warning); its meta ones need the model to be
+            initialized: load with ``fxsplit.fxsplit(..., checkpoint=..., strict=False)`` instead.
 
     Raises:
         CheckpointError: the checkpoint does not fit the split (every problem
@@ -209,10 +235,14 @@ def load_checkpoint(split: torch.nn.Module, checkpoint: PathLike, *, progress: b
     names = {name for slot in slots for name in slot.names} | set(plan.tensors)
     table = model_names(read_table(checkpoint), meta.get(CONVERSIONS), names)
     try:
-        found = match(slots, table, also_known=plan.tensors)
+        found = match(slots, table, also_known=plan.tensors, strict=strict)
+        missing, skipped = unmatched(slots, table, also_known=plan.tensors) if not strict else ([], [])
+        check_initializable(None, [slot for slot in missing if slot.tensor.device.type == "meta"], [])
         _load(found, table, plan, holders, progress)  # nothing fails after the commit: no undo needed
     finally:
         table.close()
+    if missing or skipped:
+        warn_loose(str(table.path), skipped, missing, {})
 
 
 def _with_tied(slots: list[Slot], tied: tuple[tuple[str, ...], ...]) -> list[Slot]:
@@ -357,30 +387,13 @@ def _commit(found: list[Match], loaded: list[torch.Tensor], holders: list[torch.
             old.data = tensor
             if old.grad is not None and old.grad.device != tensor.device:
                 old.grad = old.grad.to(tensor.device)
-    _replace(holders, replacements)
+    replace_held(holders, replacements)
 
     def undo() -> None:
-        _replace(holders, originals)
+        replace_held(holders, originals)
         with torch.no_grad():
             for tensor, data, grad in previous:
                 tensor.data = data
                 tensor.grad = grad
 
     return undo
-
-
-def _replace(holders: list[torch.nn.Module], replacements: dict[int, torch.Tensor]) -> None:
-    """Put each replacement wherever a module of ``holders`` holds the tensor it replaces."""
-    seen: set[int] = set()
-    for holder in holders if replacements else ():
-        for module in holder.modules():
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            for registry in (module._parameters, module._buffers):
-                for key, value in list(registry.items()):
-                    if value is not None and id(value) in replacements:
-                        registry[key] = replacements[id(value)]  # type: ignore[assignment]
-            for key, value in list(vars(module).items()):  # plain tensor attributes (graph constants)
-                if isinstance(value, torch.Tensor) and id(value) in replacements:
-                    setattr(module, key, replacements[id(value)])

@@ -6,7 +6,9 @@ that fills it, from the headers alone, and raises one
 :class:`~fxsplit.errors.CheckpointError` naming everything that does not fit:
 tensors missing from the checkpoint, tensors the model does not have, shapes
 and dtypes that differ, buffers on ``meta`` that no checkpoint can fill. Like
-``load_state_dict(strict=True)``, with the file each tensor came from.
+``load_state_dict(strict=True)``, with the file each tensor came from. With ``strict=False``, tensors the model
+lacks and tensors the checkpoint lacks are no problem (:func:`unmatched` names them: the caller skips the first
+and initializes the second, :mod:`~fxsplit.checkpoint.initmissing`); every other check holds.
 
 Dtypes: a floating tensor may be stored in any floating dtype (it is
 converted when read); any other dtype must be the model's.
@@ -24,7 +26,7 @@ from fxsplit.checkpoint.formats import Entry, TableOfContents
 from fxsplit.errors import CheckpointError
 from fxsplit.planning.fingerprint import tensor_signature
 
-__all__ = ["Match", "Slot", "match"]
+__all__ = ["Match", "Slot", "match", "unmatched"]
 
 _SHOWN = 20
 
@@ -53,11 +55,14 @@ class Match:
     entry: Entry
 
 
-def match(slots: list[Slot], table: TableOfContents, *, also_known: Iterable[str] = ()) -> list[Match]:
+def match(
+    slots: list[Slot], table: TableOfContents, *, also_known: Iterable[str] = (), strict: bool = True
+) -> list[Match]:
     """Pair every slot the checkpoint holds with its entry; raise if anything does not fit.
 
     ``also_known``: names the checkpoint may hold although no slot takes them
     (tensors of the model that the split does not hold); they are not loaded.
+    ``strict=False``: a slot the checkpoint does not hold, or an entry no slot takes, is not a problem.
 
     Raises:
         CheckpointError: every problem found, with its file; nothing is read.
@@ -71,11 +76,12 @@ def match(slots: list[Slot], table: TableOfContents, *, also_known: Iterable[str
         used.update(present)
         if not present:
             if slot.persistent:
-                missing.append(slot.names[0])
-                problems.append(
-                    f"missing: '{slot.names[0]}' ({tensor_signature(slot.tensor)}){_tied(slot)} is not "
-                    "in the checkpoint"
-                )
+                if strict:
+                    missing.append(slot.names[0])
+                    problems.append(
+                        f"missing: '{slot.names[0]}' ({tensor_signature(slot.tensor)}){_tied(slot)} is not "
+                        "in the checkpoint"
+                    )
             elif slot.tensor.device.type == "meta":
                 problems.append(
                     f"meta buffer: '{slot.names[0]}' ({tensor_signature(slot.tensor)}) is on the meta "
@@ -87,13 +93,23 @@ def match(slots: list[Slot], table: TableOfContents, *, also_known: Iterable[str
             problems += _fit(slot, table.entries[name])
         found.append(Match(slot, table.entries[present[0]]))
     known = used | set(also_known)
-    unexpected = [e for name, e in table.entries.items() if name not in known]
+    unexpected = [e for name, e in table.entries.items() if name not in known] if strict else []
     problems += [
         f"unexpected: '{e.name}' ({_signature(e)}) in '{e.file.name}' is not a tensor of the model" for e in unexpected
     ]
     if problems:
         raise CheckpointError(_message(table, problems, missing, [e.name for e in unexpected]), tuple(problems))
     return found
+
+
+def unmatched(
+    slots: list[Slot], table: TableOfContents, *, also_known: Iterable[str] = ()
+) -> tuple[list[Slot], list[str]]:
+    """The slots a checkpoint should fill and does not hold (parameters and persistent buffers), and the names
+    it holds that no slot takes (nor ``also_known``): what ``strict=False`` lets through."""
+    missing = [slot for slot in slots if slot.persistent and not any(n in table.entries for n in slot.names)]
+    known = {name for slot in slots for name in slot.names}.union(also_known)
+    return missing, [name for name in table.entries if name not in known]
 
 
 def _tied(slot: Slot) -> str:
@@ -152,6 +168,12 @@ def _fixes(kinds: Counter[str], missing: list[str], unexpected: list[str]) -> li
         )
     if kinds.get("shape") or kinds.get("missing") or kinds.get("unexpected"):
         fixes.append("check that the model was built from the checkpoint's own config")
+    if kinds.get("missing") or kinds.get("unexpected"):
+        fixes.append(
+            "to load what fits anyway (a base model's checkpoint into a model with a new head, a whole model's into "
+            "its encoder), pass strict=False: tensors the model lacks are skipped, tensors the checkpoint lacks "
+            "are initialized as the model initializes them; both are listed in a warning"
+        )
     return fixes
 
 

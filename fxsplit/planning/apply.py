@@ -56,6 +56,7 @@ def apply(
     example_inputs: Any = None,
     checkpoint: Any = None,
     progress: bool | None = None,
+    strict: bool = True,
     offload_dir: Any = None,
     pipeline: None = None,
     **options: Any,
@@ -70,6 +71,7 @@ def apply(
     example_inputs: Any = None,
     checkpoint: Any = None,
     progress: bool | None = None,
+    strict: bool = True,
     offload_dir: Any = None,
     pipeline: PipelineConfig | Mapping[str, Any] | int,
     **options: Any,
@@ -83,6 +85,7 @@ def apply(
     example_inputs: Any = None,
     checkpoint: Any = None,
     progress: bool | None = None,
+    strict: bool = True,
     offload_dir: Any = None,
     pipeline: Any = None,
     **options: Any,
@@ -107,6 +110,7 @@ def apply(
             gives a split with meta weights, for :func:`fxsplit.load_checkpoint`).
         progress: on stderr, the time spent tracing and a progress bar while
             loading (None: on a terminal only).
+        strict: with ``checkpoint``, False loads what fits, as for :func:`fxsplit.fxsplit`.
         offload_dir: where to write the weights the plan stores on disk
             (default: the plan's ``offload["dir"]``), for a plan made on
             another machine; the split's plan records it.
@@ -157,7 +161,7 @@ def apply(
     if offload_dir is not None:
         plan = dataclasses.replace(plan, offload={**plan.offload, "dir": os.fspath(offload_dir)})
     require_usable([*plan.devices, plan.output_device], plan.budgets)
-    loading = prepare(model, checkpoint, progress)
+    loading = prepare(model, checkpoint, progress, strict)
     with CastForLoad(model, checkpoint is not None) as cast:  # as the checkpoint fills it; undone if the call fails
         cast(plan.dtype)
         with StageTimer(enabled=progress).stage("fxsplit: tracing and checking the plan"):
