@@ -1,8 +1,7 @@
 """``strict=False``: a checkpoint that holds more or fewer tensors than the model, loaded as far as it fits.
 
 The cases users meet: a base model's checkpoint loaded into a model with a new
-head (fine-tuning), a whole encoder-decoder's into its encoder, a checkpoint
-with a head the model lacks. Tensors the model lacks are skipped; tensors the
+head (fine-tuning), a checkpoint with a head the model lacks. Tensors the model lacks are skipped; tensors the
 checkpoint lacks keep their values (a real model) or, on ``meta``, are made on
 their planned device and initialized as the model initializes them (a Hugging
 Face model's ``_init_weights``, else ``reset_parameters()``); a warning lists
@@ -272,20 +271,22 @@ def test_a_base_models_checkpoint_fills_a_hugging_face_model_with_a_new_head(tmp
     assert torch.equal(split(**ids).logits, reference(**ids).logits)
 
 
-def test_a_whole_encoder_decoders_checkpoint_fills_its_encoder(tmp_path: Path) -> None:
-    config = transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+def test_a_classifiers_checkpoint_fills_its_base_model(tmp_path: Path) -> None:
+    config = _bert_config()
     torch.manual_seed(0)
-    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path)
-    reference = transformers.T5EncoderModel.from_pretrained(tmp_path).eval()
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path)
+    reference = transformers.BertModel.from_pretrained(tmp_path).eval()
     with fxsplit.empty_weights():
-        model = transformers.T5EncoderModel(config).eval()
+        model = transformers.BertModel(config).eval()
     ids = {"input_ids": torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(3))}
     need = sum(fxsplit.plan(model, {"cpu:0": "1GiB"}, example_kwargs=ids, mode="weights").device_bytes.values())
     budgets = {"cpu:0": int(0.6 * need), "cpu:1": int(0.6 * need)}
+    with pytest.raises(CheckpointError, match="unexpected: 'classifier.bias'"):
+        fxsplit.fxsplit(model, budgets, example_kwargs=ids, checkpoint=tmp_path, mode="weights")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        split = fxsplit.fxsplit(model, budgets, example_kwargs=ids, checkpoint=tmp_path, strict=False, mode="weights")
+        split = fxsplit.fxsplit(model, budgets, example_kwargs=ids, checkpoint=tmp_path, mode="weights", strict=False)
     said = [str(w.message) for w in caught if issubclass(w.category, FxsplitWarning)]
-    assert any("of its tensors are not the model's and were not loaded: 'decoder." in s for s in said), said
+    assert any("2 of its tensors are not the model's and were not loaded: 'classifier." in s for s in said), said
     assert len(set(split.meta["fxsplit_plan"].param_devices.values())) == 2
     assert torch.equal(split(**ids).last_hidden_state, reference(**ids).last_hidden_state)

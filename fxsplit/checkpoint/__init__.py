@@ -4,6 +4,7 @@
 * :mod:`~fxsplit.checkpoint.match`: check a checkpoint against the tensors to fill.
 * :mod:`~fxsplit.checkpoint.renamed`: a Hugging Face checkpoint under the model's names (transformers' conversions).
 * :mod:`~fxsplit.checkpoint.load`: read each tensor onto its device, then commit.
+* :mod:`~fxsplit.checkpoint.unsaved`: what a transformers model's checkpoints may lack or hold besides (its lists).
 * :mod:`~fxsplit.checkpoint.initmissing`: with ``strict=False``, the tensors a checkpoint lacks made on their devices
   and initialized as the model initializes them.
 * :mod:`~fxsplit.checkpoint.empty`: build a model with its parameters on meta.

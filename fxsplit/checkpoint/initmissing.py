@@ -156,7 +156,13 @@ def _unset(tensor: torch.Tensor) -> bool:
 
 
 def warn_loose(path: str, skipped: Sequence[str], missing: Sequence[Slot], made: dict[str, str]) -> None:
-    """Warn what a ``strict=False`` load skipped, initialized (``made``: name -> initializer) and left as it was."""
+    """Warn what a ``strict=False`` load skipped, initialized (``made``: name -> initializer) and left as it was;
+    nothing of what the model's checkpoints may lack (:attr:`~fxsplit.checkpoint.match.Slot.optional`)."""
+    missing = [slot for slot in missing if not slot.optional]
+    told = {slot.names[0] for slot in missing}
+    made = {name: how for name, how in made.items() if name in told}
+    if not skipped and not missing:
+        return
     parts = []
     if skipped:
         parts.append(f"{len(skipped)} of its tensors are not the model's and were not loaded: {_some(skipped)}")

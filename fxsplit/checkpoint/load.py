@@ -21,7 +21,7 @@ import contextlib
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Union
+from typing import Any, Callable, Iterator, Union
 
 import torch
 
@@ -29,16 +29,25 @@ from fxsplit.attrpath import attr_at
 from fxsplit.checkpoint.empty import replace_held, tensor_like
 from fxsplit.checkpoint.formats import TableOfContents, read_table
 from fxsplit.checkpoint.initmissing import check_initializable, initialize_missing, warn_loose
-from fxsplit.checkpoint.match import Match, Slot, match, unmatched
+from fxsplit.checkpoint.match import Match, Slot, match, non_persistent_names, slots_of, unmatched, with_tied
 from fxsplit.checkpoint.progress import Progress
 from fxsplit.checkpoint.renamed import conversions_of, model_names
+from fxsplit.checkpoint.unsaved import Gaps, gaps_of
 from fxsplit.checkpoint.write import store_on_disk
-from fxsplit.cost.build import Weight, model_tensors
+from fxsplit.cost.build import Weight
 from fxsplit.cost.walk import named_tensors
 from fxsplit.errors import CheckpointError, SpecError
 from fxsplit.planning.plan import Plan
 
-__all__ = ["CONVERSIONS", "ModelLoad", "NON_PERSISTENT", "load_checkpoint", "prepare", "remember_non_persistent"]
+__all__ = [
+    "CONVERSIONS",
+    "GAPS",
+    "ModelLoad",
+    "NON_PERSISTENT",
+    "load_checkpoint",
+    "prepare",
+    "remember_non_persistent",
+]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -47,15 +56,9 @@ NON_PERSISTENT = "fxsplit_non_persistent"
 CONVERSIONS = "fxsplit_checkpoint_names"
 """``split.meta`` key: how transformers names the model's tensors in its checkpoints
 (:func:`~fxsplit.checkpoint.renamed.conversions_of`), or None."""
-
-
-def non_persistent_names(module: torch.nn.Module) -> frozenset[str]:
-    """Qualified names of the buffers ``module`` keeps out of its state dict."""
-    return frozenset(
-        f"{path}.{name}" if path else name
-        for path, sub in module.named_modules(remove_duplicate=False)
-        for name in sub._non_persistent_buffers_set
-    )
+GAPS = "fxsplit_checkpoint_gaps"
+"""``split.meta`` key: what the model's checkpoints may lack or hold besides its tensors
+(:class:`~fxsplit.checkpoint.unsaved.Gaps`)."""
 
 
 def remember_non_persistent(split: Any, model: torch.nn.Module) -> Any:
@@ -67,6 +70,7 @@ def remember_non_persistent(split: Any, model: torch.nn.Module) -> Any:
     names = non_persistent_names(model)
     split.meta[NON_PERSISTENT] = names
     split.meta[CONVERSIONS] = conversions_of(model)
+    split.meta[GAPS] = gaps_of(model)
     stages = split.stages if isinstance(split, Pipeline) else ()  # not a model's own child named "stages"
     ours = {id(tensor) for _, tensor, _ in named_tensors(model)}
     for holder in [split, *stages]:  # a Pipeline's stages hold them under the model's names
@@ -89,19 +93,6 @@ def _keep_out(names: frozenset[str], holder: torch.nn.Module) -> None:
             owner._non_persistent_buffers_set.add(leaf)
 
 
-def slots_of(holders: Iterable[torch.nn.Module], non_persistent: frozenset[str] | None = None) -> list[Slot]:
-    """One slot per distinct tensor the holders hold, with all its names (across holders, each once)."""
-    by_id: dict[int, Slot] = {}
-    for holder in holders:
-        local = non_persistent_names(holder) if non_persistent is None else non_persistent
-        for names, tensor, is_buffer in model_tensors(holder).values():
-            persistent = not is_buffer or any(n not in local for n in names)
-            slot = by_id.setdefault(id(tensor), Slot((), tensor, False))
-            slot.names += tuple(n for n in names if n not in slot.names)
-            slot.persistent = slot.persistent or persistent
-    return list(by_id.values())
-
-
 class ModelLoad:
     """A checkpoint checked against a model, loaded once the plan says where each tensor goes.
 
@@ -113,10 +104,11 @@ class ModelLoad:
         self, model: torch.nn.Module, checkpoint: PathLike, progress: bool | None, strict: bool = True
     ) -> None:
         self.model, self.progress, self.strict = model, progress, strict
-        self.slots = slots_of([model], non_persistent_names(model))
+        self.slots = gaps_of(model).mark(slots_of([model], non_persistent_names(model)))
         names = {name for slot in self.slots for name in slot.names}
         self.table = model_names(read_table(checkpoint), conversions_of(model), names)
-        match(self.slots, self.table, strict=strict)  # fail early; matched again on load, against the traced graph
+        self.extra = [name for name in self.table.entries if gaps_of(model).may_hold(name)]  # skipped unsaid
+        match(self.slots, self.table, also_known=self.extra, strict=strict)  # fail early (and again on load)
 
     @contextlib.contextmanager
     def onto(self, plan: Plan, traced: torch.nn.Module) -> Iterator[Loaded]:
@@ -130,8 +122,8 @@ class ModelLoad:
             slot.persistent = False
         holders = [self.model, traced]
         try:
-            found = match([*self.slots, *graph_only], self.table, strict=self.strict)
-            missing, skipped = unmatched(self.slots, self.table) if not self.strict else ([], [])
+            found = match([*self.slots, *graph_only], self.table, also_known=self.extra, strict=self.strict)
+            missing, skipped = unmatched(self.slots, self.table, also_known=self.extra)  # strict: only optional ones
             fresh = [slot for slot in missing if slot.tensor.device.type == "meta"]  # real ones keep their values
             homes = [_home(slot, plan) for slot in fresh]
             check_initializable(self.model, fresh, homes)
@@ -143,8 +135,7 @@ class ModelLoad:
         except BaseException:
             undo()
             raise
-        if missing or skipped:
-            warn_loose(str(self.table.path), skipped, missing, made)
+        warn_loose(str(self.table.path), skipped, missing, made)
         try:
             names = [item.slot.names for item in found] + [slot.names for slot in fresh]
             yield Loaded(frozenset(name for group in names for name in group))
@@ -166,10 +157,27 @@ class Loaded:
 
 
 class _NoCheckpoint:
-    """No checkpoint to load: :meth:`onto` loads nothing."""
+    """No checkpoint to load: :meth:`onto` loads nothing. ``model``: with ``checkpoint=False``, the model whose
+    tensors on meta that its checkpoints never hold (:mod:`~fxsplit.checkpoint.unsaved`) are made and initialized
+    now: no checkpoint loaded later can fill them."""
 
-    def onto(self, plan: Plan, traced: torch.nn.Module) -> contextlib.AbstractContextManager[Loaded]:
-        return contextlib.nullcontext(Loaded())
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
+        self.model = model
+
+    @contextlib.contextmanager
+    def onto(self, plan: Plan, traced: torch.nn.Module) -> Iterator[Loaded]:
+        gaps = gaps_of(self.model) if self.model is not None else None
+        if self.model is None or gaps is None or not gaps.unsaved:
+            yield Loaded()
+            return
+        slots = [s for s in slots_of([self.model]) if s.tensor.device.type == "meta" and gaps.never_saved(s.names)]
+        homes, dtypes = [_home(s, plan) for s in slots], [_dtype(s, plan) for s in slots]
+        _, undo = initialize_missing(self.model, slots, homes, dtypes, [self.model, traced])
+        try:
+            yield Loaded(frozenset(name for slot in slots for name in slot.names))
+        except BaseException:
+            undo()
+            raise
 
 
 def prepare(
@@ -181,8 +189,10 @@ def prepare(
     Raises:
         CheckpointError: the checkpoint is not there or does not fit the model.
     """
-    if checkpoint is None or checkpoint is False or not isinstance(model, torch.nn.Module):
+    if checkpoint is None or not isinstance(model, torch.nn.Module):
         return _NoCheckpoint()  # not a module: the caller's own check says so
+    if checkpoint is False:
+        return _NoCheckpoint(model)
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint must be a path to a file or directory (got {type(checkpoint).__name__})")
     if not isinstance(strict, bool):
@@ -231,27 +241,19 @@ def load_checkpoint(
     holders = list(stages) if isinstance(stages, torch.nn.ModuleList) else [split]
     # the model's non-persistent buffers, and the split's own (constants the trace made: remember_non_persistent)
     kept_out = frozenset(meta.get(NON_PERSISTENT) or ()).union(*(non_persistent_names(h) for h in holders))
-    slots = _with_tied(slots_of(holders, kept_out), plan.tied)
+    gaps = meta.get(GAPS) or Gaps()
+    slots = gaps.mark(with_tied(slots_of(holders, kept_out), plan.tied))
     names = {name for slot in slots for name in slot.names} | set(plan.tensors)
     table = model_names(read_table(checkpoint), meta.get(CONVERSIONS), names)
     try:
-        found = match(slots, table, also_known=plan.tensors, strict=strict)
-        missing, skipped = unmatched(slots, table, also_known=plan.tensors) if not strict else ([], [])
+        known = [*plan.tensors, *(name for name in table.entries if gaps.may_hold(name))]
+        found = match(slots, table, also_known=known, strict=strict)
+        missing, skipped = unmatched(slots, table, also_known=known)
         check_initializable(None, [slot for slot in missing if slot.tensor.device.type == "meta"], [])
         _load(found, table, plan, holders, progress)  # nothing fails after the commit: no undo needed
     finally:
         table.close()
-    if missing or skipped:
-        warn_loose(str(table.path), skipped, missing, {})
-
-
-def _with_tied(slots: list[Slot], tied: tuple[tuple[str, ...], ...]) -> list[Slot]:
-    """Slots with every name the plan ties to theirs (an export split holds a tied tensor under one name)."""
-    for slot in slots:
-        for group in tied:
-            if any(name in group for name in slot.names):
-                slot.names += tuple(name for name in group if name not in slot.names)
-    return slots
+    warn_loose(str(table.path), skipped, missing, {})
 
 
 def _load(

@@ -23,10 +23,11 @@ from typing import Iterable
 import torch
 
 from fxsplit.checkpoint.formats import Entry, TableOfContents
+from fxsplit.cost.build import model_tensors
 from fxsplit.errors import CheckpointError
 from fxsplit.planning.fingerprint import tensor_signature
 
-__all__ = ["Match", "Slot", "match", "unmatched"]
+__all__ = ["Match", "Slot", "match", "non_persistent_names", "slots_of", "unmatched", "with_tied"]
 
 _SHOWN = 20
 
@@ -40,11 +41,15 @@ class Slot:
         tensor: the parameter or buffer now held (``meta`` or real).
         persistent: a parameter or persistent buffer (in a state dict), so a
             checkpoint must hold it; non-persistent buffers are not saved.
+        optional: a checkpoint may lack it even so, and it then keeps its value, or is initialized as the model
+            initializes it when on meta: a batch norm's ``num_batches_tracked``, as ``load_state_dict`` takes it,
+            and what transformers' lists name (:mod:`~fxsplit.checkpoint.unsaved`).
     """
 
     names: tuple[str, ...]
     tensor: torch.Tensor
     persistent: bool
+    optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,47 @@ class Match:
 
     slot: Slot
     entry: Entry
+
+
+def non_persistent_names(module: torch.nn.Module) -> frozenset[str]:
+    """Qualified names of the buffers ``module`` keeps out of its state dict."""
+    return frozenset(
+        f"{path}.{name}" if path else name
+        for path, sub in module.named_modules(remove_duplicate=False)
+        for name in sub._non_persistent_buffers_set
+    )
+
+
+def slots_of(holders: Iterable[torch.nn.Module], non_persistent: frozenset[str] | None = None) -> list[Slot]:
+    """One slot per distinct tensor the holders hold, with all its names (across holders, each once)."""
+    by_id: dict[int, Slot] = {}
+    for holder in holders:
+        local = non_persistent_names(holder) if non_persistent is None else non_persistent
+        for names, tensor, is_buffer in model_tensors(holder).values():
+            persistent = not is_buffer or any(n not in local for n in names)
+            slot = by_id.setdefault(id(tensor), Slot((), tensor, False))
+            slot.names += tuple(n for n in names if n not in slot.names)
+            slot.persistent = slot.persistent or persistent
+            slot.optional = slot.optional or (tensor.dim() == 0 and any(map(_counter, names)))
+    return list(by_id.values())
+
+
+def _counter(name: str) -> bool:
+    """A batch norm's ``num_batches_tracked``: ``load_state_dict`` takes a state dict without it (old checkpoints),
+    keeping the module's own."""
+    return name == _BATCHES or name.endswith("." + _BATCHES)
+
+
+_BATCHES = "num_batches_tracked"
+
+
+def with_tied(slots: list[Slot], tied: tuple[tuple[str, ...], ...]) -> list[Slot]:
+    """Slots with every name the plan ties to theirs (an export split holds a tied tensor under one name)."""
+    for slot in slots:
+        for group in tied:
+            if any(name in group for name in slot.names):
+                slot.names += tuple(name for name in group if name not in slot.names)
+    return slots
 
 
 def match(
@@ -75,6 +121,8 @@ def match(
         present = [n for n in slot.names if n in table.entries]
         used.update(present)
         if not present:
+            if slot.optional:
+                continue
             if slot.persistent:
                 if strict:
                     missing.append(slot.names[0])
@@ -107,7 +155,9 @@ def unmatched(
 ) -> tuple[list[Slot], list[str]]:
     """The slots a checkpoint should fill and does not hold (parameters and persistent buffers), and the names
     it holds that no slot takes (nor ``also_known``): what ``strict=False`` lets through."""
-    missing = [slot for slot in slots if slot.persistent and not any(n in table.entries for n in slot.names)]
+    missing = [
+        slot for slot in slots if (slot.persistent or slot.optional) and not any(n in table.entries for n in slot.names)
+    ]
     known = {name for slot in slots for name in slot.names}.union(also_known)
     return missing, [name for name in table.entries if name not in known]
 
