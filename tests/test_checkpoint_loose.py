@@ -290,3 +290,39 @@ def test_a_classifiers_checkpoint_fills_its_base_model(tmp_path: Path) -> None:
     assert any("2 of its tensors are not the model's and were not loaded: 'classifier." in s for s in said), said
     assert len(set(split.meta["fxsplit_plan"].param_devices.values())) == 2
     assert torch.equal(split(**ids).last_hidden_state, reference(**ids).last_hidden_state)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mha(x, x, x, need_weights=False)[0]
+
+
+def test_an_initializer_that_resets_its_children_keeps_what_they_loaded(tmp_path: Path) -> None:
+    """``MultiheadAttention._reset_parameters`` also zeroes ``out_proj.bias``, loaded from the checkpoint: kept."""
+    torch.manual_seed(1)
+    reference = nn.Sequential(Attention(), nn.Linear(16, 16)).eval()
+    with torch.no_grad():  # trained values: none of them what the initializer sets
+        for param in reference.parameters():
+            param.normal_(0, 0.3)
+    state = reference.state_dict()
+    path = _save({k: v for k, v in state.items() if k != "0.mha.in_proj_bias"}, tmp_path / "m.safetensors")
+    assert state["0.mha.out_proj.bias"].abs().sum() > 0
+    with fxsplit.empty_weights():
+        model = nn.Sequential(Attention(), nn.Linear(16, 16)).eval()
+    x = torch.randn(2, 3, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        split = fxsplit.fxsplit(model, {"cpu:0": "7.5KiB", "cpu:1": "7.5KiB"}, example_inputs=(x,), trace="fx",
+                                checkpoint=path, strict=False)  # fmt: skip
+    assert any("'0.mha.in_proj_bias' (MultiheadAttention._reset_parameters)" in str(w.message) for w in caught)
+    held = dict(model.named_parameters())
+    assert torch.equal(held["0.mha.out_proj.bias"].detach(), state["0.mha.out_proj.bias"])
+    assert torch.equal(held["0.mha.in_proj_weight"].detach(), state["0.mha.in_proj_weight"])
+    assert torch.equal(held["0.mha.in_proj_bias"].detach(), torch.zeros(48))  # what the initializer sets
+    with torch.no_grad():
+        reference[0].mha.in_proj_bias.zero_()
+    torch.testing.assert_close(split(x), reference(x), rtol=0, atol=1e-6)

@@ -7,9 +7,10 @@ initialized:
 
 * in a Hugging Face model, by ``_init_weights(module)`` of the innermost ``PreTrainedModel`` that holds the module
   (what ``from_pretrained`` runs for missing keys: the model's own distributions, ``initializer_range``);
-* otherwise by the module's ``reset_parameters()`` (``nn.Linear``, ``nn.Embedding``, norms, convolutions).
+* otherwise by the module's ``reset_parameters()`` (``nn.Linear``, ``nn.Embedding``, norms, convolutions;
+  ``nn.MultiheadAttention``'s ``_reset_parameters()``).
 
-The module's other tensors, loaded already, are copied aside and put back after. A module without an
+The other tensors the initializer may touch, loaded already, are copied aside and put back after (see :func:`_run`). A module without an
 initializer, a floating tensor its initializer left NaN, or a tensor the plan stores on disk is an error naming
 it, raised before anything of the model changes (or with everything put back).
 """
@@ -64,7 +65,7 @@ def initialize_missing(
 
     try:
         fresh = {id(tensor) for tensor in replacements.values()}
-        done = {path: _run(_module(model, path), initializers[path], fresh) for path in initializers}
+        done = {path: _run(model, _module(model, path), initializers[path], fresh) for path in initializers}
         unset = [
             f"'{slot.names[0]}': {done[path]} left it unset"
             for slot, path in zip(slots, owners, strict=True)
@@ -128,26 +129,27 @@ def _initializer(model: torch.nn.Module, path: str) -> Initializer | None:
         init_weights = getattr(owner, "_init_weights", None)
         if owner is not None and callable(init_weights):
             return f"{type(owner).__name__}._init_weights", lambda: init_weights(module)
-    reset = getattr(module, "reset_parameters", None)
-    if callable(reset):
-        return f"{type(module).__name__}.reset_parameters", reset
+    for name in ("reset_parameters", "_reset_parameters"):  # the second: nn.MultiheadAttention's
+        reset = getattr(module, name, None)
+        if callable(reset):
+            return f"{type(module).__name__}.{name}", reset
     return None
 
 
-def _run(module: torch.nn.Module, initializer: Initializer | None, fresh: set[int]) -> str:
-    """Run the initializer on ``module``, keeping the values of its tensors other than ``fresh`` (ids of the ones
-    just made): loaded already, or the model's own."""
+def _run(model: torch.nn.Module, module: torch.nn.Module, initializer: Initializer | None, fresh: set[int]) -> str:
+    """Run the initializer on ``module``, keeping the values of the tensors it may touch other than ``fresh`` (ids
+    of the ones just made): loaded already, or the model's own. Those of its whole subtree (torch's
+    ``MultiheadAttention._reset_parameters`` resets its ``out_proj.bias`` too), except for transformers'
+    ``_init_weights`` of the model itself, which sets the model's own tensors (``final_logits_bias``)."""
     assert initializer is not None
     label, call = initializer
-    own = [*module._parameters.items(), *module._buffers.items()]
-    kept = {name: t.detach().clone() for name, t in own if t is not None and id(t) not in fresh}
+    subtree = module is not model or not label.endswith("._init_weights")
+    held = [*module.named_parameters(recurse=subtree), *module.named_buffers(recurse=subtree)]
+    kept = [(t, t.detach().clone()) for _, t in held if id(t) not in fresh and t.device.type != "meta"]
     with torch.no_grad():
         call()
-        for name, value in kept.items():
-            held: torch.Tensor | None = module._parameters.get(name)
-            held = module._buffers.get(name) if held is None else held
-            if held is not None:
-                held.copy_(value)
+        for tensor, value in kept:
+            tensor.copy_(value)
     return label
 
 
