@@ -10,9 +10,9 @@ initialized:
 * otherwise by the module's ``reset_parameters()`` (``nn.Linear``, ``nn.Embedding``, norms, convolutions;
   ``nn.MultiheadAttention``'s ``_reset_parameters()``).
 
-The other tensors the initializer may touch, loaded already, are copied aside and put back after (see :func:`_run`). A module without an
-initializer, a floating tensor its initializer left NaN, or a tensor the plan stores on disk is an error naming
-it, raised before anything of the model changes (or with everything put back).
+The other tensors the initializer may touch, loaded already, are copied aside and put back after (see
+:func:`_run`). A module without an initializer, a floating tensor its initializer left NaN, or a tensor the plan
+stores on disk is an error naming it, raised before anything of the model changes (or with everything put back).
 """
 
 from __future__ import annotations
