@@ -21,6 +21,9 @@ import fxsplit
 from fxsplit.errors import FxsplitError
 from fxsplit.tracing.modereads import MODE_READS
 
+if dist.is_available():
+    from torch.distributed import is_initialized as job_is_up
+
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
 
 X = torch.randn(4, 16)
@@ -37,6 +40,16 @@ class GathersInAJob(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
+            h = h * torch.distributed.get_world_size() + 1.0
+        return self.b(h)
+
+
+class GathersByName(GathersInAJob):
+    """The same branch, through ``from torch.distributed import is_initialized`` (a name of this module's own)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if job_is_up():
             h = h * torch.distributed.get_world_size() + 1.0
         return self.b(h)
 
@@ -69,18 +82,19 @@ def _split(model: nn.Module, trace: str) -> torch.fx.GraphModule:
     return split
 
 
-def _model_and_copy() -> tuple[GathersInAJob, GathersInAJob]:
+def _model_and_copy(kind: type[GathersInAJob] = GathersInAJob) -> tuple[GathersInAJob, GathersInAJob]:
     """The model to split, and an unsplit copy of it (the split moves the model's weights)."""
     torch.manual_seed(0)
-    model = GathersInAJob()
-    reference = GathersInAJob()
+    model = kind()
+    reference = kind()
     reference.load_state_dict(model.state_dict())
     return model, reference
 
 
+@pytest.mark.parametrize("kind", [GathersInAJob, GathersByName])
 @pytest.mark.parametrize("trace", ["fx", "export"])
-def test_planned_outside_a_job_it_refuses_to_run_in_one(trace: str) -> None:
-    model, reference = _model_and_copy()
+def test_planned_outside_a_job_it_refuses_to_run_in_one(trace: str, kind: type[GathersInAJob]) -> None:
+    model, reference = _model_and_copy(kind)
     split = _split(model, trace)
     assert split.mode_read.distributed is False
     outside = reference(X)
@@ -94,9 +108,12 @@ def test_planned_outside_a_job_it_refuses_to_run_in_one(trace: str) -> None:
     assert torch.allclose(split(X), reference(X))  # outside a job again
 
 
+@pytest.mark.parametrize("kind", [GathersInAJob, GathersByName])
 @pytest.mark.parametrize("trace", ["fx", "export"])
-def test_planned_in_a_job_it_computes_the_job_s_branch_and_refuses_outside(trace: str) -> None:
-    model, reference = _model_and_copy()
+def test_planned_in_a_job_it_computes_the_job_s_branch_and_refuses_outside(
+    trace: str, kind: type[GathersInAJob]
+) -> None:
+    model, reference = _model_and_copy(kind)
     with job_of_one():
         split = _split(model, trace)
         assert split.mode_read.distributed is True
@@ -116,8 +133,8 @@ def test_a_read_that_changes_nothing_leaves_the_split_free(trace: str) -> None:
 
 def test_the_function_is_torch_s_after_tracing() -> None:
     real = dist.is_initialized
-    _split(GathersInAJob(), "export")
-    assert dist.is_initialized is real
+    _split(GathersByName(), "export")
+    assert dist.is_initialized is real and job_is_up is real
 
 
 def test_torch_s_own_code_gets_the_true_answer_while_the_model_s_is_flipped() -> None:
@@ -139,8 +156,9 @@ def test_torch_s_own_code_gets_the_true_answer_while_the_model_s_is_flipped() ->
         flip()
         seen["torch"] = namespace["ask"]()  # type: ignore[operator]
         seen["model"] = torch.distributed.is_initialized()
+        seen["model, by name"] = job_is_up()
         return "the same graph"
 
-    assert not modereads._differs_distributed("the same graph", traced_under)
-    assert seen == {"torch": False, "model": True}
-    assert dist.is_initialized is real  # put back
+    assert not modereads._differs_distributed("the same graph", traced_under, GathersByName())
+    assert seen == {"torch": False, "model": True, "model, by name": True}
+    assert dist.is_initialized is real and job_is_up is real  # put back

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch import is_grad_enabled as grad_is_on
 
 import fxsplit
 from fxsplit.errors import FxsplitError
@@ -37,6 +38,16 @@ class Scaled(nn.Module):
         CALLS.append("Scaled")
         h = self.a(x)
         if torch.is_grad_enabled():
+            h = h * 2
+        return torch.relu(h)
+
+
+class ScaledByName(Scaled):
+    """The same branch, through ``from torch import is_grad_enabled`` (a name of this module's own)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if grad_is_on():
             h = h * 2
         return torch.relu(h)
 
@@ -239,3 +250,14 @@ def test_the_modes_are_the_callers_after_tracing() -> None:
 def test_pipeline_stages_say_which_modes_they_compute_under() -> None:
     with pytest.warns(fxsplit.FxsplitWarning, match=r"fixed what it found then \(gradients on \(torch.enable_grad"):
         fxsplit.pipeline_stages(model(), {"cpu:0": 3000, "cpu:1": 3000}, example_inputs=(X,), chunks=2, trace="fx")
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_mode_read_through_a_name_of_the_model_s_own_is_seen(trace: str) -> None:
+    m = model(ScaledByName)
+    split = _split(m, trace)
+    torch.testing.assert_close(split(X), m(X), rtol=0, atol=0)
+    with torch.no_grad():
+        with pytest.raises(FxsplitError, match=r"read that mode \(ScaledByName.forward at test_mode_reads.py:"):
+            split(X)
+    assert grad_is_on is torch.is_grad_enabled  # put back

@@ -132,7 +132,7 @@ def trace(
             traced = routed(mode)  # of the grad mode, autocast and random draws (modereads.py, randomdraws.py)
             draws.refuse_if_fixed(traced.graph_module, functools.partial(_again, routed, traced.method))
         key = GraphKey(traced.graph_module, model) if reads else None
-        if reads and (read := modes_fixed(reads[0], key, _under(routed, traced.method, model))):
+        if reads and (read := modes_fixed(reads[0], key, _under(routed, traced.method, model), model)):
             traced.graph_module.meta[MODE_READS] = read  # (modereads.py)
         return traced
 

@@ -13,7 +13,8 @@ branch when run inside it.
 
 :func:`recording_mode_reads` notes the reads of those modes that the model's own code
 makes while it is traced (torch's machinery and fxsplit's are left out, ``torch.nn``'s
-modules are not), with the module and the line. Where a read matters (the model traced
+modules are not), with the module and the line: through torch's modules, and through the
+names the model's code binds to those functions (``from torch.distributed import is_initialized``). Where a read matters (the model traced
 under the other mode gives another graph: :func:`modes_fixed`), the graph carries a
 :class:`ModeRead` and the split refuses to run under other modes than those
 (:func:`check_modes`), naming the reads and the fixes.
@@ -154,17 +155,41 @@ def recording_mode_reads(model: torch.nn.Module) -> Iterator[list[Reads]]:
     originals = {(torch, name): getattr(torch, name) for name in names if hasattr(torch, name)}
     if torch.distributed.is_available():
         originals[(torch.distributed, "is_initialized")] = torch.distributed.is_initialized
+    wrappers = {id(original): watched(name, original) for (_, name), original in originals.items()}
+    bound = _bound(model, {id(f): f for f in originals.values()})  # ``from torch import is_grad_enabled``
     for (owner, name), original in originals.items():
-        setattr(owner, name, watched(name, original))
+        setattr(owner, name, wrappers[id(original)])
+    for namespace, name, original in bound:
+        namespace[name] = wrappers[id(original)]
     try:
         yield found
     finally:
         for (owner, name), original in originals.items():
             setattr(owner, name, original)
+        for namespace, name, original in bound:
+            if namespace.get(name) is wrappers[id(original)]:
+                namespace[name] = original
         if places:
             paths = {id(module): path for path, module in reversed(list(model.named_modules(remove_duplicate=False)))}
             named = tuple(paths[key] for key in readers if key in paths)
             found.append(Reads(bool(grad), tuple(devices), tuple(places), named, bool(distributed)))
+
+
+def _bound(model: torch.nn.Module | None, functions: dict[int, Any]) -> list[tuple[dict[str, Any], str, Any]]:
+    """``(namespace, name, function)`` for each global of the model's code bound to one of ``functions`` (by id):
+    ``from torch.distributed import is_initialized`` holds the function itself, which patching the module's
+    attribute does not reach."""
+    if model is None:
+        return []
+    from fxsplit.tracing.modelcode import code_modules  # (it imports this module)
+
+    found = []
+    for code in code_modules(list(model.modules())):
+        namespace = vars(code)
+        for name, value in namespace.items():
+            if id(value) in functions and functions[id(value)] is value:
+                found.append((namespace, name, value))
+    return found
 
 
 def internal_code(filename: str) -> bool:
@@ -190,11 +215,16 @@ def reading_module(frame: Any) -> torch.nn.Module | None:
     return None
 
 
-def modes_fixed(reads: Reads, key: object, traced_under: Callable[[Callable[[], None]], object]) -> ModeRead | None:
+def modes_fixed(
+    reads: Reads,
+    key: object,
+    traced_under: Callable[[Callable[[], None]], object],
+    model: torch.nn.Module | None = None,
+) -> ModeRead | None:
     """The :class:`ModeRead` of the modes that ``reads`` read and the graph depends on: ``traced_under(flip)``
     traces again after ``flip()`` turned them the other way, and returns that graph's key, compared with ``key``
     (the traced graph's :class:`~fxsplit.tracing.graphkey.GraphKey`): it differs (or the trace fails). None when
-    it depends on none."""
+    it depends on none. ``model``: whose code's own names for the functions get the other answer too."""
     grad = _IS_GRAD_ENABLED() if reads.grad and _differs(key, traced_under, _flip_grad) else None
     autocast = tuple(
         (device, *autocast_state(device))
@@ -203,13 +233,17 @@ def modes_fixed(reads: Reads, key: object, traced_under: Callable[[Callable[[], 
         and autocast_mode.is_autocast_available(device)
         and _differs(key, traced_under, functools.partial(_flip_autocast, device))
     )
-    distributed = distributed_initialized() if reads.distributed and _differs_distributed(key, traced_under) else None
+    distributed = (
+        distributed_initialized() if reads.distributed and _differs_distributed(key, traced_under, model) else None
+    )
     if grad is None and not autocast and distributed is None:
         return None
     return ModeRead(grad, autocast, reads.where, reads.modules, distributed)
 
 
-def _differs_distributed(key: object, traced_under: Callable[[Callable[[], None]], object]) -> bool:
+def _differs_distributed(
+    key: object, traced_under: Callable[[Callable[[], None]], object], model: torch.nn.Module | None = None
+) -> bool:
     """Whether the graph traced with ``torch.distributed.is_initialized()`` answering the other way to the model's
     code differs (the other branch of a model in a job calls collectives, which fail outside one: it differs then).
     torch's machinery still gets the true answer: its logging asks, and then asks for the rank."""
@@ -218,11 +252,17 @@ def _differs_distributed(key: object, traced_under: Callable[[Callable[[], None]
     def flipped() -> bool:
         return real() if internal_code(sys._getframe(1).f_code.co_filename) else other
 
+    bound = _bound(model, {id(real): real})
     torch.distributed.is_initialized = flipped
+    for namespace, name, _ in bound:
+        namespace[name] = flipped
     try:
         return _differs(key, traced_under, lambda: None)
     finally:
         torch.distributed.is_initialized = real
+        for namespace, name, _ in bound:
+            if namespace.get(name) is flipped:
+                namespace[name] = real
 
 
 def _flip_grad() -> None:
