@@ -14,10 +14,11 @@ branch when run inside it.
 :func:`recording_mode_reads` notes the reads of those modes that the model's own code
 makes while it is traced (torch's machinery and fxsplit's are left out, ``torch.nn``'s
 modules are not), with the module and the line: through torch's modules, and through the
-names the model's code binds to those functions (``from torch.distributed import is_initialized``). Where a read matters (the model traced
-under the other mode gives another graph: :func:`modes_fixed`), the graph carries a
-:class:`ModeRead` and the split refuses to run under other modes than those
-(:func:`check_modes`), naming the reads and the fixes.
+names the model's code binds to those functions (``from torch.distributed import
+is_initialized``). Where a read matters (the model traced under the other mode gives
+another graph: :func:`modes_fixed`), the graph carries a :class:`ModeRead` and the split
+refuses to run under other modes than those (:func:`check_modes`), naming the reads and
+the fixes.
 """
 
 from __future__ import annotations
