@@ -8,7 +8,12 @@ the graph does not depend on (in ``eval()`` mode, or with ``layerdrop=0``) leave
 
 from __future__ import annotations
 
+import importlib
 import random
+import re
+import sys
+from pathlib import Path
+from random import Random
 from random import uniform as bound_uniform
 from typing import Any, Callable
 
@@ -20,7 +25,7 @@ from numpy.random import random as bound_np_random
 
 import fxsplit
 from fxsplit.errors import TraceError
-from fxsplit.tracing.drawsources import StandIn
+from fxsplit.tracing.drawsources import StandIn, watching
 from fxsplit.tracing.randomdraws import WATCHED
 
 BUDGETS = {"cpu:0": 4000, "cpu:1": 4000}
@@ -430,15 +435,23 @@ def test_a_generator_the_model_replaces_while_traced_is_put_back() -> None:
 
 
 class MadeInForward(nn.Module):
-    """LayerDrop on a generator made in ``forward`` (``np.random.default_rng()``, seeded from the OS)."""
+    """LayerDrop on a generator made in ``forward`` (seeded from the OS), by ``np.random.default_rng()``, or the
+    generator classes themselves."""
 
-    def __init__(self, layerdrop: float = 0.5) -> None:
+    def __init__(self, layerdrop: float = 0.5, how: str = "np.random.default_rng()") -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
-        self.layerdrop = layerdrop
+        self.layerdrop, self.how = layerdrop, how
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rng = np.random.default_rng()
+        if self.how == "np.random.default_rng()":
+            rng = np.random.default_rng()
+        elif self.how == "random.Random()":
+            rng = random.Random()
+        elif self.how == "np.random.RandomState()":
+            rng = np.random.RandomState()
+        else:
+            rng = Random()  # bound by name in this module: ``from random import Random``
         for layer in self.layers:
             if self.training and rng.random() < self.layerdrop:
                 continue
@@ -446,13 +459,69 @@ class MadeInForward(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("how", ["np.random.default_rng()", "random.Random()", "np.random.RandomState()"])
 @pytest.mark.parametrize("trace", ["fx", "export"])
-def test_a_generator_made_in_forward_is_watched(trace: str) -> None:
+def test_a_generator_made_in_forward_is_watched(trace: str, how: str) -> None:
     torch.manual_seed(0)
-    with pytest.raises(TraceError, match=r"np.random.default_rng\(\).random\(\): MadeInForward.forward"):
-        _split(MadeInForward().train(), trace, {"cpu:0": 8000, "cpu:1": 8000})
-    model = MadeInForward().eval()
+    with pytest.raises(TraceError, match=rf"{re.escape(how)}.random\(\): MadeInForward.forward"):
+        _split(MadeInForward(how=how).train(), trace, {"cpu:0": 8000, "cpu:1": 8000})
+    model = MadeInForward(how=how).eval()
     split = _split(model, trace, {"cpu:0": 8000, "cpu:1": 8000})
     with torch.no_grad():
         torch.testing.assert_close(split(X), model(X), rtol=0, atol=0)
     assert np.random.default_rng is not None and isinstance(np.random.default_rng(), np.random.Generator)
+    assert random.Random is Random and type(random.Random(0)) is Random  # the classes, put back
+    assert type(np.random.RandomState(0)) is np.random.RandomState
+
+
+def test_a_generator_class_bound_by_name_is_watched_and_isinstance_still_holds() -> None:
+    """``from random import Random``; while traced, ``isinstance`` of a generator the model holds still holds."""
+    torch.manual_seed(0)
+    with pytest.raises(TraceError, match=r"random.Random\(\).random\(\): MadeInForward.forward"):
+        _split(MadeInForward(how="Random()").train(), "fx", {"cpu:0": 8000, "cpu:1": 8000})
+    assert Random is random.Random
+
+
+def test_while_watched_a_generator_made_before_is_still_an_instance_of_its_class() -> None:
+    made_before, state_before = random.Random(0), np.random.RandomState(0)
+    with watching(nn.Linear(2, 2), lambda original, label, pinned: original):
+        assert random.Random is not Random  # the watched stand-in for the class
+        assert isinstance(made_before, random.Random) and isinstance(state_before, np.random.RandomState)
+        assert issubclass(random.SystemRandom, random.Random) and not isinstance(made_before, np.random.RandomState)
+        assert isinstance(random.Random(1), StandIn)  # made meanwhile by code that is not torch's: watched
+    assert random.Random is Random
+
+
+class ImportsWhileTraced(nn.Module):
+    """Imports a module the first time it runs, whose own code makes a generator and draws (sympy's ``Dummy``
+    class, imported by torch's shape code during a trace, does)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.a, self.name = nn.Linear(16, 16), name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        importlib.import_module(self.name)
+        return self.a(x)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_generator_a_module_makes_while_imported_is_its_own(trace: str, tmp_path: Path) -> None:
+    name = f"imported_while_traced_{trace}"
+    (tmp_path / f"{name}.py").write_text(
+        "import random\nimport numpy as np\n"
+        "RNG = random.Random()\nFIRST = RNG.randint(0, 9)\n"
+        "STATE = np.random.RandomState()\nGEN = np.random.default_rng()\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(ImportsWhileTraced(name), nn.Linear(16, 4)).train()
+        split = _split(model, trace, {"cpu:0": 1200, "cpu:1": 1200})
+        imported = sys.modules[name]
+        assert type(imported.RNG) is random.Random and type(imported.STATE) is np.random.RandomState
+        assert type(imported.GEN) is np.random.Generator
+        torch.testing.assert_close(split(X), model(X), rtol=0, atol=0)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(name, None)

@@ -10,15 +10,17 @@
 * generator objects the model holds (``self.rng = np.random.default_rng(0)``, ``random.Random(0)``,
   ``np.random.RandomState(0)``), as attributes of its modules or globals of that code: each is stood in for by a
   :class:`StandIn` whose drawing methods are wrapped and whose other attributes are the generator's own; and the
-  generators ``np.random.default_rng()`` makes for the model's code while it is traced (in ``forward``).
+  generators ``np.random.default_rng()``, ``random.Random()`` and ``np.random.RandomState()`` make for the model's
+  code while it is traced (in ``forward``; the classes stand in for themselves to ``isinstance``), but not for a
+  module imported meanwhile (its generators stay its own).
 
 Each wrapper is given the function's ``pinned(value, end, *args, **kwargs)``, the drawn value moved to the low
 (``end`` 0) or high end (1) of the range the call's arguments give. :func:`watching` installs them and puts every
 name back after (a stand-in only where the model still holds it: code that replaced it keeps its own).
 
-Not seen: a generator object held elsewhere (on a config object), one made in ``forward`` by another call than
-``np.random.default_rng()`` (``random.Random()``), and a drawing function bound to a name in a module that defines
-none of the model's classes (a helper module the model's code imports from).
+Not seen: a generator object held elsewhere (on a config object), one made in ``forward`` from a bit generator
+(``np.random.Generator(np.random.PCG64())``), and a drawing function bound to a name in a module that defines none
+of the model's classes (a helper module the model's code imports from).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import random
 import sys
 import threading
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -172,13 +175,15 @@ def watching(model: torch.nn.Module, wrap: Wrap) -> Iterator[list[Any]]:
 
     def default_rng(*args: Any, **kwargs: Any) -> Any:  # a generator made while traced (in forward): stood in for
         generator = made(*args, **kwargs)
-        caller = sys._getframe(1).f_code.co_filename
-        if threading.get_ident() != thread or internal_code(caller):
+        if not _by_model_code(thread):
             return generator
         return StandIn(generator, "np.random.default_rng()", _GENERATOR, wrap)
 
     functions[id(made)] = default_rng
     patched.append((vars(np.random), "default_rng", made, default_rng))
+    for module, prefix, kind, table in _MADE:  # ``random.Random()`` and the like, made while traced
+        functions[id(kind)] = maker = _watched_kind(kind, f"{prefix}.{kind.__name__}()", table, wrap, thread)
+        patched.append((vars(module), kind.__name__, kind, maker))
     held: list[Any] = []
 
     def stand_in(namespace: dict[str, Any], name: str, value: Any, label: str) -> None:
@@ -208,6 +213,54 @@ def watching(model: torch.nn.Module, wrap: Wrap) -> Iterator[list[Any]]:
         for namespace, name, original, replacement in reversed(patched):
             if namespace.get(name) is replacement:
                 namespace[name] = original
+
+
+def _by_model_code(thread: int) -> bool:
+    """Whether the caller of the function that calls this one is the model's code, run on the tracing thread: not
+    torch's or fxsplit's, and not a module being imported meanwhile (sympy, imported by torch's shape code during a
+    trace, makes a ``random.Random()`` in a class body; stood in for, it would keep the stand-in)."""
+    if threading.get_ident() != thread or internal_code(sys._getframe(2).f_code.co_filename):
+        return False
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return False
+        frame = frame.f_back
+    return True
+
+
+class _SameKind(type):
+    """The metaclass of :func:`_watched_kind`'s classes: ``isinstance`` and ``issubclass`` ask of the class they
+    stand for, so that code traced meanwhile sees the class it knows."""
+
+    watched: type
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, cls.watched)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, cls.watched)
+
+
+def _watched_kind(kind: type, label: str, table: dict[str, Callable[..., Any]], wrap: Wrap, thread: int) -> type:
+    """A class standing for the generator class ``kind`` while the model is traced: made by the model's code (on
+    the tracing thread), a generator is stood in for (:class:`StandIn`); made by any other code, it is ``kind``'s."""
+
+    def made(cls: type, *args: Any, **kwargs: Any) -> Any:
+        generator = kind(*args, **kwargs)
+        if not _by_model_code(thread):
+            return generator
+        return StandIn(generator, label, table, wrap)
+
+    watched = _SameKind(kind.__name__, (kind,), {"__new__": made, "__module__": kind.__module__})
+    watched.watched = kind
+    return watched
+
+
+_MADE: tuple[tuple[Any, str, type, dict[str, Callable[..., Any]]], ...] = (
+    (random, "random", random.Random, _PYTHON),
+    (np.random, "np.random", np.random.RandomState, _NUMPY),
+)
 
 
 def generator_states(held: list[Any]) -> list[Any]:
