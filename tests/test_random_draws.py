@@ -26,7 +26,7 @@ from numpy.random import random as bound_np_random
 import fxsplit
 from fxsplit.errors import TraceError
 from fxsplit.tracing.drawsources import StandIn, watching
-from fxsplit.tracing.randomdraws import WATCHED
+from fxsplit.tracing.randomdraws import WATCHED, recording_draws
 
 BUDGETS = {"cpu:0": 4000, "cpu:1": 4000}
 X = torch.randn(2, 16)
@@ -510,7 +510,7 @@ def test_a_generator_a_module_makes_while_imported_is_its_own(trace: str, tmp_pa
     name = f"imported_while_traced_{trace}"
     (tmp_path / f"{name}.py").write_text(
         "import random\nimport numpy as np\n"
-        "RNG = random.Random()\nFIRST = RNG.randint(0, 9)\n"
+        "RNG = random.Random()\nFIRST = RNG.randint(0, 9) + random.uniform(0, 1)\n"
         "STATE = np.random.RandomState()\nGEN = np.random.default_rng()\n"
     )
     sys.path.insert(0, str(tmp_path))
@@ -522,6 +522,10 @@ def test_a_generator_a_module_makes_while_imported_is_its_own(trace: str, tmp_pa
         assert type(imported.RNG) is random.Random and type(imported.STATE) is np.random.RandomState
         assert type(imported.GEN) is np.random.Generator
         torch.testing.assert_close(split(X), model(X), rtol=0, atol=0)
+        sys.modules.pop(name)
+        with recording_draws(model) as draws:  # its draws, at import, are not the model's
+            model(X)
+        assert not draws.where and "random.uniform" in (tmp_path / f"{name}.py").read_text()
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop(name, None)

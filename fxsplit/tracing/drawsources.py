@@ -38,7 +38,7 @@ import torch
 from fxsplit.tracing.modelcode import code_modules
 from fxsplit.tracing.modereads import internal_code
 
-__all__ = ["WATCHED", "StandIn", "generator_states", "restore_states", "watching"]
+__all__ = ["WATCHED", "StandIn", "by_model_code", "generator_states", "restore_states", "watching"]
 
 _INSIDE = 1e-6  # a float draw is pinned this share of its range inside either end: to values it can take
 # (random() is 0.0 once in 2**53 draws: ``if p > layerdrop`` with layerdrop=0 keeps every layer, and should stay so)
@@ -175,7 +175,7 @@ def watching(model: torch.nn.Module, wrap: Wrap) -> Iterator[list[Any]]:
 
     def default_rng(*args: Any, **kwargs: Any) -> Any:  # a generator made while traced (in forward): stood in for
         generator = made(*args, **kwargs)
-        if not _by_model_code(thread):
+        if not by_model_code(thread, sys._getframe(1)):
             return generator
         return StandIn(generator, "np.random.default_rng()", _GENERATOR, wrap)
 
@@ -215,13 +215,13 @@ def watching(model: torch.nn.Module, wrap: Wrap) -> Iterator[list[Any]]:
                 namespace[name] = original
 
 
-def _by_model_code(thread: int) -> bool:
-    """Whether the caller of the function that calls this one is the model's code, run on the tracing thread: not
-    torch's or fxsplit's, and not a module being imported meanwhile (sympy, imported by torch's shape code during a
-    trace, makes a ``random.Random()`` in a class body; stood in for, it would keep the stand-in)."""
-    if threading.get_ident() != thread or internal_code(sys._getframe(2).f_code.co_filename):
+def by_model_code(thread: int, caller: FrameType) -> bool:
+    """Whether ``caller`` (a frame) runs the model's code on the tracing thread: not torch's or fxsplit's, and not
+    a module being imported meanwhile (sympy, imported by torch's shape code during a trace, makes a
+    ``random.Random()`` in a class body and draws: stood in for, it would keep the stand-in)."""
+    if threading.get_ident() != thread or internal_code(caller.f_code.co_filename):
         return False
-    frame: FrameType | None = sys._getframe(2)
+    frame: FrameType | None = caller
     while frame is not None:
         if frame.f_code.co_filename.startswith("<frozen importlib"):
             return False
@@ -248,7 +248,7 @@ def _watched_kind(kind: type, label: str, table: dict[str, Callable[..., Any]], 
 
     def made(cls: type, *args: Any, **kwargs: Any) -> Any:
         generator = kind(*args, **kwargs)
-        if not _by_model_code(thread):
+        if not by_model_code(thread, sys._getframe(1)):
             return generator
         return StandIn(generator, label, table, wrap)
 

@@ -35,9 +35,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from fxsplit.errors import TraceError
-from fxsplit.tracing.drawsources import WATCHED, generator_states, restore_states, watching
+from fxsplit.tracing.drawsources import WATCHED, by_model_code, generator_states, restore_states, watching
 from fxsplit.tracing.graphkey import GraphKey
-from fxsplit.tracing.modereads import internal_code, reading_module, short_filename
+from fxsplit.tracing.modereads import reading_module, short_filename
 
 __all__ = ["WATCHED", "Draws", "recording_draws"]
 
@@ -113,9 +113,9 @@ def recording_draws(model: torch.nn.Module) -> Iterator[Draws]:
         def draw(*args: Any, **kwargs: Any) -> Any:
             value = original(*args, **kwargs)
             caller = sys._getframe(1)
-            filename = caller.f_code.co_filename
-            if threading.get_ident() != thread or internal_code(filename):
+            if not by_model_code(thread, caller):
                 return value
+            filename = caller.f_code.co_filename
             qualname = getattr(caller.f_code, "co_qualname", caller.f_code.co_name)
             draws.where.setdefault(f"{qualname} at {short_filename(filename)}:{caller.f_lineno}")
             draws.functions.setdefault(f"{label}()")
