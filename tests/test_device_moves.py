@@ -9,6 +9,7 @@ object on its own storage, same values, same gradient.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable
 
 import pytest
@@ -142,7 +143,7 @@ def refuse_tracing(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("traced a model for a device that cannot be used")
 
     monkeypatch.setattr(fxsplit.api, "trace", no_trace)
-    monkeypatch.setattr(fxsplit.planning.apply, "trace", no_trace)
+    monkeypatch.setattr(importlib.import_module("fxsplit.planning.retrace"), "trace", no_trace)  # apply's re-trace
 
 
 def test_an_absent_device_is_refused_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
