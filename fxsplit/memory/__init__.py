@@ -7,7 +7,8 @@
 * :mod:`~fxsplit.memory.activations`: profile a graph's activations once, on fake tensors, with
   :mod:`~fxsplit.memory.allocations` (what each op and each op's backward allocates) and the fixes for what
   fake kernels leave out (:mod:`~fxsplit.memory.rnnworkspace`, :mod:`~fxsplit.memory.losscapacity`); the tensors
-  a graph reads by name, and fakes in their place (:mod:`~fxsplit.memory.graphtensors`).
+  a graph reads by name, and fakes in their place (:mod:`~fxsplit.memory.graphtensors`); the fake weights,
+  inputs and kernels it runs on (:mod:`~fxsplit.memory.fakerun`).
 * :mod:`~fxsplit.memory.activationprofile`: the profile, plain data.
 * :mod:`~fxsplit.memory.charge`: the memory model a traced graph is charged by (warns when activations cannot be).
 * :mod:`~fxsplit.memory.lifetimes`: simulate activation memory for any placement (no torch), with

@@ -15,7 +15,6 @@ The model and the traced graph are not modified.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from collections import Counter
 from typing import Any, Iterator
@@ -28,12 +27,12 @@ from torch.utils._pytree import tree_leaves
 from fxsplit.cost.build import GraphCosts, Weight
 from fxsplit.memory.activationprofile import without_dead_gradients
 from fxsplit.memory.allocations import Allocations
+from fxsplit.memory.fakerun import SDPA, fake_input, fake_weights, fused_attention, inputs_device, slow_path
 from fxsplit.memory.graphtensors import graph_tensors, replace_graph_tensors
 from fxsplit.memory.lifetimes import ActivationProfile, ValueMemory
 from fxsplit.memory.seed import seeds
 from fxsplit.planning.build import weights_by_node
 from fxsplit.tracing.dynamic import traced_size
-from fxsplit.tracing.fakeweights import fake_weights
 from fxsplit.tracing.gradmode import modes_kept
 from fxsplit.tracing.keptcheckpoint import checkpoint_of
 
@@ -85,8 +84,8 @@ class _Recorder(torch.fx.Interpreter):
         self.recompute_extra: dict[int, int] = {}  # a kept checkpoint -> bytes its backward holds beyond its ops'
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if target is torch.ops.aten.scaled_dot_product_attention.default or target is _SDPA:  # (export, fx)
-            fused = _fused_attention(args, kwargs)
+        if target is torch.ops.aten.scaled_dot_product_attention.default or target is SDPA:  # (export, fx)
+            fused = fused_attention(args, kwargs)
             if fused is not None:
                 return fused
         return super().call_function(target, args, kwargs)
@@ -97,13 +96,18 @@ class _Recorder(torch.fx.Interpreter):
             self._adopt_views(n)
         self.allocations.start()
         value = super().run_node(n)
+        if _batched(value):  # inside a vmap region (transformers' masks): a wrapper over a tensor the region's end
+            self.results[n.name] = _NOTHING  # returns, which is counted there
+            self.allocations.extra()
+            self.current = -1
+            return value
         if n.op == "placeholder":
             self.results[n.name] = self.storages.value(value)
         if self.current >= 0:
             self.results[n.name] = self.storages.value(value)
             self.internal[self.current] = self.allocations.extra()
             # an op writing into a view gives the view's base a new autograd node (CopySlices): it is this op's
-            inputs = [self.env.get(a) for a in n.all_input_nodes]
+            inputs = [v for v in (self.env.get(a) for a in n.all_input_nodes) if not _batched(v)]
             if n.target is operator.getitem and inputs and isinstance(inputs[0], (tuple, list)):
                 self.items.add(self.current)
             bases = [a._base for a in inputs if isinstance(a, torch.Tensor) and a._base is not None]
@@ -129,6 +133,8 @@ class _Recorder(torch.fx.Interpreter):
         its gradient on to that op's result)."""
         for node in n.all_input_nodes:
             tensor = self.env.get(node)
+            if _batched(tensor):
+                continue
             if isinstance(tensor, torch.Tensor) and tensor._base is not None and node.name in self.op_index:
                 self.allocations.claim(tensor, self.op_index[node.name], adding=True)
 
@@ -142,10 +148,18 @@ class _Recorder(torch.fx.Interpreter):
         self.allocations.backward_done()
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.current >= 0:
+        if self.current >= 0 and not _batched(tensor):
             self.saved.setdefault(self.current, []).append(self.storages.key(tensor))
             self.allocations.note_saved(self.current, tensor)
         return tensor
+
+
+def _batched(value: Any) -> bool:
+    """Whether ``value`` is a tensor of a ``vmap`` region: a wrapper with no storage of its own."""
+    return isinstance(value, torch.Tensor) and torch._C._functorch.is_batchedtensor(value)
+
+
+_NOTHING = ValueMemory(0, (), False)
 
 
 def profile_activations(
@@ -179,8 +193,8 @@ def profile_activations(
     from torch.nn.utils.stateless import _reparametrize_module
 
     with mode:
-        fakes = _fake_weights(graph_module, mode, training, _inputs_device(placeholders))
-        inputs = [_fake_input(n.meta["val"], mode) for n in placeholders]
+        fakes = fake_weights(graph_module, mode, training, inputs_device(placeholders))
+        inputs = [fake_input(n.meta["val"], mode) for n in placeholders]
     grad = torch.enable_grad() if training else torch.no_grad()
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
     with (
@@ -190,7 +204,7 @@ def profile_activations(
         grad,
         hooks,
         _reparametrize_module(graph_module, fakes, tie_weights=True, strict=False),
-        _slow_path(),
+        slow_path(),
     ):
         for fake in fakes.values():
             storages.key(fake)
@@ -201,58 +215,6 @@ def profile_activations(
         if training:
             recorder.backward(outputs)
     return _profile(graph_module, costs, recorder, storages, fakes, training)
-
-
-def _fake_weights(
-    graph_module: torch.fx.GraphModule, mode: Any, training: bool, meta_on: torch.device | None = None
-) -> dict[str, torch.Tensor]:
-    def trained(tensor: torch.Tensor) -> bool:
-        return training and isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad
-
-    return fake_weights(mode, graph_tensors(graph_module), trained, meta_on)
-
-
-def _inputs_device(placeholders: list[torch.fx.Node]) -> torch.device | None:
-    """The device of the graph's tensor inputs when it is not ``meta``: where the model's ``meta`` weights were
-    when it was exported (:mod:`fxsplit.tracing.metaweights`), so their fakes go there too."""
-    devices = [v.device for n in placeholders if isinstance(v := n.meta["val"], torch.Tensor)]
-    return next((d for d in devices if d.type != "meta"), None)
-
-
-def _fake_input(value: Any, mode: Any) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    if getattr(value, "fake_mode", None) is mode:
-        return value
-    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-
-
-_SDPA = torch.nn.functional.scaled_dot_product_attention
-
-
-def _fused_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``scaled_dot_product_attention`` on meta tensors as a fused kernel would run it; None if it cannot.
-
-    On ``meta`` torch takes the math path, which materialises the attention
-    matrix (and saves it for backward) where every real device's fused
-    kernel keeps only the output and a log-sum-exp per row; plan for the
-    latter.
-    """
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    bound = dict(zip(names, args, strict=False)) | kwargs
-    query = bound.get("query")
-    if not isinstance(query, torch.Tensor) or query.device.type != "meta" or bound.get("enable_gqa"):
-        return None
-    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
-        query,
-        bound["key"],
-        bound["value"],
-        float(bound.get("dropout_p", 0.0)),
-        bool(bound.get("is_causal", False)),
-        attn_mask=bound.get("attn_mask"),
-        scale=bound.get("scale"),
-    )
-    return out[0]
 
 
 def _reads(node: torch.fx.Node, by_node: dict[str, list[Weight]]) -> Iterator[str]:
@@ -397,15 +359,3 @@ def _extracts(
         if mine < theirs:
             found[i] = frozenset(mine)
     return found
-
-
-@contextlib.contextmanager
-def _slow_path() -> Iterator[None]:
-    """``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` run their composite path: the fused fast path's
-    fake kernel returns only its result, while the real kernel holds the projections and scores it computes."""
-    enabled = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(enabled)

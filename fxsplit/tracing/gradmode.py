@@ -214,6 +214,26 @@ def _patched(patches: list[tuple[type, str, Callable[..., Any]]]) -> Iterator[No
             setattr(cls, name, method)
 
 
+def _transform_depth() -> int:
+    """How many functorch transforms (``vmap``, ``grad``...) are active: an exported graph enters and leaves the
+    ``vmap`` regions of the model's code as nodes of its own (``_vmap_increment_nesting``)."""
+    return len(torch._C._functorch.get_interpreter_stack() or ())
+
+
+def _leave_transforms(depth: int) -> None:
+    """Leave the functorch transforms entered beyond ``depth`` (with them active, a later ``backward()`` refuses to
+    run: "backward() called inside a functorch transform")."""
+    functorch = torch._C._functorch
+    leave = {
+        functorch.TransformType.Vmap: functorch._vmap_decrement_nesting,
+        functorch.TransformType.Grad: functorch._grad_decrement_nesting,
+        functorch.TransformType.Jvp: functorch._jvp_decrement_nesting,
+        functorch.TransformType.Functionalize: functorch._func_decrement_nesting,
+    }
+    while _transform_depth() > depth:
+        leave[functorch.peek_interpreter_stack().key()]()
+
+
 def _autocast_depth() -> int:
     depth = torch.autocast_increment_nesting() - 1
     torch.autocast_decrement_nesting()
@@ -222,15 +242,16 @@ def _autocast_depth() -> int:
 
 @contextlib.contextmanager
 def modes_kept(devices: Iterable[str] = ("cpu", "cuda")) -> Iterator[None]:
-    """Put the grad mode and the autocast state of ``devices`` back as they were when the block ends, whatever
-    the code run inside set and did not restore (an op inside a recorded region raised)."""
+    """Put the grad mode, the autocast state of ``devices`` and the functorch transforms back as they were when the
+    block ends, whatever the code run inside set and did not restore (an op inside a recorded region raised)."""
     grad = torch.is_grad_enabled()
     devices = [d for d in devices if autocast_mode.is_autocast_available(d)]
     autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
-    cache, depth = torch.is_autocast_cache_enabled(), _autocast_depth()
+    cache, depth, transforms = torch.is_autocast_cache_enabled(), _autocast_depth(), _transform_depth()
     try:
         yield
     finally:
+        _leave_transforms(transforms)  # a vmap region of the graph (transformers' masks) left open by an op raising
         torch._C._set_grad_enabled(grad)
         for device, enabled, dtype in autocast:
             torch.set_autocast_enabled(device, enabled)
