@@ -103,3 +103,54 @@ def test_a_submodules_registration_is_named_by_its_path() -> None:
 
     with pytest.raises(TraceError, match=r"forward registers 'inner.pos' while"):
         fxsplit.fxsplit(Outer().eval(), BUDGETS, example_inputs=(X,), trace="export")
+
+
+class RecordsOnFirstCall(nn.Module):
+    """Registers forward hooks on its layers on its first call and sets a flag saying so, as transformers 5 does to
+    record each layer's output (``output_capturing``); the hooks append to a list its forward returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.recorded: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not getattr(self, "_hooks_installed", False):
+            for layer in self.layers:
+                layer.register_forward_hook(lambda module, args, out: self.recorded.append(out))
+            self._hooks_installed = True
+        self.recorded.clear()
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return (x, *self.recorded)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_hooks_forward_registers_while_traced_are_taken_off_with_their_flag(trace: str) -> None:
+    """Before, the flag was put back and the hooks stayed: the model's next call registered them again and
+    recorded every output twice (a Segformer's head then fed one stage's features to another's projection)."""
+    torch.manual_seed(0)
+    model = RecordsOnFirstCall()
+    fxsplit.plan(model, {"cpu:0": "1GiB"}, example_inputs=(X,), trace=trace, mode="weights")
+    assert not any(layer._forward_hooks for layer in model.layers) and "_hooks_installed" not in vars(model)
+    assert len(model(X)) == 4  # the output and one record per layer, not two
+    fxsplit.plan(model, {"cpu:0": "1GiB"}, example_inputs=(X,), trace=trace, mode="weights")  # its hooks are its own
+    assert all(len(layer._forward_hooks) == 1 for layer in model.layers) and len(model(X)) == 4
+
+
+def test_a_hugging_face_model_computes_as_before_after_it_was_planned() -> None:
+    """Segformer's head reads the hidden states transformers records with its hooks (found by a sweep of Hugging
+    Face checkpoints: after ``plan()``, the model's own call failed, and planning it again did too)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.SegformerConfig(
+        hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 1, 2, 2], decoder_hidden_size=32
+    )
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = transformers.SegformerForSemanticSegmentation(config).eval()
+    with torch.no_grad():
+        before = model(pixel_values=pixels).logits
+    for _ in range(2):
+        fxsplit.plan(model, {"cpu:0": "1GiB"}, example_kwargs={"pixel_values": pixels}, mode="weights")
+        with torch.no_grad():
+            assert torch.equal(model(pixel_values=pixels).logits, before)

@@ -10,8 +10,8 @@ Some models make part of themselves on their first call (``if not hasattr(self, 
 * under torch.fx it registers real tensors, and ``fxsplit.plan`` (which must not touch the model) left them on it,
   as did a trace that failed.
 
-:func:`registrations_undone` puts every module's parameters, buffers and submodules back as they were when the
-block ends (a split keeps its own: its graph module holds what its graph reads), and, when the block ended
+:func:`registrations_undone` puts every module's parameters, buffers, submodules and hooks back as they were when
+the block ends (a split keeps its own: its graph module holds what its graph reads), and, when the block ended
 well, refuses with a :class:`~fxsplit.errors.TraceError` if a registration held fake tensors, naming it and the
 fixes: make it in ``__init__``, or call the model once before splitting it.
 """
@@ -28,7 +28,22 @@ from fxsplit.errors import TraceError
 
 __all__ = ["registrations_undone"]
 
-_REGISTRIES = ("_parameters", "_buffers", "_modules")
+_REGISTRIES = (
+    "_parameters",
+    "_buffers",
+    "_modules",
+    # hooks: transformers 5 registers forward hooks on a model's modules on its first call, to record their outputs
+    # (``output_capturing``), and sets a flag on the model saying so, which :mod:`~fxsplit.tracing.pythonstate`
+    # puts back: the hooks left on, the model's next call registered them again, and recorded every output twice
+    # (a Segformer's head then read one stage's features for another's)
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
 _MISSING = object()
 
 
@@ -42,8 +57,8 @@ def _holds_fakes(value: Any) -> bool:
 
 @contextmanager
 def registrations_undone(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block (traces of ``model``), note each module's parameters, buffers and submodules; when it
-    ends, put them back, and refuse what the traces registered of fake tensors (see the module's doc)."""
+    """Within the block (traces of ``model``), note each module's parameters, buffers, submodules and hooks; when
+    it ends, put them back, and refuse what the traces registered of fake tensors (see the module's doc)."""
     held = [  # (a scripted module's registries are torch.jit's wrappers, which forward cannot add to)
         (module, kind, dict(registry))
         for module in model.modules()
