@@ -397,3 +397,14 @@ class LiveBytes(TorchDispatchMode):
                     self.live[key] = tensor.untyped_storage().nbytes()
         self.peak = max(self.peak, sum(self.live.values()))
         return out
+
+
+def saved_then_empty(directory: Any, config: Any, saved: Any, loaded: Any) -> tuple[nn.Module, nn.Module]:
+    """A transformers ``saved(config)`` with seeded weights written to ``directory`` by ``save_pretrained``; returns
+    ``loaded.from_pretrained(directory)`` (the reference) and a ``loaded(config)`` built without weights."""
+    torch.manual_seed(0)
+    saved(config).save_pretrained(directory)
+    reference = loaded.from_pretrained(directory).eval()
+    with fxsplit.empty_weights():
+        model = loaded(config).eval()
+    return reference, model

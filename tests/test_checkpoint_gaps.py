@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import saved_then_empty
 
 import fxsplit
 from fxsplit.errors import FxsplitWarning
@@ -111,11 +112,9 @@ def test_an_old_checkpoints_rotary_tables_are_skipped(tmp_path: Path) -> None:
 def test_a_whole_encoder_decoders_checkpoint_fills_its_encoder(tmp_path: Path) -> None:
     """T5's encoder lists its checkpoints' ``decoder`` tensors as expected extras."""
     config = transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
-    torch.manual_seed(0)
-    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path)
-    reference = transformers.T5EncoderModel.from_pretrained(tmp_path).eval()
-    with fxsplit.empty_weights():
-        model = transformers.T5EncoderModel(config).eval()
+    reference, model = saved_then_empty(
+        tmp_path, config, transformers.T5ForConditionalGeneration, transformers.T5EncoderModel
+    )
     ids = {"input_ids": torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(3))}
     split = _split(model, 0.6, tmp_path, **ids)
     assert torch.equal(split(**ids).last_hidden_state, reference(**ids).last_hidden_state)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from helpers import saved_then_empty
 
 import fxsplit
 from fxsplit.errors import CheckpointError, FxsplitWarning, SpecError
@@ -247,11 +248,9 @@ def test_a_base_models_checkpoint_fills_a_hugging_face_model_with_a_new_head(tmp
     (normal with ``initializer_range``, bias zero), not by ``nn.Linear``'s own initializer."""
     config = _bert_config()
     config.initializer_range = 0.5  # far from nn.Linear's kaiming bound (1/sqrt(32)): says which initializer ran
-    torch.manual_seed(0)
-    transformers.BertModel(config).save_pretrained(tmp_path)
-    reference = transformers.BertForSequenceClassification.from_pretrained(tmp_path).eval()
-    with fxsplit.empty_weights():
-        model = transformers.BertForSequenceClassification(config).eval()
+    reference, model = saved_then_empty(
+        tmp_path, config, transformers.BertModel, transformers.BertForSequenceClassification
+    )
     ids = {"input_ids": torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(3))}
     with pytest.raises(CheckpointError, match="missing: 'classifier.weight'"):
         fxsplit.fxsplit(model, {"cpu:0": "200KiB", "cpu:1": "10MiB"}, example_kwargs=ids, checkpoint=tmp_path)
@@ -273,11 +272,9 @@ def test_a_base_models_checkpoint_fills_a_hugging_face_model_with_a_new_head(tmp
 
 def test_a_classifiers_checkpoint_fills_its_base_model(tmp_path: Path) -> None:
     config = _bert_config()
-    torch.manual_seed(0)
-    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path)
-    reference = transformers.BertModel.from_pretrained(tmp_path).eval()
-    with fxsplit.empty_weights():
-        model = transformers.BertModel(config).eval()
+    reference, model = saved_then_empty(
+        tmp_path, config, transformers.BertForSequenceClassification, transformers.BertModel
+    )
     ids = {"input_ids": torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(3))}
     need = sum(fxsplit.plan(model, {"cpu:0": "1GiB"}, example_kwargs=ids, mode="weights").device_bytes.values())
     budgets = {"cpu:0": int(0.6 * need), "cpu:1": int(0.6 * need)}
