@@ -9,6 +9,8 @@ the new submodule.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -148,8 +150,8 @@ def test_a_hugging_face_model_computes_as_before_after_it_was_planned() -> None:
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
     model = transformers.SegformerForSemanticSegmentation(config).eval()
-    with torch.no_grad():
-        before = model(pixel_values=pixels).logits
+    with torch.no_grad():  # (a copy: the model is first called by its trace, which hooks its modules)
+        before = copy.deepcopy(model)(pixel_values=pixels).logits
     for _ in range(2):
         fxsplit.plan(model, {"cpu:0": "1GiB"}, example_kwargs={"pixel_values": pixels}, mode="weights")
         with torch.no_grad():
