@@ -158,13 +158,13 @@ def test_nested_subgraphs_are_graph_modules_or_none() -> None:
 def test_activation_profiling_fakes_the_tensors_get_attr_reads() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fxsplit.memory.activations import _fake_weights
+    from fxsplit.memory.fakerun import fake_weights
 
     gm = torch.fx.symbolic_trace(Net())
     graph = torch.fx.Graph()
     graph.output((graph.get_attr("layers.0.weight"), graph.get_attr("layers.1.bias")))
     reads = torch.fx.GraphModule(gm, graph)
-    fakes = _fake_weights(reads, FakeTensorMode(), training=False)
+    fakes = fake_weights(reads, FakeTensorMode(), training=False)
     assert fakes["layers.0.weight"].shape == (2, 2) and "layers.1.bias" not in fakes
 
 
