@@ -104,10 +104,11 @@ class ModelLoad:
         self, model: torch.nn.Module, checkpoint: PathLike, progress: bool | None, strict: bool = True
     ) -> None:
         self.model, self.progress, self.strict = model, progress, strict
-        self.slots = gaps_of(model).mark(slots_of([model], non_persistent_names(model)))
+        gaps = gaps_of(model)
+        self.slots = gaps.mark(slots_of([model], non_persistent_names(model)))
         names = {name for slot in self.slots for name in slot.names}
         self.table = model_names(read_table(checkpoint), conversions_of(model), names)
-        self.extra = [name for name in self.table.entries if gaps_of(model).may_hold(name)]  # skipped unsaid
+        self.extra = [name for name in self.table.entries if gaps.may_hold(name)]  # skipped unsaid
         match(self.slots, self.table, also_known=self.extra, strict=strict)  # fail early (and again on load)
 
     @contextlib.contextmanager
