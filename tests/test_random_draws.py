@@ -450,6 +450,8 @@ class MadeInForward(nn.Module):
             rng = random.Random()
         elif self.how == "np.random.RandomState()":
             rng = np.random.RandomState()
+        elif self.how == "np.random.Generator()":
+            rng = np.random.Generator(np.random.PCG64())  # from a bit generator, as default_rng() makes one
         else:
             rng = Random()  # bound by name in this module: ``from random import Random``
         for layer in self.layers:
@@ -459,7 +461,9 @@ class MadeInForward(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("how", ["np.random.default_rng()", "random.Random()", "np.random.RandomState()"])
+@pytest.mark.parametrize(
+    "how", ["np.random.default_rng()", "random.Random()", "np.random.RandomState()", "np.random.Generator()"]
+)
 @pytest.mark.parametrize("trace", ["fx", "export"])
 def test_a_generator_made_in_forward_is_watched(trace: str, how: str) -> None:
     torch.manual_seed(0)
@@ -472,6 +476,7 @@ def test_a_generator_made_in_forward_is_watched(trace: str, how: str) -> None:
     assert np.random.default_rng is not None and isinstance(np.random.default_rng(), np.random.Generator)
     assert random.Random is Random and type(random.Random(0)) is Random  # the classes, put back
     assert type(np.random.RandomState(0)) is np.random.RandomState
+    assert type(np.random.Generator(np.random.PCG64(0))) is np.random.Generator
 
 
 def test_a_generator_class_bound_by_name_is_watched_and_isinstance_still_holds() -> None:

@@ -10,16 +10,15 @@
 * generator objects the model holds (``self.rng = np.random.default_rng(0)``, ``random.Random(0)``,
   ``np.random.RandomState(0)``), as attributes of its modules or globals of that code: each is stood in for by a
   :class:`StandIn` whose drawing methods are wrapped and whose other attributes are the generator's own; and the
-  generators ``np.random.default_rng()``, ``random.Random()`` and ``np.random.RandomState()`` make for the model's
-  code while it is traced (in ``forward``; the classes stand in for themselves to ``isinstance``), but not for a
-  module imported meanwhile (its generators stay its own).
+  generators ``np.random.default_rng()``, ``random.Random()``, ``np.random.RandomState()`` and
+  ``np.random.Generator(bit_generator)`` make for the model's code while it is traced (in ``forward``; the classes
+  stand in for themselves to ``isinstance``), but not for a module imported meanwhile (its generators stay its own).
 
 Each wrapper is given the function's ``pinned(value, end, *args, **kwargs)``, the drawn value moved to the low
 (``end`` 0) or high end (1) of the range the call's arguments give. :func:`watching` installs them and puts every
 name back after (a stand-in only where the model still holds it: code that replaced it keeps its own).
 
-Not seen: a generator object held elsewhere (on a config object), one made in ``forward`` from a bit generator
-(``np.random.Generator(np.random.PCG64())``), and a drawing function bound to a name in a module that defines none
+Not seen: a generator object held elsewhere (on a config object), and a drawing function bound to a name in a module that defines none
 of the model's classes (a helper module the model's code imports from).
 """
 
@@ -260,6 +259,7 @@ def _watched_kind(kind: type, label: str, table: dict[str, Callable[..., Any]], 
 _MADE: tuple[tuple[Any, str, type, dict[str, Callable[..., Any]]], ...] = (
     (random, "random", random.Random, _PYTHON),
     (np.random, "np.random", np.random.RandomState, _NUMPY),
+    (np.random, "np.random", np.random.Generator, _GENERATOR),  # ``Generator(PCG64())``: what default_rng() makes
 )
 
 
