@@ -18,8 +18,8 @@ Each wrapper is given the function's ``pinned(value, end, *args, **kwargs)``, th
 (``end`` 0) or high end (1) of the range the call's arguments give. :func:`watching` installs them and puts every
 name back after (a stand-in only where the model still holds it: code that replaced it keeps its own).
 
-Not seen: a generator object held elsewhere (on a config object), and a drawing function bound to a name in a module that defines none
-of the model's classes (a helper module the model's code imports from).
+Not seen: a generator object held elsewhere (on a config object), and a drawing function bound to a name in a
+module that defines none of the model's classes (a helper module the model's code imports from).
 """
 
 from __future__ import annotations
