@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import re
 
+import boundcode
 import pytest
 import torch
 import torch.nn as nn
@@ -48,6 +49,16 @@ class ScaledByName(Scaled):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
         if grad_is_on():
+            h = h * 2
+        return torch.relu(h)
+
+
+class ScaledThroughHelper(Scaled):
+    """The same branch, through a helper module's function that reads the mode by its own name."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if boundcode.grad_on():
             h = h * 2
         return torch.relu(h)
 
@@ -250,6 +261,18 @@ def test_the_modes_are_the_callers_after_tracing() -> None:
 def test_pipeline_stages_say_which_modes_they_compute_under() -> None:
     with pytest.warns(fxsplit.FxsplitWarning, match=r"fixed what it found then \(gradients on \(torch.enable_grad"):
         fxsplit.pipeline_stages(model(), {"cpu:0": 3000, "cpu:1": 3000}, example_inputs=(X,), chunks=2, trace="fx")
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_mode_read_through_a_helper_module_s_name_is_seen(trace: str) -> None:
+    """Before, the split kept the gradients-on branch under ``torch.no_grad()``, silently."""
+    m = model(ScaledThroughHelper)
+    split = _split(m, trace)
+    torch.testing.assert_close(split(X), m(X), rtol=0, atol=0)
+    with torch.no_grad():
+        with pytest.raises(FxsplitError, match=r"read that mode \(grad_on at boundcode.py:"):
+            split(X)
+    assert boundcode.is_grad_enabled is torch.is_grad_enabled  # put back
 
 
 @pytest.mark.parametrize("trace", ["fx", "export"])

@@ -17,6 +17,7 @@ from random import Random
 from random import uniform as bound_uniform
 from typing import Any, Callable
 
+import boundcode
 import numpy as np
 import pytest
 import torch
@@ -495,6 +496,35 @@ def test_while_watched_a_generator_made_before_is_still_an_instance_of_its_class
         assert issubclass(random.SystemRandom, random.Random) and not isinstance(made_before, np.random.RandomState)
         assert isinstance(random.Random(1), StandIn)  # made meanwhile by code that is not torch's: watched
     assert random.Random is Random
+
+
+class DropsThroughHelper(nn.Module):
+    """LayerDrop through a helper module's function, which draws by its own name (``from random import uniform``)."""
+
+    def __init__(self, layerdrop: float = 0.5) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        self.layerdrop = layerdrop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and boundcode.dropped(self.layerdrop):
+                continue
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_draw_through_a_helper_module_s_name_is_watched(trace: str) -> None:
+    """Before, the split kept the one trace's layers (2 to 5 of 6), silently."""
+    torch.manual_seed(0)
+    with pytest.raises(TraceError, match=r"draws random numbers[\s\S]*random.uniform\(\)"):
+        _split(DropsThroughHelper().train(), trace, {"cpu:0": 8000, "cpu:1": 8000})
+    assert boundcode.uniform is random.uniform  # put back
+    model = DropsThroughHelper().eval()
+    split = _split(model, trace, {"cpu:0": 8000, "cpu:1": 8000})
+    with torch.no_grad():
+        torch.testing.assert_close(split(X), model(X), rtol=0, atol=0)
 
 
 class ImportsWhileTraced(nn.Module):

@@ -6,7 +6,9 @@
   ``random.uniform(0, 1)`` or ``np.random.random()``;
 * the same functions bound to a name of the model's own code before tracing (``from random import uniform``):
   the name holds the function itself, so patching the module's attribute does not reach it. The globals of each
-  Python module that defines a class of the model's modules (or one of their bases) are looked through;
+  Python module that defines a class of the model's modules (or one of their bases) are looked through, and those
+  of the modules that code imports from (a helper module's ``drop()`` drawing through its own name:
+  :func:`~fxsplit.tracing.modelcode.model_namespaces`);
 * generator objects the model holds (``self.rng = np.random.default_rng(0)``, ``random.Random(0)``,
   ``np.random.RandomState(0)``), as attributes of its modules or globals of that code: each is stood in for by a
   :class:`StandIn` whose drawing methods are wrapped and whose other attributes are the generator's own; and the
@@ -18,8 +20,8 @@ Each wrapper is given the function's ``pinned(value, end, *args, **kwargs)``, th
 (``end`` 0) or high end (1) of the range the call's arguments give. :func:`watching` installs them and puts every
 name back after (a stand-in only where the model still holds it: code that replaced it keeps its own).
 
-Not seen: a generator object held elsewhere (on a config object), and a drawing function bound to a name in a
-module that defines none of the model's classes (a helper module the model's code imports from).
+Not seen: a generator object held elsewhere (on a config object), and a name bound two imports away (a helper of a
+helper module).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from fxsplit.tracing.modelcode import code_modules
+from fxsplit.tracing.modelcode import model_namespaces
 from fxsplit.tracing.modereads import internal_code
 
 __all__ = ["WATCHED", "StandIn", "by_model_code", "generator_states", "restore_states", "watching"]
@@ -192,7 +194,7 @@ def watching(model: torch.nn.Module, wrap: Wrap) -> Iterator[list[Any]]:
             patched.append((namespace, name, value, StandIn(value, label, table, wrap)))
 
     modules = list(model.modules())
-    for code in code_modules(modules):
+    for code in model_namespaces(modules):
         for name, value in list(vars(code).items()):
             if id(value) in functions and callable(value):
                 patched.append((vars(code), name, value, functions[id(value)]))

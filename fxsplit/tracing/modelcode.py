@@ -9,13 +9,14 @@ are model code: :func:`~fxsplit.tracing.modereads.internal_code`).
 from __future__ import annotations
 
 import sys
+import types
 from typing import Any
 
 import torch
 
 from fxsplit.tracing.modereads import internal_code
 
-__all__ = ["code_classes", "code_modules"]
+__all__ = ["code_classes", "code_modules", "model_namespaces"]
 
 
 def code_classes(modules: list[torch.nn.Module]) -> list[type]:
@@ -38,6 +39,32 @@ def code_modules(modules: list[torch.nn.Module]) -> list[Any]:
             if code is not None and base.__module__ not in found and not _internal(code):
                 found[base.__module__] = code
     return list(found.values())
+
+
+def model_namespaces(modules: list[torch.nn.Module]) -> list[Any]:
+    """:func:`code_modules`, then the Python modules that code binds names from, one level down: a module imported
+    whole (``import mylib.utils as U``), or the one that defines a function or class imported by name
+    (``from mylib.utils import drop``). A name that code binds (``from random import uniform``) holds the function
+    itself wherever the model's code calls it from, its own module or a helper's. Not torch's machinery or
+    fxsplit's, the standard library's, or NumPy's (their own names are watched where they are defined)."""
+    codes = code_modules(modules)
+    found: dict[str, Any] = {code.__name__: code for code in codes}
+    for code in codes:
+        for value in list(vars(code).values()):
+            if isinstance(value, types.ModuleType):
+                helper = value
+            elif isinstance(value, (types.FunctionType, type)):
+                helper = sys.modules.get(getattr(value, "__module__", None) or "")
+            else:
+                continue
+            name = getattr(helper, "__name__", None)
+            if name is None or name in found or name.partition(".")[0] in _NOT_HELPERS or _internal(helper):
+                continue
+            found[name] = helper
+    return list(found.values())
+
+
+_NOT_HELPERS = frozenset(sys.stdlib_module_names) | {"numpy", "builtins"}
 
 
 def _internal(code: Any) -> bool:

@@ -182,10 +182,10 @@ def _bound(model: torch.nn.Module | None, functions: dict[int, Any]) -> list[tup
     attribute does not reach."""
     if model is None:
         return []
-    from fxsplit.tracing.modelcode import code_modules  # (it imports this module)
+    from fxsplit.tracing.modelcode import model_namespaces  # (it imports this module)
 
     found = []
-    for code in code_modules(list(model.modules())):
+    for code in model_namespaces(list(model.modules())):
         namespace = vars(code)
         for name, value in namespace.items():
             if id(value) in functions and functions[id(value)] is value:
