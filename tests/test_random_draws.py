@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from random import Random
 from random import uniform as bound_uniform
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import boundcode
@@ -496,6 +497,39 @@ def test_while_watched_a_generator_made_before_is_still_an_instance_of_its_class
         assert issubclass(random.SystemRandom, random.Random) and not isinstance(made_before, np.random.RandomState)
         assert isinstance(random.Random(1), StandIn)  # made meanwhile by code that is not torch's: watched
     assert random.Random is Random
+
+
+class OnItsConfig(nn.Module):
+    """LayerDrop on a generator its config object holds (``self.config.rng``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        rng = {"default_rng": np.random.default_rng(0), "Random": random.Random(0)}[how]
+        self.config = SimpleNamespace(layerdrop=0.5, rng=rng)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and self.config.rng.random() < self.config.layerdrop:
+                continue
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+@pytest.mark.parametrize("how", ["default_rng", "Random"])
+def test_a_generator_on_the_model_s_config_object_is_watched(trace: str, how: str) -> None:
+    """Before, the split kept the one trace's layers, silently."""
+    torch.manual_seed(0)
+    model = OnItsConfig(how).train()
+    held = model.config.rng
+    with pytest.raises(TraceError, match=r"OnItsConfig.config.rng.random\(\)"):
+        _split(model, trace, {"cpu:0": 8000, "cpu:1": 8000})
+    assert model.config.rng is held  # the config's own generator is back
+    model.eval()
+    split = _split(model, trace, {"cpu:0": 8000, "cpu:1": 8000})
+    with torch.no_grad():
+        torch.testing.assert_close(split(X), model(X), rtol=0, atol=0)
 
 
 class DropsThroughHelper(nn.Module):

@@ -10,8 +10,9 @@
   of the modules that code imports from (a helper module's ``drop()`` drawing through its own name:
   :func:`~fxsplit.tracing.modelcode.model_namespaces`);
 * generator objects the model holds (``self.rng = np.random.default_rng(0)``, ``random.Random(0)``,
-  ``np.random.RandomState(0)``), as attributes of its modules or globals of that code: each is stood in for by a
-  :class:`StandIn` whose drawing methods are wrapped and whose other attributes are the generator's own; and the
+  ``np.random.RandomState(0)``), as attributes of its modules, of the objects they hold (``self.config.rng``) or
+  globals of that code: each is stood in for by a :class:`StandIn` whose drawing methods are wrapped and whose
+  other attributes are the generator's own; and the
   generators ``np.random.default_rng()``, ``random.Random()``, ``np.random.RandomState()`` and
   ``np.random.Generator(bit_generator)`` make for the model's code while it is traced (in ``forward``; the classes
   stand in for themselves to ``isinstance``), but not for a module imported meanwhile (its generators stay its own).
@@ -20,8 +21,8 @@ Each wrapper is given the function's ``pinned(value, end, *args, **kwargs)``, th
 (``end`` 0) or high end (1) of the range the call's arguments give. :func:`watching` installs them and puts every
 name back after (a stand-in only where the model still holds it: code that replaced it keeps its own).
 
-Not seen: a generator object held elsewhere (on a config object), and a name bound two imports away (a helper of a
-helper module).
+Not seen: a generator object held deeper (in a list the module holds, or two objects down), and a name bound two
+imports away (a helper of a helper module).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from __future__ import annotations
 import random
 import sys
 import threading
+import types
+from collections import OrderedDict
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Callable, Iterator
@@ -153,6 +156,8 @@ class StandIn:
 
 
 _KINDS = tuple(kind for kind, _ in _METHODS)
+_NOT_HOLDERS = (torch.nn.Module, torch.Tensor, dict, type, types.ModuleType, types.FunctionType, types.MethodType)
+_PLAIN = frozenset({bool, int, float, str, bytes, type(None), dict, OrderedDict, set, list, tuple, torch.Size})
 
 
 def _table(value: Any) -> dict[str, Callable[..., Any]] | None:
@@ -200,12 +205,19 @@ def watching(model: torch.nn.Module, wrap: Wrap) -> Iterator[list[Any]]:
                 patched.append((vars(code), name, value, functions[id(value)]))
             else:
                 stand_in(vars(code), name, value, f"{code.__name__}.{name}")
-    kinds = _KINDS
-    for owner in modules:  # (models of 100k modules: one isinstance per attribute, nothing more)
+    kinds, plain, looked = _KINDS, _PLAIN, {id(module) for module in modules}
+    for owner in modules:  # (models of 100k modules: a set lookup per attribute, a few more for other objects)
         namespace = vars(owner)
         for name, value in namespace.items():
+            if type(value) in plain:  # (most attributes: torch's own tables, sizes, flags)
+                continue
             if isinstance(value, kinds):
                 stand_in(namespace, name, value, f"{type(owner).__name__}.{name}")
+            elif id(value) not in looked and not isinstance(value, _NOT_HOLDERS):
+                looked.add(id(value))  # an object the module holds (its config): a generator among its attributes
+                for key, held_value in _attributes(value):
+                    if isinstance(held_value, kinds):
+                        stand_in(vars(value), key, held_value, f"{type(owner).__name__}.{name}.{key}")
     for namespace, name, _, replacement in patched:
         namespace[name] = replacement
     try:
@@ -214,6 +226,15 @@ def watching(model: torch.nn.Module, wrap: Wrap) -> Iterator[list[Any]]:
         for namespace, name, original, replacement in reversed(patched):
             if namespace.get(name) is replacement:
                 namespace[name] = original
+
+
+def _attributes(value: Any) -> list[tuple[str, Any]]:
+    """The items of ``vars(value)`` (none when it has no plain ``__dict__``, or asking fails)."""
+    try:
+        inner = vars(value)
+    except Exception:  # noqa: BLE001 - no __dict__ (TypeError), or a proxy that fails when asked
+        return []
+    return list(inner.items()) if type(inner) is dict else []
 
 
 def by_model_code(thread: int, caller: FrameType) -> bool:
