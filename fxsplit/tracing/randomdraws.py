@@ -19,8 +19,8 @@ range comes out the other way at one of the ends, and a drawn number changes). T
 without using the draw (wav2vec2's adapter does) is planned as before, after the two more traces; a model that
 draws nothing is traced once.
 
-Not seen: a generator object held elsewhere (on a config object), and a drawing function bound to a name two
-imports away from the model's code (:mod:`~fxsplit.tracing.drawsources`).
+Not seen: a generator object held deeper than an object a module holds (``self.config.rng`` is seen), and a
+drawing function bound to a name two imports away from the model's code (:mod:`~fxsplit.tracing.drawsources`).
 """
 
 from __future__ import annotations
