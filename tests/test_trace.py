@@ -298,3 +298,35 @@ def test_a_loop_over_the_experts_a_router_picked_gets_a_hint_that_names_it() -> 
         trace(RoutedExperts().eval(), example_inputs=(torch.randn(6, 8),), mode="export")
     assert "LayerDrop" not in str(info.value)
     assert "test_trace.py" in str(info.value)  # the line that loops
+
+
+class WritesThroughData(nn.Module):
+    """Writes a tensor it made through ``.data`` (diffusers' CogVideoX patch embedding builds its positional table
+    so): torch.export lifts it as a constant it cannot follow, and refuses the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("table", torch.zeros(1, 6, 8), persistent=False)  # unread at these sizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        joint = h.new_zeros(1, 6, 8)
+        joint.data[:, 2:].copy_(torch.arange(32, dtype=h.dtype).reshape(4, 8))
+        return h + joint[:, 2:]
+
+
+@pytest.mark.parametrize("weights", ["real", "meta"])
+def test_a_constant_export_cannot_follow_is_refused_on_meta_weights_as_on_real_ones(weights: str) -> None:
+    """Before, the model built on ``meta`` (to be loaded from a checkpoint) got a RuntimeError from deep inside the
+    cost model ("Cannot access data pointer of Tensor (e.g. FakeTensor...)"): export, run on fake weights, kept the
+    fake constant that it refuses on real ones."""
+    if weights == "meta":
+        with fxsplit.empty_weights():
+            model = WritesThroughData()
+    else:
+        model = WritesThroughData()
+    with pytest.raises(
+        TraceError, match=r"torch.export could not trace the model[\s\S]*fake tensor[\s\S]*written through .data"
+    ):
+        fxsplit.plan(model, {"cpu:0": "1MiB", "cpu:1": "1MiB"}, example_inputs=(torch.randn(2, 4, 8),), trace="export")

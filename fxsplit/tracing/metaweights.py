@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["fake_weights_on", "inputs_device"]
+__all__ = ["fake_weights_on", "fakes_left", "inputs_device"]
 
 
 @contextmanager
@@ -64,9 +64,27 @@ def fake_weights_on(
                 for key, value in table.items():
                     if value is not None and id(value) in originals and made.get(id(originals[id(value)])) is value:
                         table[key] = originals[id(value)]  # type: ignore[assignment]  # the module's own tensor
+        left = fakes_left(graph_module)
+        if left:  # what torch.export raises for the model with real weights (it skips the check under a fake mode)
+            raise RuntimeError(
+                "We found a fake tensor in the exported program constant's list: the forward made a tensor that "
+                f"torch.export could not follow (a write through .data, for one): {', '.join(left[:3])}"
+            )
 
     with _reparametrize_module(model, state, tie_weights=True, strict=False):
         yield mode, restore
+
+
+def fakes_left(graph_module: torch.nn.Module) -> list[str]:
+    """The tensors a graph reads (``get_attr``) that are fakes: constants torch.export lifted from what the forward
+    made and could not follow. On real weights export refuses such a graph; under a fake mode it keeps them."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from fxsplit.attrpath import attr_at
+
+    graph = getattr(graph_module, "graph", None)
+    nodes = [node for node in graph.nodes if node.op == "get_attr"] if graph is not None else []
+    return [str(node.target) for node in nodes if isinstance(attr_at(graph_module, str(node.target), None), FakeTensor)]
 
 
 def inputs_device(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:

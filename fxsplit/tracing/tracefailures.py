@@ -81,6 +81,13 @@ def export_message(error: BaseException, scripted: list[str] | None = None) -> s
             "torch.no_grad() traces as it runs when you plan it under torch.no_grad() too (with torch.no_grad(): "
             "fxsplit.fxsplit(...)); to train it, write out of place (x = x.relu() for x.relu_())"
         )
+    if "fake tensor in the exported program constant" in str(error):
+        hint += (
+            "\n  the forward makes a tensor and changes it in a way export cannot record (written through .data, "
+            "for one: x.data[...].copy_(...)), so the graph would hold a constant without its values: write to the "
+            "tensor itself (x[...] = ..., or build it with torch.cat), or trace with torch.fx (trace='fx'), which "
+            "records the write"
+        )
     if "Constraints violated" in str(error) or "dynamic_shapes" in str(error):
         hint += (
             "\n  this is about dynamic_shapes: a size you marked variable must stay fixed or equal another; "
