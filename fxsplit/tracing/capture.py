@@ -47,6 +47,7 @@ from fxsplit.tracing.leftovers import clearing_leftovers
 from fxsplit.tracing.metaweights import fake_weights_on, inputs_device
 from fxsplit.tracing.modereads import AUTOCAST_DEVICES, MODE_READS, modes_fixed, recording_mode_reads
 from fxsplit.tracing.modulehooks import keep_backward_hooks, warn_global_hooks
+from fxsplit.tracing.proxykeys import recording_proxy_keys, refuse_lost_outputs
 from fxsplit.tracing.pythonstate import python_state_kept
 from fxsplit.tracing.randomdraws import recording_draws
 from fxsplit.tracing.registered import registrations_undone
@@ -81,6 +82,7 @@ class Traced:
     checkpointed: tuple[str, ...] = ()
     checkpoint_kept: tuple[str, ...] = ()
     custom_kept: tuple[str, ...] = ()
+    proxy_keys: tuple[str, ...] = ()  # fx: where the model's code keyed a dict by a traced value (proxykeys.py)
 
 
 def trace(
@@ -131,6 +133,10 @@ def trace(
         with recording_mode_reads(model) as reads:  # the graph keeps one branch
             traced = routed(mode)  # of the grad mode, autocast and random draws (modereads.py, randomdraws.py)
             draws.refuse_if_fixed(traced.graph_module, functools.partial(_again, routed, traced.method))
+        if traced.proxy_keys and traced.has_shapes:  # what fx lost to them, found on fakes (proxykeys.py)
+            refuse_lost_outputs(
+                traced.graph_module, model, tuple(example_inputs or ()), example_kwargs or {}, traced.proxy_keys
+            )
         key = GraphKey(traced.graph_module, model) if reads else None
         if reads and (read := modes_fixed(reads[0], key, _under(routed, traced.method, model), model)):
             traced.graph_module.meta[MODE_READS] = read  # (modereads.py)
@@ -342,13 +348,14 @@ def _symbolic(
             plain_checkpoints(model, "fx") as met,
             recording_functions(keep="fx") as functions,
             recording_training_reads(model, flipped) as training_reads,
+            recording_proxy_keys() as keyed,
         ):
             graph = tracer.trace(model, concrete_args=dict(concrete_args) if concrete_args else None)
-        return tracer, graph, met, functions, training_reads
+        return tracer, graph, met, functions, training_reads, tuple(keyed)
 
     held = [(path, m, dict(m._parameters), dict(m._buffers)) for path, m in model.named_modules(remove_duplicate=False)]
     try:
-        tracer, graph, met, functions, training_reads = trace_once()
+        tracer, graph, met, functions, training_reads, keyed = trace_once()
         training_reads = mode_dependent(training_reads, graph, lambda: trace_once(training_reads)[1])
     except TraceError:
         raise  # ours: names the construct fx cannot keep
@@ -368,7 +375,7 @@ def _symbolic(
     met.kept, met.plain = folded, [*met.plain, *left]
     graph_module = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     graph_module.meta[TRAINING_READS] = training_reads  # the modes the graph fixed (codegen/splitmodule.py)
-    traced = Traced(graph_module, "fx", True, **_met(met, functions))
+    traced = Traced(graph_module, "fx", True, proxy_keys=keyed, **_met(met, functions))
     if example_inputs is None and not example_kwargs:
         missing = "no example_inputs, so the graph has no sizes"
         return dataclasses.replace(traced, has_shapes=False, shapes_missing=missing)

@@ -27,7 +27,14 @@ from torch.utils._pytree import tree_map_only
 
 from fxsplit.errors import ExampleInputError
 
-__all__ = ["check_example_inputs", "describe_value", "first_line", "quiet_fake_tensor_log", "user_frame"]
+__all__ = [
+    "check_example_inputs",
+    "describe_value",
+    "first_line",
+    "outputs_on_fakes",
+    "quiet_fake_tensor_log",
+    "user_frame",
+]
 
 _SHAPE_CHECKS = (
     "/torch/_meta_registrations.py",
@@ -78,6 +85,14 @@ def _unannotated(signature: inspect.Signature) -> inspect.Signature:
 
 def _run_on_fakes(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Exception | None:
     """Run the model on fake copies of the inputs and weights; the exception it raised, or None."""
+    return outputs_on_fakes(model, args, kwargs)[1]
+
+
+def outputs_on_fakes(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> tuple[Any, Exception | None]:
+    """Run the model on fake copies of the inputs and weights (under ``torch.no_grad()``): what it returned (fake
+    tensors) and None, or None and the exception it raised."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
 
@@ -92,10 +107,9 @@ def _run_on_fakes(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping
             _reparametrize_module(model, state, tie_weights=True, strict=False),
             mode,
         ):
-            model(*fake_args, **fake_kwargs)
+            return model(*fake_args, **fake_kwargs), None
     except Exception as error:  # noqa: BLE001 - a model can raise anything; the caller sorts it
-        return error
-    return None
+        return None, error
 
 
 def _rejects_inputs(error: Exception) -> bool:
