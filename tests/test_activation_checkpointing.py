@@ -219,6 +219,48 @@ def test_checkpoint_sequential_and_a_checkpointed_function(trace: str) -> None:
     assert traced.checkpoint_kept == ("body.0, body.1", "_scaled_tanh") and not traced.checkpointed
 
 
+def checkpoint_seq(functions: nn.Sequential, x: torch.Tensor, every: int = 1) -> torch.Tensor:
+    """timm's ``checkpoint_seq`` (``model.set_grad_checkpointing()`` in ViT, ConvNeXt, ...), distilled: each segment
+    runs modules ``start`` to ``end`` of the whole tuple its runner closes over."""
+
+    def run_function(start: int, end: int, functions: tuple[nn.Module, ...]) -> Any:
+        def forward(h: torch.Tensor) -> torch.Tensor:
+            for j in range(start, end + 1):
+                h = functions[j](h)
+            return h
+
+        return forward
+
+    modules = tuple(functions.children())
+    for start in range(0, len(modules), every):
+        end = min(start + every - 1, len(modules) - 1)
+        x = checkpoint(run_function(start, end, modules), x, use_reentrant=False)
+    return x
+
+
+class TimmStyle(Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint_seq(self.body, self.pre(x), every=2)
+
+
+@pytest.mark.parametrize("trace", TRACES)
+def test_timm_s_checkpoint_seq_segments_read_their_own_blocks_weights(trace: str) -> None:
+    """Before, each kept segment read every block's weights (the runner closes over all of them), so a model with
+    timm's gradient checkpointing on could not be split under budgets its plain twin splits under (timm sweep)."""
+    torch.manual_seed(0)
+    model = TimmStyle()
+    traced = fxsplit_trace(model, example_inputs=(torch.randn(8, 16),), mode=trace)
+    assert traced.checkpoint_kept == ("body.0, body.1", "body.2, body.3")
+    x = torch.randn(8, 16)
+    whole = fxsplit.plan(model, {"cpu:0": 1 << 30}, example_inputs=(x,), trace=trace, mode="training")
+    need = whole.memory["cpu:0"]["total"]  # one device's; each of two gets 70% of it
+    split = split_and_compare(
+        model, {"cpu:0": need * 7 // 10, "cpu:1": need * 7 // 10}, (x,), trace=trace, mode="training"
+    )
+    homes = split.meta["fxsplit_plan"].param_devices
+    assert [homes[f"body.{k}.up.weight"] for k in range(4)] == ["cpu:0", "cpu:0", "cpu:1", "cpu:1"]
+
+
 @pytest.mark.parametrize("trace", TRACES)
 def test_a_call_whose_closure_holds_a_tensor_is_traced_plainly_with_a_warning(trace: str) -> None:
     class Closes(nn.Module):

@@ -198,7 +198,7 @@ def _owners(base: Callable[..., Any], first: list[Any], paths: Mapping[int, str]
     closure = _closure(base)
     if any(isinstance(leaf, (torch.Tensor, torch.fx.Proxy)) for leaf in tree_leaves(list(closure.values()))):
         return None
-    if _SEGMENT in getattr(base, "__qualname__", "") and {"start", "end", "functions"} <= closure.keys():
+    if _SEGMENT in getattr(base, "__qualname__", "") and _segment(closure):
         closure = {"segment": closure["functions"][closure["start"] : closure["end"] + 1]}  # the modules it runs
     for held in closure.values():
         candidates += list(held) if isinstance(held, (list, tuple)) else [held]
@@ -209,8 +209,16 @@ def _owners(base: Callable[..., Any], first: list[Any], paths: Mapping[int, str]
     return owners
 
 
-_SEGMENT = "checkpoint_sequential.<locals>.run_function"
-"""The qualified name of what runs a segment of ``checkpoint_sequential``: modules ``start`` to ``end`` of a list."""
+_SEGMENT = ".<locals>.run_function"
+"""In the qualified name of what runs a segment of torch's ``checkpoint_sequential`` or timm's ``checkpoint_seq``
+(``model.set_grad_checkpointing()`` in ViT, ConvNeXt, ...): ``run_function(start, end, functions)`` makes the
+function that runs modules ``start`` to ``end`` of ``functions``; the others it closes over are not its owners."""
+
+
+def _segment(closure: Mapping[str, Any]) -> bool:
+    """Whether ``closure`` is a segment runner's: integers ``start`` and ``end``, a list or tuple ``functions``."""
+    start, end = closure.get("start"), closure.get("end")
+    return type(start) is int and type(end) is int and isinstance(closure.get("functions"), (list, tuple))
 
 
 def _closure(function: Callable[..., Any]) -> dict[str, Any]:
