@@ -293,3 +293,27 @@ def test_an_input_left_at_its_default_none_still_lets_fx_count_activations() -> 
     with torch.no_grad():
         assert planned == allocated_peaks(gm, x)["cpu:0"] > 0
         torch.testing.assert_close(gm(x), expected)
+
+
+class PicksByMask(nn.Module):
+    """Takes the positions a mask picks (``nonzero``: as many as the mask's values say; Mochi's attention does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        picked = torch.nonzero(mask[0]).flatten()
+        return self.b(self.a(x)[:, picked]).sum(1)
+
+
+def test_a_size_the_inputs_values_decide_is_not_blamed_on_the_example_inputs() -> None:
+    """Before, print(plan) ended with "or pass example_inputs", which were passed (diffusers sweep: Mochi)."""
+    x, mask = torch.randn(2, 6, 8), torch.tensor([[1, 1, 1, 0, 0, 0]] * 2)
+    with pytest.warns(FxsplitWarning, match="activations not counted") as caught:
+        plan = fxsplit.plan(
+            PicksByMask(), {"cpu:0": "64KiB", "cpu:1": "64KiB"}, example_inputs=(x, mask), trace="export"
+        )
+    assert not any("pass example_inputs" in str(w.message) for w in caught)
+    last = str(plan).splitlines()[-1]
+    assert last.startswith("activations not counted:") and last.endswith("leave room in the budgets")
