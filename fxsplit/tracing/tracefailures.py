@@ -53,11 +53,12 @@ def export_message(error: BaseException, scripted: list[str] | None = None) -> s
     if "Cache" in str(error):
         hint = (
             "\n  this looks like a Hugging Face model returning (or taking) its key/value cache, a cache "
-            "object that grows on every call, which a split cannot hold. For generation, set "
-            "model.generation_config.cache_implementation = 'static' and split "
+            "object that grows on every call, which a split cannot hold. For generation with an attention "
+            "model, set model.generation_config.cache_implementation = 'static' and split "
             "transformers.integrations.executorch.TorchExportableModuleWithStaticCache(model, batch_size=1, "
-            "max_cache_len=N) under torch.no_grad() (see examples/generate.py); for one forward without a "
-            "cache, pass example_kwargs={'use_cache': False} (and call the split model with use_cache=False)"
+            "max_cache_len=N) under torch.no_grad() (see examples/generate.py; state-space models such as Mamba "
+            "have no static cache there); for one forward without a cache, pass example_kwargs={'use_cache': "
+            "False} (and call the split model with use_cache=False)"
         )
     if "GuardOnDataDependentSymNode" in type(error).__name__ + str(error):
         hint += "\n  this is Python control flow on a tensor's value (the line above), which one graph cannot hold; "
