@@ -398,3 +398,40 @@ def test_planning_inputs_keep_one_tensor_one_and_its_gradient() -> None:
     assert b is d and b.dtype == torch.bfloat16 and b.requires_grad and b.is_leaf and x.dtype == torch.float32
     half = x.detach().bfloat16()
     assert planning_inputs((half,), torch.bfloat16)[0] is half
+
+
+class PatchEmbed(nn.Module):
+    """A persistent buffer registered as a view (``table.float().unsqueeze(0)``: diffusers' patch embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(4, 8, 2, stride=2)
+        self.register_buffer("pos_embed", torch.arange(128.0).reshape(16, 8).float().unsqueeze(0))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.proj(x).flatten(2).transpose(1, 2) + self.pos_embed)
+
+
+def test_a_buffer_that_is_a_view_is_cast_for_a_checkpoint_at_the_dtype(tmp_path: Any) -> None:
+    """Before, cast as a view (new data, its base left float32), torch's fake tensors refused it, and a model built
+    empty and loaded from a checkpoint at bfloat16 was refused (diffusers sweep: PixArt)."""
+    torch.manual_seed(0)
+    reference = PatchEmbed()
+    assert reference.pos_embed._base is not None
+    torch.save(reference.state_dict(), tmp_path / "model.pt")
+    x = torch.randn(2, 4, 8, 8, dtype=torch.bfloat16)
+    with fxsplit.empty_weights():
+        empty = PatchEmbed()
+    held = empty.pos_embed
+    plan = fxsplit.plan(empty, {"cpu:0": 1 << 20}, example_inputs=(x,), trace="export", dtype="bfloat16")
+    assert plan.dtype == "bfloat16" and empty.pos_embed is held and held.dtype == torch.float32  # put back
+    split = fxsplit.fxsplit(
+        empty,
+        {"cpu:0": 1 << 20},
+        example_inputs=(x,),
+        trace="export",
+        dtype="bfloat16",
+        checkpoint=tmp_path / "model.pt",
+    )
+    torch.testing.assert_close(split(x), reference.to(torch.bfloat16)(x), rtol=0, atol=0)

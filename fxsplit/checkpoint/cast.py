@@ -31,7 +31,7 @@ from fxsplit.callsite import user_stacklevel
 from fxsplit.checkpoint import standin
 from fxsplit.checkpoint.computed import kept_buffers, meeting_buffers
 from fxsplit.checkpoint.fed import traced_as_fed
-from fxsplit.cost.walk import named_tensors
+from fxsplit.cost.walk import forget_walk, named_tensors
 from fxsplit.errors import FxsplitWarning, TraceError
 
 if TYPE_CHECKING:
@@ -74,20 +74,46 @@ def _computed_too(model: torch.nn.Module, graph: torch.fx.GraphModule, dtype: to
 
 def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[], None]:
     """Give every floating parameter and persistent buffer of ``model`` the ``dtype``; returns what undoes it."""
-    return _cast(_castable(model, dtype), dtype)
+    return _cast(_castable(model, dtype), dtype, model)
 
 
-def _cast(tensors: list[torch.Tensor], dtype: torch.dtype) -> Callable[[], None]:
+def _cast(tensors: list[torch.Tensor], dtype: torch.dtype, model: torch.nn.Module) -> Callable[[], None]:
+    """Give each of ``tensors`` (of ``model``) the ``dtype``; returns what undoes it. Each keeps its object, but a
+    view (a buffer registered as ``table.float().unsqueeze(0)``: diffusers' patch embeddings), which given new data
+    would keep its base at the old dtype (torch's fake tensors refuse that): the modules get a cast copy of it."""
     changed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    views: dict[int, torch.Tensor] = {}
     for tensor in tensors:
-        changed.append((tensor, tensor.data))
-        tensor.data = tensor.data.to(dtype)
+        if tensor._base is not None:
+            copy = tensor.detach().to(dtype)
+            views[id(tensor)] = torch.nn.Parameter(copy, tensor.requires_grad) if _is_parameter(tensor) else copy
+        else:
+            changed.append((tensor, tensor.data))
+            tensor.data = tensor.data.to(dtype)
+    replaced: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    if views:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, value in table.items():
+                    if value is not None and id(value) in views:
+                        replaced.append((table, name, value))
+        for table, name, value in replaced:
+            table[name] = views[id(value)]
+        forget_walk(model)
 
     def undo() -> None:
         for tensor, data in changed:
             tensor.data = data
+        for table, name, value in reversed(replaced):
+            table[name] = value
+        if replaced:
+            forget_walk(model)
 
     return undo
+
+
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, torch.nn.Parameter)
 
 
 class CastForLoad:
@@ -113,7 +139,7 @@ class CastForLoad:
         needed at the dtype (:mod:`fxsplit.checkpoint.computed`), when there are such."""
         made = trace()
         if self.dtype is not None and (tensors := _computed_too(self.model, graph(made), self.dtype)):
-            self.undo.append(_cast(tensors, self.dtype))
+            self.undo.append(_cast(tensors, self.dtype, self.model))
             made = trace()
         return made
 
@@ -186,7 +212,7 @@ class PlanningCast:
         parameters = [t for t in tensors if isinstance(t, torch.nn.Parameter)]
         if tensors and all(t.is_meta for t in parameters):  # real buffers are cast too (copied, put back after)
             self.given = describe(model)
-            self._undo = _cast(tensors, target)
+            self._undo = _cast(tensors, target, model)
         elif parameters and stand_in and self._fed:  # without inputs there are no activations to count
             given = describe(model)
             self._undo = standin.stand_in(model, target)
@@ -243,7 +269,8 @@ class PlanningCast:
             self._undo = standin.stand_in(self._model, self._dtype, cast_too=names)  # (it stood in before: it can)
             return
         kept = kept_buffers(self._model, self._dtype)
-        earlier, more = self._undo, _cast(list({id(kept[n]): kept[n] for n in names}.values()), self._dtype)
+        more = _cast(list({id(kept[n]): kept[n] for n in names}.values()), self._dtype, self._model)
+        earlier = self._undo
 
         def undo() -> None:
             more()
