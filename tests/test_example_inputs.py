@@ -317,3 +317,19 @@ def test_a_size_the_inputs_values_decide_is_not_blamed_on_the_example_inputs() -
     assert not any("pass example_inputs" in str(w.message) for w in caught)
     last = str(plan).splitlines()[-1]
     assert last.startswith("activations not counted:") and last.endswith("leave room in the budgets")
+
+
+def test_where_a_failure_happened_skips_code_made_at_run_time() -> None:
+    """A message said "at <string>:1:" (transformers' generated __init__ of its outputs; generation sweep)."""
+    from fxsplit.tracing.example_inputs import user_frame
+
+    namespace: dict[str, Any] = {}
+    exec(compile("def made():\n    raise ValueError('inside')\n", "<string>", "exec"), namespace)  # noqa: S102
+
+    def calls_it() -> None:
+        namespace["made"]()
+
+    with pytest.raises(ValueError) as raised:
+        calls_it()
+    where = user_frame(raised.value)
+    assert "<string>" not in where and "test_example_inputs.py" in where and "namespace" in where

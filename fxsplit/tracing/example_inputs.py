@@ -210,10 +210,12 @@ def first_line(error: BaseException) -> str:
 
 
 def user_frame(error: BaseException) -> str:
-    """The innermost frame of the traceback that is not inside torch, as 'file:line: code'."""
+    """The innermost frame of the traceback that is not inside torch, as 'file:line: code' (not code made at run
+    time, ``<string>`` or an fx graph's ``<eval_with_key>``: it has no lines to show)."""
     frames = traceback.extract_tb(error.__traceback__)
     for frame in reversed(frames):
-        if "/torch/" not in frame.filename and "/fxsplit/" not in frame.filename:
+        made = frame.filename.startswith("<")
+        if not made and "/torch/" not in frame.filename and "/fxsplit/" not in frame.filename:
             return f"{frame.filename}:{frame.lineno}: {frame.line}"
     return ""
 
