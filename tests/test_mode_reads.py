@@ -263,24 +263,19 @@ def test_pipeline_stages_say_which_modes_they_compute_under() -> None:
         fxsplit.pipeline_stages(model(), {"cpu:0": 3000, "cpu:1": 3000}, example_inputs=(X,), chunks=2, trace="fx")
 
 
+@pytest.mark.parametrize(
+    ("kind", "where"),
+    [(ScaledByName, "ScaledByName.forward at test_mode_reads.py:"), (ScaledThroughHelper, "grad_on at boundcode.py:")],
+    ids=["own name", "helper module's name"],
+)
 @pytest.mark.parametrize("trace", ["fx", "export"])
-def test_a_mode_read_through_a_helper_module_s_name_is_seen(trace: str) -> None:
-    """Before, the split kept the gradients-on branch under ``torch.no_grad()``, silently."""
-    m = model(ScaledThroughHelper)
+def test_a_mode_read_through_a_name_the_code_binds_is_seen(trace: str, kind: type[nn.Module], where: str) -> None:
+    """``from torch import is_grad_enabled`` in the model's module, or in a helper module its code calls (before,
+    the split kept the gradients-on branch under ``torch.no_grad()``, silently)."""
+    m = model(kind)
     split = _split(m, trace)
     torch.testing.assert_close(split(X), m(X), rtol=0, atol=0)
     with torch.no_grad():
-        with pytest.raises(FxsplitError, match=r"read that mode \(grad_on at boundcode.py:"):
+        with pytest.raises(FxsplitError, match=rf"read that mode \({re.escape(where)}"):
             split(X)
-    assert boundcode.is_grad_enabled is torch.is_grad_enabled  # put back
-
-
-@pytest.mark.parametrize("trace", ["fx", "export"])
-def test_a_mode_read_through_a_name_of_the_model_s_own_is_seen(trace: str) -> None:
-    m = model(ScaledByName)
-    split = _split(m, trace)
-    torch.testing.assert_close(split(X), m(X), rtol=0, atol=0)
-    with torch.no_grad():
-        with pytest.raises(FxsplitError, match=r"read that mode \(ScaledByName.forward at test_mode_reads.py:"):
-            split(X)
-    assert grad_is_on is torch.is_grad_enabled  # put back
+    assert grad_is_on is torch.is_grad_enabled and boundcode.is_grad_enabled is torch.is_grad_enabled  # put back
