@@ -98,7 +98,7 @@ def _cast(tensors: list[torch.Tensor], dtype: torch.dtype, model: torch.nn.Modul
                     if value is not None and id(value) in views:
                         replaced.append((table, name, value))
         for table, name, value in replaced:
-            table[name] = views[id(value)]
+            table[name] = views[id(value)]  # type: ignore[assignment]  # (a parameter's view is made a Parameter)
         forget_walk(model)
 
     def undo() -> None:

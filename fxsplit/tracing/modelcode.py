@@ -51,6 +51,7 @@ def model_namespaces(modules: list[torch.nn.Module]) -> list[Any]:
     found: dict[str, Any] = {code.__name__: code for code in codes}
     for code in codes:
         for value in list(vars(code).values()):
+            helper: types.ModuleType | None
             if isinstance(value, types.ModuleType):
                 helper = value
             elif isinstance(value, (types.FunctionType, type)):

@@ -44,7 +44,7 @@ def recording_proxy_keys() -> Iterator[dict[str, None]]:
             found.setdefault(f"{name} at {short_filename(filename)}:{caller.f_lineno}")
         return original(self)
 
-    torch.fx.Proxy.__hash__ = noted  # type: ignore[method-assign]
+    torch.fx.Proxy.__hash__ = noted  # type: ignore[method-assign,assignment]
     try:
         yield found
     finally:
