@@ -89,10 +89,10 @@ def _run_on_fakes(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping
 
 
 def outputs_on_fakes(
-    model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, no_grad: bool = True
 ) -> tuple[Any, Exception | None]:
-    """Run the model on fake copies of the inputs and weights (under ``torch.no_grad()``): what it returned (fake
-    tensors) and None, or None and the exception it raised."""
+    """Run the model on fake copies of the inputs and weights (under ``torch.no_grad()``, or with ``no_grad``
+    False the caller's grad mode): what it returned (fake tensors) and None, or None and the exception it raised."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
 
@@ -103,7 +103,7 @@ def outputs_on_fakes(
         state: dict[str, torch.Tensor] = {name: mode.from_tensor(t) for name, t in tensors if t is not None}
         with (
             quiet_fake_tensor_log(),
-            torch.no_grad(),
+            torch.no_grad() if no_grad else contextlib.nullcontext(),
             _reparametrize_module(model, state, tie_weights=True, strict=False),
             mode,
         ):

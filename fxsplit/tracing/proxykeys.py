@@ -64,7 +64,7 @@ def refuse_lost_outputs(
     cannot run on fake tensors (nothing to compare with)."""
     from fxsplit.tracing.example_inputs import outputs_on_fakes
 
-    returned, failure = outputs_on_fakes(model, args, kwargs)
+    returned, failure = outputs_on_fakes(model, args, kwargs, no_grad=False)  # in the modes it was traced in
     if failure is not None:
         return
     expected = _shapes(returned)
