@@ -86,7 +86,8 @@ def _cast(tensors: list[torch.Tensor], dtype: torch.dtype, model: torch.nn.Modul
     for tensor in tensors:
         if tensor._base is not None:
             copy = tensor.detach().to(dtype)
-            views[id(tensor)] = torch.nn.Parameter(copy, tensor.requires_grad) if _is_parameter(tensor) else copy
+            parameter = isinstance(tensor, torch.nn.Parameter)
+            views[id(tensor)] = torch.nn.Parameter(copy, tensor.requires_grad) if parameter else copy
         else:
             changed.append((tensor, tensor.data))
             tensor.data = tensor.data.to(dtype)
@@ -110,10 +111,6 @@ def _cast(tensors: list[torch.Tensor], dtype: torch.dtype, model: torch.nn.Modul
             forget_walk(model)
 
     return undo
-
-
-def _is_parameter(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, torch.nn.Parameter)
 
 
 class CastForLoad:

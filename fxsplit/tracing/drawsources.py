@@ -12,10 +12,10 @@
 * generator objects the model holds (``self.rng = np.random.default_rng(0)``, ``random.Random(0)``,
   ``np.random.RandomState(0)``), as attributes of its modules, of the objects they hold (``self.config.rng``) or
   globals of that code: each is stood in for by a :class:`StandIn` whose drawing methods are wrapped and whose
-  other attributes are the generator's own; and the
-  generators ``np.random.default_rng()``, ``random.Random()``, ``np.random.RandomState()`` and
-  ``np.random.Generator(bit_generator)`` make for the model's code while it is traced (in ``forward``; the classes
-  stand in for themselves to ``isinstance``), but not for a module imported meanwhile (its generators stay its own).
+  other attributes are the generator's own; and the generators ``np.random.default_rng()``, ``random.Random()``,
+  ``np.random.RandomState()`` and ``np.random.Generator(bit_generator)`` make for the model's code while it is
+  traced (in ``forward``; the classes stand in for themselves to ``isinstance``), but not for a module imported
+  meanwhile (its generators stay its own).
 
 Each wrapper is given the function's ``pinned(value, end, *args, **kwargs)``, the drawn value moved to the low
 (``end`` 0) or high end (1) of the range the call's arguments give. :func:`watching` installs them and puts every
