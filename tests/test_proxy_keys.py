@@ -19,6 +19,7 @@ import torch.nn as nn
 
 import fxsplit
 from fxsplit.errors import TraceError
+from fxsplit.tracing import trace
 
 BUDGETS = {"cpu:0": "7KiB", "cpu:1": "7KiB"}  # of 10.9 KiB of weights (mode="weights")
 X = torch.randn(2, 3, 16, 16, dtype=torch.float64)
@@ -86,5 +87,6 @@ def test_a_traced_value_keyed_harmlessly_is_split_as_before() -> None:
     torch.manual_seed(0)
     model = CachedScale()
     x = torch.randn(4, 16)
+    assert trace(model, example_inputs=(x,), mode="fx").proxy_keys  # (the outputs were compared on fakes)
     split = fxsplit.fxsplit(model, {"cpu:0": 2000, "cpu:1": 2000}, example_inputs=(x,), trace="fx")
     torch.testing.assert_close(split(x), model(x), rtol=0, atol=0)
