@@ -37,11 +37,13 @@ from fxsplit.tracing.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_
 from fxsplit.tracing.example_inputs import check_example_inputs, quiet_fake_tensor_log
 from fxsplit.tracing.example_inputs import first_line as _first_line
 from fxsplit.tracing.exportprint import partial_graphs_unprinted
+from fxsplit.tracing.freshconstants import fresh_written_constants
 from fxsplit.tracing.functionop import holding_call_sites
 from fxsplit.tracing.fxcheckpoint import fold_regions
 from fxsplit.tracing.fxshapes import propagate_shapes
 from fxsplit.tracing.gradmode import modes_kept, recording_grad_mode, refusing_inference_mode
 from fxsplit.tracing.graphkey import GraphKey
+from fxsplit.tracing.heldstate import held_state_kept
 from fxsplit.tracing.leaftracer import LeafTracer
 from fxsplit.tracing.leftovers import clearing_leftovers
 from fxsplit.tracing.metaweights import fake_weights_on, inputs_device
@@ -117,8 +119,9 @@ def trace(
         raise TraceError("trace mode 'export' needs example_inputs (a tuple of the forward's positional inputs)")
     # Around the traces: what forward registers, put back (registered.py); the caches the traces fill with their
     # own values, emptied (leftovers.py); the model's generators stood in for (randomdraws.py); what forward
-    # assigns, put back and said (pythonstate.py)
+    # assigns, put back and said (pythonstate.py); what it stores on objects the modules hold, put back and refused
     with (
+        held_state_kept(model) as held,  # (heldstate.py)
         registrations_undone(model),
         clearing_leftovers(model),
         recording_draws(model) as draws,
@@ -132,6 +135,7 @@ def trace(
         )
         with recording_mode_reads(model) as reads:  # the graph keeps one branch
             traced = routed(mode)  # of the grad mode, autocast and random draws (modereads.py, randomdraws.py)
+            held.traced = (traced.graph_module, traced.method)
             draws.refuse_if_fixed(traced.graph_module, functools.partial(_again, routed, traced.method))
         if traced.proxy_keys and traced.has_shapes:  # what fx lost to them, found on fakes (proxykeys.py)
             refuse_lost_outputs(
@@ -374,6 +378,7 @@ def _symbolic(
     folded, left = fold_regions(graph, met.regions, tracer.root, met.paths)
     met.kept, met.plain = folded, [*met.plain, *left]
     graph_module = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    fresh_written_constants(graph_module, model)  # made afresh at each call, written in place (freshconstants.py)
     graph_module.meta[TRAINING_READS] = training_reads  # the modes the graph fixed (codegen/splitmodule.py)
     traced = Traced(graph_module, "fx", True, proxy_keys=keyed, **_met(met, functions))
     if example_inputs is None and not example_kwargs:

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitWarning
@@ -33,6 +35,7 @@ __all__ = ["python_state_kept"]
 
 _MISSING = object()
 _PLAIN = (bool, int, float, complex, str, type(None))
+_TRACED = (FakeTensor, torch.fx.Proxy)
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 
 
@@ -77,6 +80,9 @@ def python_state_kept(model: torch.nn.Module) -> Iterator[None]:
             if new is not old and not (_plain(old) and _plain(new) and old == new):
                 if not name.startswith("_") and _plain(old) and (new is _MISSING or _plain(new)):
                     changed.append(_shown(model, module, name, old, new))
+                elif isinstance(new, _TRACED) and isinstance(old, torch.Tensor):  # a tensor replaced by one the
+                    # trace computed: state the split does not carry (None -> a tensor: made at the first call)
+                    changed.append(_shown(model, module, name, _Said(old), _Said(new)))
             if old is _MISSING:
                 module.__dict__.pop(name, None)
             else:
@@ -103,6 +109,20 @@ def _globals_put_back(globals_before: list[tuple[Any, dict[str, Any]]]) -> list[
                 was = "unset" if old is _MISSING else repr(old)
                 shown.append(f"global {code.__name__}.{name} ({was} -> {new!r})")
     return shown
+
+
+class _Said:
+    """A tensor, or what was there before one, as the warning shows it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        if isinstance(self.value, _TRACED):
+            return "a tensor it computes"
+        if isinstance(self.value, torch.Tensor):
+            return f"a tensor of shape {tuple(self.value.shape)}"
+        return "unset" if self.value is _MISSING else repr(self.value)
 
 
 def _shown(model: torch.nn.Module, module: torch.nn.Module, name: str, old: Any, new: Any) -> str:

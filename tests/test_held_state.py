@@ -1,0 +1,237 @@
+"""State kept on objects a model's modules hold: put back after tracing, refused when a trace stored in it
+(fxsplit/tracing/heldstate.py); tensors ``forward`` assigns to module attributes, said (pythonstate.py).
+
+Before, a running value kept on a plain object (``self.state.h = self.state.h * 0.5 + ...``) was split without a
+word under both tracers: each call of the split started from the traced value, so its outputs differed from the
+model's from the second call on, and the object held the trace's proxy or fake tensor afterwards. A Hugging Face
+Falcon-H1 wrapped for export with a static cache, whose Mamba layers make their states at the first call, gave
+wrong tokens the same way. A tensor held there that the trace wrote for real (the cache's ``cumulative_length``)
+kept the write: ``fxsplit.plan`` changed the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxsplit
+from fxsplit.errors import FxsplitWarning, TraceError
+
+BUDGETS = {"cpu:0": 200_000, "cpu:1": 200_000}
+X = torch.randn(2, 4)
+
+
+class State:
+    """A plain object a module holds, as a Hugging Face cache is held by its wrapper."""
+
+    def __init__(self) -> None:
+        self.h = torch.zeros(4)
+        self.keys: torch.Tensor | None = None
+        self.ready = False
+        self.maps: list[torch.Tensor] = []
+        self.count = torch.zeros((), dtype=torch.long)
+        self.table = torch.zeros(20_000)  # 80 kB: more than fxsplit copies before a trace
+
+
+class Holding(nn.Module):
+    """Keeps state on ``self.state`` as ``how`` says."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(4, 4), nn.Linear(4, 4), how
+        self.state = State()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        state = self.state
+        if self.how == "running":  # read, and replaced by a new value
+            state.h = state.h * 0.5 + y.sum(0)
+            y = y + state.h
+        elif self.how == "lazy":  # made at the first call, then written in place (a static cache)
+            if not state.ready:
+                state.keys, state.ready = torch.zeros(3, 4), True
+            state.keys.index_add_(0, torch.tensor([1]), y[:1])  # the sum of the calls' values so far
+            y = y + state.keys.sum(0)
+        elif self.how == "appended":  # a record of the call, cleared at its start
+            state.maps.clear()
+            state.maps.append(y)
+        elif self.how == "counted":  # an in-place op on a tensor reached through the object: runs for real
+            state.count.add_(1)
+        elif self.how == "filled":
+            state.table.fill_(1.0)
+        return self.b(y)
+
+
+def _contents(state: State) -> dict[str, object]:
+    return {
+        k: (v.clone() if isinstance(v, torch.Tensor) else list(v) if isinstance(v, list) else v)
+        for k, v in vars(state).items()
+    }
+
+
+def _same(a: dict[str, object], b: dict[str, object]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in ((a[k], b[k]) for k in a)
+    )
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+@pytest.mark.parametrize("how", ["running", "lazy"])
+def test_state_a_trace_stores_on_a_held_object_is_refused_and_put_back(trace: str, how: str) -> None:
+    torch.manual_seed(0)
+    model = Holding(how)
+    state, before = model.state, _contents(model.state)
+    objects = {k: id(v) for k, v in vars(state).items()}
+    with pytest.raises(TraceError) as caught:
+        fxsplit.plan(model, BUDGETS, example_inputs=(X,), trace=trace)
+    where = {"running": "state.h", "lazy": "state.keys"}[how]
+    message = str(caught.value)
+    if (how, trace) == ("lazy", "fx"):  # the graph writes it: refused as a tensor written outside the buffers
+        assert f"forward writes in place {where}, a tensor the model holds outside" in message
+    else:
+        assert f"holds outside its modules: {where}." in message
+    assert "register it as" in message.lower()
+    assert model.state is state and _same(_contents(state), before)
+    assert {k: id(v) for k, v in vars(state).items()} == objects  # the very objects, not copies
+    model(X)  # the model still runs as before: no proxy or fake tensor was left in its state
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_what_a_trace_appends_to_a_held_list_is_taken_out_without_a_refusal(trace: str) -> None:
+    """A record of the call (outputs appended to a list it clears first) is made anew at each call: the split is
+    right, and the list is put back as it was."""
+    torch.manual_seed(0)
+    model = Holding("appended")
+    maps = model.state.maps
+    split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace=trace)
+    assert model.state.maps is maps and maps == []
+    assert torch.equal(split(X), model(X))
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_small_held_tensor_the_trace_writes_for_real_gets_its_value_back(trace: str) -> None:
+    """The write is not in the graph: under torch.fx (which would also run reads of it for real) it is said; the
+    export graph reads nothing of it, so nothing is said."""
+    model = Holding("counted")
+    count = model.state.count
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace=trace)
+    said = [
+        str(w.message) for w in caught if issubclass(w.category, FxsplitWarning) and "state.count" in str(w.message)
+    ]
+    assert len(said) == (trace == "fx"), said
+    assert model.state.count is count and int(count) == 0
+    assert torch.equal(split(X), model(X))
+
+
+class Counting(nn.Module):
+    """Reads a step counter it keeps on a plain object, and adds one to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.state = State()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x) * self.state.count  # read by the graph
+        self.state.count.add_(1)  # no traced input: runs for real while tracing, not in the graph
+        return self.b(y)
+
+
+def test_a_held_tensor_a_fx_trace_writes_for_real_and_the_graph_reads_is_refused_export_splits_it() -> None:
+    """torch.fx ran ``count.add_(1)`` once, for real, and kept no op of it: the split multiplied by 0 at every
+    call, the model by 0, 1, 2, ...; torch.export records the write in its graph."""
+    torch.manual_seed(0)
+    model = Counting()
+    twin = copy.deepcopy(model)
+    with pytest.raises(TraceError, match=r"forward writes state\.count in place, .* and the graph reads them"):
+        fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace="fx")
+    assert int(model.state.count) == 0
+    split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace="export")
+    assert int(model.state.count) == 0
+    for _ in range(3):
+        assert torch.equal(split(X), twin(X))
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_large_held_tensor_the_trace_writes_for_real_is_said(trace: str) -> None:
+    model = Holding("filled")
+    with pytest.warns(FxsplitWarning, match=r"to tensors the model holds outside its modules: state\.table"):
+        fxsplit.plan(model, BUDGETS, example_inputs=(X,), trace=trace)
+
+
+class Attribute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.h = torch.zeros(4)  # a plain attribute, not a buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        self.h = self.h * 0.5 + y.sum(0)
+        return self.b(y + self.h)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_tensor_forward_assigns_to_a_module_attribute_is_said_and_put_back(trace: str) -> None:
+    model = Attribute()
+    h = model.h
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxsplit.plan(model, BUDGETS, example_inputs=(X,), trace=trace)
+    said = [str(w.message) for w in caught if issubclass(w.category, FxsplitWarning) and "assigns" in str(w.message)]
+    assert len(said) == 1 and "self.h (a tensor of shape (4,) -> a tensor it computes)" in said[0], said
+    assert model.h is h and not h.any()
+
+
+def test_falcon_h1_with_a_static_cache_made_lazily_is_refused_and_left_as_it_was() -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    torch.manual_seed(0)
+    config = transformers.FalconH1Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+        vocab_size=64, max_position_embeddings=32, mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16,
+        mamba_d_state=8, mamba_chunk_size=8,
+    )  # fmt: skip
+    model = transformers.FalconH1ForCausalLM(config).eval()
+    model.generation_config.cache_implementation = "static"
+    wrapped = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=16)
+    layers = wrapped.static_cache.layers
+    before = [dict(vars(layer)) for layer in layers]
+    with torch.no_grad(), pytest.raises(TraceError, match=r"static_cache\.layers\[0\]\.keys"):
+        fxsplit.plan(
+            wrapped,
+            {"cpu:0": 10**7, "cpu:1": 10**7},
+            example_inputs=(torch.tensor([[5]]),),
+            example_kwargs={"cache_position": torch.tensor([0])},
+        )
+    assert [dict(vars(layer)) for layer in layers] == before  # None where it was None, the flags False
+    assert all(int(layer.cumulative_length) == 0 for layer in layers)  # written for real while traced, put back
+
+
+def test_a_llama_static_cache_wrapper_plans_and_its_cumulative_lengths_stay_zero() -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+        vocab_size=64, max_position_embeddings=32,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.cache_implementation = "static"
+    wrapped = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=16)
+    with torch.no_grad():
+        fxsplit.plan(
+            wrapped,
+            {"cpu:0": 10**7, "cpu:1": 10**7},
+            example_inputs=(torch.tensor([[5]]),),
+            example_kwargs={"cache_position": torch.tensor([0])},
+        )
+    assert all(int(layer.cumulative_length) == 0 for layer in wrapped.static_cache.layers)
