@@ -18,6 +18,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from fxsplit.attrpath import attr_at
 from fxsplit.cost.pins import path_matches, resolve_pins, resolve_together
 from fxsplit.cost.scan import module_tensors, scan_graph
+from fxsplit.cost.sharedwrites import refuse_written_views
 from fxsplit.cost.walk import ModulePaths, module_table, named_tensors
 from fxsplit.gcpause import gc_paused
 from fxsplit.partition.problem import PartitionProblem, Value
@@ -165,6 +166,7 @@ def build_problem(
     mutations = writing_ops(ops, modules)
     writes = written_tensors(graph_module, ops, modules, mutations)
     values, value_nbytes = _op_values(scan.valued, index, dtype, mutations)
+    refuse_written_views(read, {key for kind, key in writes if kind == "weight" and isinstance(key, int)})
 
     weights: list[Weight] = []
     weight_values: list[int] = []
