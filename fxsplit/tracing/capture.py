@@ -184,7 +184,7 @@ def _routed(
             except Exception as error:  # noqa: BLE001 - torch raises many kinds
                 export_error = export_error or error
         assert export_error is not None  # every variant raised
-        check_example_inputs(model, tuple(example_inputs or ()), example_kwargs or {})
+        check_example_inputs(model, tuple(example_inputs or ()), example_kwargs or {}, export_error)
         scripted = scripted_modules(model)
         if mode == "export":
             raise TraceError(export_message(export_error, scripted)) from export_error

@@ -50,8 +50,19 @@ _MODEL_COMPLAINTS = (TypeError, ValueError, IndexError, AssertionError, KeyError
 """Errors that, raised by the model's code or argument parsing, are about the values it was given."""
 
 
-def check_example_inputs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+def check_example_inputs(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    tracer_error: BaseException | None = None,
+) -> None:
     """Raise if ``model(*args, **kwargs)`` cannot run; return if it runs or the run tells nothing about the inputs.
+
+    ``tracer_error``: why the tracer (``torch.export``) failed on the same inputs. A fake run that stops on a
+    shape or type check the tracer did not stop on (its error is something else, such as an output type it
+    cannot flatten) is a limit of plain fake tensors, not of the inputs: a meta kernel stricter than the real
+    one (``grouped_mm`` asks for bfloat16 on fakes, runs float32 on the CPU). The caller then reports the
+    tracer's error, which is the real one.
 
     Raises:
         ExampleInputError: ``forward`` does not take these inputs, or refuses
@@ -66,8 +77,15 @@ def check_example_inputs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: 
                 _message(f"forward{_unannotated(signature)} does not take them: {unbound}", "", signature, args, kwargs)
             ) from None
     failure = _run_on_fakes(model, args, kwargs)
-    if failure is not None and _rejects_inputs(failure):
+    if failure is not None and _rejects_inputs(failure) and _same_failure(failure, tracer_error):
         raise ExampleInputError(_message(first_line(failure), user_frame(failure), signature, args, kwargs)) from None
+
+
+def _same_failure(failure: Exception, tracer_error: BaseException | None) -> bool:
+    """Whether the tracer (if any) failed as the fake run did: on the inputs, or with the same complaint."""
+    if tracer_error is None or _rejects_inputs(tracer_error):
+        return True
+    return first_line(tracer_error) == first_line(failure)
 
 
 def _signature(model: torch.nn.Module) -> inspect.Signature | None:
@@ -112,7 +130,7 @@ def outputs_on_fakes(
         return None, error
 
 
-def _rejects_inputs(error: Exception) -> bool:
+def _rejects_inputs(error: BaseException) -> bool:
     """Whether ``error`` is the model (or torch's checks) refusing the values given, not a limit of fake tensors."""
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
