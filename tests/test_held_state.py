@@ -189,49 +189,71 @@ def test_a_tensor_forward_assigns_to_a_module_attribute_is_said_and_put_back(tra
     assert model.h is h and not h.any()
 
 
-def test_falcon_h1_with_a_static_cache_made_lazily_is_refused_and_left_as_it_was() -> None:
+def _static_cache_wrapper(kind: str) -> tuple[nn.Module, nn.Module]:
+    """A tiny Falcon-H1 (Mamba and attention layers) or Llama, random weights, and Hugging Face's static-cache
+    export wrapper of it (16 positions)."""
     transformers = pytest.importorskip("transformers")
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
     torch.manual_seed(0)
-    config = transformers.FalconH1Config(
+    sizes = dict(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-        vocab_size=64, max_position_embeddings=32, mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16,
-        mamba_d_state=8, mamba_chunk_size=8,
+        vocab_size=64, max_position_embeddings=32,
     )  # fmt: skip
-    model = transformers.FalconH1ForCausalLM(config).eval()
+    if kind == "falcon_h1":
+        mamba = dict(mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8)
+        model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**sizes, **mamba)).eval()
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).eval()
     model.generation_config.cache_implementation = "static"
-    wrapped = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=16)
-    layers = wrapped.static_cache.layers
-    before = [dict(vars(layer)) for layer in layers]
-    with torch.no_grad(), pytest.raises(TraceError, match=r"static_cache\.layers\[0\]\.keys"):
-        fxsplit.plan(
+    model.generation_config.eos_token_id = None  # random weights: always the tokens asked for
+    return model, TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=16)
+
+
+def _plan_one_token(wrapped: nn.Module, budgets: dict[str, int] | None = None) -> nn.Module:
+    with torch.no_grad():
+        return fxsplit.fxsplit(
             wrapped,
-            {"cpu:0": 10**7, "cpu:1": 10**7},
+            budgets or {"cpu:0": 10**7, "cpu:1": 10**7},
             example_inputs=(torch.tensor([[5]]),),
             example_kwargs={"cache_position": torch.tensor([0])},
+            mode="weights",
         )
+
+
+def test_falcon_h1_with_a_static_cache_made_lazily_is_refused_and_left_as_it_was() -> None:
+    _, wrapped = _static_cache_wrapper("falcon_h1")
+    layers = wrapped.static_cache.layers
+    before = [dict(vars(layer)) for layer in layers]
+    with pytest.raises(TraceError, match=r"static_cache\.layers\[0\]\.keys") as refused:
+        _plan_one_token(wrapped)
+    assert "call the model once" in str(refused.value)  # the fix the message gives: tested below
     assert [dict(vars(layer)) for layer in layers] == before  # None where it was None, the flags False
     assert all(int(layer.cumulative_length) == 0 for layer in layers)  # written for real while traced, put back
 
 
-def test_a_llama_static_cache_wrapper_plans_and_its_cumulative_lengths_stay_zero() -> None:
-    transformers = pytest.importorskip("transformers")
-    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-        vocab_size=64, max_position_embeddings=32,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.generation_config.cache_implementation = "static"
-    wrapped = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=16)
+def test_falcon_h1_called_once_before_planning_generates_the_models_tokens_over_two_devices() -> None:
+    """The fix the refusal gives: one call makes the cache for real, and the split carries it as state it writes
+    in place, on the devices of the layers that use it. Greedy tokens equal ``model.generate``'s."""
+    model, wrapped = _static_cache_wrapper("falcon_h1")
+    prompt = torch.tensor([[5, 17, 42, 7]])
+    expected = model.generate(prompt, max_new_tokens=6, do_sample=False)[0, 4:].tolist()
     with torch.no_grad():
-        fxsplit.plan(
-            wrapped,
-            {"cpu:0": 10**7, "cpu:1": 10**7},
-            example_inputs=(torch.tensor([[5]]),),
-            example_kwargs={"cache_position": torch.tensor([0])},
-        )
+        wrapped(torch.tensor([[5]]), cache_position=torch.tensor([0]))
+    split = _plan_one_token(wrapped, {"cpu:0": 80_000, "cpu:1": 80_000})
+    plan = split.meta["fxsplit_plan"]
+    assert set(plan.param_devices.values()) == {"cpu:0", "cpu:1"} and plan.mutated  # split, with its state
+    tokens: list[int] = []
+    with torch.no_grad():
+        for position in range(4 + 6 - 1):  # one token per call, as traced: the prompt, then each new token
+            token = prompt[:, position : position + 1] if position < 4 else torch.tensor([[tokens[-1]]])
+            logits = split(token, cache_position=torch.tensor([position]))
+            if position >= 3:
+                tokens.append(int(logits[0, -1].argmax()))
+    assert tokens == expected
+
+
+def test_a_llama_static_cache_wrapper_plans_and_its_cumulative_lengths_stay_zero() -> None:
+    _, wrapped = _static_cache_wrapper("llama")
+    _plan_one_token(wrapped)
     assert all(int(layer.cumulative_length) == 0 for layer in wrapped.static_cache.layers)

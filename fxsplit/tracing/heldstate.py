@@ -283,9 +283,11 @@ def _stored_message(stored: list[str]) -> str:
         "graph holds tensor ops only: each call of a split would start it anew as the traced call did, where each "
         "call of the model reads what the last one left, so the split's outputs would differ from the model's. "
         "These objects are put back as they were. Make the state before tracing and register it as buffers that "
-        "forward updates in place (self.register_buffer('state', torch.zeros(...)); self.state.copy_(new)); for a "
-        "Hugging Face cache, a wrapper whose cache layers are all made before export (TorchExportableModuleWith"
-        "StaticCache does this for attention layers only)"
+        "forward updates in place (self.register_buffer('state', torch.zeros(...)); self.state.copy_(new)). A cache "
+        "that the first call makes (a Hugging Face static cache's Mamba and other layers that "
+        "TorchExportableModuleWithStaticCache does not make beforehand): call the model once on the example "
+        "inputs, under torch.no_grad(), before planning; the cache is then made for real, and the split keeps it "
+        "as state it writes in place"
     )
 
 
