@@ -35,6 +35,8 @@ class State:
         self.maps: list[torch.Tensor] = []
         self.count = torch.zeros((), dtype=torch.long)
         self.table = torch.zeros(20_000)  # 80 kB: more than fxsplit copies before a trace
+        self.history = [torch.zeros(4)]
+        self.last = [torch.zeros(2, 4)]
 
 
 class Holding(nn.Module):
@@ -56,6 +58,11 @@ class Holding(nn.Module):
                 state.keys, state.ready = torch.zeros(3, 4), True
             state.keys.index_add_(0, torch.tensor([1]), y[:1])  # the sum of the calls' values so far
             y = y + state.keys.sum(0)
+        elif self.how == "history":  # a list entry read, and replaced by a new value
+            state.history[0] = state.history[0] * 0.5 + y.sum(0)
+            y = y + state.history[0]
+        elif self.how == "slot":  # a list entry replaced, not read: the latest output recorded
+            state.last[0] = y
         elif self.how == "appended":  # a record of the call, cleared at its start
             state.maps.clear()
             state.maps.append(y)
@@ -80,7 +87,7 @@ def _same(a: dict[str, object], b: dict[str, object]) -> bool:
 
 
 @pytest.mark.parametrize("trace", ["fx", "export"])
-@pytest.mark.parametrize("how", ["running", "lazy"])
+@pytest.mark.parametrize("how", ["running", "lazy", "history"])
 def test_state_a_trace_stores_on_a_held_object_is_refused_and_put_back(trace: str, how: str) -> None:
     torch.manual_seed(0)
     model = Holding(how)
@@ -88,7 +95,7 @@ def test_state_a_trace_stores_on_a_held_object_is_refused_and_put_back(trace: st
     objects = {k: id(v) for k, v in vars(state).items()}
     with pytest.raises(TraceError) as caught:
         fxsplit.plan(model, BUDGETS, example_inputs=(X,), trace=trace)
-    where = {"running": "state.h", "lazy": "state.keys"}[how]
+    where = {"running": "state.h", "lazy": "state.keys", "history": "state.history[0]"}[how]
     message = str(caught.value)
     if (how, trace) == ("lazy", "fx"):  # the graph writes it: refused as a tensor written outside the buffers
         assert f"forward writes in place {where}, a tensor the model holds outside" in message
@@ -110,6 +117,21 @@ def test_what_a_trace_appends_to_a_held_list_is_taken_out_without_a_refusal(trac
     split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace=trace)
     assert model.state.maps is maps and maps == []
     assert torch.equal(split(X), model(X))
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_list_entry_replaced_but_not_read_is_a_record_and_plans(trace: str) -> None:
+    """The entry the trace replaced held a tensor it did not read (the latest output, kept for the user): no
+    state, no refusal; the split's outputs equal the model's at every call, and the list holds its old tensor."""
+    torch.manual_seed(0)
+    model = Holding("slot")
+    last, old = model.state.last, model.state.last[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FxsplitWarning)
+        split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace=trace)
+    assert model.state.last is last and last[0] is old
+    for _ in range(3):
+        assert torch.equal(split(X), model(X))
 
 
 @pytest.mark.parametrize("trace", ["fx", "export"])

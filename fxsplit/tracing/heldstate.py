@@ -24,8 +24,10 @@ and notes their contents. When the trace ends:
 * if the trace replaced a tensor (or a None) there with one of its own (a fake tensor of torch.export, a proxy
   of torch.fx, or a tensor torch.fx made for real and keeps as a constant), a :class:`~fxsplit.errors.TraceError`
   names where and says what to change: the split would not carry that state from call to call as the model
-  does. Keys the trace added (a cache's) and the lists it changed (outputs recorded: cleared, then appended to)
-  are made anew at each call: put back without a word.
+  does. A list entry is state the same way when the trace read the tensor it held before replacing it
+  (``self.state.history[0] = self.state.history[0] * 0.5 + y``; the reads are noted as torch calls the ops,
+  :mod:`fxsplit.tracing.tensorreads`). Keys the trace added (a cache's) and the lists it changed otherwise
+  (outputs recorded: cleared, then appended to) are made anew at each call: put back without a word.
 
 Attributes of the modules themselves are :mod:`fxsplit.tracing.pythonstate`'s; caches of the model's code and
 values bound in a module's ``__dict__`` without ``__setattr__`` are :mod:`fxsplit.tracing.leftovers`'.
@@ -46,6 +48,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from fxsplit.attrpath import attr_at
 from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitWarning, TraceError
+from fxsplit.tracing.tensorreads import reads_noted
 
 __all__ = ["HeldState", "held_state_kept", "held_tensors"]
 
@@ -74,6 +77,7 @@ class _Walked:
         self.contents: list[tuple[Any, str, Any]] = []  # (object, path, copy of its entries)
         self.tensors: list[tuple[torch.Tensor, str, int, torch.Tensor | None]] = []  # (tensor, path, version, copy)
         self.registered: set[int] = set()  # ids of the model's parameters and buffers
+        self.listed: list[torch.Tensor] = []  # the tensors lists hold: state if read, then replaced
 
 
 def _walkable(value: Any) -> bool:
@@ -130,6 +134,8 @@ def _walk(model: torch.nn.Module, *, copied: bool = True) -> _Walked:
                 tensors.add(id(value))
                 small = copied and value.device.type != "meta" and value.nbytes <= _COPIED
                 walked.tensors.append((value, where, value._version, value.detach().clone() if small else None))
+                if type(holder) is list:
+                    walked.listed.append(value)
             elif depth < _DEPTH and _walkable(value):
                 queue.append((value, where, depth + 1))
     return walked
@@ -153,14 +159,20 @@ def _traced_tensor(value: Any, depth: int = 3) -> bool:
     return any(_traced_tensor(item, depth - 1) for _, item in _entries(value))
 
 
-def _put_back(holder: Any, path: str, before: Any) -> list[str]:
+def _put_back(holder: Any, path: str, before: Any, read: set[int]) -> list[str]:
     """Put ``holder``'s contents back as ``before``; the paths of the attributes and dict entries whose value (a
-    tensor, or None) the trace replaced with a tensor: state. A key the trace added (a cache's) and what it did to
-    a list (outputs recorded: cleared, appended to) are made anew at each call; put back without a word."""
-    if type(holder) is list:  # outputs recorded, cleared at the call's start: a record, not state
+    tensor, or None) the trace replaced with a tensor, and of the list entries whose tensor it read (``read``:
+    ids) and replaced with one: state. A key the trace added (a cache's) and what else it did to a list (outputs
+    recorded: cleared, appended to) are made anew at each call; put back without a word."""
+    if type(holder) is list:
+        stored = [
+            _step(path, holder, index)
+            for index, (new, old) in enumerate(zip(holder, before, strict=False))
+            if new is not old and id(old) in read and isinstance(old, torch.Tensor) and _traced_tensor(new)
+        ]
         if len(holder) != len(before) or any(a is not b for a, b in zip(holder, before, strict=True)):
             holder[:] = before
-        return []
+        return stored
     now = holder if type(holder) is dict else vars(holder)
     stored = []
     for key in set(now) | set(before):
@@ -197,11 +209,13 @@ def held_state_kept(model: torch.nn.Module) -> Iterator[HeldState]:
     walked = _walk(model)
     held = HeldState()
     failed = True
+    read: set[int] = set()
     try:
-        yield held
+        with reads_noted(walked.listed) as read:
+            yield held
         failed = False
     finally:
-        stored = [where for holder, path, before in walked.contents for where in _put_back(holder, path, before)]
+        stored = [where for holder, path, before in walked.contents for where in _put_back(holder, path, before, read)]
         written, unrestored = _tensors_put_back(walked)
     if unrestored:
         warnings.warn(FxsplitWarning(_unrestored_message(unrestored)), stacklevel=user_stacklevel())
