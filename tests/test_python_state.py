@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import fxsplit
-from fxsplit.errors import FxsplitWarning
+from fxsplit.errors import FxsplitWarning, TraceError
 
 BUDGETS = {"cpu:0": 2000, "cpu:1": 2000}
 X = torch.randn(4, 16)
@@ -104,6 +104,52 @@ def test_a_global_that_forward_assigns_is_put_back_and_said(trace: str) -> None:
         fxsplit.plan(GlobalSteps(), BUDGETS, example_inputs=(X,), trace=trace)
     assert (STEPS, WARMUP, _PRIVATE) == (3, True, 0)  # put back as they were
     assert HELPER is not None
+
+
+RUNNING = torch.zeros(16)
+LATEST: torch.Tensor | None = None
+
+
+class GlobalTensors(nn.Module):
+    """``running``: a running value kept in a global tensor (read, bound anew); else the latest output recorded."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.how = nn.Linear(16, 16), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global RUNNING, LATEST
+        y = self.a(x)
+        if self.how == "running":
+            RUNNING = RUNNING * 0.5 + y.sum(0)
+            return y + RUNNING
+        LATEST = y
+        return y
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_global_tensor_forward_reads_and_binds_anew_is_refused_and_put_back(trace: str) -> None:
+    """Before, it was split without a word: each call of the split started from the value traced, so its outputs
+    differed from the model's from the second call on, and the global held the trace's tensor afterwards."""
+    global RUNNING
+    RUNNING = running = torch.zeros(16)
+    with pytest.raises(TraceError, match=r"reads the global tensor\(s\) test_python_state\.RUNNING and binds"):
+        fxsplit.plan(GlobalTensors("running"), BUDGETS, example_inputs=(X,), trace=trace)
+    assert RUNNING is running and not RUNNING.any()
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_global_tensor_bound_but_not_read_is_put_back_said_and_splits(trace: str) -> None:
+    """The latest output, kept for the user: a record made anew at each call, not state. The split's outputs
+    equal the model's at every call; the global is put back (None), and the warning says it."""
+    global LATEST
+    LATEST = None
+    model = GlobalTensors("latest")
+    with pytest.warns(FxsplitWarning, match=r"global test_python_state\.LATEST \(None -> a tensor it computes\)"):
+        split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace=trace)
+    assert LATEST is None
+    for _ in range(3):
+        assert torch.equal(split(X), model(X))
 
 
 def test_a_global_forward_reads_only_is_left_alone_and_unsaid() -> None:

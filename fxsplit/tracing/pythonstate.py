@@ -12,7 +12,11 @@ its business (:mod:`fxsplit.tracing.registered`).
 
 A plain value ``forward`` assigns to a global of the model's code (``global STEPS; STEPS += 1``, a warm-up flag)
 is the same: the graph keeps the branch it took once. Such globals (of the Python modules that define the model's
-classes, torch's aside) are put back as well, and said under a public name.
+classes, torch's aside) are put back as well, and said under a public name. A global tensor that ``forward``
+reads and binds anew to one it computes (``global RUNNING; RUNNING = RUNNING * 0.5 + y``) is state carried from
+call to call, which the split would start anew at each call: put back, and refused
+(:class:`~fxsplit.errors.TraceError`; the reads are noted as torch calls the ops, :mod:`fxsplit.tracing.tensorreads`).
+Other tensors bound to a global (one not read, one where there was none) are put back and said.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fxsplit.callsite import user_stacklevel
-from fxsplit.errors import FxsplitWarning
+from fxsplit.errors import FxsplitWarning, TraceError
 from fxsplit.tracing.modelcode import code_modules
+from fxsplit.tracing.tensorreads import reads_noted
 
 __all__ = ["python_state_kept"]
 
@@ -68,9 +73,13 @@ def python_state_kept(model: torch.nn.Module) -> Iterator[None]:
 
     codes = [code for code in code_modules(list(modules.values())) if not code.__file__.startswith(_TORCH)]
     globals_before = [(code, dict(vars(code))) for code in codes]
+    global_tensors = [value for _, names in globals_before for value in names.values() if type(value) is torch.Tensor]
     torch.nn.Module.__setattr__ = setattr_  # type: ignore[method-assign,assignment]
+    read: set[int] = set()
+    state: list[str] = []
     try:
-        yield
+        with reads_noted(global_tensors) as read:
+            yield
     finally:
         torch.nn.Module.__setattr__ = original  # type: ignore[method-assign]
         changed = []
@@ -87,28 +96,50 @@ def python_state_kept(model: torch.nn.Module) -> Iterator[None]:
                 module.__dict__.pop(name, None)
             else:
                 module.__dict__[name] = old
-        changed += _globals_put_back(globals_before)
+        changed += _globals_put_back(globals_before, read, state)
         if changed:
             warnings.warn(FxsplitWarning(_message(changed)), stacklevel=user_stacklevel())
+    if state:  # (only when the trace itself ran through: the block's own error goes first)
+        raise TraceError(_state_message(state))
 
 
-def _globals_put_back(globals_before: list[tuple[Any, dict[str, Any]]]) -> list[str]:
-    """Put back each global that the block bound anew to another plain value; the public ones, shown."""
+def _globals_put_back(globals_before: list[tuple[Any, dict[str, Any]]], read: set[int], state: list[str]) -> list[str]:
+    """Put back each global that the block bound anew to another plain value or to a tensor; the public plain
+    ones and the tensors, shown. A tensor it read and bound anew to a tensor: its name added to ``state``."""
     shown = []
     for code, before in globals_before:
         namespace = vars(code)
         for name, new in list(namespace.items()):
             old = before.get(name, _MISSING)
-            if new is old or not _plain(new) or not (old is _MISSING or _plain(old)) or old == new:
+            tensor = isinstance(new, (torch.Tensor, torch.fx.Proxy)) and (old is _MISSING or _tensor_or_none(old))
+            if new is old or not (tensor or (_plain(new) and (old is _MISSING or _plain(old)) and old != new)):
                 continue
             if old is _MISSING:
                 del namespace[name]
             else:
                 namespace[name] = old
-            if not name.startswith("_"):
+            if tensor and id(old) in read:
+                state.append(f"{code.__name__}.{name}")
+            elif tensor:
+                shown.append(f"global {code.__name__}.{name} ({_Said(old)!r} -> {_Said(new)!r})")
+            elif not name.startswith("_"):
                 was = "unset" if old is _MISSING else repr(old)
                 shown.append(f"global {code.__name__}.{name} ({was} -> {new!r})")
     return shown
+
+
+def _tensor_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, torch.Tensor)
+
+
+def _state_message(names: list[str]) -> str:
+    return (
+        f"forward() reads the global tensor(s) {', '.join(names)} and binds them anew to tensors it computes: that "
+        "is state carried from one call to the next, and a graph holds tensor ops only, so each call of a split "
+        "would start from the value traced, where each call of the model reads what the last one left (they are "
+        "put back as they were). Keep the state in a buffer that forward updates in place "
+        "(self.register_buffer('running', torch.zeros(...)); self.running.copy_(new))"
+    )
 
 
 class _Said:
