@@ -37,6 +37,7 @@ from fxsplit.tracing.dynamic import TRACED_INPUTS, check_kept_dynamic, describe_
 from fxsplit.tracing.example_inputs import check_example_inputs, quiet_fake_tensor_log
 from fxsplit.tracing.example_inputs import first_line as _first_line
 from fxsplit.tracing.exportprint import partial_graphs_unprinted
+from fxsplit.tracing.fixedreads import refuse_fixed_reads
 from fxsplit.tracing.freshconstants import fresh_written_constants
 from fxsplit.tracing.functionop import holding_call_sites
 from fxsplit.tracing.fxcheckpoint import fold_regions
@@ -228,15 +229,10 @@ def _example_variants(
     checkpoint) and real inputs, the same inputs on ``meta``: export cannot mix meta weights with real
     inputs, and only the inputs' sizes and dtypes matter to the graph."""
     yield args, kwargs
-    on_meta = any(t.is_meta for t in _tensors_of(model))
+    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
     if on_meta and any(not t.is_meta for t in leaves):
         yield pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-
-
-def _tensors_of(model: torch.nn.Module) -> Iterator[torch.Tensor]:
-    yield from model.parameters()
-    yield from model.buffers()
 
 
 def _fallback_message(export_error: BaseException, traced: Traced, scripted: list[str]) -> str:
@@ -274,6 +270,7 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         raise TraceError("torch.export returned an unflattened module; fxsplit needs a flat graph")
     graph_module.training = model.training  # the mode export baked into the graph
     check_kept_dynamic(graph_module, dynamic_shapes)
+    refuse_fixed_reads(graph_module)  # a number export read from a changing tensor and fixed (fixedreads.py)
     graph_module.meta[TRACED_INPUTS] = describe_inputs(graph_module.graph)
     _default_constant_keywords(graph_module, kwargs)
     if functions.kept or met.kept:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
 from fxsplit.eagermode import EagerDispatchMode
+from fxsplit.tracing.nodesource import source_line
 
 __all__ = [
     "INSIDE",
@@ -353,15 +354,6 @@ def _frame_outside_torch() -> str:
 
 
 def _line(node: torch.fx.Node) -> str:
-    """`` (at file:line: code)``: the innermost frame of the node's recorded stack outside torch, or ""."""
-    lines = [line.strip() for line in str(node.meta.get("stack_trace") or "").strip().splitlines()]
-    frames = [
-        (at, "" if code.startswith("File ") else code)
-        for at, code in zip(lines, [*lines[1:], ""], strict=False)
-        if at.startswith("File ")
-    ]
-    outside = [(at, code) for at, code in frames if "/torch/" not in at.replace("\\", "/")]
-    if not outside:
-        return ""
-    at, code = outside[-1]
-    return f" (at {at.removeprefix('File ')}{': ' + code if code else ''})"
+    """`` (at file:line: code)``: where in the model's code ``node`` was made, or ""."""
+    at = source_line(node)
+    return f" (at {at})" if at else ""
