@@ -120,4 +120,4 @@ def test_a_saved_pipeline_keeps_its_stages_regions() -> None:
     loaded = _saved_and_loaded(pipeline)
     for call in ("_enter_autocast(", "_exit_autocast("):  # (its values are named anew)
         assert loaded.code.count(call) == pipeline.code.count(call) == 2
-    torch.testing.assert_close(loaded(X), m(X), rtol=0, atol=0)
+    torch.testing.assert_close(loaded(X), torch.cat([m(rows) for rows in X.chunk(2)]), rtol=0, atol=0)  # per chunk
