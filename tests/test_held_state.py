@@ -110,13 +110,19 @@ def test_state_a_trace_stores_on_a_held_object_is_refused_and_put_back(trace: st
 @pytest.mark.parametrize("trace", ["fx", "export"])
 def test_what_a_trace_appends_to_a_held_list_is_taken_out_without_a_refusal(trace: str) -> None:
     """A record of the call (outputs appended to a list it clears first) is made anew at each call: the split is
-    right, and the list is put back as it was."""
+    right, and the list is put back as it was. The list was empty, so the trace's entry is also what a cache made
+    at the first call would be: said (the split does not fill it), not refused."""
     torch.manual_seed(0)
     model = Holding("appended")
     maps = model.state.maps
-    split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace=trace)
+    with pytest.warns(FxsplitWarning, match=r"held none: state\.maps\[0\]"):
+        split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace=trace)
     assert model.state.maps is maps and maps == []
     assert torch.equal(split(X), model(X))
+    maps.append(torch.zeros(2, 4))  # after a call of the model (the record of it): replaced, not read, no word
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FxsplitWarning)
+        fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace=trace)
 
 
 @pytest.mark.parametrize("trace", ["fx", "export"])
@@ -209,6 +215,82 @@ def test_a_tensor_forward_assigns_to_a_module_attribute_is_said_and_put_back(tra
     said = [str(w.message) for w in caught if issubclass(w.category, FxsplitWarning) and "assigns" in str(w.message)]
     assert len(said) == 1 and "self.h (a tensor of shape (4,) -> a tensor it computes)" in said[0], said
     assert model.h is h and not h.any()
+
+
+class Cached(nn.Module):
+    """A cache made at the first call: in a module attribute that held None (``where="attribute"``), one that was
+    not there (``"unset"``), a list entry that held None (``"list"``), one appended (``"appended"``), or a key
+    added to a dict (``"dict"``)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.a, self.b, self.where = nn.Linear(4, 4), nn.Linear(4, 4), where
+        if where == "attribute":
+            self.cache = None
+        self.slots: list[torch.Tensor | None] = [None] if where == "list" else []
+        self.table: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.where in ("list", "appended"):
+            if not self.slots or self.slots[0] is None:
+                self.slots[:1] = [self.a(x)]
+            return self.b(self.slots[0] + x)
+        if self.where == "dict":
+            if "h" not in self.table:
+                self.table["h"] = self.a(x)
+            return self.b(self.table["h"] + x)
+        if getattr(self, "cache", None) is None:
+            self.cache = self.a(x)
+        return self.b(self.cache + x)
+
+
+@pytest.mark.parametrize("where", ["attribute", "unset", "list", "appended", "dict"])
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_cache_made_at_the_first_call_is_said_and_put_back(trace: str, where: str) -> None:
+    """Before, the split computed the cache anew at every call, where the model reads the first call's from the
+    second call on: other outputs, and no word (the attribute, or the list entry, was put back silently)."""
+    model = Cached(where)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace=trace)
+    said = [str(w.message) for w in caught if issubclass(w.category, FxsplitWarning)]
+    expected = {
+        "attribute": "self.cache (None -> a tensor it computes)",
+        "unset": "self.cache (unset -> a tensor it computes)",
+        "list": "held none: slots[0] (put back as they were",
+        "appended": "held none: slots[0] (put back as they were",
+        "dict": "held none: table['h'] (put back as they were",
+    }[where]
+    assert len(said) == 1 and expected in said[0], said
+    assert [w.filename for w in caught if issubclass(w.category, FxsplitWarning)] == [__file__]
+    assert model.slots == ([None] if where == "list" else []) and model.table == {}
+    assert getattr(model, "cache", None) is None
+    assert where != "unset" or "cache" not in vars(model)
+    eager = copy.deepcopy(model)
+    first, second = torch.randn(2, 4), torch.randn(2, 4)
+    torch.testing.assert_close(split(first), eager(first))  # what the warning is about: the second call differs
+    assert not torch.allclose(split(second), eager(second))
+
+
+class Reset(Cached):
+    """Sets its attribute to None before making it anew: no state from one call to the next (HF RecurrentGemma's
+    recurrent_states, without a cache)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache = None
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_an_attribute_forward_sets_to_none_before_making_it_is_no_cache(trace: str) -> None:
+    model = Reset("attribute")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FxsplitWarning)
+        split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace=trace)
+    assert model.cache is None
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(split(x), model(x))
 
 
 def _static_cache_wrapper(kind: str) -> tuple[nn.Module, nn.Module]:

@@ -26,8 +26,10 @@ and notes their contents. When the trace ends:
   names where and says what to change: the split would not carry that state from call to call as the model
   does. A list entry is state the same way when the trace read the tensor it held before replacing it
   (``self.state.history[0] = self.state.history[0] * 0.5 + y``; the reads are noted as torch calls the ops,
-  :mod:`fxsplit.tracing.tensorreads`). Keys the trace added (a cache's) and the lists it changed otherwise
-  (outputs recorded: cleared, then appended to) are made anew at each call: put back without a word.
+  :mod:`fxsplit.tracing.tensorreads`). A tensor the trace put where there was none (a list entry that held None
+  or was appended, a key or attribute added) is said, not refused: a cache made at the first call, or a record,
+  since there was no tensor to read. What else the trace did to a list (outputs recorded: entries replaced but
+  not read, cleared) is made anew at each call: put back without a word.
 
 Attributes of the modules themselves are :mod:`fxsplit.tracing.pythonstate`'s; caches of the model's code and
 values bound in a module's ``__dict__`` without ``__setattr__`` are :mod:`fxsplit.tracing.leftovers`'.
@@ -159,17 +161,24 @@ def _traced_tensor(value: Any, depth: int = 3) -> bool:
     return any(_traced_tensor(item, depth - 1) for _, item in _entries(value))
 
 
-def _put_back(holder: Any, path: str, before: Any, read: set[int]) -> list[str]:
+def _put_back(holder: Any, path: str, before: Any, read: set[int], filled: list[str]) -> list[str]:
     """Put ``holder``'s contents back as ``before``; the paths of the attributes and dict entries whose value (a
     tensor, or None) the trace replaced with a tensor, and of the list entries whose tensor it read (``read``:
-    ids) and replaced with one: state. A key the trace added (a cache's) and what else it did to a list (outputs
-    recorded: cleared, appended to) are made anew at each call; put back without a word."""
+    ids) and replaced with one: state. Where the trace put a tensor in a place that held none (a list entry that
+    held None, one appended, a key or attribute added), the path is added to ``filled``: a cache made at the
+    first call, or a record (there was no tensor to read, so which is not known). What else the trace did to a
+    list (outputs recorded: replaced without being read, cleared) is made anew at each call: put back without a
+    word."""
     if type(holder) is list:
-        stored = [
-            _step(path, holder, index)
-            for index, (new, old) in enumerate(zip(holder, before, strict=False))
-            if new is not old and id(old) in read and isinstance(old, torch.Tensor) and _traced_tensor(new)
-        ]
+        stored = []
+        for index, new in enumerate(holder):
+            old = before[index] if index < len(before) else _MISSING
+            if new is old or not _traced_tensor(new):
+                continue
+            if id(old) in read and isinstance(old, torch.Tensor):
+                stored.append(_step(path, holder, index))
+            elif old is None or old is _MISSING:
+                filled.append(_step(path, holder, index))
         if len(holder) != len(before) or any(a is not b for a, b in zip(holder, before, strict=True)):
             holder[:] = before
         return stored
@@ -181,6 +190,8 @@ def _put_back(holder: Any, path: str, before: Any, read: set[int]) -> list[str]:
             continue
         if new is not _MISSING and _state(old) and _traced_tensor(new):
             stored.append(_step(path, holder, key))
+        elif new is not _MISSING and old is _MISSING and _traced_tensor(new):
+            filled.append(_step(path, holder, key))
         if old is _MISSING:
             del now[key]
         else:
@@ -215,7 +226,8 @@ def held_state_kept(model: torch.nn.Module) -> Iterator[HeldState]:
             yield held
         failed = False
     finally:
-        stored = [where for holder, path, before in walked.contents for where in _put_back(holder, path, before, read)]
+        filled: list[str] = []
+        stored = [w for holder, path, before in walked.contents for w in _put_back(holder, path, before, read, filled)]
         written, unrestored = _tensors_put_back(walked)
     if unrestored:
         warnings.warn(FxsplitWarning(_unrestored_message(unrestored)), stacklevel=user_stacklevel())
@@ -223,6 +235,8 @@ def held_state_kept(model: torch.nn.Module) -> Iterator[HeldState]:
         return
     if stored:
         raise TraceError(_stored_message(stored))
+    if filled:
+        warnings.warn(FxsplitWarning(_filled_message(filled)), stacklevel=user_stacklevel())
     if written and held.traced is not None and held.traced[1] == "fx":  # (torch.export records such writes)
         _untraced_writes(written, held.traced[0])
 
@@ -288,6 +302,18 @@ def _written_message(paths: list[str], then: str) -> str:
 def _listed(paths: list[str]) -> str:
     more = f" and {len(paths) - 4} more" if len(paths) > 4 else ""
     return ", ".join(paths[:4]) + more
+
+
+def _filled_message(filled: list[str]) -> str:
+    return (
+        f"forward() puts tensors it computes where the objects the model holds outside its modules held none: "
+        f"{_listed(sorted(set(filled)))} (put back as they were: None, or not there). "
+        "If forward reads them at a later call (a cache filled at the first call), the split does not: a graph "
+        "holds tensor ops only, so each call of the split computes them anew as the traced call did, and its "
+        "outputs differ from the model's from the second call on. Make such a cache before tracing, as buffers "
+        "that forward updates in place (self.register_buffer('cache', torch.zeros(...)); self.cache.copy_(new)); "
+        "a record that forward never reads is safe to ignore, and is not filled by the split"
+    )
 
 
 def _stored_message(stored: list[str]) -> str:

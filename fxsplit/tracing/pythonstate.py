@@ -7,8 +7,10 @@ computes with the value the attribute had while it was traced, where the model's
 :func:`python_state_kept` notes each assignment to an attribute of one of the model's modules while the trace
 runs (``torch.nn.Module.__setattr__``, for the block, on this thread), puts every such attribute back as it was
 when the block ends, and warns of those a plain value (a number, a string, a tuple of them) was assigned to under
-a public name and changed: the split will not repeat the assignment. Parameters, buffers and submodules are not
-its business (:mod:`fxsplit.tracing.registered`).
+a public name and changed, and of those that held a tensor, None or nothing and were given a tensor the trace
+computed (a running value; a cache made at the first call, which the model reads from its second call on), unless
+``forward`` set them to None first (each call starts them anew): the split will not repeat the assignment.
+Parameters, buffers and submodules are not its business (:mod:`fxsplit.tracing.registered`).
 
 A plain value ``forward`` assigns to a global of the model's code (``global STEPS; STEPS += 1``, a warm-up flag)
 is the same: the graph keeps the branch it took once. Such globals (of the Python modules that define the model's
@@ -57,6 +59,7 @@ def python_state_kept(model: torch.nn.Module) -> Iterator[None]:
     modules = {id(m): m for m in model.modules()}
     before: dict[tuple[int, str], Any] = {}  # (module id, name) -> its value before the first assignment
     last: dict[tuple[int, str], Any] = {}  # -> the value last assigned (torch.export puts some back itself)
+    reset: set[tuple[int, str]] = set()  # those the trace set to None first: each call starts them anew
     thread = threading.get_ident()
     original = torch.nn.Module.__setattr__
 
@@ -67,6 +70,8 @@ def python_state_kept(model: torch.nn.Module) -> Iterator[None]:
                 registered = name in module._parameters or name in module._buffers or name in module._modules
                 if not registered and name != "training":
                     before[key] = module.__dict__.get(name, _MISSING)
+                    if value is None:
+                        reset.add(key)
             if key in before:
                 last[key] = value
         original(module, name, value)
@@ -89,8 +94,10 @@ def python_state_kept(model: torch.nn.Module) -> Iterator[None]:
             if new is not old and not (_plain(old) and _plain(new) and old == new):
                 if not name.startswith("_") and _plain(old) and (new is _MISSING or _plain(new)):
                     changed.append(_shown(model, module, name, old, new))
-                elif isinstance(new, _TRACED) and isinstance(old, torch.Tensor):  # a tensor replaced by one the
-                    # trace computed: state the split does not carry (None -> a tensor: made at the first call)
+                elif isinstance(new, _TRACED) and _tensor_or_none(old) and (key, name) not in reset:
+                    # a tensor (or None, or nothing) replaced by one the trace computed: state the split does not
+                    # carry (a running value; a cache made at the first call), or a record it does not make; not
+                    # when forward set it to None first (HF RecurrentGemma's recurrent_states without a cache)
                     changed.append(_shown(model, module, name, _Said(old), _Said(new)))
             if old is _MISSING:
                 module.__dict__.pop(name, None)
@@ -111,7 +118,7 @@ def _globals_put_back(globals_before: list[tuple[Any, dict[str, Any]]], read: se
         namespace = vars(code)
         for name, new in list(namespace.items()):
             old = before.get(name, _MISSING)
-            tensor = isinstance(new, (torch.Tensor, torch.fx.Proxy)) and (old is _MISSING or _tensor_or_none(old))
+            tensor = isinstance(new, (torch.Tensor, torch.fx.Proxy)) and _tensor_or_none(old)
             if new is old or not (tensor or (_plain(new) and (old is _MISSING or _plain(old)) and old != new)):
                 continue
             if old is _MISSING:
@@ -129,7 +136,7 @@ def _globals_put_back(globals_before: list[tuple[Any, dict[str, Any]]], read: se
 
 
 def _tensor_or_none(value: Any) -> bool:
-    return value is None or isinstance(value, torch.Tensor)
+    return value is None or value is _MISSING or isinstance(value, torch.Tensor)
 
 
 def _state_message(names: list[str]) -> str:
