@@ -194,27 +194,48 @@ def test_a_large_held_tensor_the_trace_writes_for_real_is_said(trace: str) -> No
 
 
 class Attribute(nn.Module):
-    def __init__(self) -> None:
+    """A running value kept in a plain tensor attribute (``how="running"``: read, then replaced), or the latest
+    output kept for the user (``"latest"``: replaced, not read)."""
+
+    def __init__(self, how: str = "running") -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.a, self.b, self.how = nn.Linear(4, 4), nn.Linear(4, 4), how
         self.h = torch.zeros(4)  # a plain attribute, not a buffer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.a(x)
+        if self.how == "latest":
+            self.h = y.sum(0)
+            return self.b(y)
         self.h = self.h * 0.5 + y.sum(0)
         return self.b(y + self.h)
 
 
 @pytest.mark.parametrize("trace", ["fx", "export"])
-def test_a_tensor_forward_assigns_to_a_module_attribute_is_said_and_put_back(trace: str) -> None:
+def test_a_tensor_attribute_forward_reads_and_replaces_is_refused_and_put_back(trace: str) -> None:
+    """Before, only said: the split started from the traced value at each call, where the model reads what its
+    last call left, so the outputs differed from the second call on (as with a global or a held object's)."""
     model = Attribute()
+    h = model.h
+    with pytest.raises(TraceError, match=r"binds them anew to tensors it computes: the attribute self\.h \(a tensor"):
+        fxsplit.plan(model, BUDGETS, example_inputs=(X,), trace=trace)
+    assert model.h is h and not h.any()
+
+
+@pytest.mark.parametrize("trace", ["fx", "export"])
+def test_a_tensor_attribute_replaced_but_not_read_is_said_and_put_back(trace: str) -> None:
+    model = Attribute("latest")
     h = model.h
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fxsplit.plan(model, BUDGETS, example_inputs=(X,), trace=trace)
+        split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace=trace)
     said = [str(w.message) for w in caught if issubclass(w.category, FxsplitWarning) and "assigns" in str(w.message)]
     assert len(said) == 1 and "self.h (a tensor of shape (4,) -> a tensor it computes)" in said[0], said
     assert model.h is h and not h.any()
+    eager = copy.deepcopy(model)
+    for _ in range(2):
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(split(x), eager(x))
 
 
 class Cached(nn.Module):

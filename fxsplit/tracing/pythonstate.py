@@ -9,7 +9,8 @@ runs (``torch.nn.Module.__setattr__``, for the block, on this thread), puts ever
 when the block ends, and warns of those a plain value (a number, a string, a tuple of them) was assigned to under
 a public name and changed, and of those that held a tensor, None or nothing and were given a tensor the trace
 computed (a running value; a cache made at the first call, which the model reads from its second call on), unless
-``forward`` set them to None first (each call starts them anew): the split will not repeat the assignment.
+``forward`` set them to None first (each call starts them anew): the split will not repeat the assignment. A
+tensor attribute ``forward`` reads and replaces (``self.h = self.h * 0.5 + y``) is refused, as a global is below.
 Parameters, buffers and submodules are not its business (:mod:`fxsplit.tracing.registered`).
 
 A plain value ``forward`` assigns to a global of the model's code (``global STEPS; STEPS += 1``, a warm-up flag)
@@ -79,11 +80,12 @@ def python_state_kept(model: torch.nn.Module) -> Iterator[None]:
     codes = [code for code in code_modules(list(modules.values())) if not code.__file__.startswith(_TORCH)]
     globals_before = [(code, dict(vars(code))) for code in codes]
     global_tensors = [value for _, names in globals_before for value in names.values() if type(value) is torch.Tensor]
+    attribute_tensors = [value for m in modules.values() for value in vars(m).values() if type(value) is torch.Tensor]
     torch.nn.Module.__setattr__ = setattr_  # type: ignore[method-assign,assignment]
     read: set[int] = set()
     state: list[str] = []
     try:
-        with reads_noted(global_tensors) as read:
+        with reads_noted(global_tensors + attribute_tensors) as read:
             yield
     finally:
         torch.nn.Module.__setattr__ = original  # type: ignore[method-assign]
@@ -98,7 +100,10 @@ def python_state_kept(model: torch.nn.Module) -> Iterator[None]:
                     # a tensor (or None, or nothing) replaced by one the trace computed: state the split does not
                     # carry (a running value; a cache made at the first call), or a record it does not make; not
                     # when forward set it to None first (HF RecurrentGemma's recurrent_states without a cache)
-                    changed.append(_shown(model, module, name, _Said(old), _Said(new)))
+                    if isinstance(old, torch.Tensor) and id(old) in read:  # read, then replaced: a running value
+                        state.append(f"the attribute {_shown(model, module, name, _Said(old), _Said(new))}")
+                    else:
+                        changed.append(_shown(model, module, name, _Said(old), _Said(new)))
             if old is _MISSING:
                 module.__dict__.pop(name, None)
             else:
@@ -126,7 +131,7 @@ def _globals_put_back(globals_before: list[tuple[Any, dict[str, Any]]], read: se
             else:
                 namespace[name] = old
             if tensor and id(old) in read:
-                state.append(f"{code.__name__}.{name}")
+                state.append(f"the global {code.__name__}.{name}")
             elif tensor:
                 shown.append(f"global {code.__name__}.{name} ({_Said(old)!r} -> {_Said(new)!r})")
             elif not name.startswith("_"):
@@ -141,7 +146,7 @@ def _tensor_or_none(value: Any) -> bool:
 
 def _state_message(names: list[str]) -> str:
     return (
-        f"forward() reads the global tensor(s) {', '.join(names)} and binds them anew to tensors it computes: that "
+        f"forward() reads tensors and binds them anew to tensors it computes: {', '.join(names)}. That "
         "is state carried from one call to the next, and a graph holds tensor ops only, so each call of a split "
         "would start from the value traced, where each call of the model reads what the last one left (they are "
         "put back as they were). Keep the state in a buffer that forward updates in place "
