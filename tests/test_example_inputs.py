@@ -249,6 +249,56 @@ def test_constant_keyword_inputs_are_defaults_in_any_order(order: str) -> None:
         assert all(parameters[name].kind is inspect.Parameter.KEYWORD_ONLY for name in kwargs)
 
 
+class FlaggedTwo(nn.Module):
+    """Two stages' worth of ops, with a constant keyword input before a tensor one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, flag: bool = True, y: Any = None) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h * 2 if flag else h + y)
+
+
+def test_constant_keyword_inputs_are_defaults_of_a_pipeline_and_its_stages() -> None:
+    """A pipeline is called as the split is: without the constant keyword inputs it was traced with (its input
+    binder, and the first of ``pipeline_stages``' modules, once took every argument, so ``gm(x, y=y)`` failed
+    with "forward() missing 1 required positional argument: 'flag'")."""
+    model, y = FlaggedTwo().eval(), torch.randn(512, 64)
+    kwargs = {"flag": False, "y": y}
+    budgets = {"cpu:0": "18KiB", "cpu:1": "18KiB"}  # one Linear each
+    pipeline = fxsplit.fxsplit(
+        copy.deepcopy(model),
+        budgets,
+        example_inputs=(X,),
+        example_kwargs=kwargs,
+        trace="export",
+        pipeline=2,
+        mode="weights",
+    )
+    plan = pipeline.meta["fxsplit_plan"]
+    assert all(plan.modules[device] for device in plan.devices)
+    with torch.no_grad():
+        want = torch.cat([model(x, flag=False, y=part) for x, part in zip(X.chunk(2), y.chunk(2))])
+        assert torch.equal(pipeline(X, y=y), want)
+        assert torch.equal(pipeline(X, y=y, flag=False), want)
+        with pytest.raises(fxsplit.FxsplitError, match="flag"):  # another value still fails export's guard
+            pipeline(X, y=y, flag=True)
+
+    stages = fxsplit.pipeline_stages(
+        model, budgets, example_inputs=(X,), example_kwargs=kwargs, trace="export", chunks=2, mode="weights"
+    )
+    assert len(stages) == 2
+    first = inspect.signature(stages.modules[0].forward).parameters
+    assert first["flag"].default is False and first["flag"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "flag" not in inspect.signature(stages.modules[1].forward).parameters
+    with torch.no_grad():
+        middle = stages.modules[0](X[:256], y=y[:256])
+        out = stages.modules[1](*(middle if isinstance(middle, tuple) else (middle,)))
+    assert torch.equal(out, want[:256])
+
+
 def test_warnings_point_at_the_line_that_called_fxsplit() -> None:
     """Not at a line inside fxsplit or torch, however deep the warning was raised (``-W error`` names the call)."""
     with warnings.catch_warnings(record=True) as caught:

@@ -43,6 +43,7 @@ from fxsplit.pipeline.gradlayout import contiguous_grad, may_be_floating
 from fxsplit.planning.plan import Plan
 from fxsplit.tracing.gradmode import open_regions
 from fxsplit.tracing.graphinfo import TENSOR, module_path, value_kind
+from fxsplit.tracing.keyworddefaults import calls_like
 
 __all__ = ["StageSpec", "StageSplit", "split_stages"]
 
@@ -375,7 +376,8 @@ class _Cutter:
         else:
             orig_args = list(spec.inputs)
             in_spec = pytree.tree_structure((tuple(range(len(spec.inputs))), {}))
-        graph.set_codegen(_PyTreeCodeGen(_PyTreeInfo(orig_args, in_spec, info.out_spec if is_last else None)))
+        made = _PyTreeInfo(orig_args, in_spec, info.out_spec if is_last else None)
+        graph.set_codegen(calls_like(codegen, made) if spec.index == 0 else _PyTreeCodeGen(made))
 
     def _binder(self) -> torch.fx.GraphModule:
         """A module that takes the model's arguments and returns its flat inputs."""
@@ -385,7 +387,7 @@ class _Cutter:
         codegen = self.gm.graph._codegen
         if isinstance(codegen, _PyTreeCodeGen):
             info = codegen.pytree_info
-            graph.set_codegen(_PyTreeCodeGen(_PyTreeInfo(info.orig_args, info.in_spec, None)))
+            graph.set_codegen(calls_like(codegen, _PyTreeInfo(info.orig_args, info.in_spec, None)))  # its defaults too
         binder = torch.fx.GraphModule(torch.nn.Module(), graph, "Inputs")
         binder.recompile()
         return binder

@@ -4,7 +4,8 @@
   from :mod:`~fxsplit.tracing.fxshapes`; a model with weights on meta is exported with them as fakes on its inputs'
   device (:mod:`~fxsplit.tracing.metaweights`).
 * :mod:`~fxsplit.tracing.example_inputs`: can the model run its example inputs?
-* :mod:`~fxsplit.tracing.dynamic`: which input sizes an export graph keeps variable.
+* :mod:`~fxsplit.tracing.dynamic`: which input sizes an export graph keeps variable;
+  :mod:`~fxsplit.tracing.keyworddefaults`, its constant keyword inputs as defaults (``gm(ids)`` without ``use_cache``).
 * :mod:`~fxsplit.tracing.gradmode`: ``torch.no_grad()`` regions kept in the graph.
 * :mod:`~fxsplit.tracing.checkpoints`: ``torch.utils.checkpoint`` calls kept whole
   (:mod:`~fxsplit.tracing.keptcheckpoint`: the split recomputes them; :mod:`~fxsplit.tracing.fxcheckpoint`, folded
