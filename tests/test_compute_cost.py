@@ -323,3 +323,35 @@ def test_hardware_for_a_device_no_budget_names_is_a_warning() -> None:
             pipeline=2,
             hardware={"devices": {"cpu": {"flops": "1 TFLOP/s"}, "cpu:1": {"flops": "2 TFLOP/s"}}},
         )
+
+
+class _Routed(torch.nn.Module):
+    """Rows picked by their values (as a router picks an expert's tokens): a size no example input gives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        picked = h[h[:, 0] > 0]
+        return self.c(h) + self.b(picked).sum(0)
+
+
+@pytest.mark.parametrize("profile", [False, True])
+def test_ops_of_data_dependent_sizes_are_said_not_estimated_and_the_plan_runs(profile: bool) -> None:
+    """torch.export gives such an op an unbacked size: its time once failed deep in torch
+    (``GuardOnDataDependentSymNode`` from the FLOP formula), so no time-balanced plan (a pipeline of Hugging Face's
+    JetMoE) could be made. Now it counts no work, with a warning naming it, unless ``profile=True`` measures it."""
+    model, x = _Routed().eval(), torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    budgets = {"cpu:0": "2200B", "cpu:1": "2200B"}  # room for two of the three Linears
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gm = fxsplit.fxsplit(model, budgets, example_inputs=(x,), objective="latency", mode="weights", profile=profile)
+    said = [str(w.message) for w in caught if "is not estimated" in str(w.message)]
+    if profile:
+        assert not said
+    else:
+        assert len(said) == 1 and "'linear_2'" in said[0] and "profile=True" in said[0], said
+    assert torch.equal(gm(x), model(x))
+    assert all(gm.meta["fxsplit_plan"].modules[d] for d in budgets)

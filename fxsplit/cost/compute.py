@@ -95,6 +95,7 @@ from fxsplit.cost.opwork import (
     value_of,
 )
 from fxsplit.hardware import DeviceSpeed
+from fxsplit.tracing.dynamic import DataDependentSize
 from fxsplit.tracing.graphinfo import element_size, value_bytes
 
 __all__ = ["FRESH_ABOVE", "WEIGHT_GRADIENT_PASSES", "Work", "op_seconds", "op_work"]
@@ -123,6 +124,8 @@ class Work:
             memory at the device's ``fresh_bandwidth``); ``train_fresh_nbytes``: the same for the weight
             gradients a training step makes (an embedding's dense one, a large weight's).
         known: False when the graph had no shapes (every op then counts as one unit of work).
+        unsized: the ops whose sizes depend on the values of the data (torch.export's unbacked sizes: the tokens a
+            router sends to each expert), which no example input gives: they count no work.
     """
 
     flops: np.ndarray
@@ -139,6 +142,7 @@ class Work:
     train_fresh_nbytes: np.ndarray | None = None
     channels: np.ndarray | None = None
     known: bool = True
+    unsized: tuple[int, ...] = ()
 
     def rate(self, speed: DeviceSpeed) -> np.ndarray:
         """Per op, the FLOP/s it reaches on ``speed``'s device: products with a small dimension below the peak."""
@@ -169,21 +173,29 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
         return Work(np.ones(n), np.ones(n), free, products, np.ones(n), np.ones(n), np.zeros(n), known=False)
     modules = dict(graph_module.named_modules())
     grads = _requires_grad(graph_module, modules)
+    unsized: list[int] = []
     for index, node in enumerate(ops):
         if is_free(node):
             free[index] = True
             continue
         module = modules.get(str(node.target)) if node.op == "call_module" else None
         try:
-            flops[index] = flops_of(node, module)
-        except Exception:  # noqa: BLE001 - a formula that cannot read these shapes: count the op as elementwise
-            flops[index] = numel(value_of(node))
-        nbytes[index] = bytes_moved(node, module, dtype)
-        products[index] = is_product(node, module)
-        reduction[index], positions[index], channels[index] = product_sizes(node, module)
-        train_flops[index], train_nbytes[index], grad_nbytes[index] = _training_work(
-            node, module, grads, (flops[index], nbytes[index]), products[index], dtype
-        )
+            try:
+                flops[index] = flops_of(node, module)
+            except DataDependentSize:
+                raise
+            except Exception:  # noqa: BLE001 - a formula that cannot read these shapes: count the op as elementwise
+                flops[index] = numel(value_of(node))
+            nbytes[index] = bytes_moved(node, module, dtype)
+            products[index] = is_product(node, module)
+            reduction[index], positions[index], channels[index] = product_sizes(node, module)
+            train_flops[index], train_nbytes[index], grad_nbytes[index] = _training_work(
+                node, module, grads, (flops[index], nbytes[index]), products[index], dtype
+            )
+        except DataDependentSize:  # a size no example input gives (an expert's tokens): no estimate, said
+            flops[index] = nbytes[index] = train_flops[index] = train_nbytes[index] = grad_nbytes[index] = 0.0
+            unsized.append(index)
+            continue
         if train_flops[index] and is_batch_norm(node, module):
             norm_nbytes[index] = float(value_bytes(node, float_dtype=dtype) or 0)
         fresh[index] = _large([float(value_bytes(node, float_dtype=dtype) or 0)])
@@ -203,6 +215,7 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
         fresh,
         train_fresh,
         channels,
+        unsized=tuple(unsized),
     )
 
 

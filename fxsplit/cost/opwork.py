@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from fxsplit.tracing.dynamic import traced_size
 from fxsplit.tracing.graphinfo import element_size, value_bytes
 
 __all__ = [
@@ -89,7 +90,7 @@ def product_sizes(node: torch.fx.Node, module: torch.nn.Module | None) -> tuple[
         return 0.0, 0.0, 0.0
     if conv and len(shape) >= 3:
         weight = _shape(node.args[1] if module is None else module.weight)
-        return float(math.prod(weight[1:])), float(math.prod(int(s) for s in shape[2:])), float(weight[1])
+        return float(math.prod(weight[1:])), float(math.prod(traced_size(s) for s in shape[2:])), float(weight[1])
     if isinstance(module, torch.nn.Linear):
         return float(module.in_features), 0.0, 0.0
     if name in _MATMULS or name in _ADD_MATMULS or name == "linear":
@@ -133,14 +134,16 @@ def value_of(node: Any) -> Any:
 
 
 def _shape(value: Any) -> tuple[int, ...]:
-    return tuple(int(s) for s in value_of(value).shape)
+    """Its sizes, a symbolic one at the example inputs' value; one that depends on the data raises
+    :class:`~fxsplit.tracing.dynamic.DataDependentSize`."""
+    return tuple(traced_size(s) for s in value_of(value).shape)
 
 
 def numel(value: Any) -> float:
     shape = getattr(value, "shape", None)
     if shape is None:
         return 0.0
-    return float(math.prod(int(s) for s in shape))
+    return float(math.prod(traced_size(s) for s in shape))
 
 
 def op_name(node: torch.fx.Node) -> str:
@@ -196,8 +199,8 @@ def _module_flops(module: torch.nn.Module, node: torch.fx.Node, out: Any) -> flo
         return numel(out)  # elementwise: normalise, scale and shift each element
     params = sum(p.numel() for p in module.parameters())
     shape = getattr(out, "shape", None)
-    if params and shape is not None and len(shape) >= 1 and int(shape[-1]):
-        rows = numel(out) / int(shape[-1])
+    if params and shape is not None and len(shape) >= 1 and traced_size(shape[-1]):
+        rows = numel(out) / traced_size(shape[-1])
         return 2.0 * params * rows
     return numel(out)
 

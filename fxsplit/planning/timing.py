@@ -61,6 +61,8 @@ def op_timing(
     of ``hardware``'s for the pairs it names.
     """
     work = op_work(graph_module, ops, dtype=dtype)
+    if work.unsized and not (measured is not None and all(device in measured for device in devices)):
+        _warn_unsized([ops[index] for index in work.unsized])
     rows = []
     for device in devices:
         if measured is not None and device in measured:  # with training, measured forward and backward
@@ -125,8 +127,8 @@ def _as_first_seen(
     measured: dict[str, list[float]], ops: Sequence[torch.fx.Node], seen: dict[tuple[Any, ...], float]
 ) -> dict[str, list[float]]:
     """``measured``, each op's time replaced by the one ``seen`` holds for it (same device, name, target and output
-    shape), where it holds one; the rest added to ``seen``."""
-    keys = [(op.name, str(op.target), tuple(getattr(op.meta.get("val"), "shape", ()))) for op in ops]
+    shape, its sizes as written: a symbolic one has no hash), where it holds one; the rest added to ``seen``."""
+    keys = [(op.name, str(op.target), tuple(map(str, getattr(op.meta.get("val"), "shape", ())))) for op in ops]
     found = {}
     for device, times in measured.items():
         row = []
@@ -134,6 +136,17 @@ def _as_first_seen(
             row.append(seen.setdefault((device, *key), value))
         found[device] = row
     return found
+
+
+def _warn_unsized(ops: Sequence[torch.fx.Node]) -> None:
+    named = ", ".join(repr(node.name) for node in ops[:5]) + (f" and {len(ops) - 5} more" if len(ops) > 5 else "")
+    warnings.warn(
+        f"the time of {len(ops)} op(s) is not estimated ({named}): their sizes depend on the values of the data (as "
+        "the tokens a router sends to each expert), which the example inputs' shapes do not give, so they count 0 s "
+        "and the stages are balanced without them; profile=True measures every op on the example inputs",
+        FxsplitWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _warn_unused_hardware(hardware: Hardware, devices: Sequence[str]) -> None:
