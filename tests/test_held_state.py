@@ -382,3 +382,51 @@ def test_a_llama_static_cache_wrapper_plans_and_its_cumulative_lengths_stay_zero
     _, wrapped = _static_cache_wrapper("llama")
     _plan_one_token(wrapped)
     assert all(int(layer.cumulative_length) == 0 for layer in wrapped.static_cache.layers)
+
+
+class Biases(nn.Module):
+    """A table made at the first call from the module's own parameter, as timm's LeViT caches its attention biases
+    in a dict (its key, under torch.fx, made from a proxy of the input's device), and read from the second on."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.a, self.table, self.where = nn.Linear(4, 4), nn.Parameter(torch.randn(4)), where
+        self.biases: dict[str, torch.Tensor] = {}
+        self.slots: list[torch.Tensor] = []
+        self.cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.where == "dict":
+            key = str(x.device)
+            if key not in self.biases:
+                self.biases[key] = self.table * 2
+            bias = self.biases[key]
+        elif self.where == "appended":
+            if not self.slots:
+                self.slots.append(self.table * 2)
+            bias = self.slots[0]
+        else:
+            if self.cache is None:
+                self.cache = self.table * 2
+            bias = self.cache
+        return self.a(x) + bias
+
+
+@pytest.mark.parametrize("where", ["dict", "appended", "attribute"])
+def test_a_cache_made_from_the_models_own_tensors_is_not_said_under_fx(where: str) -> None:
+    """The split computes such a cache at every call from the same parameters: the model's outputs, so no warning
+    (timm's LeViT and EfficientFormer-V2 were warned of, with outputs equal). Under torch.export, where a value
+    does not say what it was computed from, and for a cache made from the inputs (``Cached`` above), it is said."""
+    model = Biases(where).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FxsplitWarning)
+        split = fxsplit.fxsplit(model, BUDGETS, example_inputs=(X,), trace="fx")
+    assert model.biases == {} and model.slots == [] and model.cache is None
+    eager = copy.deepcopy(model)
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(split(x), eager(x))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxsplit.fxsplit(Biases(where).eval(), BUDGETS, example_inputs=(X,), trace="export")
+    assert any("put" in str(w.message) and issubclass(w.category, FxsplitWarning) for w in caught)

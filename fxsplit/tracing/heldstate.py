@@ -50,6 +50,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from fxsplit.attrpath import attr_at
 from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitWarning, TraceError
+from fxsplit.tracing.inputfree import made_from_inputs
 from fxsplit.tracing.tensorreads import reads_noted
 
 __all__ = ["HeldState", "held_state_kept", "held_tensors"]
@@ -166,9 +167,10 @@ def _put_back(holder: Any, path: str, before: Any, read: set[int], filled: list[
     tensor, or None) the trace replaced with a tensor, and of the list entries whose tensor it read (``read``:
     ids) and replaced with one: state. Where the trace put a tensor in a place that held none (a list entry that
     held None, one appended, a key or attribute added), the path is added to ``filled``: a cache made at the
-    first call, or a record (there was no tensor to read, so which is not known). What else the trace did to a
-    list (outputs recorded: replaced without being read, cleared) is made anew at each call: put back without a
-    word."""
+    first call, or a record (there was no tensor to read, so which is not known); not when the tensor was computed
+    from the model's own tensors alone (:func:`made_from_inputs`), which the split computes alike at every call.
+    What else the trace did to a list (outputs recorded: replaced without being read, cleared) is made anew at each
+    call: put back without a word."""
     if type(holder) is list:
         stored = []
         for index, new in enumerate(holder):
@@ -177,7 +179,7 @@ def _put_back(holder: Any, path: str, before: Any, read: set[int], filled: list[
                 continue
             if id(old) in read and isinstance(old, torch.Tensor):
                 stored.append(_step(path, holder, index))
-            elif old is None or old is _MISSING:
+            elif (old is None or old is _MISSING) and made_from_inputs(new):
                 filled.append(_step(path, holder, index))
         if len(holder) != len(before) or any(a is not b for a, b in zip(holder, before, strict=True)):
             holder[:] = before
@@ -190,7 +192,7 @@ def _put_back(holder: Any, path: str, before: Any, read: set[int], filled: list[
             continue
         if new is not _MISSING and _state(old) and _traced_tensor(new):
             stored.append(_step(path, holder, key))
-        elif new is not _MISSING and old is _MISSING and _traced_tensor(new):
+        elif new is not _MISSING and old is _MISSING and _traced_tensor(new) and made_from_inputs(new):
             filled.append(_step(path, holder, key))
         if old is _MISSING:
             del now[key]

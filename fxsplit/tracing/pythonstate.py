@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fxsplit.callsite import user_stacklevel
 from fxsplit.errors import FxsplitWarning, TraceError
+from fxsplit.tracing.inputfree import made_from_inputs
 from fxsplit.tracing.modelcode import code_modules
 from fxsplit.tracing.tensorreads import reads_noted
 
@@ -102,8 +103,8 @@ def python_state_kept(model: torch.nn.Module) -> Iterator[None]:
                     # when forward set it to None first (HF RecurrentGemma's recurrent_states without a cache)
                     if isinstance(old, torch.Tensor) and id(old) in read:  # read, then replaced: a running value
                         state.append(f"the attribute {_shown(model, module, name, _Said(old), _Said(new))}")
-                    else:
-                        changed.append(_shown(model, module, name, _Said(old), _Said(new)))
+                    elif isinstance(old, torch.Tensor) or made_from_inputs(new):  # (made from the model's own
+                        changed.append(_shown(model, module, name, _Said(old), _Said(new)))  # tensors: the same)
             if old is _MISSING:
                 module.__dict__.pop(name, None)
             else:
