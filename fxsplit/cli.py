@@ -295,7 +295,7 @@ def _planned(args: argparse.Namespace, loaded: Any, progress: StageTimer) -> tup
             )
         plan = _read_plan(args.plan)
         with progress.stage("tracing and checking"):
-            traced, costs, _ = checked_retrace(
+            traced, costs, _, plan = checked_retrace(
                 loaded.model, plan, example_inputs=loaded.example_inputs, example_kwargs=loaded.example_kwargs
             )
         return traced.graph_module, costs, plan

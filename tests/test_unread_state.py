@@ -99,7 +99,7 @@ def test_unread_tensors_are_moved_to_their_planned_device() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = fxsplit.plan(model, BUDGETS, example_inputs=(torch.randn(2, 8),), trace="fx")
-        traced, costs, _ = checked_retrace(model, plan, example_inputs=(torch.randn(2, 8),))
+        traced, costs, _, _ = checked_retrace(model, plan, example_inputs=(torch.randn(2, 8),))
     unread = {name for weight in costs.unused for name in weight.names}
     assert {"spare.0.weight", "idle", "tied_a.weight"} <= unread
     without = move_weights(traced.graph_module, plan, costs.weights + costs.unused)

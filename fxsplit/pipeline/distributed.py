@@ -355,7 +355,7 @@ def _apply(
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     args, kwargs = first_microbatch(example_inputs, options.get("example_kwargs"), chunks, (), argument_names(model))
-    traced, _, _ = checked_retrace(
+    traced, _, _, plan = checked_retrace(
         model,
         plan,
         example_inputs=args,

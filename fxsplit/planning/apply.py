@@ -165,7 +165,7 @@ def apply(
     with CastForLoad(model, checkpoint is not None) as cast:  # as the checkpoint fills it; undone if the call fails
         cast(plan.dtype)
         with StageTimer(enabled=progress).stage("fxsplit: tracing and checking the plan"):
-            traced, costs, _ = cast.traced(
+            traced, costs, _, plan = cast.traced(
                 lambda: retraced_as_fed(
                     lambda args, kwargs: checked_retrace(
                         model, plan, example_inputs=args, **{**options, "example_kwargs": kwargs}
@@ -296,15 +296,16 @@ def checked_retrace(
     *,
     example_inputs: Any = None,
     **options: Any,
-) -> tuple[Traced, GraphCosts, PlanCheck]:
-    """:func:`retrace`, then the budget and cut checks of :func:`check_plan`; returns all three results.
+) -> tuple[Traced, GraphCosts, PlanCheck, Plan]:
+    """:func:`retrace`, then the budget and cut checks of :func:`check_plan`; returns the graph, its costs, the
+    check and the plan as :func:`retrace` returns it (its ``contiguous`` ops placed anew where only those differ).
 
     Raises:
         PlanMismatchError: as :func:`check_plan`.
         BudgetError: as :func:`check_plan`.
     """
     given = budgets if isinstance(budgets, Budgets) or budgets is None else Budgets.parse(budgets)
-    traced, costs = retrace(model, plan, example_inputs=example_inputs, **options)
+    traced, costs, plan = retrace(model, plan, example_inputs=example_inputs, **options)
     check_input_writes(traced.graph_module, plan)  # the most specific refusal first
     held = {d: 0 for d in plan.devices}
     for weight in [*costs.weights, *costs.unused]:
@@ -322,4 +323,4 @@ def checked_retrace(
     usable = plan.usable if given is None else given.usable
     needs = device_needs(plan, held)
     rows = tuple((d, usable.get(d, 0), needs[d]) for d in plan.devices)
-    return traced, costs, PlanCheck(rows, len(plan.placement), tuple(notes))
+    return traced, costs, PlanCheck(rows, len(plan.placement), tuple(notes)), plan

@@ -3,7 +3,8 @@
 :func:`retrace` is the first step of :func:`~fxsplit.planning.apply.apply` and
 :func:`~fxsplit.planning.apply.check_plan`: the plan must meet the rules of
 :mod:`fxsplit.planning.rules`, name the model's parameters and buffers (its
-fingerprint), and place exactly the nodes of the graph traced again.
+fingerprint), and place exactly the nodes of the graph traced again, but for ``contiguous`` ops
+(:mod:`fxsplit.planning.layoutnodes`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fxsplit.cost.constraints import locator, resolve_leaf_modules
 from fxsplit.errors import FxsplitError, PlanMismatchError
 from fxsplit.planning.fingerprint import describe, differences
 from fxsplit.planning.graphcheck import listing
+from fxsplit.planning.layoutnodes import layout_placement, with_layout
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import validate_plan
 from fxsplit.tracing.capture import Traced, trace
@@ -50,8 +52,10 @@ def retrace(
     concrete_args: Mapping[str, Any] | None = None,
     leaf_modules: Iterable[type | str] = (),
     dynamic_shapes: Any = None,
-) -> tuple[Traced, GraphCosts]:
-    """Trace ``model`` the way ``plan`` was made and check that the plan places exactly its nodes.
+) -> tuple[Traced, GraphCosts, Plan]:
+    """Trace ``model`` the way ``plan`` was made and check that the plan places exactly its nodes; returns the
+    graph, its costs and the plan, with its ``contiguous`` ops placed anew where only those differ
+    (:mod:`fxsplit.planning.layoutnodes`: a graph traced where tensors have other layouts).
 
     Raises:
         PlanMismatchError: the plan breaks the rules of :mod:`fxsplit.planning.rules`
@@ -93,14 +97,18 @@ def retrace(
             split_rows(traced.graph_module, {op: split.bounds for op, split in plan.row_splits.items()})
         except ValueError as error:
             raise PlanMismatchError(f"the plan's row_splits do not fit the traced graph: {error}") from None
-    _check_nodes(traced.graph_module, plan)
+    placement = layout_placement(traced.graph_module, plan.placement)  # only contiguous ops differ: re-placed
+    if placement is None:
+        _check_nodes(traced.graph_module, plan)
     dtype = getattr(torch, plan.dtype) if plan.dtype else None
     index = {d: i for i, d in enumerate(plan.devices)}
     costs = build_problem(traced.graph_module, model, device_index=index, dtype=dtype)
     missing = [n for w in [*costs.weights, *costs.unused] for n in w.names if n not in plan.param_devices]
     if missing:
         raise PlanMismatchError(listing("the plan does not say where these tensors of the graph go:", missing))
-    return traced, costs
+    if placement is not None:
+        plan = with_layout(plan, placement, traced.graph_module, costs)
+    return traced, costs, plan
 
 
 def _check_nodes(graph_module: torch.fx.GraphModule, plan: Plan) -> None:

@@ -1,0 +1,106 @@
+"""A plan made on one kind of device applied to a graph traced on another, whose ``contiguous`` ops differ.
+
+torch.export records ``x.contiguous()`` only where ``x`` is not contiguous, which depends on the strides the
+kernels return: ``scaled_dot_product_attention`` on ``meta`` returns another layout than on the CPU. Every
+Hugging Face model with SDPA attention (GPT-2, Llama, Qwen2 ...) planned on ``meta`` (README: plan before you
+rent the cluster) was refused when applied to the real model on the CPU: "the plan places 2 node(s) the graph
+does not have ... 'contiguous', 'contiguous_1'".
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxsplit
+from fxsplit.errors import FxsplitWarning, PlanMismatchError
+from fxsplit.planning.layoutnodes import layout_placement
+
+BUDGETS = {"cpu:0": "26KiB", "cpu:1": "26KiB", "cpu:2": "26KiB"}  # 66 KiB of weights: every device holds some
+
+
+class Attention(nn.Module):
+    """Blocks of attention whose output is laid out back by ``transpose(1, 2).contiguous()``, as transformers'
+    ``sdpa_attention_forward`` does."""
+
+    def __init__(self, width: int = 32, layers: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"qkv": nn.Linear(width, 3 * width), "out": nn.Linear(width, width)}) for _ in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        for block in self.blocks:
+            q, k, v = block["qkv"](x).view(batch, length, 3, 2, width // 2).permute(2, 0, 3, 1, 4)
+            heads = F.scaled_dot_product_attention(q, k, v)
+            x = x + block["out"](heads.transpose(1, 2).contiguous().view(batch, length, width))
+        return x
+
+
+def _meta_and_real() -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    with torch.device("meta"):
+        meta = Attention()
+    torch.manual_seed(0)
+    return meta, Attention().eval(), torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+
+
+def _contiguous(names: object) -> list[str]:
+    return sorted(name for name in names if str(name).startswith("contiguous"))  # type: ignore[attr-defined]
+
+
+def test_a_plan_made_on_meta_applies_to_the_model_on_the_cpu() -> None:
+    meta, model, x = _meta_and_real()
+    plan = fxsplit.plan(meta, BUDGETS, example_inputs=(x.to("meta"),), mode="weights")
+    assert _contiguous(plan.placement) == ["contiguous", "contiguous_1", "contiguous_2", "contiguous_3"]
+    saved = fxsplit.Plan.from_yaml(plan.to_yaml())
+    eager = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        split = fxsplit.apply(model, saved, example_inputs=(x,))
+    said = [str(w.message) for w in caught if issubclass(w.category, FxsplitWarning)]
+    assert len(said) == 1 and "4 contiguous op(s), this one has 0" in said[0], said
+    assert f"{len(plan.cuts)} cut(s), 10.00 KiB per forward (the plan said {len(plan.cuts)}, 10.00 KiB)" in said[0]
+    applied = split.meta["fxsplit_plan"]
+    assert _contiguous(applied.placement) == [] and applied.transfer_bytes == plan.transfer_bytes == 10240
+    assert {n: d for n, d in applied.placement.items()} == {
+        n: d for n, d in plan.placement.items() if not n.startswith("contiguous")
+    }
+    assert applied.param_devices == plan.param_devices
+    torch.testing.assert_close(split(x), eager(x), rtol=0, atol=0)
+    check = fxsplit.check_plan(eager, saved, example_inputs=(x,))  # the same path: it fits, nothing to note
+    assert not check.notes
+
+
+def test_a_plan_made_on_the_cpu_applies_to_a_graph_traced_on_meta() -> None:
+    """The other way: the graph has the ``contiguous`` ops the plan lacks; each goes where the op it copies is."""
+    meta, model, x = _meta_and_real()
+    plan = fxsplit.plan(model, BUDGETS, example_inputs=(x,), mode="weights")
+    assert _contiguous(plan.placement) == []
+    with pytest.warns(FxsplitWarning, match="0 contiguous op"):
+        split = fxsplit.apply(meta, plan, example_inputs=(x.to("meta"),), checkpoint=False)
+    applied = split.meta["fxsplit_plan"]
+    nodes = {node.name: node for node in split.graph.nodes}
+    for name in _contiguous(applied.placement):
+        (source,) = nodes[name].all_input_nodes
+        assert applied.placement[name] == applied.placement[source.name]
+    assert len(_contiguous(applied.placement)) == 4 and applied.transfer_bytes == plan.transfer_bytes
+
+
+def test_other_differences_are_still_refused() -> None:
+    """Only ``contiguous`` ops are placed anew: a plan whose other nodes differ was made for other code."""
+    meta, model, x = _meta_and_real()
+    plan = fxsplit.plan(meta, BUDGETS, example_inputs=(x.to("meta"),), mode="weights")
+    gm = torch.export.export(model, (x,)).module()
+    assert layout_placement(gm, {**plan.placement, "linear_99": "cpu:0"}) is None  # a node the graph lacks
+    renamed = {("renamed" if name == "linear" else name): device for name, device in plan.placement.items()}
+    assert layout_placement(gm, renamed) is None
+    with pytest.raises(PlanMismatchError, match="not in the graph: node 'renamed'"):
+        fxsplit.apply(
+            model, fxsplit.Plan.from_yaml(plan.to_yaml().replace("  linear:", "  renamed:")), example_inputs=(x,)
+        )
