@@ -280,7 +280,7 @@ def test_constant_keyword_inputs_are_defaults_of_a_pipeline_and_its_stages() -> 
     plan = pipeline.meta["fxsplit_plan"]
     assert all(plan.modules[device] for device in plan.devices)
     with torch.no_grad():
-        want = torch.cat([model(x, flag=False, y=part) for x, part in zip(X.chunk(2), y.chunk(2))])
+        want = torch.cat([model(x, flag=False, y=part) for x, part in zip(X.chunk(2), y.chunk(2), strict=True)])
         assert torch.equal(pipeline(X, y=y), want)
         assert torch.equal(pipeline(X, y=y, flag=False), want)
         with pytest.raises(fxsplit.FxsplitError, match="flag"):  # another value still fails export's guard

@@ -64,7 +64,7 @@ def test_a_plan_made_on_meta_applies_to_the_model_on_the_cpu() -> None:
         warnings.simplefilter("always")
         split = fxsplit.apply(model, saved, example_inputs=(x,))
     said = [str(w.message) for w in caught if issubclass(w.category, FxsplitWarning)]
-    assert len(said) == 1 and "4 contiguous op(s), this one has 0" in said[0], said
+    assert len(said) == 1 and "4 copy op(s) (contiguous, lift_fresh_copy), this one has 0" in said[0], said
     assert f"{len(plan.cuts)} cut(s), 10.00 KiB per forward (the plan said {len(plan.cuts)}, 10.00 KiB)" in said[0]
     applied = split.meta["fxsplit_plan"]
     assert _contiguous(applied.placement) == [] and applied.transfer_bytes == plan.transfer_bytes == 10240
@@ -82,7 +82,7 @@ def test_a_plan_made_on_the_cpu_applies_to_a_graph_traced_on_meta() -> None:
     meta, model, x = _meta_and_real()
     plan = fxsplit.plan(model, BUDGETS, example_inputs=(x,), mode="weights")
     assert _contiguous(plan.placement) == []
-    with pytest.warns(FxsplitWarning, match="0 contiguous op"):
+    with pytest.warns(FxsplitWarning, match=r"0 copy op\(s\) \(contiguous, lift_fresh_copy\), this one has 4"):
         split = fxsplit.apply(meta, plan, example_inputs=(x.to("meta"),), checkpoint=False)
     applied = split.meta["fxsplit_plan"]
     nodes = {node.name: node for node in split.graph.nodes}
@@ -104,3 +104,30 @@ def test_other_differences_are_still_refused() -> None:
         fxsplit.apply(
             model, fxsplit.Plan.from_yaml(plan.to_yaml().replace("  linear:", "  renamed:")), example_inputs=(x,)
         )
+
+
+class Constant(nn.Module):
+    """A constant made in ``forward``: torch.export copies it (``lift_fresh_copy``) on the CPU, not on ``meta``
+    (Hugging Face's Falcon and CPM-Ant planned on ``meta`` were refused on the CPU for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * torch.tensor(0.5, device=x.device))
+
+
+def test_a_constant_copied_on_the_cpu_only_is_placed_with_the_constant() -> None:
+    with torch.device("meta"):
+        meta = Constant()
+    model, x = Constant(), torch.randn(2, 64)
+    plan = fxsplit.plan(meta, {"cpu:0": "20KiB", "cpu:1": "20KiB"}, example_inputs=(x.to("meta"),), mode="weights")
+    assert "lift_fresh_copy" not in plan.placement
+    with pytest.warns(FxsplitWarning, match=r"0 copy op\(s\) \(contiguous, lift_fresh_copy\), this one has 1"):
+        split = fxsplit.apply(model, plan, example_inputs=(x,))
+    applied = split.meta["fxsplit_plan"]
+    (constant,) = next(n for n in split.graph.nodes if n.name == "lift_fresh_copy").all_input_nodes
+    assert applied.placement["lift_fresh_copy"] == applied.placement[constant.name]
+    assert applied.transfer_bytes == plan.transfer_bytes
+    torch.testing.assert_close(split(x), model(x), rtol=0, atol=0)

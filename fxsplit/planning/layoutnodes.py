@@ -1,11 +1,12 @@
-"""A saved plan applied to a graph traced where tensors have other layouts: its ``contiguous`` ops may differ.
+"""A saved plan applied to a graph traced on another kind of device: its copy ops may differ.
 
 torch.export records ``x.contiguous()`` as an op only where ``x`` is not contiguous, and that depends on the
 strides the device's kernels return: on ``meta``, ``scaled_dot_product_attention`` returns another layout than
 on the CPU, so Hugging Face's GPT-2 or Llama planned on ``meta`` has two ``contiguous`` ops that its graph traced
 on the CPU lacks (``attn_output.transpose(1, 2).contiguous()``), and a plan made on one could not be applied to
-the other. Such an op computes its input's values in another layout: :func:`layout_placement` places every
-``contiguous`` op of the graph traced again with the op it copies and keeps the plan's device for every other
+the other. A constant tensor made in ``forward`` (``torch.tensor(...)``) is copied by a ``lift_fresh_copy`` op on
+the CPU and not on ``meta`` (Falcon, CPM-Ant). Such an op computes its input's values: :func:`layout_placement`
+places every such op of the graph traced again with the op it copies and keeps the plan's device for every other
 node, so that the caller can work out the plan's cuts anew on that graph.
 """
 
@@ -24,32 +25,34 @@ from fxsplit.errors import FxsplitWarning
 from fxsplit.planning.build import cuts_for
 from fxsplit.planning.plan import Plan
 
-__all__ = ["is_contiguous_op", "layout_placement", "with_layout"]
+__all__ = ["is_copy_op", "layout_placement", "with_layout"]
 
-_NAME = re.compile(r"contiguous(_\d+)?")
-_TARGETS = (torch.ops.aten.contiguous.default, torch.Tensor.contiguous, "contiguous")
+aten = torch.ops.aten
+_NAME = re.compile(r"(contiguous|lift_fresh_copy)(_\d+)?")
+_TARGETS = (aten.contiguous.default, aten.lift_fresh_copy.default, torch.Tensor.contiguous, "contiguous")
 
 
-def is_contiguous_op(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is a ``contiguous`` call (torch.export's ATen op, or torch.fx's method call)."""
+def is_copy_op(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a ``contiguous`` call (torch.export's ATen op, or torch.fx's method call), or torch.export's
+    copy of a constant made in ``forward`` (``lift_fresh_copy``: on the CPU, not on ``meta``)."""
     return node.op in ("call_function", "call_method") and node.target in _TARGETS and bool(node.all_input_nodes)
 
 
 def layout_placement(graph_module: torch.fx.GraphModule, placement: dict[str, str]) -> dict[str, str] | None:
     """Node name -> device for the nodes of ``graph_module``, from ``placement`` (a plan's), when the two differ
-    only by ``contiguous`` ops: each such op of the graph goes where its input goes (numbered anew, a name in the
-    plan may name another op), the rest where the plan puts them. None when they differ otherwise."""
+    only by copy ops (:func:`is_copy_op`): each such op of the graph goes where its input goes (numbered anew, a
+    name in the plan may name another op), the rest where the plan puts them. None when they differ otherwise."""
     nodes = list(graph_module.graph.nodes)
     names = {node.name for node in nodes}
     extra = [node for node in nodes if node.name not in placement]
     missing = [name for name in placement if name not in names]
     if not (extra or missing):
         return None
-    if not all(is_contiguous_op(node) for node in extra) or not all(_NAME.fullmatch(name) for name in missing):
+    if not all(is_copy_op(node) for node in extra) or not all(_NAME.fullmatch(name) for name in missing):
         return None
     placed: dict[str, str] = {}
     for node in nodes:
-        if is_contiguous_op(node):
+        if is_copy_op(node):
             source = node.all_input_nodes[0]
             placed[node.name] = placed[source.name]
         else:
@@ -66,13 +69,14 @@ def with_layout(plan: Plan, placement: dict[str, str], graph_module: torch.fx.Gr
     cuts = tuple(cuts_for(costs, graph_module, placement, weight_home, streamed, replicas))
     made = dataclasses.replace(plan, placement=placement, cuts=cuts)
     ours = sum(1 for name in plan.placement if _NAME.fullmatch(name))
-    here = sum(1 for node in graph_module.graph.nodes if is_contiguous_op(node))
+    here = sum(1 for node in graph_module.graph.nodes if is_copy_op(node))
     warnings.warn(
         FxsplitWarning(
-            f"the plan was made on a graph with {ours} contiguous op(s), this one has {here} (tensors laid out "
-            "otherwise where it was traced: on meta and on the CPU, scaled_dot_product_attention returns different "
-            f"strides); each is placed with the op it copies and the copies are worked out anew: {len(cuts)} cut(s), "
-            f"{made._transfer_text()} per forward (the plan said {len(plan.cuts)}, {plan._transfer_text()})"
+            f"the plan was made on a graph with {ours} copy op(s) (contiguous, lift_fresh_copy), this one has {here} "
+            "(traced where tensors are otherwise: on meta and on the CPU, scaled_dot_product_attention returns "
+            "different strides, and a constant made in forward is copied on the CPU only); each is placed with the "
+            f"op it copies and the copies are worked out anew: {len(cuts)} cut(s), {made._transfer_text()} per "
+            f"forward (the plan said {len(plan.cuts)}, {plan._transfer_text()})"
         ),
         stacklevel=user_stacklevel(),
     )
