@@ -128,3 +128,42 @@ def test_a_float32_model_planned_at_bf16_is_planned_as_it_will_run(trace_mode: s
         assert found.memory == as_run.memory and found.placement == as_run.placement
         assert len(set(found.placement.values())) == 2
     assert [(n, t.dtype, t.data_ptr()) for n, t in [*model.named_parameters(), *model.named_buffers()]] == before
+
+
+class Promoted(nn.Module):
+    """OLMo-2's rotary: a float32 table multiplied with the bf16 query (float32 by promotion) and the result cast
+    back. transformers keeps the table float32; cast to bf16, the angles round and the logits differed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.out = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.register_buffer("inv_freq", torch.linspace(0.1, 1.0, 16), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        cos = (self.inv_freq * 3.0).cos()  # float32, not converted
+        return self.out((q * cos).to(q.dtype))
+
+
+@pytest.mark.parametrize("trace_mode", ["fx", "export"])
+def test_a_table_met_in_an_op_that_promotes_keeps_its_dtype(tmp_path: Path, trace_mode: str) -> None:
+    torch.manual_seed(0)
+    model = Promoted()
+    cast_floating(model, torch.bfloat16)
+    traced = trace(model, example_inputs=(X.bfloat16(),), mode=trace_mode)
+    assert meeting_buffers(traced.graph_module, {"inv_freq"}, torch.bfloat16) == []
+    torch.manual_seed(0)
+    path = tmp_path / "model.safetensors"
+    save_file(Promoted().state_dict(), str(path))
+    with fxsplit.empty_weights():
+        empty = Promoted()
+    split = fxsplit.fxsplit(
+        empty, {"cpu:0": "1KiB", "cpu:1": "1KiB"}, checkpoint=path, example_inputs=(X.bfloat16(),),
+        dtype="bfloat16", trace=trace_mode, mode="weights",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    expected = Promoted()
+    for parameter in expected.parameters():
+        parameter.data = parameter.data.bfloat16()
+    assert dict(split.named_buffers())["inv_freq"].dtype == torch.float32
+    torch.testing.assert_close(split(X.bfloat16()), expected(X.bfloat16()), rtol=0, atol=0)

@@ -14,7 +14,10 @@ split first runs. Fake kernels do not check that, so the plan itself passed.
 :func:`meeting_buffers` finds those in the traced graph: a kept buffer whose
 value (or a value computed from it that is still of its dtype) is an input of
 an op beside a tensor of the cast dtype. A table the model converts before it
-meets the model's tensors (``cos.to(x.dtype)``) meets none, and stays.
+meets the model's tensors (``cos.to(x.dtype)``) meets none, and stays; so does
+one that meets them in an elementwise op that promotes (``q * cos``, float32,
+then ``.to(q.dtype)``: OLMo-2's rotary table, which transformers keeps float32,
+was cast to bf16, and its split's logits differed from the bf16 model's by 0.002).
 """
 
 from __future__ import annotations
@@ -26,9 +29,15 @@ import torch.fx
 from torch.utils._pytree import tree_leaves
 
 from fxsplit.attrpath import attr_at
+from fxsplit.cost.opwork import op_name
 from fxsplit.cost.walk import module_table
 
 __all__ = ["kept_buffers", "meeting_buffers"]
+
+_PROMOTING = frozenset(  # ops whose result takes the widest dtype of their inputs
+    {"add", "sub", "mul", "div", "true_divide", "rsub", "where", "maximum", "minimum", "pow", "cat", "stack", "lerp"}
+    | {"__add__", "__sub__", "__mul__", "__truediv__", "__radd__", "__rmul__", "__rsub__", "addcmul", "addcdiv"}
+)
 
 
 def kept_buffers(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -58,6 +67,8 @@ def meeting_buffers(graph_module: torch.fx.GraphModule, kept: set[str], dtype: t
         if not sources or node.op == "output":
             continue
         met = any(dtype in _dtypes(a, graph_module) for a in inputs if a not in carries)
+        if met and _promotes(node, graph_module, dtype):  # (computes at the buffer's dtype, as the model does)
+            met = False
         if not met and node.op == "call_module":  # a leaf module: its own weights are inputs too
             owner = graph_module.get_submodule(str(node.target))
             met = any(t.dtype == dtype for t in [*owner.parameters(), *owner.buffers()])
@@ -66,6 +77,15 @@ def meeting_buffers(graph_module: torch.fx.GraphModule, kept: set[str], dtype: t
         if any(d != dtype for d in _dtypes(node, graph_module)):  # its value still of the buffer's dtype
             carries[node] = sources
     return sorted(found)
+
+
+def _promotes(node: torch.fx.Node, graph_module: torch.fx.GraphModule, dtype: torch.dtype) -> bool:
+    """Whether ``node`` is an elementwise op (or a ``cat``) that promoted its inputs past ``dtype`` (float32 times
+    bf16 is float32): it runs at any mix of dtypes, so meeting there needs nothing cast; where its value goes on
+    at the buffer's dtype, a later op may still meet it (EVA's ``cat`` of biases, then the projection)."""
+    return (
+        op_name(node) in _PROMOTING and bool(_dtypes(node, graph_module)) and dtype not in _dtypes(node, graph_module)
+    )
 
 
 def _dtypes(node: torch.fx.Node, graph_module: torch.fx.GraphModule) -> set[torch.dtype]:

@@ -374,10 +374,8 @@ class _Cutter:
         if spec.index == 0:
             orig_args, in_spec = info.orig_args, info.in_spec
         else:
-            orig_args = list(spec.inputs)
-            in_spec = pytree.tree_structure((tuple(range(len(spec.inputs))), {}))
-        made = _PyTreeInfo(orig_args, in_spec, info.out_spec if is_last else None)
-        graph.set_codegen(calls_like(codegen, made) if spec.index == 0 else _PyTreeCodeGen(made))
+            orig_args, in_spec = list(spec.inputs), pytree.tree_structure((tuple(range(len(spec.inputs))), {}))
+        graph.set_codegen(calls_like(codegen, _PyTreeInfo(orig_args, in_spec, info.out_spec if is_last else None)))
 
     def _binder(self) -> torch.fx.GraphModule:
         """A module that takes the model's arguments and returns its flat inputs."""
