@@ -83,9 +83,8 @@ def _promotes(node: torch.fx.Node, graph_module: torch.fx.GraphModule, dtype: to
     """Whether ``node`` is an elementwise op (or a ``cat``) that promoted its inputs past ``dtype`` (float32 times
     bf16 is float32): it runs at any mix of dtypes, so meeting there needs nothing cast; where its value goes on
     at the buffer's dtype, a later op may still meet it (EVA's ``cat`` of biases, then the projection)."""
-    return (
-        op_name(node) in _PROMOTING and bool(_dtypes(node, graph_module)) and dtype not in _dtypes(node, graph_module)
-    )
+    made = _dtypes(node, graph_module)
+    return op_name(node) in _PROMOTING and bool(made) and dtype not in made
 
 
 def _dtypes(node: torch.fx.Node, graph_module: torch.fx.GraphModule) -> set[torch.dtype]:

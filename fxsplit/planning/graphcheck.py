@@ -8,6 +8,8 @@ cuts or output are not those its placement implies on the graph (an edited plan)
 
 from __future__ import annotations
 
+import torch.fx
+
 from fxsplit.cost.build import GraphCosts
 from fxsplit.errors import BudgetError, PlanMismatchError
 from fxsplit.options import Budgets
@@ -66,6 +68,14 @@ def check_storage(plan: Plan, costs: GraphCosts) -> None:
         )
 
 
+def implied_cuts(plan: Plan, graph_module: torch.fx.GraphModule, costs: GraphCosts) -> list[Cut]:
+    """The copies ``plan``'s placement, weight homes, streamed weights and replicas make on ``graph_module``."""
+    weight_home = {w.names[0]: plan.param_devices[w.names[0]] for w in costs.weights}
+    streamed = {w.names[0]: plan.streamed[w.names[0]] for w in costs.weights if w.names[0] in plan.streamed}
+    replicas = {name: replica.devices for name, replica in plan.replicas.items()}
+    return cuts_for(costs, graph_module, plan.placement, weight_home, streamed, replicas)
+
+
 def check_cuts(plan: Plan, traced: Traced, costs: GraphCosts) -> list[str]:
     """Refuse cuts other than those the placement implies, or an output off ``output_device``; notes on sizes."""
     output = next(n.name for n in reversed(traced.graph_module.graph.nodes) if n.op == "output")
@@ -74,10 +84,7 @@ def check_cuts(plan: Plan, traced: Traced, costs: GraphCosts) -> list[str]:
             f"output_device is {plan.output_device!r} but placement puts the output ({output!r}) on "
             f"{plan.placement.get(output)!r} (was it edited?); plan again with output_device={plan.output_device!r}"
         )
-    weight_home = {w.names[0]: plan.param_devices[w.names[0]] for w in costs.weights}
-    streamed = {w.names[0]: plan.streamed[w.names[0]] for w in costs.weights if w.names[0] in plan.streamed}
-    replicas = {name: replica.devices for name, replica in plan.replicas.items()}
-    expected = cuts_for(costs, traced.graph_module, plan.placement, weight_home, streamed, replicas)
+    expected = implied_cuts(plan, traced.graph_module, costs)
     if [_route(c) for c in expected] != [_route(c) for c in plan.cuts]:
         routes = {_route(c) for c in expected}
         stale = [f"plan lists {cut_text(c)}" for c in plan.cuts if _route(c) not in routes]

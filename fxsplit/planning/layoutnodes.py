@@ -22,7 +22,7 @@ import torch.fx
 from fxsplit.callsite import user_stacklevel
 from fxsplit.cost.build import GraphCosts
 from fxsplit.errors import FxsplitWarning
-from fxsplit.planning.build import cuts_for
+from fxsplit.planning.graphcheck import implied_cuts
 from fxsplit.planning.plan import Cut, Plan
 
 __all__ = ["is_copy_op", "layout_placement", "with_layout"]
@@ -63,11 +63,9 @@ def layout_placement(graph_module: torch.fx.GraphModule, placement: dict[str, st
 def with_layout(plan: Plan, placement: dict[str, str], graph_module: torch.fx.GraphModule, costs: GraphCosts) -> Plan:
     """``plan`` with ``placement`` (:func:`layout_placement`) and the cuts it implies on ``graph_module``; warns
     when they are other copies than the plan's (devices and bytes, in order)."""
-    weight_home = {w.names[0]: plan.param_devices[w.names[0]] for w in costs.weights}
-    streamed = {w.names[0]: plan.streamed[w.names[0]] for w in costs.weights if w.names[0] in plan.streamed}
-    replicas = {name: replica.devices for name, replica in plan.replicas.items()}
-    cuts = tuple(cuts_for(costs, graph_module, placement, weight_home, streamed, replicas))
-    made = dataclasses.replace(plan, placement=placement, cuts=cuts)
+    placed = dataclasses.replace(plan, placement=placement)
+    cuts = tuple(implied_cuts(placed, graph_module, costs))
+    made = dataclasses.replace(placed, cuts=cuts)
     if [_route(cut) for cut in cuts] == [_route(cut) for cut in plan.cuts]:
         return made  # the same copies (a cut of a copy op's value now of the value it copied): nothing to say
     ours = sum(1 for name in plan.placement if _NAME.fullmatch(name))
@@ -86,4 +84,5 @@ def with_layout(plan: Plan, placement: dict[str, str], graph_module: torch.fx.Gr
 
 
 def _route(cut: Cut) -> tuple[str, str, int | None, str]:
+    """What a copy moves, and where, without the node that makes it (a copy op's or the value it copied)."""
     return cut.source, cut.destination, cut.nbytes, cut.kind
