@@ -298,7 +298,7 @@ def checked_retrace(
     **options: Any,
 ) -> tuple[Traced, GraphCosts, PlanCheck, Plan]:
     """:func:`retrace`, then the budget and cut checks of :func:`check_plan`; returns the graph, its costs, the
-    check and the plan as :func:`retrace` returns it (its ``contiguous`` ops placed anew where only those differ).
+    check and the plan as :func:`retrace` returns it (its copy ops placed anew where only those differ).
 
     Raises:
         PlanMismatchError: as :func:`check_plan`.

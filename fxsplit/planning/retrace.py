@@ -3,8 +3,8 @@
 :func:`retrace` is the first step of :func:`~fxsplit.planning.apply.apply` and
 :func:`~fxsplit.planning.apply.check_plan`: the plan must meet the rules of
 :mod:`fxsplit.planning.rules`, name the model's parameters and buffers (its
-fingerprint), and place exactly the nodes of the graph traced again, but for ``contiguous`` ops
-(:mod:`fxsplit.planning.layoutnodes`).
+fingerprint), and place exactly the nodes of the graph traced again, but for copy ops (``contiguous``,
+``lift_fresh_copy``: :mod:`fxsplit.planning.layoutnodes`).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def retrace(
     dynamic_shapes: Any = None,
 ) -> tuple[Traced, GraphCosts, Plan]:
     """Trace ``model`` the way ``plan`` was made and check that the plan places exactly its nodes; returns the
-    graph, its costs and the plan, with its ``contiguous`` ops placed anew where only those differ
-    (:mod:`fxsplit.planning.layoutnodes`: a graph traced where tensors have other layouts).
+    graph, its costs and the plan, with its copy ops placed anew where only those differ
+    (:mod:`fxsplit.planning.layoutnodes`: a graph traced on another kind of device).
 
     Raises:
         PlanMismatchError: the plan breaks the rules of :mod:`fxsplit.planning.rules`
@@ -97,7 +97,7 @@ def retrace(
             split_rows(traced.graph_module, {op: split.bounds for op, split in plan.row_splits.items()})
         except ValueError as error:
             raise PlanMismatchError(f"the plan's row_splits do not fit the traced graph: {error}") from None
-    placement = layout_placement(traced.graph_module, plan.placement)  # only contiguous ops differ: re-placed
+    placement = layout_placement(traced.graph_module, plan.placement)  # only copy ops differ: re-placed
     if placement is None:
         _check_nodes(traced.graph_module, plan)
     dtype = getattr(torch, plan.dtype) if plan.dtype else None
