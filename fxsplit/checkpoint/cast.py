@@ -31,6 +31,7 @@ from fxsplit.callsite import user_stacklevel
 from fxsplit.checkpoint import standin
 from fxsplit.checkpoint.computed import kept_buffers, meeting_buffers
 from fxsplit.checkpoint.fed import traced_as_fed
+from fxsplit.cost.keptdtype import kept_tensors
 from fxsplit.cost.walk import forget_walk, named_tensors
 from fxsplit.errors import FxsplitWarning, TraceError
 
@@ -43,16 +44,21 @@ __all__ = ["CastForLoad", "PlanningCast", "cast_floating", "warn_uncast"]
 _Traced = TypeVar("_Traced")
 
 
-def _castable(model: torch.nn.Module, dtype: torch.dtype) -> list[torch.Tensor]:
-    """The floating parameters and persistent buffers of ``model`` not yet of ``dtype``, each tensor once."""
+def _castable(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.dtype]]:
+    """``(tensor, dtype to cast it to)`` for each floating parameter and persistent buffer of ``model`` (each
+    tensor once) not yet at the dtype a split at ``dtype`` holds it: ``dtype``, or the one the model keeps it at
+    (:mod:`fxsplit.cost.keptdtype`: a MoE router's float32 gate)."""
     computed = {id(buffer) for buffer in _computed_buffers(model)}  # kept at their dtype (but see _computed_too)
+    kept = kept_tensors(model, dtype)
     seen: set[int] = set()
     found = []
     for _, tensor, _ in named_tensors(model):
-        if id(tensor) in seen or id(tensor) in computed or not tensor.is_floating_point() or tensor.dtype == dtype:
+        if id(tensor) in seen or id(tensor) in computed or not tensor.is_floating_point():
             continue
         seen.add(id(tensor))
-        found.append(tensor)
+        target = kept.get(id(tensor), dtype)
+        if tensor.dtype != target:
+            found.append((tensor, target))
     return found
 
 
@@ -73,17 +79,18 @@ def _computed_too(model: torch.nn.Module, graph: torch.fx.GraphModule, dtype: to
 
 
 def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[], None]:
-    """Give every floating parameter and persistent buffer of ``model`` the ``dtype``; returns what undoes it."""
-    return _cast(_castable(model, dtype), dtype, model)
+    """Give every floating parameter and persistent buffer of ``model`` the ``dtype`` (or the one the model keeps
+    it at: :mod:`fxsplit.cost.keptdtype`); returns what undoes it."""
+    return _cast(_castable(model, dtype), model)
 
 
-def _cast(tensors: list[torch.Tensor], dtype: torch.dtype, model: torch.nn.Module) -> Callable[[], None]:
-    """Give each of ``tensors`` (of ``model``) the ``dtype``; returns what undoes it. Each keeps its object, but a
+def _cast(tensors: list[tuple[torch.Tensor, torch.dtype]], model: torch.nn.Module) -> Callable[[], None]:
+    """Give each of ``tensors`` (of ``model``) its dtype; returns what undoes it. Each keeps its object, but a
     view (a buffer registered as ``table.float().unsqueeze(0)``: diffusers' patch embeddings), which given new data
     would keep its base at the old dtype (torch's fake tensors refuse that): the modules get a cast copy of it."""
     changed: list[tuple[torch.Tensor, torch.Tensor]] = []
     views: dict[int, torch.Tensor] = {}
-    for tensor in tensors:
+    for tensor, dtype in tensors:
         if tensor._base is not None:
             copy = tensor.detach().to(dtype)
             parameter = isinstance(tensor, torch.nn.Parameter)
@@ -136,7 +143,7 @@ class CastForLoad:
         needed at the dtype (:mod:`fxsplit.checkpoint.computed`), when there are such."""
         made = trace()
         if self.dtype is not None and (tensors := _computed_too(self.model, graph(made), self.dtype)):
-            self.undo.append(_cast(tensors, self.dtype, self.model))
+            self.undo.append(_cast([(t, self.dtype) for t in tensors], self.model))
             made = trace()
         return made
 
@@ -206,10 +213,10 @@ class PlanningCast:
             return
         target = getattr(torch, dtype)
         tensors = _castable(model, target)
-        parameters = [t for t in tensors if isinstance(t, torch.nn.Parameter)]
+        parameters = [t for t, _ in tensors if isinstance(t, torch.nn.Parameter)]
         if tensors and all(t.is_meta for t in parameters):  # real buffers are cast too (copied, put back after)
             self.given = describe(model)
-            self._undo = _cast(tensors, target, model)
+            self._undo = _cast(tensors, model)
         elif parameters and stand_in and self._fed:  # without inputs there are no activations to count
             given = describe(model)
             self._undo = standin.stand_in(model, target)
@@ -266,7 +273,7 @@ class PlanningCast:
             self._undo = standin.stand_in(self._model, self._dtype, cast_too=names)  # (it stood in before: it can)
             return
         kept = kept_buffers(self._model, self._dtype)
-        more = _cast(list({id(kept[n]): kept[n] for n in names}.values()), self._dtype, self._model)
+        more = _cast([(t, self._dtype) for t in {id(kept[n]): kept[n] for n in names}.values()], self._model)
         earlier = self._undo
 
         def undo() -> None:
@@ -304,6 +311,7 @@ def warn_uncast(model: torch.nn.Module, dtype: str | None) -> None:
         return
     planned = getattr(torch, dtype)
     computed = {id(t) for t in _computed_buffers(model)}  # a rotary table: kept at its dtype, and planned so
+    computed |= set(kept_tensors(model, planned))  # a router gate the plan counts at float32: a few bytes off at most
     held = {
         t.dtype
         for _, t, _ in named_tensors(model)

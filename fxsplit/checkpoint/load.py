@@ -21,7 +21,7 @@ import contextlib
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Mapping, Union
 
 import torch
 
@@ -29,12 +29,22 @@ from fxsplit.attrpath import attr_at
 from fxsplit.checkpoint.empty import replace_held, tensor_like
 from fxsplit.checkpoint.formats import TableOfContents, read_table
 from fxsplit.checkpoint.initmissing import check_initializable, initialize_missing, warn_loose
-from fxsplit.checkpoint.match import Match, Slot, match, non_persistent_names, slots_of, unmatched, with_tied
+from fxsplit.checkpoint.match import (
+    Match,
+    Slot,
+    match,
+    non_persistent_names,
+    refuse_tied_conflicts,
+    slots_of,
+    unmatched,
+    with_tied,
+)
 from fxsplit.checkpoint.progress import Progress
 from fxsplit.checkpoint.renamed import conversions_of, model_names
 from fxsplit.checkpoint.unsaved import Gaps, gaps_of
 from fxsplit.checkpoint.write import store_on_disk
 from fxsplit.cost.build import Weight
+from fxsplit.cost.keptdtype import kept_dtypes
 from fxsplit.cost.walk import named_tensors
 from fxsplit.errors import CheckpointError, SpecError
 from fxsplit.planning.plan import Plan
@@ -42,6 +52,7 @@ from fxsplit.planning.plan import Plan
 __all__ = [
     "CONVERSIONS",
     "GAPS",
+    "KEPT_DTYPES",
     "ModelLoad",
     "NON_PERSISTENT",
     "load_checkpoint",
@@ -56,6 +67,9 @@ NON_PERSISTENT = "fxsplit_non_persistent"
 CONVERSIONS = "fxsplit_checkpoint_names"
 """``split.meta`` key: how transformers names the model's tensors in its checkpoints
 (:func:`~fxsplit.checkpoint.renamed.conversions_of`), or None."""
+KEPT_DTYPES = "fxsplit_kept_dtypes"
+"""``split.meta`` key: the tensors the model keeps at a dtype of its own at the plan's dtype
+(:func:`~fxsplit.cost.keptdtype.kept_dtypes`), for :func:`load_checkpoint`."""
 GAPS = "fxsplit_checkpoint_gaps"
 """``split.meta`` key: what the model's checkpoints may lack or hold besides its tensors
 (:class:`~fxsplit.checkpoint.unsaved.Gaps`)."""
@@ -71,6 +85,8 @@ def remember_non_persistent(split: Any, model: torch.nn.Module) -> Any:
     split.meta[NON_PERSISTENT] = names
     split.meta[CONVERSIONS] = conversions_of(model)
     split.meta[GAPS] = gaps_of(model)
+    plan = split.meta.get("fxsplit_plan")
+    split.meta[KEPT_DTYPES] = kept_dtypes(model, plan.dtype if isinstance(plan, Plan) else None)
     stages = split.stages if isinstance(split, Pipeline) else ()  # not a model's own child named "stages"
     ours = {id(tensor) for _, tensor, _ in named_tensors(model)}
     for holder in [split, *stages]:  # a Pipeline's stages hold them under the model's names
@@ -122,17 +138,19 @@ class ModelLoad:
         for slot in graph_only:  # constants the trace made: no checkpoint has them
             slot.persistent = False
         holders = [self.model, traced]
+        kept = kept_dtypes(self.model, plan.dtype)
         try:
             found = match([*self.slots, *graph_only], self.table, also_known=self.extra, strict=self.strict)
             missing, skipped = unmatched(self.slots, self.table, also_known=self.extra)  # strict: only optional ones
             fresh = [slot for slot in missing if slot.tensor.device.type == "meta"]  # real ones keep their values
             homes = [_home(slot, plan) for slot in fresh]
             check_initializable(self.model, fresh, homes)
-            undo = _load(found, self.table, plan, holders, self.progress)
+            undo = _load(found, self.table, plan, holders, self.progress, kept)
         finally:
             self.table.close()
         try:
-            made, undo_made = initialize_missing(self.model, fresh, homes, [_dtype(s, plan) for s in fresh], holders)
+            dtypes = [_dtype(s, plan, kept) for s in fresh]
+            made, undo_made = initialize_missing(self.model, fresh, homes, dtypes, holders)
         except BaseException:
             undo()
             raise
@@ -172,7 +190,8 @@ class _NoCheckpoint:
             yield Loaded()
             return
         slots = [s for s in slots_of([self.model]) if s.tensor.device.type == "meta" and gaps.never_saved(s.names)]
-        homes, dtypes = [_home(s, plan) for s in slots], [_dtype(s, plan) for s in slots]
+        kept = kept_dtypes(self.model, plan.dtype)
+        homes, dtypes = [_home(s, plan) for s in slots], [_dtype(s, plan, kept) for s in slots]
         _, undo = initialize_missing(self.model, slots, homes, dtypes, [self.model, traced])
         try:
             yield Loaded(frozenset(name for slot in slots for name in slot.names))
@@ -251,17 +270,24 @@ def load_checkpoint(
         found = match(slots, table, also_known=known, strict=strict)
         missing, skipped = unmatched(slots, table, also_known=known)
         check_initializable(None, [slot for slot in missing if slot.tensor.device.type == "meta"], [])
-        _load(found, table, plan, holders, progress)  # nothing fails after the commit: no undo needed
+        kept = meta.get(KEPT_DTYPES) or {}  # (the model's: remember_non_persistent)
+        _load(found, table, plan, holders, progress, kept)  # nothing fails after the commit: no undo needed
     finally:
         table.close()
     warn_loose(str(table.path), skipped, missing, {})
 
 
 def _load(
-    found: list[Match], table: TableOfContents, plan: Plan, holders: list[torch.nn.Module], progress: bool | None
+    found: list[Match],
+    table: TableOfContents,
+    plan: Plan,
+    holders: list[torch.nn.Module],
+    progress: bool | None,
+    kept: Mapping[str, torch.dtype],
 ) -> Callable[[], None]:
-    """Read every matched tensor onto its device (or into its offload storage), then commit; return the undo."""
-    _refuse_tied_conflicts(found, table)
+    """Read every matched tensor onto its device (or into its offload storage), then commit; return the undo.
+    ``kept``: the tensors the model keeps at a dtype of its own (:func:`~fxsplit.cost.keptdtype.kept_dtypes`)."""
+    refuse_tied_conflicts(found, table)
     homes = [_home(m.slot, plan) for m in found]
     bar = Progress("loading checkpoint", items=len(found), nbytes=sum(m.entry.nbytes for m in found), enabled=progress)
     try:
@@ -269,40 +295,14 @@ def _load(
         for index, (item, home) in enumerate(zip(found, homes, strict=True)):
             if home != "disk":
                 device = torch.device("cpu" if home == "host" else home)
-                tensor = _read(item, table, device, _dtype(item.slot, plan), bar)
+                tensor = _read(item, table, device, _dtype(item.slot, plan, kept), bar)
                 loaded[index] = tensor.pin_memory() if home == "host" and torch.cuda.is_available() else tensor
         to_disk = [i for i, home in enumerate(homes) if home == "disk"]
         if to_disk:
-            loaded.update(_onto_disk([found[i] for i in to_disk], to_disk, table, plan, bar))
+            loaded.update(_onto_disk([found[i] for i in to_disk], to_disk, table, plan, bar, kept))
     finally:
         bar.close()
     return _commit(found, [loaded[i] for i in range(len(found))], holders)
-
-
-def _refuse_tied_conflicts(found: list[Match], table: TableOfContents) -> None:
-    """Raise when the checkpoint holds a tied tensor under several of its names with different values: the
-    model holds one tensor, so loading would keep one of them silently (the others read only here)."""
-    problems = []
-    for item in found:
-        present = [name for name in item.slot.names if name in table.entries]
-        if len(present) < 2:
-            continue
-        first = table.read(present[0])
-        for name in present[1:]:
-            other = table.read(name)
-            if other.shape != first.shape or not torch.equal(other.to(first.dtype), first):
-                problems.append(
-                    f"tied: '{present[0]}' and '{name}' are one tensor in the model but hold different values in "
-                    f"'{table.entries[name].file.name}'"
-                )
-    if problems:
-        raise CheckpointError(
-            "the checkpoint does not fit the model's tied weights; nothing was loaded:\n  "
-            + "\n  ".join(problems)
-            + "\nthe model can hold only one of each: untie them in the model to keep both (for Hugging Face "
-            "models, tie_word_embeddings=False in the config), or load a checkpoint saved from the tied model",
-            tuple(problems),
-        )
 
 
 def _home(slot: Slot, plan: Plan) -> str:
@@ -321,7 +321,12 @@ def _home(slot: Slot, plan: Plan) -> str:
 
 
 def _onto_disk(
-    found: list[Match], indices: list[int], table: TableOfContents, plan: Plan, bar: Progress
+    found: list[Match],
+    indices: list[int],
+    table: TableOfContents,
+    plan: Plan,
+    bar: Progress,
+    kept: Mapping[str, torch.dtype],
 ) -> dict[int, torch.Tensor]:
     """Tensors the plan stores on disk, as views of a file: the checkpoint's own where it is safetensors.
 
@@ -333,14 +338,14 @@ def _onto_disk(
     views: dict[int, torch.Tensor] = {}
     rewrite: dict[str, tuple[int, Match]] = {}
     for index, item in zip(indices, found, strict=True):
-        dtype = _dtype(item.slot, plan)
+        dtype = _dtype(item.slot, plan, kept)
         if table.mappable(item.entry.name) and item.entry.dtype == dtype:
             views[index] = table.keep(item.entry.name)
             bar.advance(item.entry.nbytes)
         else:
             rewrite[item.entry.name] = (index, item)
     if rewrite:
-        layout = {name: (item.entry.shape, _dtype(item.slot, plan)) for name, (_, item) in rewrite.items()}
+        layout = {name: (item.entry.shape, _dtype(item.slot, plan, kept)) for name, (_, item) in rewrite.items()}
 
         def read(name: str) -> torch.Tensor:
             bar.advance(rewrite[name][1].entry.nbytes)
@@ -351,8 +356,12 @@ def _onto_disk(
     return views
 
 
-def _dtype(slot: Slot, plan: Plan) -> torch.dtype:
+def _dtype(slot: Slot, plan: Plan, kept: Mapping[str, torch.dtype]) -> torch.dtype:
+    """The dtype ``slot`` loads at: the plan's for a floating tensor, but the one the model keeps it at."""
     if plan.dtype and slot.tensor.dtype.is_floating_point:
+        for name in slot.names:
+            if name in kept:
+                return kept[name]
         planned: torch.dtype = getattr(torch, plan.dtype)
         return planned
     return slot.tensor.dtype

@@ -27,7 +27,16 @@ from fxsplit.cost.build import model_tensors
 from fxsplit.errors import CheckpointError
 from fxsplit.planning.fingerprint import tensor_signature
 
-__all__ = ["Match", "Slot", "match", "non_persistent_names", "slots_of", "unmatched", "with_tied"]
+__all__ = [
+    "Match",
+    "Slot",
+    "match",
+    "non_persistent_names",
+    "refuse_tied_conflicts",
+    "slots_of",
+    "unmatched",
+    "with_tied",
+]
 
 _SHOWN = 20
 
@@ -244,3 +253,29 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
             f"model.{head}, or save the whole model"
         )
     return ""
+
+
+def refuse_tied_conflicts(found: list[Match], table: TableOfContents) -> None:
+    """Raise when the checkpoint holds a tied tensor under several of its names with different values: the
+    model holds one tensor, so loading would keep one of them silently (the others read only here)."""
+    problems = []
+    for item in found:
+        present = [name for name in item.slot.names if name in table.entries]
+        if len(present) < 2:
+            continue
+        first = table.read(present[0])
+        for name in present[1:]:
+            other = table.read(name)
+            if other.shape != first.shape or not torch.equal(other.to(first.dtype), first):
+                problems.append(
+                    f"tied: '{present[0]}' and '{name}' are one tensor in the model but hold different values in "
+                    f"'{table.entries[name].file.name}'"
+                )
+    if problems:
+        raise CheckpointError(
+            "the checkpoint does not fit the model's tied weights; nothing was loaded:\n  "
+            + "\n  ".join(problems)
+            + "\nthe model can hold only one of each: untie them in the model to keep both (for Hugging Face "
+            "models, tie_word_embeddings=False in the config), or load a checkpoint saved from the tied model",
+            tuple(problems),
+        )

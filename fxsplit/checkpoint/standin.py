@@ -8,7 +8,8 @@ real weights would copy them. Instead, for the length of the call, each
 parameter and buffer in the module tree is replaced by an empty ``meta`` tensor
 of the dtype (floating ones, but a non-persistent buffer such as a rotary
 table, which keeps its dtype as a checkpoint load keeps it, unless the cast
-model needs it at the dtype: :mod:`fxsplit.checkpoint.computed`), one per tensor,
+model needs it at the dtype: :mod:`fxsplit.checkpoint.computed`; and those the
+model keeps at a dtype of its own: :mod:`fxsplit.cost.keptdtype`), one per tensor,
 so ties stay ties. Nothing is allocated. The example inputs stay where they
 are, their floating ones as given or at the dtype (:func:`planning_inputs`), as
 the bf16 model can be fed (:mod:`fxsplit.checkpoint.fed`); the trace then runs the meta weights as fakes on the
@@ -25,6 +26,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from fxsplit.checkpoint.computed import kept_buffers
+from fxsplit.cost.keptdtype import kept_tensors
 from fxsplit.cost.walk import forget_walk
 
 __all__ = ["planning_inputs", "stand_in"]
@@ -36,6 +38,7 @@ def stand_in(model: torch.nn.Module, dtype: torch.dtype, cast_too: Collection[st
     when some tensor has no meta twin."""
     made: dict[int, torch.Tensor] = {}
     also = {id(tensor) for name, tensor in kept_buffers(model, dtype).items() if name in cast_too}
+    kept = kept_tensors(model, dtype)
     replaced: list[tuple[dict[str, Any], str, torch.Tensor]] = []
 
     def undo() -> None:
@@ -54,7 +57,7 @@ def stand_in(model: torch.nn.Module, dtype: torch.dtype, cast_too: Collection[st
                     twin = made.get(id(tensor))
                     if twin is None:
                         castable = is_parameter or name not in computed or id(tensor) in also
-                        twin = made[id(tensor)] = _twin(tensor, dtype, castable)
+                        twin = made[id(tensor)] = _twin(tensor, kept.get(id(tensor), dtype), castable)
                     replaced.append((table, name, tensor))
                     table[name] = twin
     except Exception:  # noqa: BLE001 - a tensor subclass with no meta twin: plan the model as it is

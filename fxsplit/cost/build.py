@@ -16,6 +16,7 @@ import torch.fx
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from fxsplit.attrpath import attr_at
+from fxsplit.cost.keptdtype import kept_tensors
 from fxsplit.cost.pins import path_matches, resolve_pins, resolve_together
 from fxsplit.cost.scan import module_tensors, scan_graph
 from fxsplit.cost.sharedwrites import refuse_written_views
@@ -132,10 +133,14 @@ def storage_key(tensor: torch.Tensor) -> tuple[object, ...] | None:
     return (pointer, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
 
 
-def _tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+def _tensor_bytes(
+    tensor: torch.Tensor, dtype: torch.dtype | None = None, kept: Mapping[int, torch.dtype] | None = None
+) -> int:
+    """``tensor``'s bytes held at ``dtype`` (None: its own), or at the dtype in ``kept`` (by ``id``) the model keeps
+    it at (:mod:`fxsplit.cost.keptdtype`)."""
     if dtype is None or not tensor.dtype.is_floating_point:
         return tensor.nbytes
-    return tensor.numel() * element_size(tensor.dtype, dtype)
+    return tensor.numel() * element_size(tensor.dtype, kept.get(id(tensor), dtype) if kept else dtype)
 
 
 @gc_paused()
@@ -167,12 +172,13 @@ def build_problem(
     writes = written_tensors(graph_module, ops, modules, mutations)
     values, value_nbytes = _op_values(scan.valued, index, dtype, mutations)
     refuse_written_views(read, {key for kind, key in writes if kind == "weight" and isinstance(key, int)})
+    kept = kept_tensors(model, dtype)  # (counted at the dtype: a MoE router's gate the model keeps at float32)
 
     weights: list[Weight] = []
     weight_values: list[int] = []
     module_buffers = scan.module_buffers
     for key, (names, tensor, is_buffer, users, nodes) in read.items():
-        nbytes = _tensor_bytes(tensor, dtype)
+        nbytes = _tensor_bytes(tensor, dtype, kept)
         weights.append(_new(Weight, (tuple(names), nbytes, is_buffer, tuple(nodes))))
         if not users:
             weight_values.append(-1)
@@ -185,7 +191,7 @@ def build_problem(
             writes[("weight", key)].add(readers[0])
     unused = (
         [  # the model's tensors no node reads (none when the graph reads every one)
-            Weight(tuple(names), _tensor_bytes(t, dtype), b, ())
+            Weight(tuple(names), _tensor_bytes(t, dtype, kept), b, ())
             for key, (names, t, b) in known.items()
             if key not in read
         ]
@@ -207,7 +213,7 @@ def build_problem(
         op_labels=labels,
     )
     written = {
-        read[key][0][0]: _tensor_bytes(read[key][1], dtype)
+        read[key][0][0]: _tensor_bytes(read[key][1], dtype, kept)
         for kind, key in writes
         if kind == "weight" and isinstance(key, int) and key in read
     }
