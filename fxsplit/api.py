@@ -161,7 +161,7 @@ def _trace_and_plan(
             traced = at_dtype.traced(tracing)
         elif cast is not None:  # (its computed buffers too, where the cast graph needs them at the dtype)
             given = (example_inputs, example_kwargs)
-            traced, fed = cast.fed(tracing, given, lambda made: made.graph_module)
+            traced, fed = cast.fed(tracing, given, lambda made: made)
             (example_inputs, example_kwargs), fed_at_dtype = fed, fed is not given
         else:
             traced = tracing(example_inputs, example_kwargs)

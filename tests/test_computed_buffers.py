@@ -167,3 +167,82 @@ def test_a_table_met_in_an_op_that_promotes_keeps_its_dtype(tmp_path: Path, trac
         parameter.data = parameter.data.bfloat16()
     assert dict(split.named_buffers())["inv_freq"].dtype == torch.float32
     torch.testing.assert_close(split(X.bfloat16()), expected(X.bfloat16()), rtol=0, atol=0)
+
+
+class Masked(nn.Module):
+    """OpenAI-GPT's attention: a causal mask made at the default dtype (float32 in a model built at float32, bf16
+    in one ``from_pretrained`` builds at bf16), mixed into the scores by promotion before a matmul with ``v``: kept
+    float32 beside bf16 weights, the scores are float32 and the matmul fails, so no graph shows where it meets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.register_buffer("mask", torch.tril(torch.ones(8, 8)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        n = x.shape[-2]
+        w = q @ k.transpose(-1, -2)
+        w = w * self.mask[:n, :n] - 1e4 * (1 - self.mask[:n, :n])
+        return w.softmax(-1) @ v
+
+
+def _masked() -> nn.Sequential:
+    return nn.Sequential(Masked(), Masked(), Masked())
+
+
+@pytest.mark.parametrize("trace_mode", ["fx", "export"])
+def test_a_model_that_traces_only_with_its_masks_cast_gets_them_cast_and_says_so(
+    tmp_path: Path, trace_mode: str
+) -> None:
+    torch.manual_seed(0)
+    given = _masked()
+    path = tmp_path / "model.safetensors"
+    save_file(given.state_dict(), str(path))
+    expected = _masked()
+    expected.load_state_dict(given.state_dict())
+    expected.to(torch.bfloat16)  # masks too: as a model built at bf16 makes them
+    x = torch.randn(2, 8, 16)
+    budgets = {"cpu:0": "6KiB", "cpu:1": "6KiB"}
+    options = {"dtype": "bfloat16", "trace": trace_mode}
+    masks = r"'0\.mask', '1\.mask', '2\.mask' were cast"
+    with fxsplit.empty_weights():
+        empty = _masked()
+    with pytest.warns(fxsplit.FxsplitWarning, match=masks):
+        split = fxsplit.fxsplit(empty, budgets, checkpoint=path, example_inputs=(x,), **options)
+    assert len(set(split.meta["fxsplit_plan"].placement.values())) == 2
+    assert {t.dtype for t in split.buffers()} == {torch.bfloat16}
+    torch.testing.assert_close(split(x.bfloat16()), expected(x.bfloat16()), rtol=0, atol=0)
+    with fxsplit.empty_weights():
+        on_meta = _masked()
+    for planned in (_masked(), on_meta):  # stood in for, and cast on meta
+        with pytest.warns(fxsplit.FxsplitWarning, match=masks):
+            plan = fxsplit.plan(planned, budgets, example_inputs=(x,), **options)
+        assert plan.placement == split.meta["fxsplit_plan"].placement
+        assert plan.memory == split.meta["fxsplit_plan"].memory
+        assert {t.dtype for t in planned.buffers()} == {torch.float32}  # the model is as it was
+    with fxsplit.empty_weights():
+        again = _masked()
+    with pytest.warns(fxsplit.FxsplitWarning, match=masks):
+        applied = fxsplit.apply(again, plan, checkpoint=path, example_inputs=(x,))
+    torch.testing.assert_close(applied(x.bfloat16()), expected(x.bfloat16()), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_openai_gpt_split_at_bf16_from_its_checkpoint_is_the_model_transformers_loads(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.OpenAIGPTConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=2, n_positions=32)
+    torch.manual_seed(0)
+    transformers.OpenAIGPTLMHeadModel(config).save_pretrained(tmp_path)
+    loaded = transformers.OpenAIGPTLMHeadModel.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with fxsplit.empty_weights():
+        empty = transformers.OpenAIGPTLMHeadModel(config).eval()
+    with pytest.warns(
+        fxsplit.FxsplitWarning, match=r"'transformer\.h\.0\.attn\.bias', 'transformer\.h\.1\.attn\.bias'"
+    ):
+        split = fxsplit.fxsplit(
+            empty, {"cpu:0": "200KiB", "cpu:1": "200KiB"}, example_inputs=(ids,), checkpoint=tmp_path, dtype="bfloat16"
+        )
+    assert len(set(split.meta["fxsplit_plan"].placement.values())) == 2
+    torch.testing.assert_close(split(ids)["logits"], loaded(input_ids=ids).logits, rtol=0, atol=0)

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from fxsplit.planning.fingerprint import Structure
     from fxsplit.tracing.capture import Traced
 
-__all__ = ["CastForLoad", "PlanningCast", "cast_floating", "warn_uncast"]
+__all__ = ["CastForLoad", "PlanningCast", "cast_floating", "warn_computed_cast", "warn_uncast"]
 
 _Traced = TypeVar("_Traced")
 
@@ -138,17 +138,47 @@ class CastForLoad:
             return True
         return False
 
-    def traced(self, trace: Callable[[], _Traced], graph: Callable[[_Traced], torch.fx.GraphModule]) -> _Traced:
-        """``trace()`` of the model as cast; again after casting the computed buffers its ``graph`` shows are
-        needed at the dtype (:mod:`fxsplit.checkpoint.computed`), when there are such."""
-        made = trace()
-        if self.dtype is not None and (tensors := _computed_too(self.model, graph(made), self.dtype)):
+    def traced(self, trace: Callable[[], _Traced], traced_of: Callable[[_Traced], Traced]) -> _Traced:
+        """``trace()`` of the model as cast (``traced_of``: its :class:`Traced` in what it returns); again after
+        casting the computed buffers its graph shows are
+        needed at the dtype (:mod:`fxsplit.checkpoint.computed`), when there are such. A model that does not
+        trace with its computed buffers kept is traced with them cast (:func:`warn_computed_cast`)."""
+        try:
+            made = trace()
+        except TraceError as error:
+            if (retraced := self._with_computed_cast(trace, traced_of, str(error))) is None:
+                raise
+            made = retraced
+        missing = traced_of(made).shapes_missing  # (torch.fx: its graph did not run on fake tensors)
+        if missing and (retraced := self._with_computed_cast(trace, traced_of, str(missing))) is not None:
+            made = retraced
+        if self.dtype is not None and (tensors := _computed_too(self.model, traced_of(made).graph_module, self.dtype)):
             self.undo.append(_cast([(t, self.dtype) for t in tensors], self.model))
             made = trace()
         return made
 
+    def _with_computed_cast(
+        self, trace: Callable[[], _Traced], traced_of: Callable[[_Traced], Traced], why: str
+    ) -> _Traced | None:
+        """``trace()`` with the computed buffers cast too, when it traces so (its shapes found), else None (and
+        they are put back)."""
+        kept = kept_buffers(self.model, self.dtype) if self.dtype is not None else {}
+        if not kept or self.dtype is None:
+            return None
+        undo = _cast([(t, self.dtype) for t in {id(t): t for t in kept.values()}.values()], self.model)
+        try:
+            made = trace()
+        except TraceError:
+            made = None
+        if made is None or traced_of(made).shapes_missing:
+            undo()
+            return None
+        self.undo.append(undo)
+        warn_computed_cast(sorted(kept), self.dtype, why)
+        return made
+
     def fed(
-        self, tracing: Callable[[Any, Any], _Traced], inputs: tuple[Any, Any], graph: Callable[[_Traced], Any]
+        self, tracing: Callable[[Any, Any], _Traced], inputs: tuple[Any, Any], traced_of: Callable[[_Traced], Traced]
     ) -> tuple[_Traced, tuple[Any, Any]]:
         """:meth:`traced` of ``tracing`` on the example inputs ``(positional, keyword)`` as given, or at the dtype
         (:func:`~fxsplit.checkpoint.fed.traced_as_fed`), and the inputs it was traced on."""
@@ -158,10 +188,10 @@ class CastForLoad:
             nonlocal fed
             if self.dtype is None:
                 return tracing(*inputs)
-            made, fed = traced_as_fed(tracing, inputs, self.dtype, graph)
+            made, fed = traced_as_fed(tracing, inputs, self.dtype, lambda made: traced_of(made).graph_module)
             return made
 
-        return self.traced(trace, graph), fed
+        return self.traced(trace, traced_of), fed
 
     def __enter__(self) -> CastForLoad:
         return self
@@ -256,13 +286,34 @@ class PlanningCast:
             else:
                 made = tracing(*self.inputs)
         except TraceError as error:
-            why = self._undo_cast(str(error))
-            if why is None:
-                raise
-            return self._warned(tracing(*self.inputs), why)  # a model that fails as given too: its error alone
+            retraced = self._with_computed_cast(tracing, str(error))
+            if retraced is None:
+                why = self._undo_cast(str(error))
+                if why is None:
+                    raise
+                return self._warned(tracing(*self.inputs), why)  # a model that fails as given too: its error alone
+            made = retraced
         missing = getattr(made, "shapes_missing", None)  # (expected without inputs: the cast weights still count)
-        if missing and self._fed and (why := self._undo_cast(str(missing))) is not None:
-            return self._warned(tracing(*self.inputs), why)
+        if missing and self._fed:
+            if (retraced := self._with_computed_cast(tracing, str(missing))) is not None:
+                return retraced
+            if (why := self._undo_cast(str(missing))) is not None:
+                return self._warned(tracing(*self.inputs), why)
+        return made
+
+    def _with_computed_cast(self, tracing: Callable[[Any, Any], Traced], why: str) -> Traced | None:
+        """The cast model traced with its computed buffers cast too, when it failed with them kept (None: it has
+        none, or fails so too: its dtypes are then put back by the caller, these buffers' included)."""
+        if self._undo is None or self._dtype is None or not (kept := sorted(kept_buffers(self._model, self._dtype))):
+            return None
+        self._cast_too(kept)
+        try:
+            made, self.inputs = traced_as_fed(tracing, self._as_given, self._dtype, _graph_of)
+        except TraceError:
+            return None
+        if self._fed and getattr(made, "shapes_missing", None):
+            return None
+        warn_computed_cast(kept, self._dtype, why)
         return made
 
     def _cast_too(self, names: list[str]) -> None:
@@ -302,6 +353,24 @@ class PlanningCast:
             stacklevel=user_stacklevel(),
         )
         return made
+
+
+def warn_computed_cast(names: list[str], dtype: torch.dtype, why: str) -> None:
+    """Say that the computed buffers ``names`` were cast to ``dtype``, as the model did not trace with them kept
+    at their own (``why``): a mask made at the default dtype (OpenAI-GPT's causal ``bias``, float32 in a model
+    built at float32, bf16 in one ``from_pretrained`` builds at bf16) meets the cast activations."""
+    shown = ", ".join(repr(name) for name in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    first = why.strip().splitlines()[0] if why.strip() else "no reason given"
+    kind = str(dtype).removeprefix("torch.")
+    warnings.warn(
+        FxsplitWarning(
+            f"the model cast to {kind} traced only with its computed (non-persistent) buffers at {kind} too, so "
+            f"{shown} were cast ({first}); a model built at {kind} (transformers' from_pretrained(dtype=...)) makes "
+            f"them so, but a table it means to keep at float32 (a rotary table) now rounds at {kind}: build the "
+            "model at the dtype to keep the dtypes its code gives them"
+        ),
+        stacklevel=user_stacklevel(),
+    )
 
 
 def warn_uncast(model: torch.nn.Module, dtype: str | None) -> None:

@@ -70,14 +70,19 @@ def retraced_as_fed(
     inputs: tuple[Any, Any],
     dtype: torch.dtype | None,
     mismatch: type[Exception],
+    traced_of: Callable[[_Made], Any],
 ) -> _Made:
     """``retrace(*inputs)`` of a saved plan's cast model on the example inputs as given, or at ``dtype`` where the
-    graph as given is not the plan's (``mismatch``) or does not trace: the plan was traced on them at the dtype, as
-    :func:`traced_as_fed` chooses. The first error is raised when neither is the plan's."""
+    graph as given is not the plan's (``mismatch``), does not trace, or (as :func:`traced_as_fed` chooses) mixes
+    floating dtypes or, traced with fx, has no shapes that the inputs at the dtype give: the plan was traced on
+    them at the dtype (torch.fx's graph is the same at either dtype, so the plan's check alone let a float32 trace
+    stand for a bf16 one). ``traced_of``: the trace in what ``retrace`` returns. The first error is raised when
+    neither is the plan's; the error at the dtype, when the graph as given mixes dtypes and that one fails to
+    trace."""
+    cast = at_dtype(inputs, dtype) if dtype is not None else None
     try:
-        return retrace(*inputs)
+        made = retrace(*inputs)
     except (mismatch, TraceError):  # (as traced_as_fed: a fake kernel that checks dtypes fails the trace)
-        cast = at_dtype(inputs, dtype) if dtype is not None else None
         if cast is None:
             raise
         try:
@@ -85,3 +90,17 @@ def retraced_as_fed(
         except (mismatch, TraceError):
             pass
         raise
+    if cast is None:
+        return made
+    mixed = bool(mixed_dtype_ops(traced_of(made).graph_module))
+    if not mixed and not traced_of(made).shapes_missing:
+        return made
+    try:
+        other = retrace(*cast)
+    except mismatch:
+        return made
+    except TraceError:
+        if mixed:  # the model cannot run the inputs as given: the caller's fallback (computed buffers cast too)
+            raise
+        return made
+    return other if mixed or not traced_of(other).shapes_missing else made

@@ -173,8 +173,9 @@ def apply(
                     (example_inputs, options.get("example_kwargs")),
                     cast.dtype,
                     PlanMismatchError,
+                    lambda made: made[0],
                 ),
-                lambda made: made[0].graph_module,
+                lambda made: made[0],
             )
     with cast, loading.onto(plan, traced.graph_module) as loaded:  # undone if what follows fails
         if checkpoint is None:
