@@ -49,11 +49,11 @@ def _castable(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torch.Te
     tensor once) not yet at the dtype a split at ``dtype`` holds it: ``dtype``, or the one the model keeps it at
     (:mod:`fxsplit.cost.keptdtype`: a MoE router's float32 gate)."""
     computed = {id(buffer) for buffer in _computed_buffers(model)}  # kept at their dtype (but see _computed_too)
-    kept = kept_tensors(model, dtype)
+    kept = kept_tensors(model, dtype)  # (and computed ones named: of the dtype a model built at the dtype makes)
     seen: set[int] = set()
     found = []
     for _, tensor, _ in named_tensors(model):
-        if id(tensor) in seen or id(tensor) in computed or not tensor.is_floating_point():
+        if id(tensor) in seen or (id(tensor) in computed and id(tensor) not in kept) or not tensor.is_floating_point():
             continue
         seen.add(id(tensor))
         target = kept.get(id(tensor), dtype)

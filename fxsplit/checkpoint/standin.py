@@ -56,7 +56,7 @@ def stand_in(model: torch.nn.Module, dtype: torch.dtype, cast_too: Collection[st
                         continue
                     twin = made.get(id(tensor))
                     if twin is None:
-                        castable = is_parameter or name not in computed or id(tensor) in also
+                        castable = is_parameter or name not in computed or id(tensor) in also or id(tensor) in kept
                         twin = made[id(tensor)] = _twin(tensor, kept.get(id(tensor), dtype), castable)
                     replaced.append((table, name, tensor))
                     table[name] = twin
