@@ -219,11 +219,13 @@ def _small(kind: str) -> Any:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["hunyuan_v1_moe", "zamba", "falcon_h1"])
+@pytest.mark.parametrize("kind", ["hunyuan_v1_moe", "zamba", "falcon_h1", "apertus"])
 def test_what_the_model_builds_at_bf16_is_what_the_split_holds(tmp_path: Path, kind: str) -> None:
     """HunYuan-MoE's router and Zamba's ``A_log`` are built at float32 whatever the default dtype, Falcon-H1's
     ``mup_vector`` buffer at the default: ``from_pretrained(dtype=bf16)`` holds them so, and so does the split
-    (it was 0.0024 and 0.0039 off, as if built at float32 and cast)."""
+    (it was 0.0024 and 0.0039 off, as if built at float32 and cast). Apertus' xIELU makes its parameters at
+    ``config.dtype``, which ``save_pretrained`` set to float32 on the config the model shares: built at bf16 as
+    transformers builds it, with ``config.dtype`` bf16, they are bf16."""
     config = _small(kind)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
@@ -242,6 +244,7 @@ def test_what_the_model_builds_at_bf16_is_what_the_split_holds(tmp_path: Path, k
     held = {n: t.dtype for n, t in [*split.named_parameters(), *split.named_buffers()]}
     assert {n: d for n, d in held.items() if n in want} == {n: d for n, d in want.items() if n in held}
     assert {d for d in want.values() if d.is_floating_point} == {torch.bfloat16, torch.float32}
+    assert kind != "apertus" or {d for n, d in held.items() if "act_fn" in n} == {torch.bfloat16}
     with torch.no_grad():
         assert torch.equal(split(IDS, use_cache=False)["logits"], loaded(input_ids=IDS, use_cache=False).logits)
     with fxsplit.empty_weights():

@@ -124,12 +124,19 @@ def built_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.
 
 
 def _build(model: torch.nn.Module, config: Any, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtypes of ``model``'s class built from ``config`` as ``from_pretrained(dtype=dtype)`` builds it: with
+    ``dtype`` on the config and its sub-configs (Apertus' xIELU makes its parameters at ``config.dtype``), and
+    as torch's default."""
     default = torch.get_default_dtype()
     try:
+        config = copy.deepcopy(config)
+        for holder in [config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", None) or ())]:
+            if holder is not None:
+                holder.dtype = dtype
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")
             torch.set_default_dtype(dtype)
-            built = type(model)(copy.deepcopy(config))
+            built = type(model)(config)
     except Exception:  # noqa: BLE001 - a model that does not build from its config alone: nothing known
         return {}
     finally:
