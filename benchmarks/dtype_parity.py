@@ -1,18 +1,19 @@
-"""A split at bf16 from a checkpoint against transformers' ``from_pretrained(dtype=torch.bfloat16)``.
+"""A split at bf16 (or fp16) from a checkpoint against transformers' ``from_pretrained(dtype=...)``.
 
 For every causal LM type transformers names (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), or those given: a small
 config (the sizes in ``SMALL``, where the config has them; models still over 3M parameters are skipped), random
 weights saved with ``save_pretrained``, then
 
-* ``from_pretrained(dir, dtype=torch.bfloat16)``: the reference logits, and the dtype of each tensor it holds;
+* ``from_pretrained(dir, dtype=torch.bfloat16)`` (or ``--dtype float16``): the reference logits, and the dtype
+  of each tensor it holds;
 * the model built again under ``fxsplit.empty_weights()`` and split over ``cpu:0``/``cpu:1`` (each 0.6 of its
-  parameters and buffers at bf16, ``mode="weights"``) with ``checkpoint=dir, dtype="bfloat16"``.
+  parameters and buffers at the dtype, ``mode="weights"``) with ``checkpoint=dir, dtype="bfloat16"`` (or fp16).
 
 A row passes when the split's logits equal the reference's bit for bit and every tensor the two share a name for
 has the reference's dtype as loaded. A model whose config or forward does not work at these sizes (a config validator, a
 reference that fails) is listed as not run: that is this script's small configs, not fxsplit.
 
-    python -m benchmarks.dtype_parity [--out benchmarks/DTYPE_PARITY.md] [kinds ...]
+    python -m benchmarks.dtype_parity [--dtype bfloat16] [--out benchmarks/DTYPE_PARITY.md] [kinds ...]
 
 Exits 1 when a run row fails (logits or dtypes differ, or fxsplit raised on a model the reference ran).
 """
@@ -63,7 +64,7 @@ def small_config(kind: str) -> Any:
     return config
 
 
-def one(kind: str) -> dict[str, Any]:
+def one(kind: str, dtype: str = "bfloat16") -> dict[str, Any]:
     """One model type: ``status`` (``pass``, ``fail``, ``skipped``, ``not run``) and what was seen."""
     from transformers import AutoModelForCausalLM
 
@@ -79,7 +80,7 @@ def one(kind: str) -> dict[str, Any]:
         ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(0))
         with tempfile.TemporaryDirectory() as directory:
             model.save_pretrained(directory)
-            reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
+            reference = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).eval()
             theirs = {n: t.dtype for n, t in [*reference.named_parameters(), *reference.named_buffers()]}
             with torch.no_grad():  # (after its dtypes: CTRL's forward reassigns its table at the logits' dtype)
                 want = reference(input_ids=ids, use_cache=False).logits
@@ -87,7 +88,7 @@ def one(kind: str) -> dict[str, Any]:
                 empty = AutoModelForCausalLM.from_config(config).eval()
             held = [*empty.parameters(), *empty.buffers()]
             budget = int(0.6 * sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in held))
-            split = _split(empty, budget, ids, directory)
+            split = _split(empty, budget, ids, directory, dtype)
     except Exception as error:  # noqa: BLE001 - this script's config, or the reference: not run
         return {"kind": kind, "status": "not run", "why": f"{type(error).__name__}: {_first(error)}"}
     if isinstance(split, Exception):
@@ -109,13 +110,13 @@ def one(kind: str) -> dict[str, Any]:
     return row
 
 
-def _split(empty: Any, budget: int, ids: torch.Tensor, directory: str) -> Any:
+def _split(empty: Any, budget: int, ids: torch.Tensor, directory: str, dtype: str) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return fxsplit.fxsplit(
                 empty, {"cpu:0": budget, "cpu:1": budget}, example_inputs=(ids,), mode="weights",
-                example_kwargs={"use_cache": False}, checkpoint=directory, dtype="bfloat16",
+                example_kwargs={"use_cache": False}, checkpoint=directory, dtype=dtype,
             )  # fmt: skip
     except Exception as error:  # noqa: BLE001 - reported as the row's failure
         return error
@@ -126,11 +127,11 @@ def _first(error: BaseException) -> str:
     return lines[0][:160] if lines else ""
 
 
-def report(rows: list[dict[str, Any]]) -> str:
+def report(rows: list[dict[str, Any]], dtype: str = "bfloat16") -> str:
     """The results file: the counts, then one line per model type."""
     counts = {status: sum(r["status"] == status for r in rows) for status in ("pass", "fail", "skipped", "not run")}
     lines = [
-        "# bf16 from a checkpoint: fxsplit against from_pretrained(dtype=torch.bfloat16)",
+        f"# {dtype} from a checkpoint: fxsplit against from_pretrained(dtype=torch.{dtype})",
         "",
         "`python -m benchmarks.dtype_parity` (see its docstring). Pass: the split's logits equal the reference's",
         "bit for bit, and every tensor has the reference's dtype as loaded.",
@@ -155,18 +156,20 @@ def report(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kinds", nargs="*", help="model types (default: every causal LM type transformers names)")
-    parser.add_argument("--out", default="benchmarks/DTYPE_PARITY.md")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--out", default=None, help="default: benchmarks/DTYPE_PARITY.md (bf16), DTYPE_PARITY_FP16.md")
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     rows = []
     for kind in args.kinds or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        rows.append(one(kind))
+        rows.append(one(kind, args.dtype))
         print(rows[-1], flush=True)
-    Path(args.out).write_text(report(rows))
+    out = args.out or f"benchmarks/DTYPE_PARITY{'' if args.dtype == 'bfloat16' else '_FP16'}.md"
+    Path(out).write_text(report(rows, args.dtype))
     failed = [r["kind"] for r in rows if r["status"] == "fail"]
-    print(f"wrote {args.out}; failed: {failed or 'none'}")
+    print(f"wrote {out}; failed: {failed or 'none'}")
     return 1 if failed else 0
 
 
