@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import fxsplit
+from benchmarks.dtype_parity import small_config
 from fxsplit.cost.keptdtype import kept_dtypes
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -197,27 +198,6 @@ def test_a_moe_model_split_at_bf16_is_the_model_transformers_loads_at_bf16(tmp_p
     assert torch.equal(got["logits"], want)
 
 
-_SMALL = {  # whichever of these a config has: a model of some 100k parameters
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-    "max_position_embeddings": 64, "pad_token_id": 0,
-}  # fmt: skip
-
-
-def _small(kind: str) -> Any:
-    config = transformers.AutoConfig.for_model(kind)
-    for key, value in _SMALL.items():
-        if hasattr(config, key):
-            try:
-                setattr(config, key, value)
-            except Exception:  # noqa: BLE001 - a config that checks each value: leave it
-                pass
-    layers = getattr(config, "layer_types", None)
-    if isinstance(layers, list) and len(layers) > config.num_hidden_layers:
-        config.layer_types = layers[: config.num_hidden_layers]
-    return config
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["hunyuan_v1_moe", "zamba", "falcon_h1", "apertus"])
 def test_what_the_model_builds_at_bf16_is_what_the_split_holds(tmp_path: Path, kind: str) -> None:
@@ -226,7 +206,7 @@ def test_what_the_model_builds_at_bf16_is_what_the_split_holds(tmp_path: Path, k
     (it was 0.0024 and 0.0039 off, as if built at float32 and cast). Apertus' xIELU makes its parameters at
     ``config.dtype``, which ``save_pretrained`` set to float32 on the config the model shares: built at bf16 as
     transformers builds it, with ``config.dtype`` bf16, they are bf16."""
-    config = _small(kind)
+    config = small_config(kind)  # (benchmarks/dtype_parity.py: 116 such models)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
