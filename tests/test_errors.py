@@ -308,3 +308,26 @@ def test_fx_chosen_with_example_inputs_suggests_export_not_example_inputs() -> N
     with pytest.raises(fxsplit.TraceError) as both:  # export failed first: not suggested again
         fxsplit.plan(Untraceable(), {"cpu:0": 10**6}, example_inputs=(torch.randn(2, 4),))
     assert "trace='export'" not in str(both.value).split("fx also failed")[1]
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_what_the_model_needs_before_splitting_is_what_one_device_needs(optimizer: str) -> None:
+    """In training the whole-model need counts the optimizer step's temporaries where they are larger than the
+    activations, as a device's row does: one device given the bytes the error names holds the model. Before, the
+    step was left out of the sum (Adam over 2 devices: 17.41 MiB named, 20.16 MiB needed on one device)."""
+    model = three_linears()
+    options = dict(example_inputs=X, mode="training", optimizer=optimizer)
+    with pytest.raises(fxsplit.BudgetError) as info:
+        fxsplit.plan(model, {"cpu:0": 1000, "cpu:1": 1000}, **options)
+    message = str(info.value)
+    short = re.search(r"short by [^(]+\((\d+) bytes\)", message)
+    assert short is not None, message
+    named = 2000 + int(short.group(1))  # what the error says the model needs before splitting
+    alone = fxsplit.plan(model, {"cpu:0": named}, **options)
+    row = alone.memory["cpu:0"]
+    assert row["total"] == named, (row, message)
+    if optimizer == "adam":  # its step's temporaries exceed these tiny activations: named in the sum
+        assert row["optimizer_step"] > row["activations_peak"]
+        assert "the larger of activations peak" in message and "optimizer step (temporaries, outputs held)" in message
+    with pytest.raises(fxsplit.BudgetError):
+        fxsplit.plan(model, {"cpu:0": named - 1}, **options)

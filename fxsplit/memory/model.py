@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from fxsplit.cost.build import GraphCosts
 from fxsplit.errors import BudgetError
@@ -274,28 +274,37 @@ class MemoryModel:
                 received += sum(profile.storage_bytes[k] for k in info.storages)
         return received
 
-    def totals(self) -> dict[str, int]:
-        """Model-wide bytes of each component (activations: saved plus the largest transient)."""
+    def totals(self, devices: Iterable[str] = ()) -> dict[str, int]:
+        """Model-wide bytes of each component, as one device holding the whole model needs them (activations:
+        saved plus the largest transient; in training, the optimizer step's temporaries, when ``devices``' kinds
+        (default: CUDA) run torch's default step on them). Their sum is :func:`row_total`."""
         totals = dict.fromkeys(COMPONENTS, 0)
         for weight in [*self.costs.weights, *self.costs.unused]:
             totals["buffers" if weight.is_buffer else "params"] += weight.nbytes
+        stepped: list[int] = []
         for weight, index in zip(self.costs.weights, self.costs.weight_values, strict=True):
             if index >= 0:  # a weight no op reads gets no gradient, so no optimizer state (as usage() counts)
                 grads, state = self.state_bytes(weight.names[0], weight.nbytes)
                 totals["grads"] += grads
                 totals["optimizer"] += state
+                if grads:
+                    stepped.append(grads)
         if self.profile is not None:
             extra, transient = planning_loads(self.planned_profile)
             kept = (2 * self.chunks - 1) * sum(self._outputs().values()) if self._keeps_outputs else 0
             totals["activations_peak"] = sum(extra) + max(transient, default=0) + kept
+        if self.spec.training:  # as usage() counts a device's step, for one device that steps every gradient
+            types = {d.partition(":")[0] for d in devices} or {"cuda"}
+            totals["optimizer_step"] = self.spec.step_bytes(sum(stepped), stepped, types) + self._outputs_at_step()
         return totals
 
     def explain(self, error: BudgetError, budgets: Mapping[str, int]) -> BudgetError:
         """A budget error that says which component of memory does not fit."""
-        totals = self.totals()
-        capacity, total = sum(budgets.values()), sum(totals.values())
+        totals = self.totals(budgets)
+        capacity, total = sum(budgets.values()), row_total(totals)
         running = 0
-        for name in COMPONENTS:
+        transient = max(TRANSIENT, key=lambda name: totals.get(name, 0))  # (never both at once: the larger)
+        for name in [*(n for n in COMPONENTS if n not in TRANSIENT), transient]:
             running += totals[name]
             if totals[name] and running > capacity:
                 return BudgetError(

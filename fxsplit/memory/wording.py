@@ -8,7 +8,7 @@ from fxsplit.units import format_size
 
 __all__ = ["COMPONENTS", "KEPT", "ROW", "TRANSIENT", "WORDS", "advice", "first_over", "listing", "summed"]
 
-COMPONENTS = ("params", "buffers", "grads", "optimizer", "activations_peak")  # model-wide, before splitting
+COMPONENTS = ("params", "buffers", "grads", "optimizer", "activations_peak", "optimizer_step")  # model-wide
 WORDS = {
     "params": "parameters",
     "buffers": "buffers",
@@ -42,8 +42,10 @@ def listing(row: Mapping[str, int]) -> str:
 def summed(row: Mapping[str, int]) -> str:
     """'parameters 1.00 MiB, activations peak 2.00 KiB = 1.00 MiB', without '= total' for one component."""
     parts = [name for name in COMPONENTS if row.get(name)]
-    total = f" = {format_size(sum(row[name] for name in parts))}" if len(parts) > 1 else ""
-    return listing(row) + total
+    kept = sum(row[name] for name in parts if name not in TRANSIENT)
+    total = kept + max((row.get(name, 0) for name in TRANSIENT), default=0)  # (never both at once: the larger)
+    total_text = f" = {format_size(total)}" if len(parts) > 1 else ""
+    return listing(row) + total_text
 
 
 def advice(component: str) -> str:

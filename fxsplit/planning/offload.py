@@ -26,7 +26,7 @@ from fxsplit.callsite import user_stacklevel
 from fxsplit.cost.build import GraphCosts, Weight
 from fxsplit.errors import BudgetError, FxsplitWarning
 from fxsplit.memory.fit import fit_budgets
-from fxsplit.memory.model import MemoryModel
+from fxsplit.memory.model import MemoryModel, row_total
 from fxsplit.options import Budgets, Offload
 from fxsplit.partition.streaming import StreamChoice, choose_streamed
 from fxsplit.planning.build import cuts_for, reads_of, weights_by_node
@@ -129,7 +129,7 @@ def _spreads(
 ) -> Plan | None:
     """The best plan that streams, over partitions with more or less headroom, or None."""
     found: list[Plan] = []
-    for virtual in _virtual_caps(budgets.caps(), sum(memory.totals().values())):
+    for virtual in _virtual_caps(budgets.caps(), row_total(memory.totals(budgets.devices))):
         try:
             spread = solve(virtual)
         except BudgetError:
