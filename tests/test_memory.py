@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from random_programs import generate
 from torch import nn
 
 import fxsplit
@@ -282,7 +283,7 @@ def test_a_plan_that_copies_more_than_the_partitioner_counted_is_planned_again()
     assert calls == [[100, 100], [70, 100]]
     assert plan.memory["cpu:0"]["total"] == 95 and plan.budgets == {"cpu:0": 100, "cpu:1": 100}
     usage[1]["cpu:0"]["total"] = 120
-    usage.extend([usage[1]] * 10)
+    usage.extend([usage[1]] * 100)
     calls.clear()
     with pytest.raises(
         fxsplit.BudgetError,
@@ -290,6 +291,28 @@ def test_a_plan_that_copies_more_than_the_partitioner_counted_is_planned_again()
         r"short by 20 B",
     ):
         fit_budgets(Model(), budgets, solve)  # type: ignore[arg-type]
+    # none fits: planned again from caps as for smaller budgets (SMALLER_CAPS), each time until the replans run out;
+    # the refusal raised is the first one (of the budgets as given)
+    starts = [caps for caps in calls if caps[0] == caps[1]]
+    assert starts == [[100, 100], [90, 90], [80, 80], [70, 70], [60, 60], [50, 50]]
+
+
+@pytest.mark.parametrize(("seed", "smaller", "larger"), [(14012, 0.45, 0.5), (14022, 0.6, 0.65)])
+def test_what_fits_smaller_budgets_fits_larger_ones(seed: int, smaller: float, larger: float) -> None:
+    """Random training programs (:mod:`random_programs`) over three devices, each budget a part of the one-device
+    total: they fitted the smaller budgets and were refused the larger ones, every plan tried there having one
+    device over (activations only charged once placed); now the fit starts again as for smaller budgets."""
+    source, _ = generate(seed)
+    namespace: dict[str, object] = {"__name__": "program"}
+    exec(compile(source, f"<program {seed}>", "exec"), namespace)  # noqa: S102 (our own generated source)
+    make = namespace["make"]
+    options = {"mode": "training", "optimizer": "sgd", "trace": "fx"}
+    model, args = make()  # type: ignore[operator]
+    total = fxsplit.plan(model, {"cpu:0": 1 << 34}, example_inputs=args, **options).memory["cpu:0"]["total"]
+    for part in (smaller, larger):
+        budgets = {f"cpu:{k}": int(total * part) for k in range(3)}
+        plan = fxsplit.plan(model, budgets, example_inputs=args, **options)
+        assert all(plan.memory[d]["total"] <= budgets[d] for d in plan.memory), (part, plan.memory)
 
 
 def test_a_device_over_is_held_below_what_the_partitioner_charged_it() -> None:

@@ -19,11 +19,18 @@ from fxsplit.options import Budgets
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import budget_overruns
 
-__all__ = ["MAX_REPLANS", "fit_budgets"]
+__all__ = ["MAX_REPLANS", "SMALLER_CAPS", "fit_budgets"]
 
 MAX_REPLANS = 4
 """Re-plans allowed beyond one per device: an over-full run of ops that the default, out-of-order partitioner may
 place on any of several equal devices can move to each in turn before every one of them is held below it."""
+
+
+SMALLER_CAPS = (0.9, 0.8, 0.7, 0.6, 0.5)
+"""When no plan tried fits, planning again as for budgets this much smaller (each cap scaled), in turn: a plan that
+fits smaller budgets fits these, and the partitioner, held to less, spreads the model further. Without these, a
+program that fitted three budgets of 45% of its one-device total was refused at 50% (its activations, charged only
+once placed, tipped one device over in each of six plans tried)."""
 
 
 @gc_paused()
@@ -34,13 +41,32 @@ def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[
     ``budgets.caps()``. When a device's row comes out over its budget less its reserve
     (:func:`fxsplit.planning.rules.budget_overruns`) by an excess, its cap becomes what the partitioner charged it
     for that plan less the excess (or the cap less the excess, if lower), so the next plan moves at least that much
-    off it, and the model is planned again.
+    off it, and the model is planned again. When no plan so made fits, the same again from caps scaled by each of
+    :data:`SMALLER_CAPS` in turn (every plan is still checked against the budgets themselves), until the partitioner
+    cannot fit the scaled caps at all; the first refusal is raised when none fits.
 
     Raises:
         BudgetError: nothing fits; says which component does not, where, by how much.
     """
+    found = _fit_from(model, budgets, solve, budgets.caps())
+    if isinstance(found, Plan):
+        return found
+    refusal, partitioned = found
+    for scale in SMALLER_CAPS if partitioned else ():
+        again = _fit_from(model, budgets, solve, [int(cap * scale) for cap in budgets.caps()])
+        if isinstance(again, Plan):
+            return again
+        if not again[1]:  # the partitioner fits nothing under these caps: nor under smaller ones
+            break
+    raise refusal
+
+
+def _fit_from(
+    model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[int]], Plan], caps: list[int]
+) -> Plan | tuple[BudgetError, bool]:
+    """The plan :func:`fit_budgets` makes starting from ``caps``, or why none fits and whether the partitioner
+    placed the model under them at all (False: it refused the first caps)."""
     usable = budgets.usable
-    caps = budgets.caps()
     usage: dict[str, dict[str, int]] = {}
     refused: BudgetError | None = None  # the first refusal, when planning again with the charge's slack allowed
     attempt = 0
@@ -49,13 +75,15 @@ def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[
             plan = solve(list(caps))
         except BudgetError as error:
             if refused is not None:
-                raise refused from None
+                return refused, False
             slack = charge_slack(model.planned_profile) * max(1, model.chunks) if attempt == 0 and model.profile else 0
             if slack:  # the charge is an upper bound: allow its slack, and let the exact check hold the budgets
                 refused = model.explain(error, usable)
                 caps = [cap + slack for cap in caps]
                 continue
-            raise (model.explain(error, usable) if attempt == 0 else model.over_budget(usage, usable)) from None
+            if attempt == 0:
+                return model.explain(error, usable), False
+            return model.over_budget(usage, usable), True
         attempt += 1
         usage = model.usage(plan)
         plan = dataclasses.replace(plan, memory=usage)
@@ -68,4 +96,4 @@ def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[
             max(0, min(cap, loads.get(d, cap)) - over[d]) if d in over else cap
             for d, cap in zip(budgets.devices, caps, strict=True)
         ]
-    raise model.over_budget(usage, usable)
+    return model.over_budget(usage, usable), True
