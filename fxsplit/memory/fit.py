@@ -9,6 +9,7 @@ plans again where a row comes out over, holding that device below what the parti
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from fxsplit.errors import BudgetError
@@ -26,7 +27,7 @@ MAX_REPLANS = 4
 place on any of several equal devices can move to each in turn before every one of them is held below it."""
 
 
-SMALLER_CAPS = (0.9, 0.8, 0.7, 0.6, 0.5)
+SMALLER_CAPS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
 """When no plan tried fits, planning again as for budgets this much smaller (each cap scaled), in turn: a plan that
 fits smaller budgets fits these, and the partitioner, held to less, spreads the model further. Without these, a
 program that fitted three budgets of 45% of its one-device total was refused at 50% (its activations, charged only
@@ -45,27 +46,50 @@ def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[
     :data:`SMALLER_CAPS` in turn (every plan is still checked against the budgets themselves), until the partitioner
     cannot fit the scaled caps at all; the first refusal is raised when none fits.
 
+    The partitioner's charge for activations is an upper bound (:func:`~fxsplit.memory.planloads.charge_slack`):
+    when it refuses the caps, they are loosened by that slack. When it did not, and the plan minimises the bytes
+    copied, the loosened caps are tried too and the plan that copies fewer bytes wins (ties: the first): a budget
+    so small that only the loosened caps placed the model would otherwise get a better plan than a larger one.
+
     Raises:
         BudgetError: nothing fits; says which component does not, where, by how much.
     """
-    found = _fit_from(model, budgets, solve, budgets.caps())
-    if isinstance(found, Plan):
-        return found
-    refusal, partitioned = found
-    for scale in SMALLER_CAPS if partitioned else ():
-        again = _fit_from(model, budgets, solve, [int(cap * scale) for cap in budgets.caps()])
-        if isinstance(again, Plan):
-            return again
-        if not again[1]:  # the partitioner fits nothing under these caps: nor under smaller ones
+    caps = budgets.caps()
+    slack = charge_slack(model.planned_profile) * max(1, model.chunks) if model.profile else 0
+    found = _fit_from(model, budgets, solve, caps, slack)
+    if found.plan is not None:
+        if not slack or found.loosened or found.plan.objective != "min_transfer":
+            return found.plan
+        looser = _fit_from(model, budgets, solve, [cap + slack for cap in caps], 0)
+        if looser.plan is not None and looser.plan.copied_bytes < found.plan.copied_bytes:
+            return looser.plan
+        return found.plan
+    assert found.refusal is not None
+    for scale in SMALLER_CAPS if found.partitioned else ():
+        again = _fit_from(model, budgets, solve, [int(cap * scale) for cap in caps], slack)
+        if again.plan is not None:
+            return again.plan
+        if not again.partitioned:  # the partitioner fits nothing under these caps: nor under smaller ones
             break
-    raise refusal
+    raise found.refusal
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """What one run of the fit loop from some caps made: the plan, or the refusal and whether the partitioner
+    placed the model at all (False: it refused the first caps); ``loosened``: the caps were loosened by the slack."""
+
+    plan: Plan | None
+    refusal: BudgetError | None = None
+    partitioned: bool = True
+    loosened: bool = False
 
 
 def _fit_from(
-    model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[int]], Plan], caps: list[int]
-) -> Plan | tuple[BudgetError, bool]:
-    """The plan :func:`fit_budgets` makes starting from ``caps``, or why none fits and whether the partitioner
-    placed the model under them at all (False: it refused the first caps)."""
+    model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[int]], Plan], caps: list[int], slack: int
+) -> _Fit:
+    """The plan :func:`fit_budgets` makes starting from ``caps``, loosening them by ``slack`` when the partitioner
+    refuses them, or why none fits."""
     usable = budgets.usable
     usage: dict[str, dict[str, int]] = {}
     refused: BudgetError | None = None  # the first refusal, when planning again with the charge's slack allowed
@@ -75,25 +99,24 @@ def _fit_from(
             plan = solve(list(caps))
         except BudgetError as error:
             if refused is not None:
-                return refused, False
-            slack = charge_slack(model.planned_profile) * max(1, model.chunks) if attempt == 0 and model.profile else 0
-            if slack:  # the charge is an upper bound: allow its slack, and let the exact check hold the budgets
+                return _Fit(None, refused, partitioned=attempt > 0, loosened=True)
+            if attempt == 0 and slack:  # the charge is an upper bound: allow its slack, the exact check holds budgets
                 refused = model.explain(error, usable)
                 caps = [cap + slack for cap in caps]
                 continue
             if attempt == 0:
-                return model.explain(error, usable), False
-            return model.over_budget(usage, usable), True
+                return _Fit(None, model.explain(error, usable), partitioned=False)
+            return _Fit(None, model.over_budget(usage, usable))
         attempt += 1
         usage = model.usage(plan)
         plan = dataclasses.replace(plan, memory=usage)
         simulated = {d: row.get("params", 0) + row.get("buffers", 0) for d, row in usage.items()}
         over = {o.device: o.excess for o in budget_overruns(plan, simulated, budgets)}
         if not over:
-            return plan
+            return _Fit(plan, loosened=refused is not None)
         loads = model.charged_loads(plan)
         caps = [
             max(0, min(cap, loads.get(d, cap)) - over[d]) if d in over else cap
             for d, cap in zip(budgets.devices, caps, strict=True)
         ]
-    return model.over_budget(usage, usable), True
+    return _Fit(None, model.over_budget(usage, usable), loosened=refused is not None)
