@@ -56,6 +56,22 @@ class ReadBetweenWrites(Blocks):
         return acc * 2
 
 
+class ReadAfterWrites(Blocks):
+    """Each block's ``reads`` module reads the accumulator as the block before wrote it (``tanh``: what it saves
+    for the backward is its own output, not the accumulator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = nn.ModuleList([nn.Tanh() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acc = torch.zeros_like(x)
+        for block, read in zip(self.blocks, self.reads, strict=True):
+            x = torch.tanh(block(x)) + read(acc)
+            acc.add_(x)
+        return acc * 2
+
+
 class ViewOfWritten(Blocks):
     """A view taken before the writes is read after them, on the other half of the model."""
 
@@ -97,8 +113,11 @@ def test_a_written_activation_stays_with_its_writers_and_the_blocks_spread(
 
 @pytest.mark.parametrize("trace", TRACES)
 def test_a_copy_read_after_a_write_is_taken_again(trace: str) -> None:
+    """Two blocks on each device, each reading the accumulator as the block before wrote it: the two on the device
+    it does not live on read two versions of it, each a copy of its own."""
     torch.manual_seed(0)
-    gm = split_and_compare(ReadBetweenWrites(), BUDGETS, (torch.randn(3, WIDTH),), trace=trace, check=True)
+    pins = {f"{kind}.{i}": f"cpu:{i // 2}" for kind in ("blocks", "reads") for i in range(4)}
+    gm = split_and_compare(ReadAfterWrites(), BUDGETS, (torch.randn(3, WIDTH),), trace=trace, check=True, pins=pins)
     plan = gm.meta["fxsplit_plan"]
     acc_home = plan.placement[next(n for n in plan.placement if n.startswith(("zeros_like", "new_zeros", "zeros")))]
     again = [c for c in plan.cuts if c.source == acc_home and c.kind == "activation"]
@@ -331,8 +350,9 @@ def test_a_tensor_read_under_two_names_after_a_write_is_copied_once_per_device(w
     assert free.transfer_bytes == sum(c.nbytes or 0 for c in free.cuts if c.kind != "stream")
 
 
-def test_the_partitioner_reads_a_tensor_written_in_place_as_one_value() -> None:
-    """Its objective charges one copy of ``v1``/``v2`` per device, not one per name."""
+def test_the_partitioner_reads_a_tensor_written_in_place_as_one_value_per_version() -> None:
+    """Its objective charges one copy of ``v1``/``v2`` per device and version read, not one per name: ``add_``
+    reads ``a`` as the linear made it; ``b`` and ``c`` read it as ``add_`` wrote it, one value made by ``add_``."""
     from fxsplit.cost.build import build_problem
 
     model = TwoNames()
@@ -340,9 +360,46 @@ def test_the_partitioner_reads_a_tensor_written_in_place_as_one_value() -> None:
     costs = build_problem(gm, model, device_index={"cpu:0": 0, "cpu:1": 1})
     names = [v.name for v in costs.problem.values if not v.weight]
     assert "add_" not in names, names
-    (value,) = [v for v in costs.problem.values if v.name == "a"]
-    readers = {costs.problem.op_names[i] for i in value.consumers}
-    assert readers == {"add_", "b", "c"}, readers
+    found = [v for v in costs.problem.values if v.name == "a"]
+    op_names = costs.problem.op_names
+    assert [{op_names[i] for i in v.consumers} for v in found] == [{"add_"}, {"b", "c"}], found
+    assert op_names[found[1].start] == "add_"
+
+
+class ReadWriteRead(nn.Module):
+    """``h`` is read by ``b`` before a slice of it is written in place, and by ``c`` after (random program 14072)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        y = self.b(h)
+        h[:, : WIDTH // 2].add_(0.5)
+        return y + self.c(h)
+
+
+@pytest.mark.parametrize("trace", TRACES)
+def test_the_partitioner_charges_the_copies_of_each_version_the_code_makes(trace: str) -> None:
+    """With ``b`` and ``c`` on cpu:1 and ``h`` on cpu:0, the code copies ``h`` twice (before and after the write);
+    the partitioner charged one copy, and chose placements by bytes the run does not copy (random program 14072:
+    scored 58,368 B, copied 95,232 B, more than a smaller budget's 92,160 B)."""
+    from fxsplit.cost.build import build_problem
+    from fxsplit.partition.result import transfer_bytes
+
+    torch.manual_seed(0)
+    model, x = ReadWriteRead(), torch.randn(3, WIDTH)
+    pins = {"a": "cpu:0", "b": "cpu:1", "c": "cpu:1"}
+    options = {"example_inputs": (x,), "trace": trace, "mode": "weights", "output_device": "cpu:1"}
+    plan = fxsplit.plan(model, BUDGETS, pins=pins, **options)
+    traced = fxsplit.tracing.trace(model, example_inputs=(x,), mode=trace)
+    costs = build_problem(traced.graph_module, model, device_index={"cpu:0": 0, "cpu:1": 1})
+    placed = [int(plan.placement[name].removeprefix("cpu:")) for name in costs.problem.op_names]
+    copies = [c for c in plan.cuts if c.kind == "activation"]
+    if trace == "fx":  # export's functional graph reads the written tensor under a new name: copied once
+        assert len(copies) == 2 and {c.producer for c in copies} == {"a"}, plan.cuts
+    assert transfer_bytes(costs.problem, placed) == plan.transfer_bytes, plan.cuts
 
 
 class InputTwoNames(nn.Module):

@@ -20,6 +20,7 @@ from fxsplit.cost.keptdtype import kept_tensors
 from fxsplit.cost.pins import path_matches, resolve_pins, resolve_together
 from fxsplit.cost.scan import module_tensors, scan_graph
 from fxsplit.cost.sharedwrites import refuse_written_views
+from fxsplit.cost.versions import split_by_version
 from fxsplit.cost.walk import ModulePaths, module_table, named_tensors
 from fxsplit.gcpause import gc_paused
 from fxsplit.partition.problem import PartitionProblem, Value
@@ -171,6 +172,8 @@ def build_problem(
     mutations = writing_ops(ops, modules)
     writes = written_tensors(graph_module, ops, modules, mutations)
     values, value_nbytes = _op_values(scan.valued, index, dtype, mutations)
+    if mutations:  # a value read before and after a write to its tensor: one per version (copies of each)
+        values = split_by_version(values, scan.valued, index, mutations)
     refuse_written_views(read, {key for kind, key in writes if kind == "weight" and isinstance(key, int)})
     kept = kept_tensors(model, dtype)  # (counted at the dtype: a MoE router's gate the model keeps at float32)
 
