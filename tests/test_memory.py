@@ -230,6 +230,27 @@ def test_budget_error_names_the_component_that_does_not_fit() -> None:
         fxsplit.plan(model, {"cpu:0": int(1.5 * weights)}, example_inputs=(x[:4],), mode="training", optimizer="sgd")
 
 
+def test_a_step_that_does_not_fit_is_advised_a_fused_optimizer_not_smaller_inputs() -> None:
+    """Smaller example inputs do not shrink the step's temporaries (copies of the largest parameter, on the CPU);
+    a fused step holds none. Both errors advise it: the one before splitting and the one after the plans tried."""
+    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 8))
+    x = torch.randn(2, 512)
+    row = fxsplit.plan(model, {"cpu:0": 1 << 40}, example_inputs=(x,), mode="training").memory["cpu:0"]
+    assert row["optimizer_step"] > row["activations_peak"]
+    fused = "or step with a fused optimizer, which holds no temporaries (optimizer={'name': 'adam', 'fused': True})"
+    for budgets, said in [
+        ({"cpu:0": row["total"] - 1}, "no split fxsplit tried fits"),
+        ({"cpu:0": row["total"] // 3, "cpu:1": row["total"] // 3}, "before splitting"),
+    ]:
+        with pytest.raises(fxsplit.BudgetError, match=r"adding the optimizer step .* exceeds") as info:
+            fxsplit.plan(model, budgets, example_inputs=(x,), mode="training")
+        assert said in str(info.value) and fused in str(info.value)
+        assert "smaller example inputs" not in str(info.value)
+    adam = {"name": "adam", "fused": True}
+    advised = fxsplit.plan(model, {"cpu:0": row["total"] - 1}, example_inputs=(x,), mode="training", optimizer=adam)
+    assert advised.memory["cpu:0"]["optimizer_step"] < row["optimizer_step"] // 1000  # the outputs held, no more
+
+
 def test_an_indivisible_piece_says_how_much_is_weights_and_how_much_activations() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     with pytest.raises(fxsplit.BudgetError, match=r"weights 16.25 KiB .*'0.weight' 16.00 KiB.* and per-op memory"):

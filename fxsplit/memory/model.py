@@ -310,7 +310,7 @@ class MemoryModel:
                 return BudgetError(
                     f"with {self.spec.describe()} the model needs {summed(totals)} before splitting, but the "
                     f"budgets add up to {format_size(capacity)}: {first_over(name, totals[name])}; short by "
-                    f"{format_size(total - capacity)} ({total - capacity} bytes); {advice(name)}"
+                    f"{format_size(total - capacity)} ({total - capacity} bytes); {_advice(self.spec, name)}"
                 )
         return BudgetError(
             f"{error} (with {self.spec.describe()} a budget holds {self.spec.holds()}; the whole model "
@@ -320,6 +320,7 @@ class MemoryModel:
     def over_budget(self, usage: Mapping[str, Mapping[str, int]], budgets: Mapping[str, int]) -> BudgetError:
         """The error for a plan whose simulated use exceeds a budget, naming the component."""
         problems = []
+        culprits = []
         for device, row in usage.items():
             budget = budgets.get(device)
             if budget is None or row["total"] <= budget:
@@ -330,6 +331,7 @@ class MemoryModel:
                 if running > budget:
                     culprit = name
                     break
+            culprits.append(culprit)
             problems.append(
                 f"'{device}' needs {format_size(row['total'])} ({listing(row)}) but its budget is "
                 f"{format_size(budget)}: {first_over(culprit, row.get(culprit, 0)).replace('them', 'it')}, short by "
@@ -338,7 +340,7 @@ class MemoryModel:
         return BudgetError(
             f"with {self.spec.describe()} no split fxsplit tried fits; in the last one tried, "
             + "; ".join(problems)
-            + f"; {advice('activations_peak')}"
+            + f"; {_advice(self.spec, culprits[0] if culprits else 'activations_peak')}"
         )
 
 
@@ -347,3 +349,8 @@ def row_total(row: Mapping[str, int]) -> int:
     activations peak and the optimizer step's temporaries (the step runs after the backward: never both)."""
     transient = max(row.get("activations_peak", 0), row.get("optimizer_step", 0))
     return sum(n for k, n in row.items() if k not in ("activations_peak", "optimizer_step", "total")) + transient
+
+
+def _advice(spec: MemorySpec, component: str) -> str:
+    """:func:`~fxsplit.memory.wording.advice` on ``component``, naming the optimizer ``spec`` plans for."""
+    return advice(component, spec.optimizer) if isinstance(spec.optimizer, str) else advice(component)

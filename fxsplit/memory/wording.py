@@ -48,13 +48,19 @@ def summed(row: Mapping[str, int]) -> str:
     return listing(row) + total_text
 
 
-def advice(component: str) -> str:
-    """What to do when ``component`` is what does not fit."""
+def advice(component: str, optimizer: str = "adamw") -> str:
+    """What to do when ``component`` is what does not fit; ``optimizer``: the name of the optimizer planned for,
+    which a fused step's setting names."""
     if component in ("params", "buffers"):
         return "raise the budgets or add a device"
     if component in ("grads", "optimizer"):
         return (
             "raise the budgets, add a device, freeze parameters (requires_grad=False) or pick an optimizer "
             "with less state (optimizer='sgd')"
+        )
+    if component == "optimizer_step":  # smaller inputs shrink only the outputs it counts, not the temporaries
+        return (
+            "raise the budgets, add a device, freeze parameters (requires_grad=False) or step with a fused "
+            f"optimizer, which holds no temporaries (optimizer={{'name': {optimizer!r}, 'fused': True}})"
         )
     return "raise the budgets, add a device, or plan with smaller example inputs (batch, sequence length)"
