@@ -17,6 +17,7 @@ from fxsplit.errors import BudgetError
 from fxsplit.partition import DEFAULT_STRATEGIES
 from fxsplit.partition.coarse import coarsened, label_runs, merged, module_placements, run_limit
 from fxsplit.partition.context import Context
+from fxsplit.partition.exact import exact_placement, taken_placements
 from fxsplit.partition.problem import PartitionProblem, Value
 from fxsplit.partition.refine import device_loads
 from fxsplit.partition.result import placement_problems, transfer_bytes
@@ -123,3 +124,21 @@ def test_module_runs_does_nothing_without_labels_or_with_one_device() -> None:
     assert module_placements(Context(bare, budgets), budgets) == []
     assert module_placements(Context(problem, budgets[:1]), budgets[:1]) == []
     assert list(itertools.islice(DEFAULT_STRATEGIES, None)).count(module_runs) == 1
+
+
+@pytest.mark.parametrize("seed", [3, 17, 29])
+def test_the_search_gives_the_placements_it_took_as_its_best_in_turn(seed: int) -> None:
+    """Each fits, each copies less than the one before, the last is what exact_placement finds; ``keep`` takes the
+    last ones and ``below`` drops the dearer."""
+    for problem, budgets in cases(seed, 20, (5, 10)):
+        best = exact_placement(problem, budgets, None)
+        taken = taken_placements(problem, budgets, below=None, keep=100)
+        if best is None:
+            assert taken == []
+            continue
+        assert taken[-1] == best
+        costs = [transfer_bytes(problem, placed) for placed in taken]
+        assert costs == sorted(set(costs), reverse=True)
+        assert all(placement_problems(problem, placed, budgets) == [] for placed in taken)
+        assert taken_placements(problem, budgets, below=None, keep=2) == taken[-2:]
+        assert taken_placements(problem, budgets, below=costs[0], keep=100) == taken[1:]

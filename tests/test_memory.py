@@ -348,6 +348,23 @@ def test_what_fits_smaller_budgets_fits_larger_ones(seed: int, smaller: float, l
         assert all(plan.memory[d]["total"] <= budgets[d] for d in plan.memory), (part, plan.memory)
 
 
+def test_a_larger_budget_of_weights_copies_no_more_bytes_than_a_smaller_one() -> None:
+    """Random program 14096 (16 ops), weights only, over three devices: at 0.6 of its one-device total the search
+    over module runs took one placement, which single-op moves brought to 12,288 B; at 0.65 it took a better one
+    first (30,720 B, no better after the moves) and the plan copied 30,720 B. Now the placements the search took
+    before its best are moved too: one of 49,152 B ends at 12,288 B."""
+    model, args, _, _ = _random_training_program(14096)
+    options = {"mode": "weights", "trace": "fx"}
+    total = fxsplit.plan(model, {"cpu:0": 1 << 34}, example_inputs=args, **options).memory["cpu:0"]["total"]
+    copied = [
+        fxsplit.plan(
+            model, {f"cpu:{k}": int(total * part) for k in range(3)}, example_inputs=args, **options
+        ).copied_bytes
+        for part in (0.6, 0.65)
+    ]
+    assert copied == [12288, 12288]
+
+
 def test_a_larger_budget_copies_no_more_bytes_than_the_loosened_caps_of_a_smaller_one() -> None:
     """Random program 14089 at 0.6 of its one-device total: the partitioner's charge (an upper bound on the
     activations) refused the caps, and the caps loosened by its slack gave a plan of 97,536 B that fits; at 0.65

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from fxsplit.partition.exact import NODE_LIMIT, exact_placement, searched
+from fxsplit.partition.exact import NODE_LIMIT, exact_placement, searched, taken_placements
 from fxsplit.partition.problem import PartitionProblem, Value
 
 if TYPE_CHECKING:
@@ -162,6 +162,7 @@ def module_placements(
     node_limit: int = NODE_LIMIT,
     max_runs: int | None = None,
     total_nodes: int | None = None,
+    keep: int = 1,
 ) -> list[list[int]]:
     """The placements the exact search finds over the module runs of each depth within ``budgets``; empty
     when the problem has no ``op_labels`` or nothing fits. See the module's docstring.
@@ -173,6 +174,8 @@ def module_placements(
         node_limit: the most branches one search opens.
         max_runs: the most runs one search places (None: as many as :func:`run_limit` allows).
         total_nodes: the most branches all searches open together, shared evenly (None: no such limit).
+        keep: from each search, the placement it found and up to ``keep - 1`` it took as its best before
+            (:func:`~fxsplit.partition.exact.taken_placements`).
     """
     problem = ctx.problem
     if not problem.op_labels or problem.num_ops < 2 or len(budgets) < 2:
@@ -196,6 +199,10 @@ def module_placements(
         small, run = coarsened(problem, starts)
         # a run may hold ops pinned to two devices where constraints allow no cut between them: no search
         if any(small.pinned[run[op]] != device for op, device in problem.pinned.items()):
+            continue
+        if keep > 1:
+            taken = taken_placements(small, budgets, below=below, node_limit=node_limit, keep=keep)
+            found += [np.asarray(placed, dtype=np.int64)[run].tolist() for placed in taken]
             continue
         placed = exact_placement(small, budgets, None, node_limit=node_limit, below=below)
         if placed is not None:

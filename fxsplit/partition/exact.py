@@ -32,7 +32,7 @@ from typing import Sequence
 
 from fxsplit.partition.problem import PartitionProblem
 
-__all__ = ["EXACT_OPS", "EXACT_SPACE", "NODE_LIMIT", "exact_placement", "searched"]
+__all__ = ["EXACT_OPS", "EXACT_SPACE", "NODE_LIMIT", "exact_placement", "searched", "taken_placements"]
 
 EXACT_OPS = 14
 """Graphs of up to this many ops are searched, whatever the number of devices."""
@@ -77,6 +77,7 @@ class _Search:
         self.sent: list[set[int]] = [set() for _ in problem.values]
         self.best_cost = best_cost
         self.best: list[int] | None = None
+        self.taken: list[list[int]] = []  # every placement taken as the best so far, in turn (the best last)
         self.nodes = 0
 
     def run(self) -> None:
@@ -115,6 +116,7 @@ class _Search:
     def _place(self, op: int, cost: int) -> None:
         if op == len(self.devices):
             self.best_cost, self.best = cost, list(self.devices)
+            self.taken.append(self.best)
             return
         free = sum(max(0, b - load - peak) for b, load, peak in zip(self.budgets, self.load, self.peak, strict=True))
         if self.remaining[op] > free:
@@ -202,3 +204,21 @@ def exact_placement(
     if search.best is not None:
         return search.best
     return list(incumbent) if incumbent is not None else None
+
+
+def taken_placements(
+    problem: PartitionProblem, budgets: Sequence[int], *, below: float | None, node_limit: int = NODE_LIMIT, keep: int
+) -> list[list[int]]:
+    """The last ``keep`` placements that copy fewer bytes than ``below`` (None: any) which the search of
+    :func:`exact_placement` took as its best in turn, the best last; empty when none fits or the graph is not
+    one :func:`searched` names.
+
+    The ones before the best are placements of their own, often far from it: starting points for local moves
+    that can end cheaper than the best does (:func:`~fxsplit.partition.strategies.module_runs`).
+    """
+    late_home = any(v.consumers and v.start > v.consumers[0] for v in problem.values)
+    if keep < 1 or not searched(problem.num_ops, len(budgets)) or late_home:
+        return []
+    search = _Search(problem, budgets, float("inf") if below is None else below, node_limit)
+    search.run()
+    return search.taken[-keep:]

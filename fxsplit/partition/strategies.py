@@ -30,7 +30,8 @@ only when ``best`` is None (a fallback).
    ops, pairs of devices exchange groups of ops along minimum cuts, then single
    ops move again.
 5. :func:`module_runs`: when ops carry module labels, whole runs of each module placed in any order by an
-   exact search over the coarsened graph (:mod:`fxsplit.partition.coarse`), then improved as above.
+   exact search over the coarsened graph (:mod:`fxsplit.partition.coarse`), then improved as above (up to
+   :data:`~fxsplit.partition.contiguous.EXACT_LIMIT` ops, also from placements the search took before its best).
 6. :func:`exact_search`: on small graphs (up to :data:`~fxsplit.partition.exact.EXACT_OPS` ops, or 24 on
    two devices: :func:`~fxsplit.partition.exact.searched`), branch and bound for a strictly cheaper placement.
 
@@ -82,7 +83,9 @@ __all__ = [
     "LARGE_GRAPH_NODES",
     "LARGE_GRAPH_RUNS",
     "LARGE_GRAPH_WORK",
+    "MODULE_KEEP",
     "MODULE_NODES",
+    "MODULE_SLACK",
     "RING_KEEP",
     "Search",
     "Strategy",
@@ -102,6 +105,16 @@ RING_KEEP = 3
 MODULE_NODES = 12_000
 """Most branches the searches of one :func:`module_runs` call open together on graphs of up to
 :data:`EXACT_LIMIT` ops (a few tenths of a second at most; module graphs of real models take hundreds)."""
+
+MODULE_KEEP = 4
+"""On graphs of up to :data:`EXACT_LIMIT` ops, :func:`module_runs` improves by single-op moves the placement each
+search finds and up to this many less the one it took as its best before it
+(:func:`~fxsplit.partition.exact.taken_placements`): a dearer placement of whole runs can end cheaper. Random
+program 14096 (16 ops, three devices at 0.65 of its one-device total): the best placement of runs copies
+30,720 B, as the placement before it did; one taken earlier at 49,152 B ends at 12,288 B."""
+
+MODULE_SLACK = 2
+"""...and those placements may copy up to this many times what the best placement so far does."""
 
 LARGE_GRAPH_NODES = 300
 """Most branches one search of :func:`module_runs` opens on graphs of more than :data:`EXACT_LIMIT` ops."""
@@ -247,8 +260,9 @@ def module_runs(search: Search, best: tuple[int, ...] | None) -> list[int] | Non
     the graph is one :func:`exact_search` searches op by op.
 
     On graphs of up to :data:`EXACT_LIMIT` ops the searches open at most :data:`MODULE_NODES` branches
-    together; on larger ones each opens at most :data:`LARGE_GRAPH_NODES`, over at most
-    :data:`LARGE_GRAPH_RUNS` runs (and, up to 1,666 ops, more runs: :data:`LARGE_GRAPH_WORK`), and the
+    together, and single-op moves start from each one's placement and from those it took as its best before
+    (:data:`MODULE_KEEP`, :data:`MODULE_SLACK`); on larger ones each opens at most :data:`LARGE_GRAPH_NODES`,
+    over at most :data:`LARGE_GRAPH_RUNS` runs (and, up to 1,666 ops, more runs: :data:`LARGE_GRAPH_WORK`), and the
     placement found is returned as it is (so that the strategy stays a few milliseconds there: the moves
     after it rarely helped on such placements).
     """
@@ -262,9 +276,9 @@ def module_runs(search: Search, best: tuple[int, ...] | None) -> list[int] | Non
         if nodes >= LARGE_GRAPH_NODES:  # room for a search over as many runs as the exact search takes
             found += module_placements(search.context, budgets, cost, nodes)
         return _cheapest(problem, found)
-    found = [
-        improve(problem, p, budgets) for p in module_placements(search.context, budgets, cost, total_nodes=MODULE_NODES)
-    ]
+    below = None if cost is None else MODULE_SLACK * cost  # starts dearer than ``best`` may end cheaper
+    starts = module_placements(search.context, budgets, below, total_nodes=MODULE_NODES, keep=MODULE_KEEP)
+    found = [improve(problem, list(p), budgets) for p in dict.fromkeys(map(tuple, starts))]
     placed = _cheapest(problem, found)
     if placed is None or (cost is not None and transfer_bytes(problem, placed) >= cost):
         return None
