@@ -20,7 +20,7 @@ from fxsplit.options import Budgets
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import budget_overruns
 
-__all__ = ["MAX_REPLANS", "SMALLER_CAPS", "fit_budgets"]
+__all__ = ["CHEAPER_CAPS", "CHEAPER_OPS", "MAX_REPLANS", "SMALLER_CAPS", "fit_budgets"]
 
 MAX_REPLANS = 4
 """Re-plans allowed beyond one per device: an over-full run of ops that the default, out-of-order partitioner may
@@ -33,6 +33,16 @@ fits smaller budgets fits these, and the partitioner, held to less, spreads the 
 program that fitted three budgets of 45% of its one-device total was refused at 50% (its activations, charged only
 once placed, tipped one device over in each of six plans tried). The steps are 0.05, not 0.1: random training
 program 14118 fits only from 0.8 of the caps of 55% of its total, and at 60% steps of 0.1 passed that by."""
+
+
+CHEAPER_CAPS = (0.9,)
+"""When activations are charged and the plan minimises the bytes copied, it is planned again as for budgets this
+much smaller (each cap scaled) too, and the plan that copies fewer bytes wins (ties: the first). A plan that fits
+smaller budgets fits these, but the partitioner is not monotone in its caps on graphs too large to search exactly,
+so a larger budget could get a plan that copies more than a smaller one did. See docs/MEMORY.md for the numbers."""
+
+CHEAPER_OPS = 2_000
+"""Graphs of up to this many ops get the :data:`CHEAPER_CAPS` plans (each is a whole fit loop more)."""
 
 
 @gc_paused()
@@ -51,6 +61,8 @@ def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[
     when it refuses the caps, they are loosened by that slack. When it did not, and the plan minimises the bytes
     copied, the loosened caps are tried too and the plan that copies fewer bytes wins (ties: the first): a budget
     so small that only the loosened caps placed the model would otherwise get a better plan than a larger one.
+    On graphs of up to :data:`CHEAPER_OPS` ops, the plans from caps scaled by each of :data:`CHEAPER_CAPS` compete
+    the same way, until the partitioner places nothing under the scaled caps.
 
     Raises:
         BudgetError: nothing fits; says which component does not, where, by how much.
@@ -61,10 +73,19 @@ def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[
     if found.plan is not None:
         if not slack or found.loosened or found.plan.objective != "min_transfer":
             return found.plan
+        best = found.plan
         looser = _fit_from(model, budgets, solve, [cap + slack for cap in caps], 0)
-        if looser.plan is not None and looser.plan.copied_bytes < found.plan.copied_bytes:
-            return looser.plan
-        return found.plan
+        if looser.plan is not None and looser.plan.copied_bytes < best.copied_bytes:
+            best = looser.plan
+        for scale in CHEAPER_CAPS if len(model.costs.ops) <= CHEAPER_OPS else ():
+            if not best.copied_bytes:
+                break
+            smaller = _fit_from(model, budgets, solve, [int(cap * scale) for cap in caps], slack)
+            if smaller.plan is None and not smaller.partitioned:  # nothing placed under these caps: nor smaller
+                break
+            if smaller.plan is not None and smaller.plan.copied_bytes < best.copied_bytes:
+                best = smaller.plan
+        return best
     assert found.refusal is not None
     for scale in SMALLER_CAPS if found.partitioned else ():
         again = _fit_from(model, budgets, solve, [int(cap * scale) for cap in caps], slack)
