@@ -11,4 +11,6 @@ bash scripts/setup.sh "test,bench,viz,hf,dev"
 ruff check fxsplit tests benchmarks examples
 ruff format --check fxsplit tests benchmarks examples
 mypy fxsplit
-python -m pytest -q "$@"
+# two worker processes (pytest-xdist): the suite takes about half as long on CI's two cores; FXSPLIT_TEST_WORKERS
+# sets another count (0: one process, no workers)
+python -m pytest -q -n "${FXSPLIT_TEST_WORKERS:-2}" "$@"
