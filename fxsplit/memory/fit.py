@@ -17,10 +17,11 @@ from fxsplit.gcpause import gc_paused
 from fxsplit.memory.model import MemoryModel
 from fxsplit.memory.planloads import charge_slack
 from fxsplit.options import Budgets
+from fxsplit.partition.milp import milp_places, without_milp
 from fxsplit.planning.plan import Plan
 from fxsplit.planning.rules import budget_overruns
 
-__all__ = ["CHEAPER_CAPS", "CHEAPER_OPS", "MAX_REPLANS", "SMALLER_CAPS", "fit_budgets"]
+__all__ = ["CHEAPER_CAPS", "CHEAPER_OPS", "MAX_REPLANS", "SMALLER_CAPS", "fit_budgets", "fit_with"]
 
 MAX_REPLANS = 4
 """Re-plans allowed beyond one per device: an over-full run of ops that the default, out-of-order partitioner may
@@ -47,6 +48,43 @@ CHEAPER_OPS = 2_000
 
 @gc_paused()
 def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[int]], Plan]) -> Plan:
+    """:func:`fit_with` ``solve``; where activations are charged and the partitioner would solve the graph as a
+    MILP (:func:`~fxsplit.partition.milp.milp_places`), the fit loop plans without it
+    (:func:`~fxsplit.partition.milp.without_milp`), and the MILP then partitions once more under the caps the plan
+    was made under: its plan is kept when its memory rows fit the budgets and it copies fewer bytes.
+
+    In the fit loop itself (a partition per plan tried, each a MILP of 0.1-1 s on 20-40 ops) it made planning random
+    training programs 6-14 times slower, and each cheaper partition could lead the loop elsewhere: program 14063
+    over three devices at 0.6 of its one-device total was refused with it and fitted without.
+    """
+    charged = model.profile is not None and bool(model.costs.ops)
+    if not charged or not milp_places(len(model.costs.ops), len(budgets.devices)):
+        return fit_with(model, budgets, solve)
+    with without_milp():
+        found = _fitted(model, budgets, solve)
+    plan = found.plan
+    assert plan is not None
+    if plan.objective != "min_transfer" or not plan.copied_bytes:
+        return plan
+    try:
+        exact = solve(list(found.caps))
+    except BudgetError:
+        return plan
+    fitted, over = _rows(model, budgets, exact)
+    if not over and fitted.copied_bytes < plan.copied_bytes:
+        plan = fitted
+    return plan
+
+
+def fit_with(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[int]], Plan]) -> Plan:
+    """The plan :func:`_fitted` makes (the fit loop, with no MILP pass after it)."""
+    found = _fitted(model, budgets, solve)
+    assert found.plan is not None
+    return found.plan
+
+
+@gc_paused()
+def _fitted(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[int]], Plan]) -> _Fit:
     """Plan so that each device's simulated total fits its budget less its reserve; record the breakdown.
 
     ``solve`` partitions under per-device caps (bytes, in device order) and makes the plan. The caps start at
@@ -72,25 +110,25 @@ def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[
     found = _fit_from(model, budgets, solve, caps, slack)
     if found.plan is not None:
         if not slack or found.loosened or found.plan.objective != "min_transfer":
-            return found.plan
-        best = found.plan
+            return found
+        best = found
         looser = _fit_from(model, budgets, solve, [cap + slack for cap in caps], 0)
-        if looser.plan is not None and looser.plan.copied_bytes < best.copied_bytes:
-            best = looser.plan
+        if looser.plan is not None and looser.plan.copied_bytes < _bytes(best):
+            best = looser
         for scale in CHEAPER_CAPS if len(model.costs.ops) <= CHEAPER_OPS else ():
-            if not best.copied_bytes:
+            if not _bytes(best):
                 break
             smaller = _fit_from(model, budgets, solve, [int(cap * scale) for cap in caps], slack)
             if smaller.plan is None and not smaller.partitioned:  # nothing placed under these caps: nor smaller
                 break
-            if smaller.plan is not None and smaller.plan.copied_bytes < best.copied_bytes:
-                best = smaller.plan
+            if smaller.plan is not None and smaller.plan.copied_bytes < _bytes(best):
+                best = smaller
         return best
     assert found.refusal is not None
     for scale in SMALLER_CAPS if found.partitioned else ():
         again = _fit_from(model, budgets, solve, [int(cap * scale) for cap in caps], slack)
         if again.plan is not None:
-            return again.plan
+            return again
         if not again.partitioned:  # the partitioner fits nothing under these caps: nor under smaller ones
             break
     raise found.refusal
@@ -105,6 +143,20 @@ class _Fit:
     refusal: BudgetError | None = None
     partitioned: bool = True
     loosened: bool = False
+    caps: tuple[int, ...] = ()  # with a plan: the caps it was made under
+
+
+def _bytes(fit: _Fit) -> int:
+    assert fit.plan is not None
+    return fit.plan.copied_bytes
+
+
+def _rows(model: MemoryModel, budgets: Budgets, plan: Plan) -> tuple[Plan, dict[str, int]]:
+    """``plan`` with its memory rows, and each device whose row is over its budget less its reserve -> the excess."""
+    usage = model.usage(plan)
+    plan = dataclasses.replace(plan, memory=usage)
+    simulated = {d: row.get("params", 0) + row.get("buffers", 0) for d, row in usage.items()}
+    return plan, {o.device: o.excess for o in budget_overruns(plan, simulated, budgets)}
 
 
 def _fit_from(
@@ -130,12 +182,10 @@ def _fit_from(
                 return _Fit(None, model.explain(error, usable), partitioned=False)
             return _Fit(None, model.over_budget(usage, usable))
         attempt += 1
-        usage = model.usage(plan)
-        plan = dataclasses.replace(plan, memory=usage)
-        simulated = {d: row.get("params", 0) + row.get("buffers", 0) for d, row in usage.items()}
-        over = {o.device: o.excess for o in budget_overruns(plan, simulated, budgets)}
+        plan, over = _rows(model, budgets, plan)
+        usage = plan.memory
         if not over:
-            return _Fit(plan, loosened=refused is not None)
+            return _Fit(plan, loosened=refused is not None, caps=tuple(caps))
         loads = model.charged_loads(plan)
         caps = [
             max(0, min(cap, loads.get(d, cap)) - over[d]) if d in over else cap

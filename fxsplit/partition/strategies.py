@@ -34,6 +34,9 @@ only when ``best`` is None (a fallback).
    :data:`~fxsplit.partition.contiguous.EXACT_LIMIT` ops, also from placements the search took before its best).
 6. :func:`exact_search`: on small graphs (up to :data:`~fxsplit.partition.exact.EXACT_OPS` ops, or 24 on
    two devices: :func:`~fxsplit.partition.exact.searched`), branch and bound for a strictly cheaper placement.
+7. :func:`milp_search`: on graphs of up to :data:`~fxsplit.partition.milp.MILP_OPS` ops, when SciPy is installed
+   (the ``solver`` extra), the cheapest placement as a mixed-integer programme (:mod:`fxsplit.partition.milp`),
+   also when nothing else fitted.
 
 :data:`CONTIGUOUS_STRATEGIES` (``contiguous=True``) is :func:`contiguous` alone; :func:`local_moves`
 improves any best placement by single-op moves, for lists of one's own.
@@ -71,6 +74,7 @@ from fxsplit.partition.contiguous import (
     relay_boundaries,
 )
 from fxsplit.partition.exact import exact_placement, searched
+from fxsplit.partition.milp import milp_placement, milp_places
 from fxsplit.partition.mincut import exchange
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.refine import frozen_ops, improve, pack, repair
@@ -94,6 +98,7 @@ __all__ = [
     "exact_fallback",
     "exact_search",
     "local_moves",
+    "milp_search",
     "min_cut_exchanges",
     "module_runs",
     "packing",
@@ -297,6 +302,20 @@ def exact_search(search: Search, best: tuple[int, ...] | None) -> list[int] | No
     return exact_placement(search.problem, search.budgets, best, cost) if cost else None
 
 
+def milp_search(search: Search, best: tuple[int, ...] | None) -> list[int] | None:
+    """On the graphs :func:`~fxsplit.partition.milp.milp_places` names (up to
+    :data:`~fxsplit.partition.milp.MILP_OPS` ops, more than the branch and bound searches, SciPy installed): the
+    cheapest placement as a mixed-integer programme (:func:`~fxsplit.partition.milp.milp_placement`), when it
+    copies strictly fewer bytes than ``best`` (or ``best`` is None); else None."""
+    problem, budgets = search.problem, search.budgets
+    if not milp_places(problem.num_ops, len(budgets)):
+        return None
+    cost = transfer_bytes(problem, best) if best is not None else None
+    if cost == 0:
+        return None
+    return milp_placement(problem, budgets, cost)
+
+
 def local_moves(search: Search, best: tuple[int, ...] | None) -> list[int] | None:
     """``best`` improved by single-op moves (:func:`~fxsplit.partition.refine.improve`); None when ``best`` is."""
     return None if best is None else improve(search.problem, best, search.budgets)
@@ -309,6 +328,7 @@ DEFAULT_STRATEGIES: tuple[Strategy, ...] = (
     min_cut_exchanges,
     module_runs,
     exact_search,
+    milp_search,
 )
 """What :func:`~fxsplit.partition.solve.partition` runs by default; see the module's docstring."""
 
