@@ -204,6 +204,9 @@ def _child(tool: str, checkpoint: dict[str, Any]) -> dict[str, Any]:
     try:
         if tool.startswith("fxsplit"):
             import fxsplit
+            from fxsplit.partition.milp import milp_available
+
+            milp_available()  # imports SciPy's solver (about 22 MiB) when installed: a library, counted as fxsplit is
 
             with torch.device("meta"):
                 model = Stack(width, blocks).eval()

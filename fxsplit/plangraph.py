@@ -22,6 +22,7 @@ from fxsplit.errors import BudgetError
 from fxsplit.memory.charge import memory_model
 from fxsplit.memory.model import MemoryModel, MemorySpec
 from fxsplit.options import Budgets, Offload, Options, PipelineConfig
+from fxsplit.partition.milp import without_milp
 from fxsplit.partition.outputs import with_output_reader, with_output_seconds, without_output_reader
 from fxsplit.partition.problem import PartitionProblem
 from fxsplit.partition.solve import Partition, partition
@@ -161,7 +162,8 @@ def plan_graph(job: GraphPlanning) -> Planned:
             memory, job.budgets, splitter.solver(problem), Offload.coerce(options.offload), traced.graph_module
         )
         if options.replicate and splitter.objective == "min_transfer" and not options.pipeline:  # if they pay
-            made = try_replicas(made, memory, job.budgets, traced.graph_module, problem, splitter.solver)
+            with without_milp():  # a partition for each replica set tried: the heuristics alone
+                made = try_replicas(made, memory, job.budgets, traced.graph_module, problem, splitter.solver)
     if made.memory:  # what the rows count, in words: the mode, the optimizer and its step
         made = dataclasses.replace(made, memory_counts=memory.counts(made))
     dynamic = describe_dynamic(options.dynamic_shapes) if traced.method == "export" else None

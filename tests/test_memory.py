@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import pickle
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -288,6 +289,7 @@ def test_a_plan_that_copies_more_than_the_partitioner_counted_is_planned_again()
         spec = MemorySpec()
         over_budget = MemoryModel.over_budget
         profile = None  # no activations counted: no slack in the charge
+        costs = SimpleNamespace(ops=())  # no graph: no MILP pass after the fit loop
 
         def charged_loads(self, plan: Plan) -> dict[str, int]:
             return {}  # the partitioner's loads unknown: each cap drops by the excess alone
@@ -388,6 +390,7 @@ def test_a_device_over_is_held_below_what_the_partitioner_charged_it() -> None:
         spec = MemorySpec()
         over_budget = MemoryModel.over_budget
         profile = None  # no activations counted: no slack in the charge
+        costs = SimpleNamespace(ops=())  # no graph: no MILP pass after the fit loop
 
         def usage(self, plan: Plan) -> dict[str, dict[str, int]]:
             total = 130 if len(calls) == 1 else 90
@@ -421,6 +424,7 @@ def test_a_run_of_ops_that_moves_to_each_equal_device_in_turn_is_planned_until_a
         spec = MemorySpec()
         over_budget = MemoryModel.over_budget
         profile = None  # no activations counted: no slack in the charge
+        costs = SimpleNamespace(ops=())  # no graph: no MILP pass after the fit loop
 
         def usage(self, plan: Plan) -> dict[str, dict[str, int]]:
             at = heavy(calls[-1])
@@ -448,6 +452,7 @@ def test_the_reserve_is_held_back_while_fitting_and_the_plan_keeps_the_full_budg
         spec = MemorySpec()
         over_budget = MemoryModel.over_budget
         profile = None  # no activations counted: no slack in the charge
+        costs = SimpleNamespace(ops=())  # no graph: no MILP pass after the fit loop
 
         def charged_loads(self, plan: Plan) -> dict[str, int]:
             return {}  # the partitioner's loads unknown: each cap drops by the excess alone

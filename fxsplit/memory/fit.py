@@ -48,8 +48,8 @@ CHEAPER_OPS = 2_000
 
 @gc_paused()
 def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[int]], Plan]) -> Plan:
-    """:func:`fit_with` ``solve``; where activations are charged and the partitioner would solve the graph as a
-    MILP (:func:`~fxsplit.partition.milp.milp_places`), the fit loop plans without it
+    """:func:`fit_with` ``solve``; where the partitioner would solve the graph as a MILP
+    (:func:`~fxsplit.partition.milp.milp_places`), the fit loop plans without it
     (:func:`~fxsplit.partition.milp.without_milp`), and the MILP then partitions once more under the caps the plan
     was made under: its plan is kept when its memory rows fit the budgets and it copies fewer bytes.
 
@@ -57,8 +57,7 @@ def fit_budgets(model: MemoryModel, budgets: Budgets, solve: Callable[[Sequence[
     training programs 6-14 times slower, and each cheaper partition could lead the loop elsewhere: program 14063
     over three devices at 0.6 of its one-device total was refused with it and fitted without.
     """
-    charged = model.profile is not None and bool(model.costs.ops)
-    if not charged or not milp_places(len(model.costs.ops), len(budgets.devices)):
+    if not milp_places(len(model.costs.ops), len(budgets.devices)):
         return fit_with(model, budgets, solve)
     with without_milp():
         found = _fitted(model, budgets, solve)

@@ -28,6 +28,7 @@ from fxsplit.errors import BudgetError, FxsplitWarning
 from fxsplit.memory.fit import fit_budgets
 from fxsplit.memory.model import MemoryModel, row_total
 from fxsplit.options import Budgets, Offload
+from fxsplit.partition.milp import without_milp
 from fxsplit.partition.streaming import StreamChoice, choose_streamed
 from fxsplit.planning.build import cuts_for, reads_of, weights_by_node
 from fxsplit.planning.plan import Plan
@@ -60,7 +61,8 @@ def fit_or_offload(
             raise
         if memory.spec.training:
             raise training_refusal(error) from None
-        return plan_offloaded(memory, budgets, offload, solve, graph_module, error)
+        with without_milp():  # a partition for each spread tried: the heuristics alone (fxsplit.memory.fit says why)
+            return plan_offloaded(memory, budgets, offload, solve, graph_module, error)
 
 
 def training_refusal(error: BudgetError) -> BudgetError:
