@@ -65,6 +65,10 @@ class DeviceSpeed:
         half_channels: a convolution's input channels (per group) at which it runs at half the peak: ``C / (C +
             half_channels)`` of it (0: none): a network's first convolution, over an image's 3 channels, runs
             far below the peak.
+        backward_half_map: a convolution over more than one kernel position (3x3, not 1x1): its output positions
+            per image at which its backward runs at half the rate of its forward (0: none).
+        strided_backward: a strided convolution's backward takes ``1 + strided_backward`` times what its FLOPs
+            at the forward's rate say (0: no more).
         fresh_bandwidth: bytes per second at which a tensor too large for the allocator to reuse memory for
             (above :data:`~fxsplit.cost.compute.FRESH_ABOVE`) gets fresh memory: on a CPU, glibc maps new
             pages for it and the kernel zeroes each on its first write; 0 (a GPU's caching allocator): free.
@@ -78,6 +82,8 @@ class DeviceSpeed:
     norm_passes: float = 7.0
     fresh_bandwidth: float = 0.0
     half_channels: float = 0.0
+    backward_half_map: float = 0.0
+    strided_backward: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         return {key: getattr(self, key) for key in SPEED_KEYS}
@@ -92,6 +98,8 @@ SPEED_KEYS = (
     "norm_passes",
     "fresh_bandwidth",
     "half_channels",
+    "backward_half_map",
+    "strided_backward",
 )
 
 
@@ -127,6 +135,8 @@ DEFAULT_SPEEDS: dict[str, DeviceSpeed] = {
         norm_passes=14.0,
         fresh_bandwidth=2e9,
         half_channels=8.0,
+        backward_half_map=9.0,
+        strided_backward=0.6,
     ),
     "other": DeviceSpeed(flops=10e12, bandwidth=400e9, overhead=10e-6),  # mps, xpu, ...: a laptop-class GPU
 }
@@ -240,6 +250,8 @@ def _speed(name: str, entry: Any) -> DeviceSpeed:
         norm_passes=_count(entry, "norm_passes", base.norm_passes, where),
         fresh_bandwidth=_fresh(entry, base.fresh_bandwidth, where),
         half_channels=_count(entry, "half_channels", base.half_channels, where),
+        backward_half_map=_count(entry, "backward_half_map", base.backward_half_map, where),
+        strided_backward=_count(entry, "strided_backward", base.strided_backward, where),
     )
 
 

@@ -53,6 +53,13 @@ measured on one core):
   0.27x the rate of its others on one core (a later machine's, whose 3x3
   convolutions ran near 190 GFLOP/s).
 
+In training a convolution's backward (two products of its forward's FLOPs) runs below its forward's rate
+(:meth:`Work.backward_rate`; ``cpu``'s figures from ResNet-50's, micro-batch 16 at 96x96, on one core):
+``P / (P + backward_half_map)`` of it for a kernel over more than one position (``layer4``'s 3x3 ones, on
+3x3 maps, took 0.64-1.06 of their forward's time per FLOP against ~0.55 for the others; ``backward_half_map``
+9), and ``1 + strided_backward`` times longer for a strided one (its 1x1 stride-2 downsamples: 0.77-1.16;
+``strided_backward`` 0.6). Both are 0 (none) elsewhere.
+
 Tensors above :data:`FRESH_ABOVE` (32 MiB) get fresh memory every time on a CPU:
 the device's ``fresh_bandwidth`` (2 GB/s on ``cpu``, 0 elsewhere) charges the
 forward's outputs and, in training, the weight gradients of that size (an
@@ -84,6 +91,7 @@ from fxsplit.cost.opwork import (
     LOOKUP_MODULES,
     LOOKUPS,
     bytes_moved,
+    conv_stride,
     flops_of,
     is_batch_norm,
     is_free,
@@ -119,6 +127,7 @@ class Work:
         reduction: a product's reduction length ``K`` (0: not a product), for the device's efficiency.
         positions: a convolution's output positions per image (0: not a convolution).
         channels: a convolution's input channels per group (0: not a convolution).
+        stride: a convolution's largest stride (1: none; 0: not a convolution).
         norm_nbytes: a batch norm's output bytes, read and written ``norm_passes`` times more in training.
         fresh_nbytes: bytes of the tensors the forward makes that are larger than :data:`FRESH_ABOVE` (fresh
             memory at the device's ``fresh_bandwidth``); ``train_fresh_nbytes``: the same for the weight
@@ -141,6 +150,7 @@ class Work:
     fresh_nbytes: np.ndarray | None = None
     train_fresh_nbytes: np.ndarray | None = None
     channels: np.ndarray | None = None
+    stride: np.ndarray | None = None
     known: bool = True
     unsized: tuple[int, ...] = ()
 
@@ -157,6 +167,20 @@ class Work:
                 rate *= np.where(sizes > 0, sizes / (sizes + half), 1.0)
         return rate
 
+    def backward_rate(self, speed: DeviceSpeed, rate: np.ndarray) -> np.ndarray:
+        """Per op, the FLOP/s its backward reaches: the forward's ``rate``, but for a convolution over more than
+        one kernel position ``P / (P + backward_half_map)`` of it on maps of ``P`` positions, and for a strided
+        one ``1 + strided_backward`` times slower (see the module's notes)."""
+        if self.positions is None or self.stride is None or self.reduction is None or self.channels is None:
+            return rate
+        conv = self.positions > 0
+        if speed.backward_half_map > 0:
+            wide = conv & (self.reduction > self.channels)  # K = channels x kernel positions
+            rate = rate * np.where(wide, self.positions / (self.positions + speed.backward_half_map), 1.0)
+        if speed.strided_backward > 0:
+            rate = rate / np.where(conv & (self.stride > 1), 1.0 + speed.strided_backward, 1.0)
+        return rate
+
 
 def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *, dtype: Any = None) -> Work:
     """FLOPs and bytes per op of ``ops`` (nodes of ``graph_module``), from their recorded shapes.
@@ -168,7 +192,7 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
     flops, nbytes, free, products = np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
     train_flops, train_nbytes, grad_nbytes = np.zeros(n), np.zeros(n), np.zeros(n)
     reduction, positions, norm_nbytes = np.zeros(n), np.zeros(n), np.zeros(n)
-    fresh, train_fresh, channels = np.zeros(n), np.zeros(n), np.zeros(n)
+    fresh, train_fresh, channels, stride = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
     if not any("val" in node.meta or "tensor_meta" in node.meta for node in ops):
         return Work(np.ones(n), np.ones(n), free, products, np.ones(n), np.ones(n), np.zeros(n), known=False)
     modules = dict(graph_module.named_modules())
@@ -189,6 +213,7 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
             nbytes[index] = bytes_moved(node, module, dtype)
             products[index] = is_product(node, module)
             reduction[index], positions[index], channels[index] = product_sizes(node, module)
+            stride[index] = conv_stride(node, module) if positions[index] else 0.0
             train_flops[index], train_nbytes[index], grad_nbytes[index] = _training_work(
                 node, module, grads, (flops[index], nbytes[index]), products[index], dtype
             )
@@ -215,6 +240,7 @@ def op_work(graph_module: torch.fx.GraphModule, ops: Sequence[torch.fx.Node], *,
         fresh,
         train_fresh,
         channels,
+        stride,
         unsized=tuple(unsized),
     )
 
@@ -233,7 +259,8 @@ def op_seconds(work: Work, speed: DeviceSpeed, *, training: bool = False) -> np.
     if not training:
         return forward
     norms = 0.0 if work.norm_nbytes is None else speed.norm_passes * work.norm_nbytes
-    backward = np.maximum(work.train_flops / rate, (work.train_nbytes + norms) / speed.bandwidth)
+    products = work.train_flops / work.backward_rate(speed, rate)
+    backward = np.maximum(products, (work.train_nbytes + norms) / speed.bandwidth)
     reached = ~work.free & ((work.train_flops > 0) | (work.train_nbytes > 0))
     backward = np.where(reached, speed.overhead + backward, 0.0) + _fresh_seconds(work.train_fresh_nbytes, speed)
     return forward + backward + work.grad_nbytes / speed.bandwidth

@@ -25,6 +25,7 @@ __all__ = [
     "numel",
     "op_name",
     "operands",
+    "conv_stride",
     "product_sizes",
     "value_of",
 ]
@@ -97,6 +98,27 @@ def product_sizes(node: torch.fx.Node, module: torch.nn.Module | None) -> tuple[
         first = node.args[1] if name in _ADD_MATMULS else node.args[0]
         return float(_shape(first)[-1]), 0.0, 0.0
     return 0.0, 0.0, 0.0
+
+
+def conv_stride(node: torch.fx.Node, module: torch.nn.Module | None) -> float:
+    """A convolution's largest stride (1: unstrided), 0 where the op is no convolution (nor a transposed one,
+    whose stride spreads its output rather than skipping input positions)."""
+    if isinstance(module, torch.nn.modules.conv._ConvTransposeNd):
+        return 0.0
+    if isinstance(module, torch.nn.modules.conv._ConvNd):
+        stride: Any = module.stride
+    else:
+        name = op_name(node) if module is None else ""
+        if name in _CONVS:  # conv2d(input, weight, bias, stride, ...)
+            stride = node.args[3] if len(node.args) > 3 else node.kwargs.get("stride", 1)
+        elif name == "convolution":  # aten: (input, weight, bias, stride, padding, dilation, transposed, ...)
+            if len(node.args) > 6 and node.args[6]:
+                return 0.0
+            stride = node.args[3] if len(node.args) > 3 else node.kwargs.get("stride", 1)
+        else:
+            return 0.0
+    steps = list(stride) if isinstance(stride, (list, tuple)) else [stride]
+    return float(max((step for step in steps if type(step) is int), default=1))  # a stride not fixed: as none
 
 
 def is_batch_norm(node: torch.fx.Node, module: torch.nn.Module | None) -> bool:
